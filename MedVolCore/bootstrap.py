@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Create ``.venv`` at the repository root and install everything MedVol needs into it.
+
+    python3 MedVolCore/bootstrap.py [--torch auto|cpu|cuda|keep] [--no-dev] [--venv PATH]
+
+Steps, each skipped when already satisfied, so running it again is cheap:
+
+1. create the virtual environment;
+2. install PyTorch. ``auto`` picks ``cuda`` when ``nvidia-smi`` finds a GPU, else ``cpu``.
+   ``cpu`` never pulls CUDA wheels: it uses a CPU build offered to pip (for example the local
+   ``torch==2.13.0+cpu`` wheel on our CI machines) and otherwise PyTorch's CPU index;
+3. install ``medvolcore`` (editable, with the SimpleITK and test extras);
+4. install ``sam2==1.1.0`` the way ARCHITECTURE.md says: ``SAM2_BUILD_CUDA=0``, ``--no-deps``,
+   ``--no-build-isolation`` (its metadata asks for torchvision, which we do not need).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TORCH_CPU_VERSION = "2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+SAM2_SPEC = "sam2==1.1.0"
+# sam2's runtime needs (its own metadata also names torchvision, which we skip).
+SAM2_RUNTIME = ["hydra-core>=1.3.2", "iopath>=0.1.10", "pillow>=9.0", "tqdm>=4.66"]
+
+
+def log(msg: str) -> None:
+    print(f"[bootstrap] {msg}", flush=True)
+
+
+def run(cmd, env=None) -> None:
+    log(" ".join(str(c) for c in cmd))
+    subprocess.run([str(c) for c in cmd], check=True, env=env)
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def has_module(py: Path, name: str) -> str | None:
+    """Version of ``name`` installed in the venv, or None."""
+    code = (
+        "import importlib.metadata as m, sys\n"
+        f"try: print(m.version({name!r}))\n"
+        "except m.PackageNotFoundError: sys.exit(1)\n"
+    )
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def gpu_present() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def offered_torch_version(py: Path, spec: str) -> str | None:
+    """The torch version pip would install for ``spec`` (dry run, no download of deps)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        r = subprocess.run(
+            [str(py), "-m", "pip", "install", "--dry-run", "--no-deps", "--quiet",
+             "--report", str(report), spec],
+            capture_output=True, text=True,
+        )
+        if r.returncode != 0 or not report.exists():
+            return None
+        items = json.loads(report.read_text()).get("install", [])
+        return items[0]["metadata"]["version"] if items else None
+
+
+def install_torch(py: Path, mode: str) -> None:
+    current = has_module(py, "torch")
+    if mode == "keep" or (current and (mode == "auto" or mode in current or "+" not in current)):
+        if current:
+            log(f"torch {current} already installed")
+            return
+    if mode == "auto":
+        mode = "cuda" if gpu_present() else "cpu"
+    pip = [py, "-m", "pip", "install"]
+    if mode == "cuda":
+        run(pip + ["torch>=2.5"])
+        return
+    # CPU: prefer a CPU build pip is offered directly (a local wheel or a mirror).
+    spec = f"torch=={TORCH_CPU_VERSION}"
+    offered = offered_torch_version(py, spec)
+    if offered and ("+cpu" in offered or platform.system() != "Linux"):
+        run(pip + [spec])
+    elif platform.system() != "Linux":
+        run(pip + ["torch>=2.5"])  # macOS and Windows wheels on PyPI are CPU builds
+    else:
+        log("no local CPU build of torch offered; using PyTorch's CPU index")
+        run(pip + ["torch>=2.5", "--index-url", TORCH_CPU_INDEX])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--venv", default=str(REPO / ".venv"), help="virtual environment folder (default: .venv)")
+    ap.add_argument("--torch", choices=["auto", "cpu", "cuda", "keep"], default="auto",
+                    help="which PyTorch build to install (default: auto)")
+    ap.add_argument("--no-dev", action="store_true", help="skip the test tools (pytest, psutil)")
+    args = ap.parse_args(argv)
+
+    venv = Path(args.venv)
+    py = venv_python(venv)
+    if not py.exists():
+        run([sys.executable, "-m", "venv", venv])
+    run([py, "-m", "pip", "install", "--quiet", "--upgrade", "pip>=23.1", "setuptools>=64", "wheel"])
+    install_torch(py, args.torch)
+
+    extras = "itk" if args.no_dev else "itk,dev"
+    run([py, "-m", "pip", "install", "--quiet", "-e", f"{REPO / 'MedVolCore'}[{extras}]"] + SAM2_RUNTIME)
+
+    if has_module(py, "sam2") != SAM2_SPEC.split("==")[1]:
+        env = dict(os.environ, SAM2_BUILD_CUDA="0", SAM2_BUILD_ALLOW_ERRORS="1")
+        run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", SAM2_SPEC], env=env)
+    else:
+        log(f"{SAM2_SPEC} already installed")
+
+    # Smoke check: the engine imports and sam2 builds its config without torchvision.
+    run([py, "-c", "import medvolcore, sam2.build_sam; print('medvolcore', medvolcore.__version__, 'ready')"])
+    log(f"done. Activate with: source {venv}/bin/activate   (or run {py} directly)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

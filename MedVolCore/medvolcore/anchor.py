@@ -1,0 +1,382 @@
+"""Evidence anchors: one key axial slice and 2-D boxes on it (ARCHITECTURE.md).
+
+Geometry, on the canonical slice of width ``W`` and height ``H``:
+
+* a pixel ``(x, y)`` covers ``[x, x+1) × [y, y+1)``;
+* a pixel box is the inclusive index range ``[x0, y0, x1, y1]``;
+* its normalised form (0–1000, Qwen3-VL's convention) is
+  ``[1000·x0/W, 1000·y0/H, 1000·(x1+1)/W, 1000·(y1+1)/H]``; converting back rounds outward
+  and clamps to the slice;
+* its world form is the RAS millimetre centres of its first and last voxel,
+  ``(z, y0, x0)`` and ``(z, y1, x1)`` on the stack.
+
+The anchor file (``*.anchor.json``) has schema ``medvol.anchor/1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .errors import AnchorError, InputError, VolumeError
+from .fileio import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "medvol.anchor/1"
+SOURCES = ("grounder", "mask", "user")
+NORM = 1000.0
+MAX_BOXES = 8
+MIN_COMPONENT_PIXELS = 10
+MIN_COMPONENT_FRACTION = 0.05
+_EPS = 1e-6
+
+Box = List[int]
+
+
+# ---- box geometry ---------------------------------------------------------------------
+
+def _as_numbers(box, what: str = "box") -> list:
+    if isinstance(box, (str, bytes)) or not hasattr(box, "__len__") or len(box) != 4:
+        raise InputError(f"{what} must have 4 numbers [x0, y0, x1, y1], got {box!r}")
+    out = []
+    for v in box:
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+            raise InputError(f"{what} {list(box)!r} has a non-numeric coordinate {v!r}")
+        out.append(v)
+    return out
+
+
+def check_box(box, width: int, height: int, what: str = "box") -> Box:
+    """Validate an inclusive pixel box on a ``width × height`` slice.
+
+    An inverted or empty box is an error; a box reaching outside the slice is clamped to it,
+    with a warning; a box entirely outside is an error.
+    """
+    x0, y0, x1, y1 = _as_numbers(box, what)
+    if any(float(v) != int(v) for v in (x0, y0, x1, y1)):
+        raise InputError(f"{what} {list(box)!r}: pixel boxes take integer indices")
+    x0, y0, x1, y1 = int(x0), int(y0), int(x1), int(y1)
+    if x1 < x0 or y1 < y0:
+        raise InputError(f"{what} [{x0}, {y0}, {x1}, {y1}] is inverted: need x0 <= x1 and y0 <= y1 (inclusive pixel indices)")
+    c = [min(max(x0, 0), width - 1), min(max(y0, 0), height - 1), min(max(x1, 0), width - 1), min(max(y1, 0), height - 1)]
+    if x1 < 0 or y1 < 0 or x0 >= width or y0 >= height:
+        raise InputError(f"{what} [{x0}, {y0}, {x1}, {y1}] lies entirely outside the {width}×{height} slice")
+    if c != [x0, y0, x1, y1]:
+        log.warning("%s [%d, %d, %d, %d] reaches outside the %d×%d slice; clamped to %s", what, x0, y0, x1, y1, width, height, c)
+    return c
+
+
+def box_to_norm(box: Sequence[int], width: int, height: int) -> List[float]:
+    """Inclusive pixel box → normalised 0–1000 box (continuous)."""
+    x0, y0, x1, y1 = box
+    return [NORM * x0 / width, NORM * y0 / height, NORM * (x1 + 1) / width, NORM * (y1 + 1) / height]
+
+
+def norm_to_box(box_norm: Sequence[float], width: int, height: int, what: str = "box") -> Box:
+    """Normalised 0–1000 box → inclusive pixel box, rounding outward and clamping to the slice."""
+    x0, y0, x1, y1 = (float(v) for v in _as_numbers(box_norm, what))
+    if not (x0 < x1 and y0 < y1):
+        raise InputError(f"{what} {list(box_norm)!r} is empty or inverted (need x0 < x1 and y0 < y1)")
+    px0 = math.floor(x0 * width / NORM + _EPS)
+    py0 = math.floor(y0 * height / NORM + _EPS)
+    px1 = math.ceil(x1 * width / NORM - _EPS) - 1
+    py1 = math.ceil(y1 * height / NORM - _EPS) - 1
+    px1, py1 = max(px1, px0), max(py1, py0)
+    clamped = [min(max(px0, 0), width - 1), min(max(py0, 0), height - 1), min(max(px1, 0), width - 1), min(max(py1, 0), height - 1)]
+    if px1 < 0 or py1 < 0 or px0 >= width or py0 >= height:
+        raise InputError(f"{what} {list(box_norm)!r} lies outside the image (0..1000)")
+    return clamped
+
+
+def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """IoU of two continuous boxes ``[x0, y0, x1, y1]`` (e.g. normalised), area ``(x1−x0)·(y1−y0)``."""
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def box_to_ras(stack, z: int, box: Sequence[int]) -> List[List[float]]:
+    """RAS mm centres of a box's first ``(z, y0, x0)`` and last ``(z, y1, x1)`` voxel."""
+    x0, y0, x1, y1 = box
+    pts = stack.stack_to_ras([[z, y0, x0], [z, y1, x1]])
+    return [[float(v) for v in p] for p in pts]
+
+
+def ras_to_box(stack, corners, what: str = "box", tol: float = 0.5):
+    """``(z, box)`` from the RAS centres of a box's first and last voxel.
+
+    Points are rounded to the nearest voxel; both must lie on the same slice (within
+    ``tol`` voxels) and inside the stack's depth.
+    """
+    c = np.asarray(corners, dtype=np.float64)
+    if c.shape != (2, 3) or not np.all(np.isfinite(c)):
+        raise AnchorError(f"{what}: world box must be two RAS points [[r, a, s], [r, a, s]], got {corners!r}")
+    idx = stack.ras_to_stack(c)
+    zs = idx[:, 0]
+    z = int(np.rint(zs.mean()))
+    if np.any(np.abs(zs - z) > tol):
+        raise AnchorError(f"{what}: its corners lie on different axial slices (z = {zs[0]:.2f} and {zs[1]:.2f})")
+    if not 0 <= z < stack.depth:
+        raise AnchorError(f"{what}: its slice z = {z} is outside the stack (0..{stack.depth - 1})")
+    ys, xs = np.rint(idx[:, 1]).astype(int), np.rint(idx[:, 2]).astype(int)
+    box = [int(min(xs)), int(min(ys)), int(max(xs)), int(max(ys))]
+    return z, check_box(box, stack.width, stack.height, what)
+
+
+# ---- the anchor ---------------------------------------------------------------------------
+
+@dataclass
+class EvidenceAnchor:
+    """A key slice (0-based ``z`` of the canonical stack) and inclusive pixel boxes on it.
+
+    ``image_size`` is the slice's ``(W, H)`` in pixels. ``world`` (RAS) is filled by
+    :meth:`with_world` when the stack is known. ``notes`` carries remarks a reader should see
+    (e.g. that the model was an untrained smoke model, or that a box was reordered).
+    """
+
+    slice: int
+    boxes: List[Box]
+    image_size: Sequence[int]
+    query: str = ""
+    reasoning: str = ""
+    source: str = "mask"
+    world: Optional[dict] = None
+    notes: List[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.slice, bool) or not isinstance(self.slice, (int, np.integer)) or self.slice < 0:
+            raise AnchorError(f"anchor slice must be a non-negative integer, got {self.slice!r}")
+        self.slice = int(self.slice)
+        if len(self.image_size) != 2 or min(int(v) for v in self.image_size) < 1:
+            raise AnchorError(f"image_size must be [W, H] in pixels, got {self.image_size!r}")
+        self.image_size = [int(v) for v in self.image_size]
+        if self.source not in SOURCES:
+            raise AnchorError(f"anchor source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if not self.boxes:
+            raise AnchorError("an anchor needs at least one box")
+        w, h = self.image_size
+        try:
+            self.boxes = [check_box(b, w, h, f"box {i + 1}") for i, b in enumerate(self.boxes)]
+        except InputError as e:
+            raise AnchorError(str(e)) from None
+
+    @property
+    def width(self) -> int:
+        return self.image_size[0]
+
+    @property
+    def height(self) -> int:
+        return self.image_size[1]
+
+    @property
+    def boxes_norm(self) -> List[List[float]]:
+        return [box_to_norm(b, self.width, self.height) for b in self.boxes]
+
+    # -- constructors --
+    @classmethod
+    def from_norm(cls, slice_index: int, boxes_norm: Iterable[Sequence[float]], image_size: Sequence[int], **kw) -> "EvidenceAnchor":
+        w, h = int(image_size[0]), int(image_size[1])
+        boxes = [norm_to_box(b, w, h, f"box {i + 1}") for i, b in enumerate(boxes_norm)]
+        return cls(slice_index, boxes, [w, h], **kw)
+
+    @classmethod
+    def from_world(cls, world: dict, stack, **kw) -> "EvidenceAnchor":
+        boxes_ras = (world or {}).get("boxes_ras")
+        if not boxes_ras:
+            raise AnchorError("anchor 'world' has no boxes_ras")
+        zs, boxes = [], []
+        for i, corners in enumerate(boxes_ras):
+            z, b = ras_to_box(stack, corners, f"world box {i + 1}")
+            zs.append(z)
+            boxes.append(b)
+        if len(set(zs)) != 1:
+            raise AnchorError(f"world boxes lie on different slices ({sorted(set(zs))}); an anchor has one key slice")
+        return cls(zs[0], boxes, [stack.width, stack.height], **kw).with_world(stack)
+
+    def with_world(self, stack) -> "EvidenceAnchor":
+        """Check the anchor against ``stack`` and fill ``world`` (RAS mm)."""
+        if [stack.width, stack.height] != self.image_size:
+            raise AnchorError(
+                f"the anchor is for a {self.width}×{self.height} slice but the volume's axial slices are "
+                f"{stack.width}×{stack.height}; was it made for another volume?"
+            )
+        if not 0 <= self.slice < stack.depth:
+            raise AnchorError(f"anchor slice {self.slice} is outside the stack (0..{stack.depth - 1})")
+        centre = stack.stack_to_ras([self.slice, (stack.height - 1) / 2.0, (stack.width - 1) / 2.0])
+        self.world = {
+            "slice_center_ras": [float(v) for v in centre],
+            "boxes_ras": [box_to_ras(stack, self.slice, b) for b in self.boxes],
+        }
+        return self
+
+    # -- file format --
+    def to_dict(self) -> dict:
+        d = {
+            "schema": SCHEMA,
+            "slice": self.slice,
+            "boxes": [list(b) for b in self.boxes],
+            "boxes_norm": [[round(v, 3) for v in b] for b in self.boxes_norm],
+            "image_size": list(self.image_size),
+        }
+        if self.world is not None:
+            d["world"] = self.world
+        d.update(query=self.query, reasoning=self.reasoning, source=self.source)
+        if self.notes:
+            d["notes"] = list(self.notes)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path, overwrite: bool = False) -> Path:
+        return write_text_atomic(path, self.to_json(), overwrite)
+
+    @classmethod
+    def from_dict(cls, d: dict, stack=None, origin: str = "anchor") -> "EvidenceAnchor":
+        """Read an anchor object. ``boxes``, ``boxes_norm`` or ``world`` may carry the boxes.
+
+        With a ``stack``, ``world`` is used when ``boxes`` is absent, and both are checked
+        against each other when both are present (an error names the disagreement).
+        """
+        if not isinstance(d, dict):
+            raise AnchorError(f"{origin}: expected a JSON object, got {type(d).__name__}")
+        if d.get("schema") != SCHEMA:
+            raise AnchorError(f"{origin}: schema is {d.get('schema')!r}, expected {SCHEMA!r}")
+        kw = dict(query=str(d.get("query") or ""), reasoning=str(d.get("reasoning") or ""),
+                  source=d.get("source") or "user", notes=list(d.get("notes") or []))
+        world = d.get("world")
+        has_boxes = d.get("boxes") is not None or d.get("boxes_norm") is not None
+        if not has_boxes and world is None:
+            raise AnchorError(f"{origin}: has neither 'boxes' nor 'world'")
+        if not has_boxes:
+            if stack is None:
+                raise AnchorError(f"{origin}: has only 'world' boxes; the volume is needed to place them")
+            return cls.from_world(world, stack, **kw)
+        image_size = d.get("image_size")
+        if image_size is None and stack is not None:
+            image_size = [stack.width, stack.height]
+        if image_size is None:
+            raise AnchorError(f"{origin}: has no 'image_size'")
+        if "slice" not in d:
+            raise AnchorError(f"{origin}: has no 'slice'")
+        try:
+            if d.get("boxes") is not None:
+                anchor = cls(d["slice"], d["boxes"], image_size, **kw)
+            else:
+                anchor = cls.from_norm(d["slice"], d["boxes_norm"], image_size, **kw)
+        except (InputError, TypeError) as e:
+            raise AnchorError(f"{origin}: {e}") from None
+        if stack is not None:
+            anchor.with_world(stack)
+            if world is not None and world.get("boxes_ras"):
+                other = cls.from_world(world, stack, **kw)
+                if other.slice != anchor.slice or other.boxes != anchor.boxes:
+                    raise AnchorError(
+                        f"{origin}: 'boxes' (slice {anchor.slice}, {anchor.boxes}) and 'world' (slice {other.slice}, "
+                        f"{other.boxes}) disagree; remove the stale one"
+                    )
+        elif world is not None:
+            anchor.world = world
+        return anchor
+
+    @classmethod
+    def load(cls, path, stack=None) -> "EvidenceAnchor":
+        p = Path(path)
+        if not p.is_file():
+            raise AnchorError(f"{p} does not exist" if not p.exists() else f"{p} is not a file")
+        try:
+            d = json.loads(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise AnchorError(f"{p} is not valid JSON: {e}") from None
+        return cls.from_dict(d, stack, origin=str(p))
+
+
+# ---- targets from a mask -----------------------------------------------------------------
+
+def slice_areas(mask: np.ndarray) -> np.ndarray:
+    """Foreground pixel count per axial slice of a ``(D, H, W)`` stack mask."""
+    m = np.asarray(mask)
+    if m.ndim != 3:
+        raise InputError(f"expected a (D, H, W) mask, got shape {m.shape}")
+    return (m != 0).reshape(m.shape[0], -1).sum(axis=1)
+
+
+def boxes_from_slice_mask(mask2d: np.ndarray) -> List[Box]:
+    """Boxes of the 2-D 8-connected components of one slice's mask, per ARCHITECTURE.md.
+
+    Components under 10 pixels or under 5 % of the largest are dropped (the largest is kept
+    even when it is under 10 pixels, so a non-empty slice always yields a box); at most the 8
+    largest are kept; boxes are ordered by ``x0`` then ``y0``.
+    """
+    from scipy import ndimage
+
+    lab, n = ndimage.label(np.asarray(mask2d) != 0, structure=np.ones((3, 3), dtype=bool))
+    if n == 0:
+        return []
+    sizes = np.bincount(lab.ravel())[1:]
+    largest = int(sizes.max())
+    keep = [i for i in range(n) if sizes[i] >= MIN_COMPONENT_PIXELS and sizes[i] >= MIN_COMPONENT_FRACTION * largest]
+    if not keep:
+        keep = [int(np.argmax(sizes))]
+    keep = sorted(keep, key=lambda i: (-sizes[i], i))[:MAX_BOXES]
+    objects = ndimage.find_objects(lab)
+    boxes = []
+    for i in keep:
+        sy, sx = objects[i]
+        boxes.append([sx.start, sy.start, sx.stop - 1, sy.stop - 1])
+    return sorted(boxes, key=lambda b: (b[0], b[1]))
+
+
+def rank_slices(mask: np.ndarray, candidates: Optional[Iterable[int]] = None) -> List[int]:
+    """Non-empty slices by decreasing foreground area (ties: smaller ``z`` first)."""
+    areas = slice_areas(mask)
+    zs = range(len(areas)) if candidates is None else sorted(set(int(z) for z in candidates))
+    zs = [z for z in zs if 0 <= z < len(areas) and areas[z] > 0]
+    return sorted(zs, key=lambda z: (-int(areas[z]), z))
+
+
+def anchor_from_mask(
+    mask: np.ndarray,
+    top_k: int = 1,
+    rng: Union[np.random.Generator, int, None] = None,
+    candidates: Optional[Iterable[int]] = None,
+    stack=None,
+    **kw,
+) -> EvidenceAnchor:
+    """The target anchor of a ``(D, H, W)`` mask on the canonical stack (Top-K visibility sampling).
+
+    Slices are ranked by foreground area; the key slice is drawn uniformly from the top
+    ``top_k`` (``top_k=1`` is deterministic: the largest, ties to the smaller ``z``).
+    ``candidates`` restricts the key slice to given indices (e.g. the 64 shown slices).
+    ``rng`` is a numpy Generator or a seed (default seed 0). With ``stack`` the anchor gets
+    its ``world`` boxes.
+    """
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise InputError(f"top_k must be an integer ≥ 1, got {top_k!r}")
+    ranked = rank_slices(mask, candidates)
+    if not ranked:
+        raise VolumeError("the target mask is empty" + (" on the candidate slices" if candidates is not None else ""))
+    pool = ranked[: int(top_k)]
+    if len(pool) == 1:
+        z = pool[0]
+    else:
+        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(0 if rng is None else int(rng))
+        z = pool[int(gen.integers(len(pool)))]
+    m = np.asarray(mask)
+    anchor = EvidenceAnchor(z, boxes_from_slice_mask(m[z]), [m.shape[2], m.shape[1]], source=kw.pop("source", "mask"), **kw)
+    return anchor.with_world(stack) if stack is not None else anchor
+
+
+__all__ = [
+    "SCHEMA", "EvidenceAnchor", "anchor_from_mask", "boxes_from_slice_mask", "rank_slices", "slice_areas",
+    "check_box", "box_to_norm", "norm_to_box", "box_iou", "box_to_ras", "ras_to_box",
+]

@@ -1,0 +1,70 @@
+"""One exception family for the whole engine.
+
+Every message says what was wrong and, where it helps, what to do. The CLI prints
+``str(error)`` as a single line and exits non-zero; the worker turns it into a JSON
+error reply whose ``code`` is the class's ``code``.
+"""
+
+from __future__ import annotations
+
+
+class MedVolError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+    code = "medvol_error"
+    exit_code = 2
+
+
+class InputError(MedVolError):
+    """A user-supplied argument or value is wrong (a slice, a box, a label, an option)."""
+
+    code = "bad_input"
+
+
+class VolumeError(MedVolError):
+    """A volume or label map cannot be read or is not a 3-D numeric image."""
+
+    code = "bad_volume"
+
+
+class AnchorError(MedVolError):
+    """An evidence anchor (object or file) is malformed or inconsistent."""
+
+    code = "bad_anchor"
+
+
+class AnswerFormatError(MedVolError):
+    """A model answer does not follow the ``<think>…</think><answer>[…]</answer>`` format."""
+
+    code = "bad_answer"
+
+
+class CheckpointError(MedVolError):
+    """A model checkpoint is missing, unreadable or not the expected kind."""
+
+    code = "bad_checkpoint"
+
+
+class ModelNotFoundError(MedVolError):
+    """A model preset or its weights are not available locally."""
+
+    code = "model_not_found"
+
+
+class DependencyError(MedVolError):
+    """An optional dependency needed for this operation is not installed."""
+
+    code = "missing_dependency"
+
+
+class OutputExistsError(MedVolError):
+    """An output path exists and overwriting was not requested."""
+
+    code = "output_exists"
+
+
+class CancelledError(MedVolError):
+    """The operation was cancelled by the caller."""
+
+    code = "cancelled"
+    exit_code = 130
