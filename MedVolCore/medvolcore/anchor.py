@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
@@ -132,6 +133,12 @@ def ras_to_box(stack, corners, what: str = "box", tol: float = 0.5):
     return z, check_box(box, stack.width, stack.height, what)
 
 
+def dumps(obj) -> str:
+    """JSON with two-space indentation but numeric lists (boxes, points) kept on one line."""
+    text = json.dumps(obj, indent=2)
+    return re.sub(r"\[[-0-9.,\se+]*\]", lambda m: re.sub(r"\s+", " ", m.group(0)).replace("[ ", "[").replace(" ]", "]"), text) + "\n"
+
+
 # ---- the anchor ---------------------------------------------------------------------------
 
 @dataclass
@@ -235,7 +242,7 @@ class EvidenceAnchor:
         return d
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2) + "\n"
+        return dumps(self.to_dict())
 
     def save(self, path, overwrite: bool = False) -> Path:
         return write_text_atomic(path, self.to_json(), overwrite)

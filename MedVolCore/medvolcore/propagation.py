@@ -1,0 +1,640 @@
+"""MedSAM2 propagation: an evidence anchor (key slice + boxes) → a 3-D mask on the axial stack.
+
+Built on the real ``sam2`` package (SAM2.1 Hiera-T, configured with the overrides in
+``Resources/medsam2/medsam2_512.yaml``). What this module adds to sam2's video predictor
+(ARCHITECTURE.md, "MedSAM2 frames"):
+
+* frames come from the in-memory HU stack and are preprocessed lazily, one at a time, exactly
+  as MedSAM2's scripts do (window → uint8 → RGB → PIL bicubic resize → /255 → ImageNet
+  mean/std); nothing is written to disk;
+* all boxes are seeded as separate objects of one inference state, tracked forward from the
+  key slice, reset, re-seeded and tracked backward; objects and directions are ORed;
+* each slice's image features are computed at most once per request: the key slice's
+  features are pinned in the state's feature cache so they survive ``reset_state``, and the
+  most recent frame's features are shared by all objects (sam2 tracks objects one by one).
+
+Importing this module is cheap: torch and sam2 are imported by the functions that use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import numbers
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .errors import CancelledError, CheckpointError, DependencyError, InputError
+from .resources import resource_path
+from .windowing import WindowLike, get_window, window_to_uint8
+
+__all__ = [
+    "DEFAULT_IMAGE_SIZE",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "MedSAM2Frames",
+    "MedSAM2Propagator",
+    "PropagationResult",
+    "keep_largest_component",
+    "medsam2_frame",
+]
+
+DEFAULT_IMAGE_SIZE = 512
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# Hiera's windowed positional embedding needs (image_size / 4) to be a multiple of 8.
+_IMAGE_SIZE_MULTIPLE = 32
+_IMAGE_SIZE_MIN, _IMAGE_SIZE_MAX = 32, 2048
+
+_SAM2_HINT = (
+    "run `python3 MedVolCore/bootstrap.py`, or install it with "
+    "`SAM2_BUILD_CUDA=0 pip install --no-deps --no-build-isolation sam2==1.1.0` "
+    "(plus hydra-core, iopath, pillow and tqdm)"
+)
+
+ProgressFn = Callable[[int, int, str], None]
+CancelLike = Union[threading.Event, Callable[[], bool], None]
+
+
+# --------------------------------------------------------------------------------------------
+# Frames
+# --------------------------------------------------------------------------------------------
+
+
+def medsam2_frame(slice_hu: np.ndarray, image_size: int = DEFAULT_IMAGE_SIZE, window: WindowLike = None) -> np.ndarray:
+    """One axial slice (H, W) in HU → MedSAM2's model input, a (3, S, S) float32 array.
+
+    window → uint8 → RGB → PIL bicubic resize to S×S → /255 → ImageNet mean/std. The
+    arithmetic after the resize is done in float64 and rounded once to float32, which is
+    what MedSAM2's scripts get (a float64 array normalised with float32 constants, cast to
+    float32 by the predictor).
+    """
+    from PIL import Image
+
+    u8 = window_to_uint8(slice_hu, window)
+    rgb = Image.fromarray(u8, mode="L").convert("RGB").resize((image_size, image_size), Image.BICUBIC)
+    x = np.asarray(rgb, dtype=np.float64).transpose(2, 0, 1) / 255.0
+    mean = np.asarray(IMAGENET_MEAN, dtype=np.float32).astype(np.float64)[:, None, None]
+    std = np.asarray(IMAGENET_STD, dtype=np.float32).astype(np.float64)[:, None, None]
+    return ((x - mean) / std).astype(np.float32)
+
+
+class MedSAM2Frames:
+    """A lazy sequence of MedSAM2 frames over an HU stack, used as an inference state's "images".
+
+    ``frames[z]`` preprocesses slice ``z`` on demand (see :func:`medsam2_frame`) and returns a
+    (3, S, S) float32 CPU tensor; nothing is cached here (the predictor caches features).
+    It also carries the per-request bookkeeping of the feature cache: ``pinned`` (frame
+    indices whose features must survive cache eviction and ``reset_state``), ``loaded`` and
+    ``encoded`` (frame indices in the order they were preprocessed / encoded).
+    """
+
+    def __init__(self, stack_hu: np.ndarray, image_size: int, window: WindowLike = None):
+        self.stack = stack_hu
+        self.image_size = int(image_size)
+        self.window = get_window(window)
+        self.pinned: set = set()
+        self.loaded: list = []
+        self.encoded: list = []
+
+    def __len__(self) -> int:
+        return int(self.stack.shape[0])
+
+    @property
+    def video_height(self) -> int:
+        return int(self.stack.shape[1])
+
+    @property
+    def video_width(self) -> int:
+        return int(self.stack.shape[2])
+
+    def __getitem__(self, index):
+        import torch
+
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"frame index must be an int, got {type(index).__name__}")
+        n = len(self)
+        z = int(index) + n if index < 0 else int(index)
+        if not 0 <= z < n:
+            raise IndexError(f"frame {index} out of range for {n} frames")
+        self.loaded.append(z)
+        return torch.from_numpy(medsam2_frame(self.stack[z], self.image_size, self.window))
+
+    def __repr__(self) -> str:
+        return f"MedSAM2Frames({len(self)} frames {self.video_height}x{self.video_width} → {self.image_size}, window={self.window})"
+
+
+# --------------------------------------------------------------------------------------------
+# sam2 glue (imported lazily)
+# --------------------------------------------------------------------------------------------
+
+
+def _require_sam2():
+    try:
+        import torch  # noqa: F401
+        import sam2  # noqa: F401  (initialises hydra with sam2's config module)
+        from sam2.sam2_video_predictor import SAM2VideoPredictor  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise DependencyError(f"MedSAM2 propagation needs torch and sam2 ({e}); {_SAM2_HINT}") from e
+
+
+@functools.lru_cache(maxsize=None)
+def _predictor_class():
+    """The sam2 video predictor subclass (defined on first use so importing us stays cheap)."""
+    _require_sam2()
+    import torch
+    from sam2.sam2_video_predictor import SAM2VideoPredictor
+
+    class _MedSAM2VideoPredictor(SAM2VideoPredictor):
+        """sam2's video predictor with in-memory lazy frames and a pinned feature cache."""
+
+        @torch.inference_mode()
+        def init_state_from_frames(self, frames, video_height: int, video_width: int, warm_up: bool = False) -> dict:
+            """An inference state over ``frames`` (any sequence of (3, S, S) tensors).
+
+            Same keys as sam2 1.1.0's ``init_state``, which only accepts a path. Unlike it,
+            there is no warm-up encode of frame 0 unless ``warm_up`` is true.
+            """
+            device = self.device
+            state = {}
+            state["images"] = frames
+            state["num_frames"] = len(frames)
+            state["offload_video_to_cpu"] = False
+            state["offload_state_to_cpu"] = False
+            state["video_height"] = int(video_height)
+            state["video_width"] = int(video_width)
+            state["device"] = device
+            state["storage_device"] = device
+            state["point_inputs_per_obj"] = {}
+            state["mask_inputs_per_obj"] = {}
+            state["cached_features"] = {}
+            state["constants"] = {}
+            state["obj_id_to_idx"] = OrderedDict()
+            state["obj_idx_to_id"] = OrderedDict()
+            state["obj_ids"] = []
+            state["output_dict_per_obj"] = {}
+            state["temp_output_dict_per_obj"] = {}
+            state["frames_tracked_per_obj"] = {}
+            if warm_up:
+                self._get_image_feature(state, frame_idx=0, batch_size=1)
+            return state
+
+        def _get_image_feature(self, inference_state, frame_idx, batch_size):
+            frames = inference_state["images"]
+            if isinstance(frames, MedSAM2Frames):
+                cache = inference_state["cached_features"]
+                if frame_idx not in cache:
+                    image = frames[frame_idx].to(inference_state["device"]).float().unsqueeze(0)
+                    backbone_out = self.forward_image(image)
+                    frames.encoded.append(int(frame_idx))
+                    # keep the pinned frames (the key slice) and the most recent one
+                    kept = {k: v for k, v in cache.items() if k in frames.pinned}
+                    kept[frame_idx] = (image, backbone_out)
+                    inference_state["cached_features"] = kept
+            # a cache hit now for our frames; sam2's stock behaviour for any other "images"
+            return super()._get_image_feature(inference_state, frame_idx, batch_size)
+
+    _MedSAM2VideoPredictor.__module__ = __name__
+    _MedSAM2VideoPredictor.__qualname__ = "_MedSAM2VideoPredictor"
+    return _MedSAM2VideoPredictor
+
+
+def __getattr__(name):
+    # lets hydra locate "medvolcore.propagation._MedSAM2VideoPredictor" without importing
+    # sam2 when this module is imported
+    if name == "_MedSAM2VideoPredictor":
+        return _predictor_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_TQDM_LOCK = threading.Lock()
+_TQDM_DEPTH = 0
+_TQDM_SAVED = None
+
+
+def _no_bar(iterable=None, *args, **kwargs):
+    return iterable
+
+
+@contextlib.contextmanager
+def quiet_sam2_progress():
+    """Silence sam2's own "propagate in video" tqdm bar (only sam2's video predictor module)."""
+    global _TQDM_DEPTH, _TQDM_SAVED
+    import sam2.sam2_video_predictor as vp
+
+    with _TQDM_LOCK:
+        if _TQDM_DEPTH == 0:
+            _TQDM_SAVED = vp.tqdm
+            vp.tqdm = _no_bar
+        _TQDM_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _TQDM_LOCK:
+            _TQDM_DEPTH -= 1
+            if _TQDM_DEPTH == 0:
+                vp.tqdm = _TQDM_SAVED
+                _TQDM_SAVED = None
+
+
+def _check_image_size(image_size) -> int:
+    if isinstance(image_size, bool) or not isinstance(image_size, numbers.Integral):
+        raise InputError(f"image_size must be an integer, got {image_size!r}")
+    s = int(image_size)
+    if s % _IMAGE_SIZE_MULTIPLE or not _IMAGE_SIZE_MIN <= s <= _IMAGE_SIZE_MAX:
+        raise InputError(
+            f"image_size {s} is not supported: use a multiple of {_IMAGE_SIZE_MULTIPLE} between "
+            f"{_IMAGE_SIZE_MIN} and {_IMAGE_SIZE_MAX} (MedSAM2 itself is 512; 64 or 128 for quick tests)"
+        )
+    return s
+
+
+def _resolve_device(device):
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r} requested but torch reports no usable CUDA GPU; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device {device!r} is not supported: use 'cpu' or 'cuda'")
+    return dev
+
+
+def _hydra_overrides(image_size: int) -> Tuple[list, str]:
+    from omegaconf import OmegaConf
+
+    spec = OmegaConf.load(resource_path("medsam2", "medsam2_512.yaml"))
+    fmt = {"image_size": image_size, "feat_size": image_size // 16}
+    return [str(o).format(**fmt) for o in spec.overrides], str(spec.base_config)
+
+
+def _build_predictor(image_size: int):
+    """A randomly initialised predictor on the CPU, in eval mode (uses the global torch RNG)."""
+    _require_sam2()
+    from sam2.build_sam import build_sam2_video_predictor
+
+    overrides, base_config = _hydra_overrides(image_size)
+    overrides = ["++model._target_=medvolcore.propagation._MedSAM2VideoPredictor"] + overrides
+    # sam2's builder adds its postprocessing defaults after ours (dynamic multimask,
+    # binarised click masks for memory, fill_hole_area=8); hole filling needs sam2's CUDA
+    # extension and makes CPU and GPU disagree, so it is switched off again below.
+    model = build_sam2_video_predictor(
+        base_config, ckpt_path=None, device="cpu", mode="eval", hydra_overrides_extra=overrides
+    )
+    model.fill_hole_area = 0
+    if not isinstance(model, _predictor_class()):  # pragma: no cover - defensive
+        raise DependencyError(f"sam2 built {type(model).__name__}, not MedVol's predictor; {_SAM2_HINT}")
+    return model
+
+
+def _summarise(names, limit: int = 4) -> str:
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown + (", …" if len(names) > limit else "")
+
+
+# --------------------------------------------------------------------------------------------
+# Results and helpers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PropagationResult:
+    """What :meth:`MedSAM2Propagator.propagate` returns.
+
+    ``mask`` is (D, H, W) uint8 0/1 on the stack; ``object_masks`` (N, D, H, W) bool, one per
+    box, when requested. ``slice_range`` is the inclusive range of propagated slices;
+    ``encoded_slices`` the slice indices the image encoder ran on, in order.
+    """
+
+    mask: np.ndarray
+    key_slice: int
+    slice_range: Tuple[int, int]
+    slices_encoded: int
+    encoder_calls: int
+    seconds: float
+    seconds_per_slice: float
+    num_objects: int = 1
+    encoded_slices: Tuple[int, ...] = ()
+    object_masks: Optional[np.ndarray] = None
+
+    @property
+    def slices_propagated(self) -> int:
+        return self.slice_range[1] - self.slice_range[0] + 1
+
+
+def keep_largest_component(mask: np.ndarray) -> np.ndarray:
+    """The largest 26-connected component of a 3-D boolean mask (ties: the first in scan order)."""
+    from scipy import ndimage
+
+    mask = np.asarray(mask, dtype=bool)
+    labels, n = ndimage.label(mask, structure=np.ones((3,) * mask.ndim, dtype=bool))
+    if n <= 1:
+        return mask.copy()
+    sizes = np.bincount(labels.ravel())
+    sizes[0] = 0
+    return labels == int(np.argmax(sizes))
+
+
+def _cancel_checker(cancel: CancelLike) -> Callable[[], bool]:
+    if cancel is None:
+        return lambda: False
+    if hasattr(cancel, "is_set"):
+        return cancel.is_set
+    if callable(cancel):
+        return lambda: bool(cancel())
+    raise InputError(f"cancel must be a threading.Event or a zero-argument callable, got {type(cancel).__name__}")
+
+
+def _check_stack(stack_hu) -> np.ndarray:
+    a = np.asarray(stack_hu)
+    if a.ndim != 3 or min(a.shape) < 1:
+        raise InputError(f"the stack must be a 3-D (D, H, W) array with every side ≥ 1, got shape {a.shape}")
+    if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool) or np.issubdtype(a.dtype, np.complexfloating):
+        raise InputError(f"the stack must hold real numbers (HU), got dtype {a.dtype}")
+    if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+        raise InputError("the stack holds NaN or infinite values; replace them (e.g. with -1024 HU) first")
+    return a
+
+
+def _as_index(v, what: str) -> int:
+    if isinstance(v, (bool, np.bool_)):
+        raise InputError(f"{what} must be an integer pixel index, got {v!r}")
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real) and math.isfinite(float(v)) and float(v).is_integer():
+        return int(v)
+    raise InputError(f"{what} must be an integer pixel index, got {v!r}")
+
+
+def _check_key_slice(key_slice, depth: int) -> int:
+    try:
+        k = _as_index(key_slice, "key_slice")
+    except InputError:
+        raise InputError(f"key_slice must be an integer slice index in 0..{depth - 1}, got {key_slice!r}") from None
+    if not 0 <= k < depth:
+        raise InputError(f"key slice {k} is outside the stack: it has {depth} slices (0..{depth - 1})")
+    return k
+
+
+def _check_boxes(boxes, width: int, height: int) -> list:
+    if boxes is None:
+        raise InputError("at least one box [x0, y0, x1, y1] is needed on the key slice")
+    try:
+        items = list(boxes)
+    except TypeError:
+        raise InputError(f"boxes must be a list of [x0, y0, x1, y1] pixel boxes, got {boxes!r}") from None
+    if not items:
+        raise InputError("at least one box [x0, y0, x1, y1] is needed on the key slice")
+    if len(items) == 4 and all(isinstance(v, numbers.Real) for v in items):
+        raise InputError(f"boxes must be a list of boxes; wrap a single box in a list: [{list(items)}]")
+    out = []
+    for i, b in enumerate(items):
+        try:
+            vals = list(np.asarray(b).ravel().tolist()) if not isinstance(b, (list, tuple)) else list(b)
+        except Exception:
+            vals = None
+        if vals is None or len(vals) != 4:
+            raise InputError(f"box {i} must be [x0, y0, x1, y1], got {b!r}")
+        x0, y0, x1, y1 = (_as_index(v, f"box {i} coordinate") for v in vals)
+        if not (0 <= x0 <= x1 < width and 0 <= y0 <= y1 < height):
+            raise InputError(
+                f"box {i} [{x0}, {y0}, {x1}, {y1}] is not an inclusive pixel box on a {width}×{height} slice: "
+                f"need 0 ≤ x0 ≤ x1 < {width} and 0 ≤ y0 ≤ y1 < {height}"
+            )
+        out.append((x0, y0, x1, y1))
+    return out
+
+
+def _check_window_span(window) -> Optional[int]:
+    if window is None:
+        return None
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral) or int(window) < 0:
+        raise InputError(f"window must be None (whole stack) or an integer number of slices ≥ 0, got {window!r}")
+    return int(window)
+
+
+# --------------------------------------------------------------------------------------------
+# The propagator
+# --------------------------------------------------------------------------------------------
+
+
+class MedSAM2Propagator:
+    """A frozen MedSAM2 (SAM2.1 Hiera-T) that propagates key-slice boxes through an axial stack.
+
+    Build it with :meth:`from_checkpoint` (MedSAM2 weights, image size 512) or
+    :meth:`from_random` (seeded random weights, for tests and smoke runs). ``predictor`` is
+    the underlying sam2 ``SAM2VideoPredictor`` (a subclass of it). Calls to
+    :meth:`propagate` are serialised by a lock; the object is reusable after errors and
+    cancellation.
+    """
+
+    def __init__(self, predictor, *, image_size: int, device, source: str):
+        self.predictor = predictor
+        self.image_size = int(image_size)
+        self.device = device
+        self.source = source
+        self._lock = threading.Lock()
+
+    # -- constructors ------------------------------------------------------------------------
+
+    @classmethod
+    def from_random(cls, seed: int, image_size: int = DEFAULT_IMAGE_SIZE, device="cpu") -> "MedSAM2Propagator":
+        """Seeded random weights: the same seed gives the same weights; the caller's RNG is untouched."""
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise InputError(f"seed must be an integer, got {seed!r}")
+        size = _check_image_size(image_size)
+        _require_sam2()
+        import torch
+
+        dev = _resolve_device(device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            model = _build_predictor(size)
+        model = model.to(dev)
+        return cls(model, image_size=size, device=dev, source=f"random weights (seed {int(seed)}, image size {size})")
+
+    @classmethod
+    def from_checkpoint(cls, path, device="cpu", image_size: int = DEFAULT_IMAGE_SIZE) -> "MedSAM2Propagator":
+        """MedSAM2 weights from a sam2-style checkpoint: ``torch.load(path)["model"]``, loaded strictly."""
+        size = _check_image_size(image_size)
+        _require_sam2()
+        import torch
+
+        dev = _resolve_device(device)
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise CheckpointError(f"MedSAM2 checkpoint {p} does not exist (or is not a file)")
+        try:
+            ckpt = torch.load(str(p), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"{p} is not a loadable MedSAM2 checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                "expected a torch.save file holding {'model': state_dict}"
+            ) from e
+        if not isinstance(ckpt, dict) or "model" not in ckpt or not isinstance(ckpt["model"], dict):
+            what = f"a dict with keys {_summarise(map(str, ckpt))}" if isinstance(ckpt, dict) else type(ckpt).__name__
+            raise CheckpointError(f"{p} is not a MedSAM2 checkpoint: expected a dict with a 'model' state dict, found {what}")
+        sd = ckpt["model"]
+        with torch.random.fork_rng(devices=[]):
+            model = _build_predictor(size)
+        expected = model.state_dict()
+        missing = [k for k in expected if k not in sd]
+        unexpected = [k for k in sd if k not in expected]
+        wrong = [
+            f"{k}: {tuple(getattr(sd[k], 'shape', ()))} vs {tuple(v.shape)}"
+            for k, v in expected.items()
+            if k in sd and (not isinstance(sd[k], torch.Tensor) or tuple(sd[k].shape) != tuple(v.shape))
+        ]
+        if missing or unexpected or wrong:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} missing keys ({_summarise(missing)})")
+            if unexpected:
+                parts.append(f"{len(unexpected)} unexpected keys ({_summarise(unexpected)})")
+            if wrong:
+                parts.append(f"{len(wrong)} tensors with the wrong shape (checkpoint vs model: {_summarise(wrong, 3)})")
+            raise CheckpointError(
+                f"{p} is not a MedSAM2 checkpoint: " + ", ".join(parts)
+                + f"; expected SAM2.1 Hiera-T weights (MedSAM2_latest.pt) for image size {size}"
+            )
+        try:
+            model.load_state_dict(sd, strict=True)
+        except RuntimeError as e:  # pragma: no cover - the checks above should catch everything
+            raise CheckpointError(f"{p} is not a MedSAM2 checkpoint: {str(e).splitlines()[0]}") from e
+        model = model.to(dev).eval()
+        return cls(model, image_size=size, device=dev, source=str(p))
+
+    def __repr__(self) -> str:
+        return f"MedSAM2Propagator({self.source}, device={self.device})"
+
+    # -- propagation -------------------------------------------------------------------------
+
+    def _autocast(self):
+        import torch
+
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def propagate(
+        self,
+        stack_hu: np.ndarray,
+        key_slice: int,
+        boxes: Sequence[Sequence[int]],
+        *,
+        hu_window: WindowLike = None,
+        window: Optional[int] = None,
+        largest_component: bool = False,
+        progress: Optional[ProgressFn] = None,
+        cancel: CancelLike = None,
+        return_object_masks: bool = False,
+    ) -> PropagationResult:
+        """Propagate the boxes on ``key_slice`` through the stack; returns a :class:`PropagationResult`.
+
+        ``stack_hu``: (D, H, W) HU, canonical axial stack. ``boxes``: inclusive pixel boxes
+        ``[x0, y0, x1, y1]`` on the key slice, one object each. ``hu_window``: anything
+        :func:`get_window` accepts (default soft tissue 40/400). ``window``: propagate only
+        slices ``[k-window, k+window]`` (others stay 0 and are never encoded).
+        ``largest_component``: keep each object's largest 3-D (26-connected) component
+        before the union. ``progress(done, total, message)`` is called after each slice;
+        ``cancel`` (an Event or a callable) is checked between slices and raises
+        :class:`CancelledError`.
+        """
+        stack = _check_stack(stack_hu)
+        depth, height, width = (int(s) for s in stack.shape)
+        k = _check_key_slice(key_slice, depth)
+        box_list = _check_boxes(boxes, width, height)
+        win = get_window(hu_window)
+        span = _check_window_span(window)
+        lo, hi = (0, depth - 1) if span is None else (max(0, k - span), min(depth - 1, k + span))
+        is_cancelled = _cancel_checker(cancel)
+        if progress is not None and not callable(progress):
+            raise InputError("progress must be a callable progress(done, total, message)")
+
+        import torch
+
+        total = hi - lo + 1
+        n_obj = len(box_list)
+        keep_objects = bool(largest_component or return_object_masks)
+        with self._lock:
+            t0 = time.perf_counter()
+            pred = self.predictor
+            frames = MedSAM2Frames(stack, self.image_size, win)
+            frames.pinned.add(k)
+            calls = [0]
+
+            def _count(_module, _inputs):
+                calls[0] += 1
+
+            hook = pred.image_encoder.register_forward_pre_hook(_count)
+            obj_masks = np.zeros((n_obj, depth, height, width), dtype=bool) if keep_objects else None
+            mask = np.zeros((depth, height, width), dtype=np.uint8)
+            done = set()
+            if is_cancelled():
+                hook.remove()
+                raise CancelledError(f"propagation cancelled after 0 of {total} slices")
+            try:
+                with torch.inference_mode(), self._autocast(), quiet_sam2_progress():
+                    state = pred.init_state_from_frames(frames, height, width)
+                    passes = [("forward", False, hi - k)]
+                    if k > lo:  # sam2 also skips reverse tracking that starts at frame 0
+                        passes.append(("backward", True, k - lo))
+                    for p_i, (direction, reverse, n_track) in enumerate(passes):
+                        if p_i:
+                            pred.reset_state(state)
+                        for obj_i, box in enumerate(box_list):
+                            pred.add_new_points_or_box(
+                                state, frame_idx=k, obj_id=obj_i + 1, box=np.asarray(box, dtype=np.float32)
+                            )
+                        gen = pred.propagate_in_video(
+                            state, start_frame_idx=k, max_frame_num_to_track=n_track, reverse=reverse
+                        )
+                        try:
+                            for frame_idx, _obj_ids, logits in gen:
+                                m = (logits[:, 0] > 0).cpu().numpy()
+                                if keep_objects:
+                                    obj_masks[:, frame_idx] |= m
+                                else:
+                                    mask[frame_idx] |= m.any(axis=0)
+                                if frame_idx in done:
+                                    continue
+                                done.add(frame_idx)
+                                if progress is not None:
+                                    progress(len(done), total, f"slice {frame_idx} ({direction})")
+                                if len(done) < total and is_cancelled():
+                                    raise CancelledError(f"propagation cancelled after {len(done)} of {total} slices")
+                        finally:
+                            gen.close()
+                    pred.reset_state(state)
+                    state["cached_features"] = {}
+            finally:
+                hook.remove()
+            if keep_objects:
+                if largest_component:
+                    for i in range(n_obj):
+                        obj_masks[i] = keep_largest_component(obj_masks[i])
+                mask = obj_masks.any(axis=0).astype(np.uint8)
+            seconds = time.perf_counter() - t0
+            return PropagationResult(
+                mask=mask,
+                key_slice=k,
+                slice_range=(lo, hi),
+                slices_encoded=len(set(frames.encoded)),
+                encoder_calls=calls[0],
+                seconds=seconds,
+                seconds_per_slice=seconds / total,
+                num_objects=n_obj,
+                encoded_slices=tuple(frames.encoded),
+                object_masks=obj_masks if return_object_masks else None,
+            )

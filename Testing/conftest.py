@@ -1,0 +1,48 @@
+"""Shared fixtures: the real CT material in ``../shared/data/real`` (see its README)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO.parent / "shared" / "data" / "real"))
+TS = REAL / "totalsegmentator"
+
+# TotalSegmentator v2 label ids used in the tests (class_map_total_v2.json).
+SPLEEN, KIDNEY_RIGHT, KIDNEY_LEFT, GALLBLADDER, LIVER, STOMACH = 1, 2, 3, 4, 5, 6
+URINARY_BLADDER = 21
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        pytest.fail(f"real test data missing: {path} (expected ../shared/data/real beside the repository, "
+                    "or set MEDVOL_REAL_DATA)", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_dir() -> Path:
+    return _require(REAL)
+
+
+@pytest.fixture(scope="session")
+def ct_path() -> Path:
+    return _require(TS / "example_ct.nii.gz")
+
+
+@pytest.fixture(scope="session")
+def seg_path() -> Path:
+    return _require(TS / "example_seg_fast_force_split.nii.gz")
+
+
+@pytest.fixture(scope="session")
+def ct_sm_path() -> Path:
+    return _require(TS / "example_ct_sm.nii.gz")
+
+
+@pytest.fixture(scope="session")
+def seg_sm_path() -> Path:
+    return _require(TS / "example_seg.nii.gz")

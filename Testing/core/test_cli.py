@@ -1,0 +1,310 @@
+"""The `medvol` command line: outputs on real CT, and one clear error line for each bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from medvolcore.cli import main
+
+from conftest import KIDNEY_LEFT, KIDNEY_RIGHT, LIVER
+
+MEDVOL = [sys.executable, "-m", "medvolcore.cli"]
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code != 0
+    lines = [l for l in err.splitlines() if "error" in l]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def small_ct(tmp_path_factory, ct_sm_path, seg_sm_path):
+    """8 slices of the real upper-abdomen CT (every voxel kept, affine shifted accordingly)."""
+    d = tmp_path_factory.mktemp("small")
+    ct, seg = nib.load(str(ct_sm_path)), nib.load(str(seg_sm_path))
+    k0 = 11
+    aff = ct.affine.copy()
+    aff[:3, 3] = ct.affine[:3, :3] @ [0, 0, k0] + ct.affine[:3, 3]
+    ct_arr = np.asarray(ct.dataobj)[:, :, k0:k0 + 8]
+    seg_arr = np.asarray(seg.dataobj)[:, :, k0:k0 + 8]
+    nib.save(nib.Nifti1Image(ct_arr, aff, ct.header), str(d / "ct.nii.gz"))
+    nib.save(nib.Nifti1Image(seg_arr, aff, seg.header), str(d / "seg.nii.gz"))
+    return d / "ct.nii.gz", d / "seg.nii.gz"
+
+
+# ---- medvol anchor ------------------------------------------------------------------------
+
+def test_anchor_writes_file_with_world(capsys, tmp_path, seg_path):
+    out = tmp_path / "kidneys.anchor.json"
+    code, stdout, err = run_cli(capsys, "anchor", "--mask", seg_path, "--label", f"{KIDNEY_RIGHT},{KIDNEY_LEFT}",
+                                "--out", out, "--json")
+    assert code == 0, err
+    d = json.loads(out.read_text())
+    assert d["schema"] == "medvol.anchor/1" and d["source"] == "mask"
+    assert len(d["boxes"]) == 2 and len(d["world"]["boxes_ras"]) == 2
+    # patient right (RAS x > 0 here: the R coordinate is larger) comes first: image left.
+    assert d["world"]["boxes_ras"][0][0][0] > d["world"]["boxes_ras"][1][0][0]
+    assert json.loads(stdout)["anchor"]["slice"] == d["slice"]
+
+
+def test_anchor_without_label_uses_all_nonzero(capsys, seg_sm_path):
+    code, stdout, _ = run_cli(capsys, "anchor", "--mask", seg_sm_path)
+    assert code == 0
+    d = json.loads(stdout)
+    nz = (np.asarray(nib.load(str(seg_sm_path)).dataobj) != 0).sum(axis=(0, 1))
+    # the stack runs head to feet: stack z = K-1-k on this RAS file; ties go to the smaller z
+    by_z = nz[::-1]
+    assert d["slice"] == int(np.argmax(by_z))
+
+
+def test_anchor_top_k_seeded(capsys, seg_path):
+    a = run_cli(capsys, "anchor", "--mask", seg_path, "--label", LIVER, "--top-k", 5, "--seed", 3)[1]
+    b = run_cli(capsys, "anchor", "--mask", seg_path, "--label", LIVER, "--top-k", 5, "--seed", 3)[1]
+    assert json.loads(a)["slice"] == json.loads(b)["slice"]
+
+
+# ---- bad input: one line, non-zero, no traceback ------------------------------------------
+
+def test_missing_file(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "anchor", "--mask", tmp_path / "nope.nii.gz")
+    assert_one_line_error(code, err, "does not exist")
+
+
+def test_unreadable_file(capsys, tmp_path):
+    bad = tmp_path / "bad.nii.gz"
+    bad.write_bytes(b"this is not a nifti file")
+    code, _, err = run_cli(capsys, "anchor", "--mask", bad)
+    assert_one_line_error(code, err, "cannot read", "bad.nii.gz")
+
+
+@pytest.mark.parametrize("shape", [(10, 12), (6, 7, 5, 3)])
+def test_wrong_dimensionality(capsys, tmp_path, shape):
+    p = tmp_path / "img.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros(shape, np.int16), np.eye(4)), str(p))
+    code, _, err = run_cli(capsys, "propagate", "--volume", p, "--slice", 0, "--box", 0, 0, 1, 1,
+                           "--out", tmp_path / "m.nii.gz", "--random-weights", 0)
+    assert_one_line_error(code, err, "3-D")
+
+
+def test_all_nan_volume(capsys, tmp_path):
+    p = tmp_path / "nan.nii.gz"
+    nib.save(nib.Nifti1Image(np.full((6, 7, 5), np.nan, np.float32), np.eye(4)), str(p))
+    code, _, err = run_cli(capsys, "info", p)
+    assert_one_line_error(code, err, "NaN")
+
+
+def test_non_numeric_volume(capsys, tmp_path):
+    p = tmp_path / "c.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((6, 7, 5), np.complex64), np.eye(4)), str(p))
+    code, _, err = run_cli(capsys, "info", p)
+    assert_one_line_error(code, err, "not numbers")
+
+
+def test_label_absent(capsys, seg_path):
+    code, _, err = run_cli(capsys, "anchor", "--mask", seg_path, "--label", 116)
+    assert_one_line_error(code, err, "label 116 is absent", "labels present")
+
+
+def test_bad_label_text(capsys, seg_path):
+    code, _, err = run_cli(capsys, "anchor", "--mask", seg_path, "--label", "liver")
+    assert_one_line_error(code, err, "integer label ids")
+
+
+def test_slice_outside_stack(capsys, tmp_path, small_ct):
+    ct, _ = small_ct
+    code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--slice", 8, "--box", 10, 10, 20, 20,
+                           "--out", tmp_path / "m.nii.gz", "--random-weights", 0, "--image-size", 64)
+    assert_one_line_error(code, err, "slice 8 is outside the stack (0..7)")
+    assert not (tmp_path / "m.nii.gz").exists()
+
+
+def test_inverted_box(capsys, tmp_path, small_ct):
+    ct, _ = small_ct
+    code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--slice", 3, "--box", 30, 10, 20, 20,
+                           "--out", tmp_path / "m.nii.gz", "--random-weights", 0, "--image-size", 64)
+    assert_one_line_error(code, err, "inverted")
+
+
+def test_box_entirely_outside(capsys, tmp_path, small_ct):
+    ct, _ = small_ct
+    code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--slice", 3, "--box", 500, 10, 600, 20,
+                           "--out", tmp_path / "m.nii.gz", "--random-weights", 0, "--image-size", 64)
+    assert_one_line_error(code, err, "entirely outside")
+
+
+def test_anchor_with_other_schema(capsys, tmp_path, small_ct):
+    ct, _ = small_ct
+    a = tmp_path / "x.anchor.json"
+    a.write_text(json.dumps({"schema": "medvol.anchor/2", "slice": 1, "boxes": [[1, 1, 5, 5]], "image_size": [122, 101]}))
+    code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--anchor", a, "--out", tmp_path / "m.nii.gz",
+                           "--random-weights", 0, "--image-size", 64)
+    assert_one_line_error(code, err, "medvol.anchor/2", "medvol.anchor/1")
+
+
+def test_anchor_and_box_together_refused(capsys, tmp_path, small_ct):
+    ct, _ = small_ct
+    code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--anchor", tmp_path / "a.json", "--slice", 1,
+                           "--box", 1, 1, 2, 2, "--out", tmp_path / "m.nii.gz", "--random-weights", 0)
+    assert_one_line_error(code, err, "either --anchor or --slice")
+
+
+def test_no_weights_refused(capsys, tmp_path, small_ct):
+    ct, _ = small_ct
+    code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--slice", 1, "--box", 1, 1, 2, 2,
+                           "--out", tmp_path / "m.nii.gz")
+    assert_one_line_error(code, err, "--sam-checkpoint")
+
+
+def test_not_a_medsam2_checkpoint(capsys, tmp_path, small_ct):
+    import torch
+
+    ct, _ = small_ct
+    ck = tmp_path / "other.pt"
+    torch.save({"model": {"encoder.weight": torch.zeros(3)}}, str(ck))
+    code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--slice", 1, "--box", 1, 1, 2, 2,
+                           "--out", tmp_path / "m.nii.gz", "--sam-checkpoint", ck)
+    assert_one_line_error(code, err, "not a MedSAM2 checkpoint", "missing", "unexpected", "encoder.weight")
+
+
+def test_output_exists_refused_then_overwritten(capsys, tmp_path, small_ct):
+    ct, _ = small_ct
+    out = tmp_path / "m.nii.gz"
+    out.write_bytes(b"precious")
+    args = ["propagate", "--volume", ct, "--slice", 3, "--box", 40, 40, 70, 70, "--out", out,
+            "--random-weights", 0, "--image-size", 64, "--no-progress"]
+    code, _, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, "already exists", "--overwrite")
+    assert out.read_bytes() == b"precious"
+    code, _, err = run_cli(capsys, *args, "--overwrite")
+    assert code == 0, err
+    assert nib.load(str(out)).shape == nib.load(str(ct)).shape
+    assert not [p for p in tmp_path.iterdir() if ".part" in p.name]
+
+
+# ---- medvol propagate end to end ----------------------------------------------------------
+
+def test_propagate_writes_mask_on_source_grid(capsys, tmp_path, small_ct):
+    ct, seg = small_ct
+    out = tmp_path / "mask.nii.gz"
+    anchor_out = tmp_path / "used.anchor.json"
+    code, stdout, err = run_cli(capsys, "propagate", "--volume", ct, "--slice", 3, "--box", 20, 30, 200, 90,
+                                "--out", out, "--random-weights", 0, "--image-size", 64, "--json",
+                                "--anchor-out", anchor_out, "--no-progress")
+    assert code == 0, err
+    assert "random MedSAM2 weights" in err  # the smoke-model warning
+    res = json.loads(stdout)
+    src, m = nib.load(str(ct)), nib.load(str(out))
+    assert m.shape == src.shape and np.array_equal(m.affine, src.affine)
+    assert m.get_data_dtype() == np.uint8
+    assert set(np.unique(np.asarray(m.dataobj)).tolist()) <= {0, 1}
+    # the box reached outside the 122-wide slice: clamped with a warning
+    assert "clamped" in err and res["anchor"]["boxes"] == [[20, 30, 121, 90]]
+    assert res["slice_range"] == [0, 7] and res["slices_encoded"] == 8 and res["encoder_calls"] == 8
+    assert res["peak_memory_mb"] > 0 and res["seconds_per_slice"] > 0
+    assert json.loads(anchor_out.read_text())["world"]["boxes_ras"]
+
+
+def test_propagate_from_anchor_file_matches_slice_and_box(capsys, tmp_path, small_ct):
+    ct, seg = small_ct
+    a = tmp_path / "liver.anchor.json"
+    assert run_cli(capsys, "anchor", "--mask", seg, "--label", LIVER, "--out", a)[0] == 0
+    d = json.loads(a.read_text())
+    out1, out2 = tmp_path / "a.nii.gz", tmp_path / "b.nii.gz"
+    common = ["--volume", ct, "--random-weights", 1, "--image-size", 64, "--no-progress", "--window", 2]
+    assert run_cli(capsys, "propagate", "--anchor", a, "--out", out1, *common)[0] == 0
+    box = d["boxes"][0]
+    assert run_cli(capsys, "propagate", "--slice", d["slice"], "--box", *box, "--out", out2, *common)[0] == 0
+    m1, m2 = (np.asarray(nib.load(str(p)).dataobj) for p in (out1, out2))
+    assert np.array_equal(m1, m2)
+    # --window 2 around the key slice: nothing outside [k-2, k+2] (stack z = K-1-k here)
+    K = m1.shape[2]
+    zs = {K - 1 - k for k in np.nonzero(m1.any(axis=(0, 1)))[0]}
+    assert zs <= set(range(d["slice"] - 2, d["slice"] + 3))
+
+
+def test_propagate_world_only_anchor(capsys, tmp_path, small_ct):
+    ct, seg = small_ct
+    a = tmp_path / "l.anchor.json"
+    assert run_cli(capsys, "anchor", "--mask", seg, "--label", LIVER, "--out", a)[0] == 0
+    d = json.loads(a.read_text())
+    world_only = {k: v for k, v in d.items() if k not in ("boxes", "boxes_norm", "image_size", "slice")}
+    w = tmp_path / "w.anchor.json"
+    w.write_text(json.dumps(world_only))
+    out = tmp_path / "m.nii.gz"
+    code, stdout, err = run_cli(capsys, "propagate", "--volume", ct, "--anchor", w, "--out", out, "--json",
+                                "--random-weights", 0, "--image-size", 64, "--window", 0, "--no-progress")
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["anchor"]["slice"] == d["slice"] and res["anchor"]["boxes"] == d["boxes"]
+
+
+# ---- medvol metrics -----------------------------------------------------------------------
+
+def test_metrics_on_known_overlap(capsys, tmp_path, seg_path):
+    seg = nib.load(str(seg_path))
+    gt = np.asarray(seg.dataobj)
+    pred = (gt == LIVER).astype(np.uint8)
+    n = int(pred.sum())
+    # remove the liver's first 1000 voxels (in C order) from the prediction: Dice = 2(n-1000)/(2n-1000)
+    idx = np.flatnonzero(pred)[:1000]
+    pred[np.unravel_index(idx, pred.shape)] = 0
+    p = tmp_path / "pred.nii.gz"
+    nib.save(nib.Nifti1Image(pred, seg.affine), str(p))
+    code, stdout, _ = run_cli(capsys, "metrics", "--pred", p, "--gt", seg_path, "--label", LIVER, "--json")
+    res = json.loads(stdout)
+    assert code == 0
+    assert res["dice"] == pytest.approx(2 * (n - 1000) / (2 * n - 1000))
+    assert res["iou"] == pytest.approx((n - 1000) / n)
+
+
+def test_metrics_per_label(capsys, seg_sm_path):
+    code, stdout, _ = run_cli(capsys, "metrics", "--pred", seg_sm_path, "--gt", seg_sm_path, "--json")
+    res = json.loads(stdout)
+    assert code == 0 and res["mean_dice"] == 1.0 and str(LIVER) in res["per_label"]
+
+
+def test_metrics_grid_mismatch(capsys, seg_path, seg_sm_path):
+    code, _, err = run_cli(capsys, "metrics", "--pred", seg_sm_path, "--gt", seg_path)
+    assert_one_line_error(code, err, "not on the same grid")
+
+
+# ---- as a real process ----------------------------------------------------------------------
+
+def test_process_exit_code_and_single_line(tmp_path):
+    r = subprocess.run(MEDVOL + ["anchor", "--mask", str(tmp_path / "missing.nii.gz")], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    r = subprocess.run(MEDVOL + ["propagate", "--volume"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("cmd", ["info", "anchor", "propagate", "metrics"])
+def test_help(cmd):
+    r = subprocess.run(MEDVOL + [cmd, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "usage: medvol " + cmd in r.stdout
+
+
+def test_anchor_command_does_not_import_torch(tmp_path, seg_sm_path):
+    code = ("import sys; from medvolcore.cli import main; main(['anchor', '--mask', %r, '--out', %r]); "
+            "print(sorted(m for m in ('torch', 'sam2', 'transformers', 'SimpleITK') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code % (str(seg_sm_path), str(tmp_path / "a.anchor.json"))],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
