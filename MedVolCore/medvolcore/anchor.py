@@ -36,7 +36,9 @@ NORM = 1000.0
 MAX_BOXES = 8
 MIN_COMPONENT_PIXELS = 10
 MIN_COMPONENT_FRACTION = 0.05
-_EPS = 1e-6
+# Tolerance (in pixels) when rounding normalised coordinates outward: absorbs the rounding of
+# boxes_norm as written in anchor files (6 decimals) and of integer model outputs.
+_EPS = 1e-3
 
 Box = List[int]
 
@@ -231,7 +233,7 @@ class EvidenceAnchor:
             "schema": SCHEMA,
             "slice": self.slice,
             "boxes": [list(b) for b in self.boxes],
-            "boxes_norm": [[round(v, 3) for v in b] for b in self.boxes_norm],
+            "boxes_norm": [[round(v, 6) for v in b] for b in self.boxes_norm],
             "image_size": list(self.image_size),
         }
         if self.world is not None:

@@ -229,7 +229,7 @@ def save_mask(mask: np.ndarray, like: CTVolume, path, overwrite: bool = False) -
         img.header.set_intent("label")
         with atomic_path(out, overwrite) as tmp:
             nib.save(img, str(tmp))
-    elif name.endswith(ITK_SUFFIXES):
+    elif name.endswith((".nrrd", ".mha")):  # single-file formats only: a rename must move everything
         sitk = _require_sitk("writing " + out.suffix)
         image = sitk.GetImageFromArray(data.transpose(2, 1, 0))
         lps = np.linalg.inv(_LPS_TO_RAS) @ like.affine
@@ -240,7 +240,7 @@ def save_mask(mask: np.ndarray, like: CTVolume, path, overwrite: bool = False) -
         with atomic_path(out, overwrite) as tmp:
             sitk.WriteImage(image, str(tmp), True)
     else:
-        raise VolumeError(f"{out}: unsupported output type; use .nii.gz, .nii or .nrrd")
+        raise VolumeError(f"{out}: unsupported output type; use .nii.gz, .nii, .nrrd or .mha")
     return out
 
 
