@@ -44,6 +44,7 @@ __all__ = [
     "PropagationResult",
     "keep_largest_component",
     "medsam2_frame",
+    "quiet_sam2_progress",
 ]
 
 DEFAULT_IMAGE_SIZE = 512
@@ -79,7 +80,7 @@ def medsam2_frame(slice_hu: np.ndarray, image_size: int = DEFAULT_IMAGE_SIZE, wi
     from PIL import Image
 
     u8 = window_to_uint8(slice_hu, window)
-    rgb = Image.fromarray(u8, mode="L").convert("RGB").resize((image_size, image_size), Image.BICUBIC)
+    rgb = Image.fromarray(u8).convert("RGB").resize((image_size, image_size), Image.BICUBIC)
     x = np.asarray(rgb, dtype=np.float64).transpose(2, 0, 1) / 255.0
     mean = np.asarray(IMAGENET_MEAN, dtype=np.float32).astype(np.float64)[:, None, None]
     std = np.asarray(IMAGENET_STD, dtype=np.float32).astype(np.float64)[:, None, None]
@@ -284,13 +285,19 @@ def _build_predictor(image_size: int):
     from sam2.build_sam import build_sam2_video_predictor
 
     overrides, base_config = _hydra_overrides(image_size)
-    overrides = ["++model._target_=medvolcore.propagation._MedSAM2VideoPredictor"] + overrides
+    overrides = [f"++model._target_={__name__}._MedSAM2VideoPredictor"] + overrides
     # sam2's builder adds its postprocessing defaults after ours (dynamic multimask,
     # binarised click masks for memory, fill_hole_area=8); hole filling needs sam2's CUDA
     # extension and makes CPU and GPU disagree, so it is switched off again below.
-    model = build_sam2_video_predictor(
-        base_config, ckpt_path=None, device="cpu", mode="eval", hydra_overrides_extra=overrides
-    )
+    try:
+        model = build_sam2_video_predictor(
+            base_config, ckpt_path=None, device="cpu", mode="eval", hydra_overrides_extra=overrides
+        )
+    except Exception as e:
+        raise DependencyError(
+            f"could not build MedSAM2 from sam2's packaged config {base_config} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is sam2 1.1.0 installed? {_SAM2_HINT}"
+        ) from e
     model.fill_hole_area = 0
     if not isinstance(model, _predictor_class()):  # pragma: no cover - defensive
         raise DependencyError(f"sam2 built {type(model).__name__}, not MedVol's predictor; {_SAM2_HINT}")

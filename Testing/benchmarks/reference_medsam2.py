@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Reference propagation loop, written the way MedSAM2's own CT inference script works.
+
+It is the yardstick for ``medvolcore.propagation`` (same weights, same frames), not product
+code. Per box, separately:
+
+1. preprocess *all* slices eagerly into one float64 tensor (window → uint8 → RGB → PIL
+   bicubic resize → /255 → ImageNet mean/std, as MedSAM2's script does);
+2. a fresh inference state over that tensor, with ``init_state``'s warm-up encode of frame 0;
+3. add the box on the key slice, propagate forward, ``reset_state``, add the box again,
+   propagate backward; OR every predicted mask (logit > 0) into the result.
+
+Everything runs on sam2's stock ``SAM2VideoPredictor`` methods: in particular the stock
+``_get_image_feature`` with its one-frame feature cache (our subclass hands any "images"
+that are not ``MedSAM2Frames`` to the stock method), so it costs about ``(D + 2) · boxes``
+image-encoder calls.
+
+As a script it is the whole-process counterpart of ``medvol propagate``::
+
+    python Testing/benchmarks/reference_medsam2.py --volume CT.nii.gz --slice Z \
+        --box X0 Y0 X1 Y1 [--box ...] --out MASK.nii.gz --random-weights SEED --image-size N [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def medsam2_style_frames(stack_hu, image_size, hu_window=None):
+    """All frames at once, as MedSAM2's CT script builds them: a (D, 3, S, S) float64 tensor."""
+    import torch
+    from PIL import Image
+
+    from medvolcore.windowing import window_to_uint8
+
+    u8 = window_to_uint8(stack_hu, hu_window)
+    d = u8.shape[0]
+    resized = np.zeros((d, 3, image_size, image_size))  # float64, as in MedSAM2's script
+    for i in range(d):
+        img = Image.fromarray(u8[i]).convert("RGB").resize((image_size, image_size), Image.BICUBIC)
+        resized[i] = np.array(img).transpose(2, 0, 1)
+    frames = torch.from_numpy(resized / 255.0)
+    mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float32)[:, None, None]
+    std = torch.tensor(IMAGENET_STD, dtype=torch.float32)[:, None, None]
+    frames -= mean
+    frames /= std
+    return frames
+
+
+def _init_state(model, images, video_height, video_width):
+    """sam2 1.1.0's ``init_state`` for an in-memory frame tensor (MedSAM2 patches init_state the
+    same way), including its warm-up encode of frame 0 through the stock feature path."""
+    device = model.device
+    state = {
+        "images": images,
+        "num_frames": len(images),
+        "offload_video_to_cpu": False,
+        "offload_state_to_cpu": False,
+        "video_height": int(video_height),
+        "video_width": int(video_width),
+        "device": device,
+        "storage_device": device,
+        "point_inputs_per_obj": {},
+        "mask_inputs_per_obj": {},
+        "cached_features": {},
+        "constants": {},
+        "obj_id_to_idx": OrderedDict(),
+        "obj_idx_to_id": OrderedDict(),
+        "obj_ids": [],
+        "output_dict_per_obj": {},
+        "temp_output_dict_per_obj": {},
+        "frames_tracked_per_obj": {},
+    }
+    model._get_image_feature(state, frame_idx=0, batch_size=1)
+    return state
+
+
+def reference_propagate(propagator_or_model, stack_hu, key_slice, boxes, hu_window=None):
+    """MedSAM2-script-style propagation of ``boxes`` (inclusive pixel boxes on ``key_slice``).
+
+    ``propagator_or_model`` is a ``MedSAM2Propagator`` or any sam2 ``SAM2VideoPredictor``.
+    Returns ``(mask, encoder_calls)``: the (D, H, W) uint8 union and the number of
+    image-encoder forward passes it took.
+    """
+    import torch
+
+    model = getattr(propagator_or_model, "predictor", propagator_or_model)
+    image_size = int(model.image_size)
+    stack = np.asarray(stack_hu)
+    d, h, w = stack.shape
+    calls = [0]
+
+    def _count(_module, _inputs):
+        calls[0] += 1
+
+    hook = model.image_encoder.register_forward_pre_hook(_count)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if model.device.type == "cuda" else _nullcontext()
+    )
+    seg = np.zeros((d, h, w), dtype=np.uint8)
+    try:
+        with torch.inference_mode(), autocast, _quiet_tqdm():
+            # preprocessed once for all boxes (redoing it per box could only slow the
+            # reference down)
+            images = medsam2_style_frames(stack, image_size, hu_window)
+            if model.device.type == "cuda":
+                images = images.to(model.device)
+            for box in boxes:
+                state = _init_state(model, images, h, w)
+                bbox = np.asarray(box, dtype=np.float32)
+                for reverse in (False, True):
+                    model.add_new_points_or_box(state, frame_idx=key_slice, obj_id=1, box=bbox)
+                    for frame_idx, _ids, logits in model.propagate_in_video(
+                        state, start_frame_idx=key_slice, reverse=reverse
+                    ):
+                        seg[frame_idx][(logits[0, 0] > 0.0).cpu().numpy()] = 1
+                    model.reset_state(state)
+                del state
+    finally:
+        hook.remove()
+    return seg, calls[0]
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _quiet_tqdm():
+    try:
+        from medvolcore.propagation import quiet_sam2_progress
+
+        return quiet_sam2_progress()
+    except ImportError:  # pragma: no cover
+        return _nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# whole-process script
+# --------------------------------------------------------------------------------------------
+
+
+def _load_stack(path):
+    """(stack, to_source, affine) for a NIfTI: the canonical axial stack and the inverse mapping."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from propagation import load_canonical  # the benchmark's helper
+
+    return load_canonical(path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--volume", required=True)
+    ap.add_argument("--slice", type=int, required=True)
+    ap.add_argument("--box", type=int, nargs=4, action="append", required=True, metavar=("X0", "Y0", "X1", "Y1"))
+    ap.add_argument("--out", required=True)
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--random-weights", type=int, metavar="SEED")
+    g.add_argument("--checkpoint", "--sam-checkpoint", dest="checkpoint")
+    ap.add_argument("--image-size", type=int, default=512)
+    ap.add_argument("--window", default=None, help="HU window: preset or 'C,W' (default soft tissue)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    import nibabel as nib
+
+    from medvolcore.propagation import MedSAM2Propagator
+
+    if args.checkpoint:
+        prop = MedSAM2Propagator.from_checkpoint(args.checkpoint, device=args.device, image_size=args.image_size)
+    else:
+        prop = MedSAM2Propagator.from_random(args.random_weights, image_size=args.image_size, device=args.device)
+    stack, to_source, affine = _load_stack(args.volume)
+    t1 = time.perf_counter()
+    mask, calls = reference_propagate(prop, stack, args.slice, args.box, hu_window=args.window)
+    t2 = time.perf_counter()
+    out = nib.Nifti1Image(to_source(mask).astype(np.uint8), affine)
+    nib.save(out, args.out)
+    info = {
+        "out": args.out,
+        "voxels": int(mask.sum()),
+        "encoder_calls": calls,
+        "seconds_propagate": t2 - t1,
+        "seconds_total": time.perf_counter() - t0,
+    }
+    print(json.dumps(info) if args.json else info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""MedSAM2 propagation (medvolcore.propagation) on CPU with small random-weight models.
+
+Random weights make arbitrary masks, so the assertions do not judge segmentation quality:
+they compare against the MedSAM2-script-style reference loop on the same weights
+(Testing/benchmarks/reference_medsam2.py), against single-box runs (union semantics), and
+check coverage, windows, caching, determinism, cancellation and errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sam2")
+
+from medvolcore.errors import CancelledError, CheckpointError, InputError  # noqa: E402
+from medvolcore.propagation import (  # noqa: E402
+    MedSAM2Frames,
+    MedSAM2Propagator,
+    PropagationResult,
+    keep_largest_component,
+    medsam2_frame,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO.parent / "shared" / "data" / "real" / "totalsegmentator"
+CT = DATA / "example_ct_sm.nii.gz"
+SEG = DATA / "example_seg.nii.gz"
+SIZE = 64  # model image size for tests
+LIVER, SPLEEN, STOMACH = 5, 1, 6
+
+
+def _load_reference():
+    path = REPO / "Testing" / "benchmarks" / "reference_medsam2.py"
+    spec = importlib.util.spec_from_file_location("reference_medsam2", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _canonical(path, dtype):
+    """Canonical stack (z S→I, y A→P, x R→L) of an RAS NIfTI, by transposition and flips only."""
+    nib = pytest.importorskip("nibabel")
+    img = nib.load(str(path))
+    assert nib.aff2axcodes(img.affine) == ("R", "A", "S")
+    a = np.asarray(img.dataobj, dtype=dtype)
+    return a.transpose(2, 1, 0)[::-1, ::-1, ::-1]
+
+
+def _bbox(m):
+    ys, xs = np.nonzero(m)
+    return [int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())]
+
+
+@pytest.fixture(scope="module")
+def case():
+    """8 upper-abdomen slices of example_ct_sm, every 2nd row/column (8 × 51 × 61), with organ boxes."""
+    if not CT.is_file():
+        pytest.skip(f"test CT missing: {CT}")
+    ct = _canonical(CT, np.float32)[4:12, ::2, ::2]
+    seg = _canonical(SEG, np.int16)[4:12, ::2, ::2]
+    k = 4
+    boxes = [_bbox(seg[k] == lab) for lab in (LIVER, SPLEEN, STOMACH)]
+    return np.ascontiguousarray(ct), k, boxes
+
+
+@pytest.fixture(scope="module")
+def prop():
+    return MedSAM2Propagator.from_random(0, image_size=SIZE)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return _load_reference()
+
+
+@pytest.fixture(scope="module")
+def baseline(prop, case):
+    """One-box run on the whole stack, with every progress call recorded."""
+    stack, k, boxes = case
+    calls = []
+    r = prop.propagate(stack, k, boxes[:1], progress=lambda d, t, m: calls.append((d, t, m)))
+    return r, calls
+
+
+# ---------------------------------------------------------------------------------------------
+# construction
+# ---------------------------------------------------------------------------------------------
+
+
+def test_import_is_cheap():
+    code = (
+        "import sys, medvolcore.propagation; "
+        "print(sorted(m for m in ('torch', 'sam2', 'transformers', 'SimpleITK', 'hydra') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_model_configuration(prop):
+    p = prop.predictor
+    assert p.fill_hole_area == 0  # sam2's builder sets 8; CPU and GPU must agree
+    assert p.image_size == SIZE and prop.image_size == SIZE
+    # sam2's other postprocessing defaults are kept
+    assert p.sam_mask_decoder.dynamic_multimask_via_stability
+    assert p.binarize_mask_from_pts_for_mem_enc
+    assert not p.training
+    assert prop.device.type == "cpu"
+
+
+@pytest.mark.parametrize("size", [48, 100, 0, -64, 4096, "64", 64.0, True])
+def test_image_size_is_validated(size):
+    with pytest.raises(InputError, match="image_size"):
+        MedSAM2Propagator.from_random(0, image_size=size)
+
+
+def test_seeded_random_weights(prop):
+    torch.manual_seed(1234)
+    expected_next = torch.rand(3)
+    torch.manual_seed(1234)
+    same = MedSAM2Propagator.from_random(0, image_size=SIZE)
+    assert torch.equal(torch.rand(3), expected_next), "from_random disturbed the caller's torch RNG"
+    other = MedSAM2Propagator.from_random(1, image_size=SIZE)
+    a, b, c = (m.predictor.state_dict() for m in (prop, same, other))
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_checkpoint_roundtrip_and_errors(prop, case, baseline, tmp_path):
+    stack, k, boxes = case
+    sd = prop.predictor.state_dict()
+    good = tmp_path / "good.pt"
+    torch.save({"model": sd}, good)
+    loaded = MedSAM2Propagator.from_checkpoint(good, image_size=SIZE)
+    assert np.array_equal(loaded.propagate(stack, k, boxes[:1]).mask, baseline[0].mask)
+
+    bad_sd = dict(sd)
+    missing = "image_encoder.trunk.pos_embed"
+    del bad_sd[missing]
+    bad_sd["extra.weight"] = torch.zeros(2)
+    bad_sd["no_mem_embed"] = torch.zeros(1, 1, 7)
+    bad = tmp_path / "bad.pt"
+    torch.save({"model": bad_sd}, bad)
+    with pytest.raises(CheckpointError) as ei:
+        MedSAM2Propagator.from_checkpoint(bad, image_size=SIZE)
+    msg = str(ei.value)
+    assert "not a MedSAM2 checkpoint" in msg and "1 missing keys" in msg and missing in msg
+    assert "extra.weight" in msg and "no_mem_embed" in msg and "wrong shape" in msg
+
+    no_model = tmp_path / "nomodel.pt"
+    torch.save({"state_dict": {}}, no_model)
+    with pytest.raises(CheckpointError, match="'model'"):
+        MedSAM2Propagator.from_checkpoint(no_model)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a loadable"):
+        MedSAM2Propagator.from_checkpoint(garbage)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        MedSAM2Propagator.from_checkpoint(tmp_path / "absent.pt")
+
+
+# ---------------------------------------------------------------------------------------------
+# frames and inference state
+# ---------------------------------------------------------------------------------------------
+
+
+def test_frames_are_lazy_and_match_medsam2_preprocessing(case, ref):
+    stack, _, _ = case
+    frames = MedSAM2Frames(stack, SIZE)
+    assert len(frames) == stack.shape[0] and frames.loaded == []
+    eager = ref.medsam2_style_frames(stack, SIZE)  # MedSAM2's script: float64, cast by sam2
+    for z in (0, 3, len(frames) - 1):
+        f = frames[z]
+        assert f.dtype == torch.float32 and tuple(f.shape) == (3, SIZE, SIZE)
+        assert torch.equal(f, eager[z].float())
+    assert frames.loaded == [0, 3, len(frames) - 1]
+    assert np.array_equal(medsam2_frame(stack[3], SIZE), frames[3].numpy())
+    with pytest.raises(IndexError):
+        frames[len(frames)]
+
+
+def test_state_has_the_same_keys_as_sam2_init_state(prop, case, tmp_path):
+    from PIL import Image
+
+    for i in range(2):
+        Image.fromarray(np.full((24, 32, 3), 40 * i, np.uint8)).save(tmp_path / f"{i:05d}.jpg")
+    stock = prop.predictor.init_state(str(tmp_path))
+    frames = MedSAM2Frames(case[0], SIZE)
+    ours = prop.predictor.init_state_from_frames(frames, case[0].shape[1], case[0].shape[2])
+    assert list(ours) == list(stock), "sam2's init_state keys changed; update init_state_from_frames"
+    for key in stock:
+        assert type(ours[key]) is type(stock[key]) or key == "images", key
+    assert ours["cached_features"] == {} and frames.encoded == []  # no warm-up encode
+    assert ours["num_frames"] == len(frames)
+    assert (ours["video_height"], ours["video_width"]) == case[0].shape[1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# propagation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_result_shape_coverage_and_encoding(case, baseline):
+    stack, k, _ = case
+    r, calls = baseline
+    d = stack.shape[0]
+    assert isinstance(r, PropagationResult)
+    assert r.mask.shape == stack.shape and r.mask.dtype == np.uint8
+    assert set(np.unique(r.mask)) <= {0, 1}
+    assert r.key_slice == k and r.slice_range == (0, d - 1) and r.num_objects == 1
+    # progress: every slice exactly once, in order of completion: forward then backward
+    assert [c[0] for c in calls] == list(range(1, d + 1)) and {c[1] for c in calls} == {d}
+    seen = [int(re.match(r"slice (\d+)", c[2]).group(1)) for c in calls]
+    assert seen == list(range(k, d)) + list(range(k - 1, -1, -1))
+    # one encoder call per slice, the key slice first
+    assert r.encoder_calls == r.slices_encoded == d
+    assert sorted(r.encoded_slices) == list(range(d)) and r.encoded_slices[0] == k
+    assert r.seconds > 0 and r.seconds_per_slice == pytest.approx(r.seconds / d)
+    assert r.object_masks is None
+
+
+def test_deterministic(prop, case, baseline):
+    stack, k, boxes = case
+    assert np.array_equal(prop.propagate(stack, k, boxes[:1]).mask, baseline[0].mask)
+
+
+def test_one_box_equals_reference_loop(prop, case, baseline, ref):
+    stack, k, boxes = case
+    mask, calls = ref.reference_propagate(prop, stack, k, boxes[:1])
+    assert calls == stack.shape[0] + 2  # warm-up of frame 0 + key slice re-encoded after reset
+    assert np.array_equal(baseline[0].mask, mask)  # bit-identical: Dice 1.0
+
+
+def test_three_boxes_union_and_single_encoding(prop, case, ref):
+    stack, k, boxes = case
+    d = stack.shape[0]
+    r = prop.propagate(stack, k, boxes, return_object_masks=True)
+    assert r.encoder_calls == r.slices_encoded == d  # not per object, not per direction
+    assert r.object_masks.shape == (3,) + stack.shape and r.object_masks.dtype == bool
+    assert np.array_equal(r.mask, r.object_masks.any(axis=0).astype(np.uint8))
+    for i, box in enumerate(boxes):  # each object is what a single-box run gives
+        assert np.array_equal(r.object_masks[i], prop.propagate(stack, k, [box]).mask.astype(bool))
+    mask, calls = ref.reference_propagate(prop, stack, k, boxes)
+    assert calls == 3 * (d + 2)
+    assert np.array_equal(r.mask, mask)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_window_and_edge_key_slices(prop, case, baseline, where):
+    stack, _, boxes = case
+    d = stack.shape[0]
+    k = {"first": 0, "middle": 4, "last": d - 1}[where]
+    box = [_bbox(np.ones((4, 6)))]  # a small box in the top-left corner (valid on every slice)
+    full = prop.propagate(stack, k, box)
+    assert full.slice_range == (0, d - 1) and full.encoder_calls == d
+    assert sorted(full.encoded_slices) == list(range(d))
+    seen = []
+    win = prop.propagate(stack, k, box, window=2, progress=lambda dn, t, m: seen.append(int(m.split()[1])))
+    lo, hi = max(0, k - 2), min(d - 1, k + 2)
+    assert win.slice_range == (lo, hi)
+    assert sorted(seen) == list(range(lo, hi + 1))
+    assert sorted(win.encoded_slices) == list(range(lo, hi + 1)) and win.encoder_calls == hi - lo + 1
+    outside = np.ones(d, bool)
+    outside[lo : hi + 1] = False
+    assert not win.mask[outside].any()
+    # sam2's tracking is causal: inside the window the result is the full run's
+    assert np.array_equal(win.mask[lo : hi + 1], full.mask[lo : hi + 1])
+    if where == "first":  # sam2 skips reverse tracking from frame 0; check against the reference
+        assert np.array_equal(full.mask, _load_reference().reference_propagate(prop, stack, k, box)[0])
+
+
+def test_window_zero_is_the_key_slice_only(prop, case):
+    stack, k, boxes = case
+    r = prop.propagate(stack, k, boxes[:2], window=0)
+    assert r.slice_range == (k, k) and r.encoded_slices == (k,) and r.encoder_calls == 1
+    assert not np.delete(r.mask, k, axis=0).any()
+
+
+def test_feature_cache_is_bounded_and_pins_the_key_slice(prop, case, monkeypatch):
+    stack, k, boxes = case
+    pred = prop.predictor
+    original = pred._get_image_feature
+    sizes = []
+
+    def spy(state, frame_idx, batch_size):
+        out = original(state, frame_idx, batch_size)
+        sizes.append((len(state["cached_features"]), k in state["cached_features"]))
+        return out
+
+    monkeypatch.setattr(pred, "_get_image_feature", spy, raising=False)
+    r = prop.propagate(stack, k, boxes)
+    assert sizes and max(s for s, _ in sizes) <= 2 and all(pinned for _, pinned in sizes)
+    assert r.encoder_calls == stack.shape[0]
+
+
+def test_largest_component(prop, case):
+    m = np.zeros((5, 9, 9), bool)
+    m[0:3, 0:3, 0:3] = True  # 27 voxels
+    m[4, 7:9, 7:9] = True  # 4 voxels, separate
+    m[3, 3, 3] = True  # touches the big one diagonally (26-connectivity)
+    kept = keep_largest_component(m)
+    assert kept.sum() == 28 and not kept[4].any()
+    assert not keep_largest_component(np.zeros((2, 2, 2), bool)).any()
+
+    stack, k, boxes = case
+    plain = prop.propagate(stack, k, boxes, return_object_masks=True)
+    lcc = prop.propagate(stack, k, boxes, largest_component=True, return_object_masks=True)
+    from scipy import ndimage
+
+    counts = [ndimage.label(m, structure=np.ones((3, 3, 3)))[1] for m in plain.object_masks]
+    assert max(counts) > 1, "test weights give single-component masks; pick another seed/case"
+    for i in range(len(boxes)):
+        _, n = ndimage.label(lcc.object_masks[i], structure=np.ones((3, 3, 3)))
+        assert n <= 1
+        assert not (lcc.object_masks[i] & ~plain.object_masks[i]).any()
+        assert np.array_equal(lcc.object_masks[i], keep_largest_component(plain.object_masks[i]))
+    assert np.array_equal(lcc.mask, lcc.object_masks.any(axis=0).astype(np.uint8))
+
+
+def test_cancel_and_reuse(prop, case, baseline):
+    stack, k, boxes = case
+    d = stack.shape[0]
+    ev = threading.Event()
+
+    def progress(done, total, message):
+        if done == 2:
+            ev.set()
+
+    with pytest.raises(CancelledError, match=f"after 2 of {d} slices"):
+        prop.propagate(stack, k, boxes[:1], progress=progress, cancel=ev)
+    with pytest.raises(CancelledError, match=f"after 0 of {d} slices"):
+        prop.propagate(stack, k, boxes[:1], cancel=lambda: True)
+    # still usable, same answer
+    assert np.array_equal(prop.propagate(stack, k, boxes[:1], cancel=threading.Event()).mask, baseline[0].mask)
+
+
+def test_sam2_progress_bar_is_silenced(prop, case, capfd):
+    import sam2.sam2_video_predictor as vp
+    from tqdm import tqdm
+
+    stack, k, boxes = case
+    prop.propagate(stack, k, boxes[:1], window=1)
+    assert "propagate in video" not in capfd.readouterr().err
+    assert vp.tqdm is tqdm  # restored afterwards
+
+
+@pytest.mark.parametrize(
+    "key, boxes, kwargs, match",
+    [
+        (-1, [[0, 0, 5, 5]], {}, "key slice -1 is outside"),
+        (8, [[0, 0, 5, 5]], {}, "key slice 8 is outside"),
+        (1.5, [[0, 0, 5, 5]], {}, "key_slice must be an integer"),
+        (True, [[0, 0, 5, 5]], {}, "key_slice must be an integer"),
+        (2, [], {}, "at least one box"),
+        (2, None, {}, "at least one box"),
+        (2, [0, 0, 5, 5], {}, "wrap a single box"),
+        (2, [[0, 0, 61, 5]], {}, "box 0 .* not an inclusive pixel box"),
+        (2, [[0, 0, 5, 51]], {}, "box 0"),
+        (2, [[0, 0, 5, 5], [-1, 0, 5, 5]], {}, "box 1"),
+        (2, [[6, 0, 5, 5]], {}, "box 0"),
+        (2, [[0, 7, 5, 5]], {}, "box 0"),
+        (2, [[0, 0, 5]], {}, r"box 0 must be \[x0, y0, x1, y1\]"),
+        (2, [[0, 0, 5.5, 5]], {}, "integer pixel index"),
+        (2, [[0, 0, 5, 5]], {"window": -1}, "window must be"),
+        (2, [[0, 0, 5, 5]], {"window": 1.0}, "window must be"),
+        (2, [[0, 0, 5, 5]], {"hu_window": "nonsense"}, "unknown window"),
+        (2, [[0, 0, 5, 5]], {"cancel": 3}, "cancel must be"),
+    ],
+)
+def test_invalid_inputs(prop, case, key, boxes, kwargs, match):
+    stack = case[0]
+    with pytest.raises(InputError, match=match):
+        prop.propagate(stack, key, boxes, **kwargs)
+
+
+def test_invalid_stacks(prop, case):
+    with pytest.raises(InputError, match="3-D"):
+        prop.propagate(case[0][0], 0, [[0, 0, 1, 1]])
+    bad = case[0].copy()
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(InputError, match="NaN"):
+        prop.propagate(bad, 0, [[0, 0, 1, 1]])
