@@ -308,3 +308,11 @@ def test_anchor_command_does_not_import_torch(tmp_path, seg_sm_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_missing_simpleitk_says_what_to_install(capsys, tmp_path, monkeypatch):
+    p = tmp_path / "ct.nrrd"
+    p.write_bytes(b"NRRD0004\n")
+    monkeypatch.setitem(sys.modules, "SimpleITK", None)  # makes `import SimpleITK` fail
+    code, _, err = run_cli(capsys, "info", p)
+    assert_one_line_error(code, err, "SimpleITK", "pip install")

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("sam2")
+import torch  # noqa: E402  (torch and sam2 are installed by the bootstrap: a missing one must fail, not skip)
+import sam2  # noqa: F401,E402
 
 from medvolcore.errors import CancelledError, CheckpointError, InputError  # noqa: E402
 from medvolcore.propagation import (  # noqa: E402
@@ -31,9 +31,6 @@ from medvolcore.propagation import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = REPO.parent / "shared" / "data" / "real" / "totalsegmentator"
-CT = DATA / "example_ct_sm.nii.gz"
-SEG = DATA / "example_seg.nii.gz"
 SIZE = 64  # model image size for tests
 LIVER, SPLEEN, STOMACH = 5, 1, 6
 
@@ -48,7 +45,8 @@ def _load_reference():
 
 def _canonical(path, dtype):
     """Canonical stack (z S→I, y A→P, x R→L) of an RAS NIfTI, by transposition and flips only."""
-    nib = pytest.importorskip("nibabel")
+    import nibabel as nib
+
     img = nib.load(str(path))
     assert nib.aff2axcodes(img.affine) == ("R", "A", "S")
     a = np.asarray(img.dataobj, dtype=dtype)
@@ -61,12 +59,10 @@ def _bbox(m):
 
 
 @pytest.fixture(scope="module")
-def case():
+def case(ct_sm_path, seg_sm_path):
     """8 upper-abdomen slices of example_ct_sm, every 2nd row/column (8 × 51 × 61), with organ boxes."""
-    if not CT.is_file():
-        pytest.skip(f"test CT missing: {CT}")
-    ct = _canonical(CT, np.float32)[4:12, ::2, ::2]
-    seg = _canonical(SEG, np.int16)[4:12, ::2, ::2]
+    ct = _canonical(ct_sm_path, np.float32)[4:12, ::2, ::2]
+    seg = _canonical(seg_sm_path, np.int16)[4:12, ::2, ::2]
     k = 4
     boxes = [_bbox(seg[k] == lab) for lab in (LIVER, SPLEEN, STOMACH)]
     return np.ascontiguousarray(ct), k, boxes
