@@ -81,12 +81,20 @@ def offered_torch_version(py: Path, spec: str) -> str | None:
 
 def install_torch(py: Path, mode: str) -> None:
     current = has_module(py, "torch")
-    if mode == "keep" or (current and (mode == "auto" or mode in current or "+" not in current)):
+    if mode == "auto":
         if current:
             log(f"torch {current} already installed")
             return
-    if mode == "auto":
         mode = "cuda" if gpu_present() else "cpu"
+    if mode == "keep":
+        if not current:
+            raise SystemExit("[bootstrap] --torch keep: no torch is installed in the virtual environment")
+        log(f"torch {current} kept")
+        return
+    is_cpu_build = bool(current) and ("+cpu" in current or platform.system() != "Linux")
+    if current and (mode == "cpu") == is_cpu_build:
+        log(f"torch {current} already installed ({mode})")
+        return
     pip = [py, "-m", "pip", "install"]
     if mode == "cuda":
         run(pip + ["torch>=2.5"])
@@ -94,7 +102,7 @@ def install_torch(py: Path, mode: str) -> None:
     # CPU: prefer a CPU build pip is offered directly (a local wheel or a mirror).
     spec = f"torch=={TORCH_CPU_VERSION}"
     offered = offered_torch_version(py, spec)
-    if offered and ("+cpu" in offered or platform.system() != "Linux"):
+    if offered and "+cpu" in offered:
         run(pip + [spec])
     elif platform.system() != "Linux":
         run(pip + ["torch>=2.5"])  # macOS and Windows wheels on PyPI are CPU builds
