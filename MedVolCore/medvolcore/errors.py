@@ -68,3 +68,19 @@ class CancelledError(MedVolError):
 
     code = "cancelled"
     exit_code = 130
+
+
+class ModelError(MedVolError):
+    """A model folder or adapter is not what was expected (wrong architecture, wrong base model)."""
+
+    code = "bad_model"
+
+
+class GenerationError(MedVolError):
+    """The language model never produced a usable answer (the message includes the raw text).
+
+    Not the user's input: the CLI exits with a code distinct from bad input.
+    """
+
+    code = "generation_failed"
+    exit_code = 3
