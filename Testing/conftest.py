@@ -16,6 +16,17 @@ SPLEEN, KIDNEY_RIGHT, KIDNEY_LEFT, GALLBLADDER, LIVER, STOMACH = 1, 2, 3, 4, 5, 
 URINARY_BLADDER = 21
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_medvol_home(tmp_path_factory):
+    """Tests never read or write the user's ~/.medvol and never reach the Hugging Face hub."""
+    home = tmp_path_factory.mktemp("medvol_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEDVOL_HOME", str(home))
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    yield home
+    mp.undo()
+
+
 def _require(path: Path) -> Path:
     if not path.exists():
         pytest.fail(f"real test data missing: {path} (expected ../shared/data/real beside the repository, "

@@ -218,6 +218,108 @@ def cmd_propagate(args) -> int:
     return 0
 
 
+# ---- medvol segment / demo ---------------------------------------------------------------
+
+def _default_anchor_path(out) -> str:
+    from .fileio import full_suffix
+
+    name = str(out)
+    suffix = full_suffix(name)
+    return (name[: -len(suffix)] if suffix else name) + ".anchor.json"
+
+
+def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str = "") -> dict:
+    from .fileio import check_output
+    from .pipeline import Pipeline, as_stack
+    from .qc import save_qc
+    from .volume import save_mask
+    from .windowing import get_window
+
+    if not isinstance(query, str) or not query.strip():
+        raise InputError("the query is empty: describe the target, e.g. --query 'the organ that secretes bile'")
+    for path in filter(None, (out, anchor_out, qc)):
+        check_output(path, args.overwrite)
+    hu_window = get_window(args.ct_window)
+    stack = as_stack(volume)
+    pipe = Pipeline(preset, adapter=getattr(args, "adapter", None), device=args.device,
+                    low_memory=getattr(args, "low_memory", False))
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=100, desc="segment", unit="%", file=sys.stderr, disable=None, leave=False,
+                   bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+
+    def progress(stage, fraction, message):
+        if bar is not None:
+            bar.set_description(stage)
+            bar.n = int(100 * fraction)
+            bar.set_postfix_str(message)
+            bar.refresh()
+
+    try:
+        seg = pipe.segment(stack, query, constrain=not args.no_constrain, seed=args.seed,
+                           do_sample=args.sample, hu_window=hu_window, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    seg.anchor.query = query
+    seg.anchor.reasoning = seg.reasoning
+    seg.anchor.source = "grounder"
+    save_mask(seg.mask, stack.volume, out, args.overwrite)
+    seg.anchor.save(anchor_out, args.overwrite)
+    if qc:
+        banner = "UNTRAINED SMOKE MODEL: meaningless output" if seg.smoke else ""
+        save_qc(qc, stack, seg.anchor, seg.mask_stack, overwrite=args.overwrite, title=f"query: {query}",
+                reasoning=seg.reasoning, banner=banner, window=hu_window)
+    res = {"out": str(out), "anchor_out": str(anchor_out), "qc": str(qc) if qc else None, "volume": str(
+        stack.volume.path or volume), **seg.summary(), "model_load_s": {k: round(v, 3) for k, v in pipe.load_seconds.items()},
+        "peak_memory_mb": _peak_memory_mb()}
+    if notice:
+        res["notice"] = notice
+    return res
+
+
+def _segment_text(res: dict) -> str:
+    a = res["anchor"]
+    lines = []
+    if res.get("smoke"):
+        lines.append("NOTE: " + next((n for n in res["notes"] if "smoke" in n), "untrained smoke model"))
+    lines += [f"key slice {a['slice']}, {len(a['boxes'])} box(es) {a['boxes']}",
+              f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)",
+              f"wrote {res['out']} ({res['mask_voxels']} voxels), {res['anchor_out']}" + (f", {res['qc']}" if res["qc"] else ""),
+              "timings: " + ", ".join(f"{k} {v:.2f}" for k, v in res["timings"].items() if isinstance(v, float))]
+    return "\n".join(lines)
+
+
+def cmd_segment(args) -> int:
+    anchor_out = args.anchor_out or _default_anchor_path(args.out)
+    res = _run_segment(args.volume, args.query, args.out, anchor_out, args.qc, args, args.preset)
+    _emit(res, args.json, _segment_text(res))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from pathlib import Path
+
+    from . import models
+    from .resources import load_json, resource_path
+
+    sample = load_json("samples", "samples.json")["demo"]
+    volume = resource_path("samples", sample["file"])
+    query = args.query or sample["query"]
+    preset, notice = models.best_available_preset(args.preset)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if notice:
+        sys.stderr.write(f"{PROG} demo: {notice}\n")
+    res = _run_segment(volume, query, out_dir / "demo_mask.nii.gz", out_dir / "demo.anchor.json",
+                       out_dir / "demo_qc.png", args, preset, notice)
+    text = f"demo on {volume.name} with preset '{preset}', query: {query!r}\n" + _segment_text(res)
+    _emit(res, args.json, text)
+    return 0
+
+
 # ---- medvol metrics --------------------------------------------------------------------
 
 def cmd_metrics(args) -> int:
@@ -297,6 +399,37 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--anchor-out", metavar="PATH", help="also write the anchor used, with world coordinates")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+
+    def add_segment_options(sp):
+        sp.add_argument("--preset", default="medvol-r1", help="model preset (medvol models list); default medvol-r1")
+        sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for the grounder (overrides the preset's)")
+        sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                        help="cpu (fp32) or cuda (bfloat16); auto picks cuda when available")
+        sp.add_argument("--seed", type=int, help="random seed for --sample (reproducible sampling)")
+        sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+        sp.add_argument("--no-constrain", action="store_true", help="no grammar-constrained decoding (parse and retry instead)")
+        sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
+        sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+        sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+
+    sp = add("segment", "Segment a CT from a free-form query: evidence anchor (Qwen3-VL) + 3-D mask (MedSAM2).", cmd_segment)
+    sp.add_argument("--volume", required=True, help="CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder")
+    sp.add_argument("--query", required=True, help="what to segment, e.g. 'the organ that secretes bile'")
+    sp.add_argument("--out", required=True, help="mask to write (.nii.gz, .nii or .nrrd), on the CT's grid")
+    sp.add_argument("--anchor-out", metavar="PATH", help="anchor file (default: beside --out, *.anchor.json)")
+    sp.add_argument("--qc", metavar="PNG", help="also write a picture of the key slice, boxes, mask outline and reasoning")
+    add_segment_options(sp)
+
+    sp = add("demo", "Run the main job on the sample CT shipped with MedVol, with the best model present.", cmd_demo)
+    sp.add_argument("--out-dir", default="medvol-demo", help="where to write the mask, anchor and QC picture (default ./medvol-demo)")
+    sp.add_argument("--query", help="override the demo query ('the organ that secretes bile')")
+    add_segment_options(sp)
+    sp.set_defaults(preset=None)
+
+    from .cli_models import add_models_command
+
+    add_models_command(sub, add)
 
     sp = add("metrics", "Dice and IoU of a predicted mask against a label map, on the source grid.", cmd_metrics)
     sp.add_argument("--pred", required=True, help="predicted mask or label map")

@@ -1,0 +1,978 @@
+"""Model presets and their weights: what a preset names, where its weights live, how they get there.
+
+A preset (``Resources/models.json``, schema ``medvol.models/1``) names a **grounder** (a Hugging
+Face repo id, a local ``path``, or the local ``tiny`` builder; optionally a LoRA ``adapter``) and a
+**MedSAM2** checkpoint (a repo id + filename, a local ``path``, or seeded random weights).
+``$MEDVOL_MODELS_JSON`` may name a file of the same shape whose presets are added to, or replace,
+the shipped ones.
+
+Weights live under ``medvol_home()/models/<preset>/`` (``$MEDVOL_HOME``, default ``~/.medvol``)::
+
+    models/<preset>/grounder/                 the Qwen3-VL folder (config.json, *.safetensors, tokenizer…)
+    models/<preset>/adapter/                  a LoRA adapter, when the preset or an import brings one
+    models/<preset>/medsam2/MedSAM2_latest.pt
+    models/<preset>/medvol_weights.json       the registration: what, where from, sha256, when
+
+They arrive by :func:`download` (``huggingface_hub``, resumable, progress on stderr, every LFS file
+checked against a pinned sha256 or the one the Hub reports for the downloaded commit) or by
+:func:`import_weights` (a folder copied by hand onto an offline machine). A preset counts as
+present only when its registration exists and every file it names is still there; the
+registration is written last, so an interrupted or rejected transfer leaves the preset missing.
+
+Importing this module is cheap: ``huggingface_hub``, torch and transformers are imported only by
+the functions that need them, and nothing is downloaded unless :func:`download` is called.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from . import __version__
+from .errors import InputError, MedVolError, ModelError, ModelNotFoundError
+from .fileio import write_text_atomic
+from .resources import load_json
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "medvol.models/1"
+REGISTRATION = "medvol_weights.json"
+REGISTRATION_SCHEMA = "medvol.weights/1"
+OVERRIDE_ENV = "MEDVOL_MODELS_JSON"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+_WEIGHT_SUFFIXES = (".safetensors",)
+
+
+# ---- where things live -------------------------------------------------------------------
+
+def medvol_home() -> Path:
+    """``$MEDVOL_HOME`` (``~`` expanded), default ``~/.medvol``. Not created here."""
+    env = os.environ.get("MEDVOL_HOME")
+    return Path(env).expanduser().absolute() if env else Path.home() / ".medvol"
+
+
+def models_dir(name: str) -> Path:
+    """``medvol_home()/models/<name>``: the folder that holds one preset's weights."""
+    return medvol_home() / "models" / name
+
+
+def registration_path(name: str) -> Path:
+    return models_dir(name) / REGISTRATION
+
+
+# ---- presets -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Preset:
+    """One entry of the preset table (see ``Resources/models.json``).
+
+    ``grounder``: ``{"repo_id", "revision", "allow_patterns", "model_type", "adapter"}``, or
+    ``{"path", …}`` for a local folder, or ``{"builder": "tiny", …}``. ``medsam2``:
+    ``{"repo_id", "revision", "filename", "sha256"}``, ``{"path", "sha256"}`` or
+    ``{"random_seed", "image_size"}``. ``settings`` go to the grounder unchanged.
+    """
+
+    name: str
+    description: str
+    grounder: dict
+    medsam2: dict
+    gpu_memory_gb: Optional[float] = None
+    gpu_memory_note: str = "estimated"
+    smoke: bool = False
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def grounder_kind(self) -> str:
+        """``hub``, ``path`` or ``builder``."""
+        return "builder" if "builder" in self.grounder else "path" if "path" in self.grounder else "hub"
+
+    @property
+    def medsam2_kind(self) -> str:
+        """``hub``, ``path`` or ``random``."""
+        return "random" if "random_seed" in self.medsam2 else "path" if "path" in self.medsam2 else "hub"
+
+    @property
+    def adapter(self):
+        """The preset's own adapter: None, ``{"path": …}`` or ``{"repo_id": …}``."""
+        a = self.grounder.get("adapter")
+        return {"path": a} if isinstance(a, str) else a
+
+    @property
+    def medsam2_filename(self) -> Optional[str]:
+        if self.medsam2_kind == "hub":
+            return self.medsam2["filename"]
+        if self.medsam2_kind == "path":
+            return Path(self.medsam2["path"]).name
+        return None
+
+    @property
+    def needs_download(self) -> bool:
+        """True when some of its weights come from the Hub (download or import them first)."""
+        a = self.adapter
+        return self.grounder_kind == "hub" or self.medsam2_kind == "hub" or bool(a and a.get("repo_id"))
+
+    def source_text(self) -> Tuple[str, str]:
+        """Short human descriptions of the grounder and MedSAM2 sources."""
+        g = self.grounder
+        gs = (g.get("repo_id") or g.get("path") or f"built locally ({g.get('builder')})")
+        m = self.medsam2
+        if self.medsam2_kind == "random":
+            ms = f"random weights (seed {m['random_seed']}, {m['image_size']} px)"
+        elif self.medsam2_kind == "path":
+            ms = m["path"]
+        else:
+            ms = f"{m['repo_id']}/{m['filename']}"
+        return gs, ms
+
+
+def _bad_table(where: str, msg: str) -> ModelError:
+    return ModelError(f"model preset table {where}: {msg}")
+
+
+def _check_sha(where: str, sha) -> Optional[str]:
+    if sha is None:
+        return None
+    if not isinstance(sha, str) or not _SHA256_RE.match(sha.lower()):
+        raise _bad_table(where, f"sha256 must be 64 hex digits or null, got {sha!r}")
+    return sha.lower()
+
+
+def _preset_from_dict(name: str, d: dict, where: str) -> Preset:
+    if not _NAME_RE.match(name):
+        raise _bad_table(where, f"preset name {name!r} must be letters, digits, '.', '_' or '-'")
+    if not isinstance(d, dict):
+        raise _bad_table(where, f"preset {name!r} must be an object")
+    g = dict(d.get("grounder") or {})
+    m = dict(d.get("medsam2") or {})
+    kinds = [k for k in ("repo_id", "path", "builder") if g.get(k)]
+    if len(kinds) != 1:
+        raise _bad_table(where, f"preset {name!r}: grounder needs exactly one of repo_id, path or builder")
+    if "builder" in kinds and g["builder"] != "tiny":
+        raise _bad_table(where, f"preset {name!r}: unknown grounder builder {g['builder']!r} (known: tiny)")
+    g.setdefault("model_type", "qwen3_vl")
+    a = g.get("adapter")
+    if a is not None and not (isinstance(a, str) or (isinstance(a, dict) and (a.get("path") or a.get("repo_id")))):
+        raise _bad_table(where, f"preset {name!r}: grounder.adapter must be null, a path, or {{'repo_id': …}}")
+    if "random_seed" in m:
+        if not isinstance(m.get("random_seed"), int) or not isinstance(m.get("image_size"), int):
+            raise _bad_table(where, f"preset {name!r}: medsam2 random_seed and image_size must be integers")
+    elif m.get("path"):
+        m["sha256"] = _check_sha(where, m.get("sha256"))
+    elif m.get("repo_id") and m.get("filename"):
+        m["sha256"] = _check_sha(where, m.get("sha256"))
+    else:
+        raise _bad_table(where, f"preset {name!r}: medsam2 needs repo_id + filename, path, or random_seed + image_size")
+    gpu = d.get("gpu_memory_gb")
+    return Preset(name=name, description=str(d.get("description", "")), grounder=g, medsam2=m,
+                  gpu_memory_gb=float(gpu) if gpu is not None else None,
+                  gpu_memory_note=str(d.get("gpu_memory_note", "estimated")), smoke=bool(d.get("smoke", False)),
+                  settings=dict(d.get("settings") or {}))
+
+
+def _load_table() -> Tuple[Dict[str, Preset], str]:
+    table = copy.deepcopy(load_json("models.json"))
+    if table.get("schema") != SCHEMA:
+        raise _bad_table("Resources/models.json", f"schema is {table.get('schema')!r}, expected {SCHEMA!r}")
+    raw = [(name, d, "Resources/models.json") for name, d in table.get("presets", {}).items()]
+    default = table.get("default")
+    override = os.environ.get(OVERRIDE_ENV)
+    if override:
+        where = f"{override} (${OVERRIDE_ENV})"
+        try:
+            extra = json.loads(Path(override).expanduser().read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise _bad_table(where, f"cannot be read as JSON: {e}") from None
+        if not isinstance(extra, dict) or not isinstance(extra.get("presets"), dict):
+            raise _bad_table(where, "must be an object with a 'presets' object, like Resources/models.json")
+        raw += [(name, d, where) for name, d in extra["presets"].items()]
+        default = extra.get("default") or default
+    presets: Dict[str, Preset] = {}
+    for name, d, where in raw:
+        presets[name] = _preset_from_dict(name, d, where)
+    return presets, default
+
+
+def list_presets() -> List[Preset]:
+    """Every preset, shipped ones first, in table order."""
+    return list(_load_table()[0].values())
+
+
+def default_preset() -> str:
+    return _load_table()[1]
+
+
+def get_preset(name: str) -> Preset:
+    presets, _ = _load_table()
+    if name not in presets:
+        raise InputError(f"unknown model preset {name!r}; known presets: {', '.join(presets)}")
+    return presets[name]
+
+
+# ---- resolved models ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ResolvedModels:
+    """Everything a pipeline needs to load one preset, as local paths.
+
+    ``sam_checkpoint`` is a MedSAM2 ``.pt`` file, or None when ``sam_random`` = ``(seed,
+    image_size)`` asks for seeded random weights. ``settings`` is the preset's grounder settings
+    object (e.g. ``{"think_budget": "real"}``).
+    """
+
+    name: str
+    grounder_dir: Path
+    adapter_dir: Optional[Path]
+    sam_checkpoint: Optional[Path]
+    sam_random: Optional[Tuple[int, int]]
+    smoke: bool
+    settings: dict
+
+    def to_dict(self) -> dict:
+        return {"preset": self.name, "grounder": str(self.grounder_dir),
+                "adapter": str(self.adapter_dir) if self.adapter_dir else None,
+                "medsam2": str(self.sam_checkpoint) if self.sam_checkpoint else None,
+                "medsam2_random": list(self.sam_random) if self.sam_random else None,
+                "smoke": self.smoke, "settings": dict(self.settings)}
+
+
+def _how_to_get(name: str) -> str:
+    return (f"run `medvol models download {name}`, or on a machine without internet copy the weights into a folder "
+            f"and run `medvol models import {name} FOLDER` (see `medvol models import --help`)")
+
+
+def read_registration(name: str) -> Optional[dict]:
+    """The preset's ``medvol_weights.json``, or None when absent or unreadable."""
+    p = registration_path(name)
+    try:
+        reg = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable weights registration %s (%s)", p, e)
+        return None
+    return reg if isinstance(reg, dict) and reg.get("schema") == REGISTRATION_SCHEMA else None
+
+
+def _registered_path(name: str, entry: Optional[dict]) -> Optional[Path]:
+    """An entry's path: relative ones are under ``models_dir(name)``; linked imports are absolute."""
+    if not entry or not entry.get("path"):
+        return None
+    p = Path(entry["path"])
+    return p if p.is_absolute() else models_dir(name) / p
+
+
+def _missing_parts(preset: Preset, reg: Optional[dict]) -> List[str]:
+    """What a hub preset lacks locally (empty: present)."""
+    missing = []
+    if reg is None:
+        if preset.grounder_kind == "hub":
+            missing.append("grounder")
+        if preset.medsam2_kind == "hub":
+            missing.append("MedSAM2")
+        return missing
+    if preset.grounder_kind == "hub":
+        g = _registered_path(preset.name, reg.get("grounder"))
+        if g is None or not (g / "config.json").is_file():
+            missing.append(f"grounder ({g or 'not registered'})")
+    if preset.medsam2_kind == "hub":
+        m = _registered_path(preset.name, reg.get("medsam2"))
+        if m is None or not m.is_file():
+            missing.append(f"MedSAM2 ({m or 'not registered'})")
+    a = reg.get("adapter")
+    if not a and preset.adapter and preset.adapter.get("repo_id"):
+        missing.append("adapter (not registered)")
+    if a:
+        ap = _registered_path(preset.name, a)
+        if ap is None or not (ap / "adapter_config.json").is_file():
+            missing.append(f"adapter ({ap})")
+    return missing
+
+
+def preset_status(name: str) -> dict:
+    """``{"present", "available", "status"}`` without building or downloading anything.
+
+    ``present``: the weights are on disk now. ``available``: :func:`resolve` needs no network
+    (true for present presets and for ``tiny``, which is built on first use).
+    """
+    p = get_preset(name)
+    if p.grounder_kind == "builder":
+        built = (models_dir(name) / "grounder" / "config.json").is_file()
+        return {"present": built, "available": True, "status": "present" if built else "built on first use"}
+    if p.needs_download:
+        missing = _missing_parts(p, read_registration(name))
+        if missing:
+            return {"present": False, "available": False, "status": "missing"}
+    for key, spec in (("grounder", p.grounder), ("medsam2", p.medsam2)):
+        if spec.get("path") and not Path(spec["path"]).expanduser().exists():
+            return {"present": False, "available": False, "status": f"missing ({key} path)"}
+    return {"present": True, "available": True, "status": "present"}
+
+
+def check_grounder_dir(folder: Path, model_type: str = "qwen3_vl") -> dict:
+    """Check a Hugging Face model folder: config.json of ``model_type``, weights, tokenizer, processor.
+
+    Returns the parsed config. Raises :class:`ModelError` saying what is wrong.
+    """
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError(f"{folder} is not a model folder: it has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{cfg_path} is not valid JSON ({e})") from None
+    found = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if found != model_type:
+        raise ModelError(f"{folder} holds a {found or 'model of unknown type'!s} model (config.json model_type "
+                         f"{found!r}); this preset needs model_type {model_type!r} (Qwen3-VL)")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ModelError(f"{index} is not a valid safetensors index ({e})") from None
+        absent = [s for s in shards if not (folder / s).is_file()]
+        if absent:
+            raise ModelError(f"{folder} is incomplete: missing weight file(s) {', '.join(absent)}")
+        weights = [folder / s for s in shards]
+    else:
+        weights = [f for f in folder.iterdir() if f.suffix in _WEIGHT_SUFFIXES and f.is_file()]
+        if not weights:
+            raise ModelError(f"{folder} has no weights (*.safetensors)")
+    for w in weights:
+        _check_not_lfs_pointer(w)
+    if not ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):
+        raise ModelError(f"{folder} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    if not (folder / "preprocessor_config.json").is_file():
+        raise ModelError(f"{folder} has no image processor (preprocessor_config.json)")
+    return cfg
+
+
+def _check_not_lfs_pointer(path: Path) -> None:
+    """A Git LFS pointer copied instead of the file is a common mistake: say so plainly."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_LFS_POINTER))
+    except OSError as e:
+        raise ModelError(f"cannot read {path}: {e}") from None
+    if head == _LFS_POINTER:
+        raise ModelError(f"{path} is a Git LFS pointer, not the weights; fetch the real file "
+                         "(`git lfs pull`, or download it from the Hugging Face web page)")
+
+
+def check_adapter_dir(folder, preset: Optional[Preset] = None) -> Path:
+    """A LoRA adapter folder: exists, has adapter_config.json and adapter weights.
+
+    When the adapter names a Qwen3-VL base model of another size than the preset's, that is a
+    :class:`ModelError` too (its weights would not fit).
+    """
+    p = Path(folder).expanduser()
+    if not p.exists():
+        raise ModelError(f"adapter {p} does not exist")
+    cfg_path = p / "adapter_config.json"
+    if not p.is_dir() or not cfg_path.is_file():
+        raise ModelError(f"{p} is not a LoRA adapter folder (no adapter_config.json); pass the folder that "
+                         "training wrote, which holds adapter_config.json and adapter_model.safetensors")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{cfg_path} is not valid JSON ({e})") from None
+    if not any((p / w).is_file() for w in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ModelError(f"{p} has no adapter weights (adapter_model.safetensors)")
+    base = str(cfg.get("base_model_name_or_path") or "") if isinstance(cfg, dict) else ""
+    if base and preset is not None and preset.grounder_kind == "hub":
+        want = preset.grounder["repo_id"].rstrip("/").split("/")[-1].lower()
+        got = Path(base).name.lower()
+        if got.startswith("qwen3-vl-") and want.startswith("qwen3-vl-") and got != want:
+            raise ModelError(f"adapter {p} was trained on {base}, but preset {preset.name!r} uses "
+                             f"{preset.grounder['repo_id']}; pick the preset with that base model")
+    return p
+
+
+def resolve(name: Optional[str] = None, adapter=None) -> ResolvedModels:
+    """Local paths of a preset's weights (``name`` None: the default preset).
+
+    ``adapter``: a LoRA adapter folder that overrides the preset's (checked: it must exist and
+    hold adapter_config.json). Hub presets must have been downloaded or imported
+    (:class:`ModelNotFoundError` otherwise, naming both commands); ``tiny`` is built on first use.
+    """
+    p = get_preset(name or default_preset())
+    reg = read_registration(p.name) if p.needs_download else None
+    if p.needs_download:
+        missing = _missing_parts(p, reg)
+        if missing:
+            have = "no weights" if reg is None else f"incomplete weights (missing {', '.join(missing)})"
+            raise ModelNotFoundError(f"model preset {p.name!r} has {have} in {models_dir(p.name)}; {_how_to_get(p.name)}")
+
+    if p.grounder_kind == "builder":
+        grounder_dir = _build_tiny(p)
+    elif p.grounder_kind == "path":
+        grounder_dir = Path(p.grounder["path"]).expanduser()
+        if not (grounder_dir / "config.json").is_file():
+            raise ModelNotFoundError(f"model preset {p.name!r}: grounder folder {grounder_dir} has no config.json")
+    else:
+        grounder_dir = _registered_path(p.name, reg["grounder"])
+
+    if adapter is not None:
+        adapter_dir = check_adapter_dir(adapter, p)
+    elif reg and reg.get("adapter"):
+        adapter_dir = _registered_path(p.name, reg["adapter"])
+    elif p.adapter and p.adapter.get("path"):
+        adapter_dir = check_adapter_dir(p.adapter["path"], p)
+    else:
+        adapter_dir = None
+
+    sam_checkpoint, sam_random = None, None
+    if p.medsam2_kind == "random":
+        sam_random = (int(p.medsam2["random_seed"]), int(p.medsam2["image_size"]))
+    elif p.medsam2_kind == "path":
+        sam_checkpoint = Path(p.medsam2["path"]).expanduser()
+        if not sam_checkpoint.is_file():
+            raise ModelNotFoundError(f"model preset {p.name!r}: MedSAM2 checkpoint {sam_checkpoint} does not exist")
+    else:
+        sam_checkpoint = _registered_path(p.name, reg["medsam2"])
+    return ResolvedModels(name=p.name, grounder_dir=grounder_dir, adapter_dir=adapter_dir,
+                          sam_checkpoint=sam_checkpoint, sam_random=sam_random, smoke=p.smoke,
+                          settings=dict(p.settings))
+
+
+def _build_tiny(p: Preset) -> Path:
+    try:
+        from .tiny import ensure_tiny_model
+    except ImportError as e:
+        raise ModelError(f"cannot build the {p.name!r} model: medvolcore.tiny is not available ({e})") from None
+    root = models_dir(p.name) / "grounder"
+    out = ensure_tiny_model(root)
+    return Path(out) if out is not None else root
+
+
+def path(name: Optional[str] = None, adapter=None) -> dict:
+    """Resolved local paths of a preset, plus its registration file (or an error)."""
+    r = resolve(name, adapter)
+    d = r.to_dict()
+    reg = registration_path(r.name)
+    d["registration"] = str(reg) if reg.is_file() else None
+    d["home"] = str(models_dir(r.name))
+    return d
+
+
+# ---- hashing -----------------------------------------------------------------------------
+
+def sha256_file(path, progress: bool = False) -> str:
+    """Hex sha256 of a file, read in 8 MiB blocks (a progress bar on stderr if asked)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    bar = None
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+
+        bar = tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}",
+                   file=sys.stderr, leave=False, disable=None)
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(8 << 20), b""):
+                h.update(block)
+                if bar is not None:
+                    bar.update(len(block))
+    finally:
+        if bar is not None:
+            bar.close()
+    return h.hexdigest()
+
+
+def _sha_mismatch(name: str, what: str, path: Path, expected: str, actual: str, against: str) -> ModelError:
+    return ModelError(f"{what} {path} failed its sha256 check for preset {name!r} (expected {expected} from the "
+                      f"{against}, got {actual}); the file was not registered — it is corrupt or not the right file")
+
+
+# ---- registration ------------------------------------------------------------------------
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _write_registration(name: str, method: str, entries: dict) -> Path:
+    reg = {"schema": REGISTRATION_SCHEMA, "preset": name, "method": method, "registered": _now(),
+           "medvolcore_version": __version__, **entries}
+    out = registration_path(name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(reg, indent=2) + "\n", overwrite=True)
+    return out
+
+
+def _unregister(name: str) -> None:
+    """Forget the registration first: a failed transfer must leave the preset missing, not stale."""
+    try:
+        registration_path(name).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _folder_stats(folder: Path) -> Tuple[int, int]:
+    files = [f for f in folder.rglob("*") if f.is_file() and ".cache" not in f.relative_to(folder).parts]
+    return len(files), sum(f.stat().st_size for f in files)
+
+
+# ---- download ----------------------------------------------------------------------------
+
+def _import_hub():
+    try:
+        import huggingface_hub
+    except ImportError:
+        from .errors import DependencyError
+
+        raise DependencyError("downloading models needs huggingface_hub: pip install 'huggingface_hub>=0.34'") from None
+    return huggingface_hub
+
+
+def _hub_error_types() -> dict:
+    """The exception classes that mean 'cannot reach the Hub' / 'the Hub says no', across versions."""
+    import importlib
+
+    mods = []
+    for m in ("huggingface_hub.errors", "huggingface_hub.utils"):  # errors: >=0.24; utils: older
+        try:
+            mods.append(importlib.import_module(m))
+        except ImportError:
+            pass
+
+    def get(*names):
+        found = []
+        for n in names:
+            c = next((getattr(m, n) for m in mods if isinstance(getattr(m, n, None), type)), None)
+            if c is not None:
+                found.append(c)
+        return tuple(found)
+
+    offline = get("OfflineModeIsEnabled", "LocalEntryNotFoundError") + (ConnectionError, TimeoutError)
+    for mod in ("httpx2", "httpx"):
+        try:
+            offline += (__import__(mod).TransportError,)
+        except (ImportError, AttributeError):
+            pass
+    try:
+        import requests
+
+        offline += (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
+    except ImportError:
+        pass
+    return {"offline": offline,
+            "gated": get("GatedRepoError"),
+            "not_found": get("RepositoryNotFoundError", "RevisionNotFoundError", "RemoteEntryNotFoundError",
+                             "EntryNotFoundError"),
+            "http": get("HfHubHTTPError")}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _translate_hub_error(e: BaseException, name: str, what: str, types: dict) -> Optional[MedVolError]:
+    if isinstance(e, types["offline"]):
+        return ModelNotFoundError(
+            f"cannot reach the Hugging Face Hub to download the {what} of preset {name!r} ({_first_line(e)}); "
+            f"on a machine without internet, copy the weights into a folder and run `medvol models import {name} FOLDER`")
+    if types["gated"] and isinstance(e, types["gated"]):
+        return ModelNotFoundError(
+            f"the Hugging Face Hub refused the {what} of preset {name!r}: the repository is gated; accept its terms on "
+            f"the web page and log in (`hf auth login`), or use `medvol models import {name} FOLDER`")
+    if types["not_found"] and isinstance(e, types["not_found"]):
+        return ModelNotFoundError(
+            f"the Hugging Face Hub has no {what} for preset {name!r} ({_first_line(e)}); check the repo id and revision "
+            f"in the preset table, or use `medvol models import {name} FOLDER`")
+    if types["http"] and isinstance(e, types["http"]):
+        return ModelNotFoundError(
+            f"the Hugging Face Hub answered with an error for the {what} of preset {name!r} ({_first_line(e)}); "
+            f"try again later, or use `medvol models import {name} FOLDER`")
+    return None
+
+
+class _ProgressBars:
+    """Turn huggingface_hub's progress bars off for the duration when ``progress`` is False."""
+
+    def __init__(self, progress: bool):
+        import importlib
+
+        self.utils = importlib.import_module("huggingface_hub.utils")
+        self.progress, self.turned_off = progress, False
+
+    def __enter__(self):
+        if not self.progress and not self.utils.are_progress_bars_disabled():
+            self.utils.disable_progress_bars()
+            self.turned_off = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.turned_off:
+            self.utils.enable_progress_bars()
+
+
+def _lfs_sha256(sibling) -> Optional[str]:
+    """The sha256 the Hub reports for an LFS file (``RepoSibling.lfs``), or None for a non-LFS file.
+
+    ``model_info(files_metadata=True)`` gives each sibling ``lfs`` = ``BlobLfsInfo`` (a dict
+    subclass with ``.sha256``) for LFS files and None otherwise; ``blob_id`` is a git sha1, never
+    the file's sha256.
+    """
+    lfs = getattr(sibling, "lfs", None)
+    if not lfs:
+        return None
+    sha = getattr(lfs, "sha256", None) or (lfs.get("sha256") if isinstance(lfs, dict) else None)
+    return sha.lower() if isinstance(sha, str) else None
+
+
+def _matches(path: str, patterns) -> bool:
+    if not patterns:
+        return True
+    pats = [patterns] if isinstance(patterns, str) else patterns
+    return any(fnmatch.fnmatch(path, p + "*" if p.endswith("/") else p) for p in pats)
+
+
+def _download_repo(hf, info, name: str, spec: dict, dest: Path, what: str, model_type: Optional[str],
+                   progress: bool) -> dict:
+    """snapshot_download a model folder at the commit ``info`` describes; check every LFS file's sha256."""
+    commit = info.sha or spec.get("revision")
+    if dest.is_symlink():
+        dest.unlink()
+    hf.snapshot_download(spec["repo_id"], revision=commit, allow_patterns=spec.get("allow_patterns"),
+                         local_dir=str(dest))
+    checked = 0
+    for s in info.siblings or []:
+        expected = _lfs_sha256(s)
+        if expected is None or not _matches(s.rfilename, spec.get("allow_patterns")):
+            continue
+        local = dest / s.rfilename
+        if not local.is_file():
+            raise ModelNotFoundError(f"the download of the {what} of preset {name!r} is incomplete: {local} is "
+                                     f"missing; run `medvol models download {name}` again")
+        actual = sha256_file(local, progress)
+        if actual != expected:
+            local.unlink()
+            raise _sha_mismatch(name, what, local, expected, actual, f"Hub ({spec['repo_id']}@{commit})")
+        checked += 1
+    if model_type:
+        check_grounder_dir(dest, model_type)
+    elif what == "adapter":
+        check_adapter_dir(dest)
+    n, size = _folder_stats(dest)
+    return {"path": dest.name, "source": f"https://huggingface.co/{spec['repo_id']}", "repo_id": spec["repo_id"],
+            "revision": commit, "files": n, "bytes": size, "sha256_checked_files": checked}
+
+
+def _download_medsam2(hf, info, name: str, spec: dict, dest_dir: Path, progress: bool) -> dict:
+    """hf_hub_download one checkpoint at the commit ``info`` describes; check the pinned or Hub sha256."""
+    commit = info.sha or spec.get("revision")
+    sibling = next((s for s in info.siblings or [] if s.rfilename == spec["filename"]), None)
+    if sibling is None:
+        raise ModelNotFoundError(f"{spec['repo_id']}@{commit} has no file {spec['filename']!r} "
+                                 f"(MedSAM2 of preset {name!r}); check the preset table")
+    hub_sha = _lfs_sha256(sibling)
+    expected, against = (spec["sha256"], "preset table") if spec.get("sha256") else (hub_sha, f"Hub ({spec['repo_id']}@{commit})")
+    target = dest_dir / spec["filename"]
+    if target.is_symlink():
+        target.unlink()
+    hf.hf_hub_download(spec["repo_id"], spec["filename"], revision=commit, local_dir=str(dest_dir))
+    local = target
+    if not local.is_file():
+        raise ModelNotFoundError(f"the download of {spec['filename']} for preset {name!r} left no file at {local}; "
+                                 f"run `medvol models download {name}` again")
+    actual = sha256_file(local, progress)
+    if expected is None:
+        log.warning("the Hub reports no sha256 for %s/%s (not an LFS file); recorded the local sha256 unchecked",
+                    spec["repo_id"], spec["filename"])
+    elif actual != expected:
+        local.unlink()
+        raise _sha_mismatch(name, "MedSAM2 checkpoint", local, expected, actual, against)
+    return {"path": f"{dest_dir.name}/{spec['filename']}", "source": f"https://huggingface.co/{spec['repo_id']}",
+            "repo_id": spec["repo_id"], "revision": commit, "sha256": actual,
+            "sha256_checked_against": ("preset" if spec.get("sha256") else "hub") if expected else None,
+            "bytes": local.stat().st_size}
+
+
+def download(name: str, progress: bool = True) -> dict:
+    """Fetch a preset's weights from the Hugging Face Hub into ``models_dir(name)`` and register them.
+
+    Resumable (huggingface_hub keeps partial files and skips complete ones). Each repo is read at
+    one commit; every LFS file is checked by sha256 (the pinned one, else the Hub's); a mismatch
+    deletes the file and raises :class:`ModelError`. No network, offline mode, or a Hub error:
+    :class:`ModelNotFoundError` naming ``medvol models import`` (when the Hub cannot be reached at
+    all, an earlier registration is left as it was). ``tiny`` is just built.
+    Returns what :func:`path` returns plus ``registration``.
+    """
+    p = get_preset(name)
+    if not p.needs_download:
+        if p.grounder_kind == "builder":
+            return path(name)
+        raise InputError(f"model preset {name!r} uses local files only; nothing to download")
+    hf = _import_hub()
+    types = _hub_error_types()
+    home = models_dir(name)
+    parts = []  # (key, what, spec)
+    if p.grounder_kind == "hub":
+        parts.append(("grounder", "grounder", p.grounder))
+    if p.adapter and p.adapter.get("repo_id"):
+        parts.append(("adapter", "adapter", p.adapter))
+    if p.medsam2_kind == "hub":
+        parts.append(("medsam2", "MedSAM2 checkpoint", p.medsam2))
+    entries = {}
+    what = parts[0][1]
+    try:
+        with _ProgressBars(progress):
+            # Ask the Hub first (one commit per repo): unreachable → nothing on disk has changed.
+            api = hf.HfApi()
+            infos = {}
+            for key, what, spec in parts:
+                infos[key] = api.model_info(spec["repo_id"], revision=spec.get("revision"), files_metadata=True)
+            home.mkdir(parents=True, exist_ok=True)
+            _unregister(name)
+            for key, what, spec in parts:
+                if key == "medsam2":
+                    entries[key] = _download_medsam2(hf, infos[key], name, spec, home / "medsam2", progress)
+                else:
+                    entries[key] = _download_repo(hf, infos[key], name, spec, home / key, what,
+                                                  spec.get("model_type") if key == "grounder" else None, progress)
+    except MedVolError:
+        raise
+    except Exception as e:
+        translated = _translate_hub_error(e, name, what, types)
+        if translated is None:
+            raise
+        raise translated from None
+    _write_registration(name, "download", entries)
+    return path(name)
+
+
+# ---- import ------------------------------------------------------------------------------
+
+IMPORT_LAYOUT = ("FOLDER/grounder/ (or FOLDER/{repo}/, or FOLDER itself) holding the Qwen3-VL model folder "
+                 "(config.json with model_type qwen3_vl, *.safetensors, tokenizer files, preprocessor_config.json); "
+                 "FOLDER/{medsam2} (or FOLDER/medsam2/{medsam2} or FOLDER/checkpoints/{medsam2}); "
+                 "optionally FOLDER/adapter/ holding a LoRA adapter (adapter_config.json)")
+
+
+def import_layout(preset: Optional[Preset] = None) -> str:
+    """The folder layout :func:`import_weights` accepts, with the preset's own names when given."""
+    repo = "Qwen3-VL-4B-Instruct"
+    sam = "MedSAM2_latest.pt"
+    if preset is not None and preset.grounder_kind == "hub":
+        repo = preset.grounder["repo_id"].rstrip("/").split("/")[-1]
+    if preset is not None and preset.medsam2_filename:
+        sam = preset.medsam2_filename
+    return IMPORT_LAYOUT.format(repo=repo, medsam2=sam)
+
+
+@dataclass
+class ImportLayout:
+    """What :func:`find_import_layout` found in a folder (None: not found / not needed)."""
+
+    grounder: Optional[Path] = None
+    medsam2: Optional[Path] = None
+    adapter: Optional[Path] = None
+
+
+def find_import_layout(preset: Preset, folder: Path) -> ImportLayout:
+    """Locate the parts of ``preset`` inside ``folder`` (see :func:`import_layout`); check each one.
+
+    Raises :class:`InputError` for a folder that does not exist and :class:`ModelError` for a
+    folder whose content is wrong or incomplete.
+    """
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise InputError(f"{folder} is not a folder; expected {import_layout(preset)}")
+    layout = ImportLayout()
+    if preset.grounder_kind == "hub":
+        repo_name = preset.grounder["repo_id"].rstrip("/").split("/")[-1]
+        candidates = [folder / "grounder", folder / repo_name, folder]
+        found = next((c for c in candidates if (c / "config.json").is_file()), None)
+        if found is None:
+            raise ModelError(f"no grounder model in {folder} (no config.json in grounder/, {repo_name}/ or the "
+                             f"folder itself); expected {import_layout(preset)}")
+        check_grounder_dir(found, preset.grounder.get("model_type", "qwen3_vl"))
+        layout.grounder = found
+    if preset.medsam2_kind == "hub":
+        fname = preset.medsam2["filename"]
+        candidates = [folder / fname, folder / "medsam2" / fname, folder / "checkpoints" / fname]
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise ModelError(f"no MedSAM2 checkpoint {fname} in {folder} (looked in the folder, medsam2/ and "
+                             f"checkpoints/); expected {import_layout(preset)}")
+        if found.stat().st_size == 0:
+            raise ModelError(f"{found} is empty")
+        _check_not_lfs_pointer(found)
+        layout.medsam2 = found
+    if (folder / "adapter").is_dir():
+        layout.adapter = check_adapter_dir(folder / "adapter", preset)
+    return layout
+
+
+def _copy_tree(src: Path, dst: Path, progress: bool, skip=()) -> None:
+    """Copy a folder into place through a temporary sibling (a killed copy leaves no half folder)."""
+    import sys
+
+    files = [f for f in sorted(src.rglob("*")) if f.is_file()
+             and not (set(f.relative_to(src).parts) & {".cache"})
+             and f.relative_to(src).parts[0] not in skip]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+                   desc=f"copy {src.name}", file=sys.stderr, leave=False, disable=None)
+    try:
+        for f in files:
+            out = tmp / f.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, out)
+            if bar is not None:
+                bar.update(f.stat().st_size)
+        _remove(dst)
+        os.replace(tmp, dst)
+    finally:
+        if bar is not None:
+            bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".part", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copy2(src, tmp)
+        _remove(dst)
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _remove(p: Path) -> None:
+    if p.is_symlink() or p.is_file():
+        p.unlink()
+    elif p.is_dir():
+        shutil.rmtree(p)
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def import_weights(name: str, folder, link: bool = False, progress: bool = True) -> dict:
+    """Register weights copied by hand (offline machines). Layout: see :func:`import_layout`.
+
+    Everything is checked before anything is touched: the grounder's config.json model_type,
+    weights, tokenizer and processor; the MedSAM2 file (and its sha256 when the preset pins
+    one: a mismatch is a :class:`ModelError` and nothing is registered); an optional adapter.
+    ``link=False`` copies the files into ``models_dir(name)``; ``link=True`` registers them
+    where they are (absolute paths, no copy, no symlink — so it works on Windows too), and
+    they must stay there. Returns what :func:`path` returns.
+    """
+    p = get_preset(name)
+    if not p.needs_download:
+        raise InputError(f"model preset {name!r} needs no weights from outside"
+                         + (" (it is built locally)" if p.grounder_kind == "builder" else ""))
+    folder = Path(folder).expanduser().absolute()
+    layout = find_import_layout(p, folder)
+    sam_entry = None
+    if layout.medsam2 is not None:
+        actual = sha256_file(layout.medsam2, progress)
+        pinned = p.medsam2.get("sha256")
+        if pinned and actual != pinned:
+            raise _sha_mismatch(name, "MedSAM2 checkpoint", layout.medsam2, pinned, actual, "preset table")
+        if not pinned:
+            log.info("preset %s pins no MedSAM2 sha256: recorded %s unchecked", name, actual)
+        sam_entry = {"source": str(layout.medsam2), "sha256": actual,
+                     "sha256_checked_against": "preset" if pinned else None,
+                     "bytes": layout.medsam2.stat().st_size}
+
+    home = models_dir(name)
+    home.mkdir(parents=True, exist_ok=True)
+    _unregister(name)
+    entries = {}
+    if layout.grounder is not None:
+        n, size = _folder_stats(layout.grounder)
+        entries["grounder"] = {"source": str(layout.grounder), "files": n, "bytes": size,
+                               "model_type": p.grounder.get("model_type", "qwen3_vl")}
+    if layout.adapter is not None:
+        entries["adapter"] = {"source": str(layout.adapter)}
+    if sam_entry is not None:
+        entries["medsam2"] = sam_entry
+
+    if link:
+        for key, src in (("grounder", layout.grounder), ("adapter", layout.adapter), ("medsam2", layout.medsam2)):
+            if src is not None:
+                entries[key]["path"] = str(src)
+    else:
+        skip = {p.medsam2_filename, "adapter", "medsam2", "checkpoints", REGISTRATION} if layout.grounder == folder else ()
+        parts = (("grounder", layout.grounder, home / "grounder"), ("adapter", layout.adapter, home / "adapter"),
+                 ("medsam2", layout.medsam2, home / "medsam2" / (p.medsam2_filename or "")))
+        for key, src, dst in parts:
+            if src is None:
+                continue
+            if not _same(src, dst):
+                if src.is_dir():
+                    _copy_tree(src, dst, progress, skip=skip if key == "grounder" else ())
+                else:
+                    _copy_file(src, dst)
+            entries[key]["path"] = str(dst.relative_to(home))
+    _write_registration(name, "import (linked in place)" if link else "import (copied)", entries)
+    return path(name)
+
+
+# ---- listing -----------------------------------------------------------------------------
+
+def list_status() -> List[dict]:
+    """One row per preset for ``medvol models list``: name, description, status, estimated GPU memory."""
+    default = default_preset()
+    rows = []
+    for p in list_presets():
+        gs, ms = p.source_text()
+        rows.append({"name": p.name, "default": p.name == default, "description": p.description,
+                     **preset_status(p.name), "gpu_memory_gb": p.gpu_memory_gb,
+                     "gpu_memory_note": p.gpu_memory_note, "smoke": p.smoke, "grounder": gs, "medsam2": ms,
+                     "folder": str(models_dir(p.name))})
+    return rows
+
+
+def best_available_preset(requested: Optional[str] = None) -> Tuple[str, str]:
+    """The preset ``medvol demo`` should use, and a notice to print (empty when none is needed).
+
+    An explicit ``requested`` preset is used as is. Otherwise the first real preset whose
+    weights are on disk (the default first), else ``tiny`` with a notice saying what to get.
+    """
+    if requested:
+        get_preset(requested)
+        return requested, ""
+    real = [p.name for p in list_presets() if not p.smoke]
+    order = sorted(real, key=lambda n: n != default_preset())
+    for name in order:
+        if preset_status(name)["present"]:
+            return name, ""
+    smoke = next((p.name for p in list_presets() if p.smoke), "tiny")
+    d = default_preset()
+    return smoke, (
+        f"no real model weights found ({', '.join(order)}): using the untrained '{smoke}' smoke model, whose output "
+        f"is meaningless. For real results run `medvol models download {d}` "
+        f"(offline: `medvol models import {d} FOLDER`)"
+    )

@@ -1,0 +1,209 @@
+"""The main job: CT + free-form query → evidence anchor (Qwen3-VL) → 3-D mask (MedSAM2).
+
+A :class:`Pipeline` keeps both models loaded between calls, so a second ``segment`` or a
+``repropagate`` after a box edit pays no model loading (the worker and Slicer reuse one).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from .anchor import EvidenceAnchor
+from .errors import InputError
+from .stack import AxialStack
+from .volume import CTVolume, load_volume
+
+log = logging.getLogger(__name__)
+
+SMOKE_NOTE = ("made with the untrained 'tiny' smoke model: the anchor and mask are meaningless; "
+              "run `medvol models download medvol-r1` for real results")
+
+VolumeLike = Union[str, "os.PathLike[str]", CTVolume, AxialStack]
+Progress = Callable[[str, float, str], None]  # (stage, fraction 0..1, message)
+
+
+@dataclass
+class Segmentation:
+    """Result of :meth:`Pipeline.segment` / :meth:`Pipeline.repropagate`.
+
+    ``mask`` is uint8 on the volume's source grid (same shape and affine as the input);
+    ``mask_stack`` the same mask on the canonical stack. ``timings`` are seconds per stage.
+    """
+
+    anchor: EvidenceAnchor
+    mask: np.ndarray
+    mask_stack: np.ndarray
+    stack: AxialStack
+    reasoning: str = ""
+    raw_text: str = ""
+    timings: dict = field(default_factory=dict)
+    preset: str = ""
+    smoke: bool = False
+    notes: list = field(default_factory=list)
+    propagation: object = None
+
+    def summary(self) -> dict:
+        return {
+            "preset": self.preset, "smoke": self.smoke, "anchor": self.anchor.to_dict(),
+            "reasoning": self.reasoning, "raw_text": self.raw_text, "notes": list(self.notes),
+            "mask_voxels": int(self.mask.sum()), "timings": {k: round(v, 4) if isinstance(v, float) else v
+                                                              for k, v in self.timings.items()},
+        }
+
+
+def as_stack(volume: VolumeLike) -> AxialStack:
+    if isinstance(volume, AxialStack):
+        return volume
+    if isinstance(volume, CTVolume):
+        return AxialStack(volume)
+    return AxialStack(load_volume(volume))
+
+
+class Pipeline:
+    """Grounder + propagator for one model preset, loaded lazily and kept loaded.
+
+    ``preset``: a name from ``Resources/models.json`` (``medvol-r1``, ``qwen3-vl-2b``, ``tiny``).
+    ``adapter``: a LoRA adapter folder overriding the preset's. ``low_memory``: on CUDA, move
+    the language model off the GPU while MedSAM2 runs.
+    """
+
+    def __init__(self, preset: str = "medvol-r1", adapter=None, device: str = "cpu", low_memory: bool = False):
+        from . import models
+
+        self.models = models.resolve(preset, adapter=adapter)
+        self.preset = self.models.name
+        self.smoke = bool(self.models.smoke)
+        self.device = _check_device(device)
+        self.low_memory = bool(low_memory)
+        self._grounder = None
+        self._propagator = None
+        self._lock = threading.RLock()
+        self.load_seconds = {}
+
+    # -- models, loaded once --
+    @property
+    def grounder(self):
+        with self._lock:
+            if self._grounder is None:
+                from .grounder import QwenVLGrounder
+
+                t = time.perf_counter()
+                self._grounder = QwenVLGrounder.from_pretrained(
+                    self.models.grounder_dir, adapter=self.models.adapter_dir, device=self.device,
+                    settings=self.models.settings)
+                self.load_seconds["grounder"] = time.perf_counter() - t
+            return self._grounder
+
+    @property
+    def propagator(self):
+        with self._lock:
+            if self._propagator is None:
+                from .propagation import MedSAM2Propagator
+
+                t = time.perf_counter()
+                if self.models.sam_checkpoint is not None:
+                    self._propagator = MedSAM2Propagator.from_checkpoint(self.models.sam_checkpoint, device=self.device)
+                else:
+                    seed, size = self.models.sam_random
+                    self._propagator = MedSAM2Propagator.from_random(seed, image_size=size, device=self.device)
+                self.load_seconds["medsam2"] = time.perf_counter() - t
+            return self._propagator
+
+    def load(self) -> "Pipeline":
+        """Load both models now (otherwise they load on first use)."""
+        self.grounder, self.propagator  # noqa: B018
+        return self
+
+    # -- the jobs --
+    def segment(self, volume: VolumeLike, query: str, *, constrain: bool = True, seed: Optional[int] = None,
+                do_sample: bool = False, hu_window=None, progress: Optional[Progress] = None, cancel=None) -> Segmentation:
+        """Ground ``query`` on the volume's 64 sampled slices, then propagate the anchor."""
+        with self._lock:
+            t0 = time.perf_counter()
+            stack = as_stack(volume)
+            _stage(progress, "ground", 0.0, "reading the slices")
+            grounder = self.grounder
+            self._lvlm_to(self.device)
+            g = grounder.ground(stack, query, constrain=constrain, do_sample=do_sample, seed=seed, window=hu_window)
+            t_ground = time.perf_counter() - t0
+            if self.low_memory:
+                self._lvlm_to("cpu")
+            anchor = g.anchor.with_world(stack)
+            notes = list(g.notes)
+            if self.smoke or getattr(grounder, "is_smoke", False):
+                self.smoke = True
+                notes.append(SMOKE_NOTE)
+            anchor.notes = list(dict.fromkeys(list(anchor.notes) + notes))
+            seg = self._propagate(stack, anchor, hu_window, progress, cancel)
+            seg.reasoning, seg.raw_text = g.reasoning, g.raw_text
+            seg.timings.update({f"ground_{k}": v for k, v in g.timings.items()})
+            seg.timings["ground_s"] = t_ground
+            seg.timings["total_s"] = time.perf_counter() - t0
+            seg.notes = anchor.notes
+            return seg
+
+    def repropagate(self, volume: VolumeLike, anchor: Union[EvidenceAnchor, dict], *, hu_window=None,
+                    progress: Optional[Progress] = None, cancel=None) -> Segmentation:
+        """Propagate a given (e.g. edited) anchor; the language model is not used."""
+        with self._lock:
+            t0 = time.perf_counter()
+            stack = as_stack(volume)
+            if isinstance(anchor, dict):
+                anchor = EvidenceAnchor.from_dict(anchor, stack)
+            else:
+                anchor = anchor.with_world(stack)
+            seg = self._propagate(stack, anchor, hu_window, progress, cancel)
+            seg.reasoning = anchor.reasoning
+            seg.timings["total_s"] = time.perf_counter() - t0
+            return seg
+
+    # -- internals --
+    def _propagate(self, stack, anchor, hu_window, progress, cancel) -> Segmentation:
+        t = time.perf_counter()
+        prop = self.propagator
+
+        def on_slice(done, total, message):
+            _stage(progress, "propagate", done / max(total, 1), message)
+
+        r = prop.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=hu_window, progress=on_slice, cancel=cancel)
+        mask = stack.to_source(r.mask)
+        timings = {"propagate_s": time.perf_counter() - t, "propagate_s_per_slice": r.seconds_per_slice,
+                   "slices_encoded": r.slices_encoded}
+        return Segmentation(anchor=anchor, mask=mask, mask_stack=r.mask, stack=stack, timings=timings,
+                            preset=self.preset, smoke=self.smoke, notes=list(anchor.notes), propagation=r)
+
+    def _lvlm_to(self, device: str) -> None:
+        if self._grounder is None or not str(self.device).startswith("cuda"):
+            return
+        model = self._grounder.model
+        if str(next(model.parameters()).device).split(":")[0] != device.split(":")[0]:
+            model.to(device)
+            if device == "cpu":
+                import torch
+
+                torch.cuda.empty_cache()
+
+
+def _stage(progress, stage, fraction, message):
+    if progress is not None:
+        progress(stage, float(fraction), message)
+
+
+def _check_device(device: str) -> str:
+    if device not in ("cpu", "cuda", "auto") and not str(device).startswith("cuda:"):
+        raise InputError(f"unknown device {device!r}: use cpu, cuda or auto")
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available here (no GPU, or a CPU-only torch); use --device cpu")
+    return device

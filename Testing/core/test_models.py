@@ -1,0 +1,449 @@
+"""Model presets and weights: listing, resolving, offline download, import (copy and link), sha256.
+
+Nothing here touches the network: MEDVOL_HOME is a temporary folder, downloads run with
+HF_HUB_OFFLINE=1 or against stand-ins for huggingface_hub's public download functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from medvolcore import models
+from medvolcore.cli import main
+from medvolcore.errors import InputError, ModelError, ModelNotFoundError
+
+SAM_BYTES = b"not really a MedSAM2 checkpoint, but bytes with a known sha256"
+SAM_SHA = hashlib.sha256(SAM_BYTES).hexdigest()
+WEIGHT_BYTES = b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "  # an empty safetensors file
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "medvol_home"
+    monkeypatch.setenv("MEDVOL_HOME", str(h))
+    monkeypatch.delenv("MEDVOL_MODELS_JSON", raising=False)
+    return h
+
+
+def make_grounder(folder: Path, model_type="qwen3_vl") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (folder / "model.safetensors").write_bytes(WEIGHT_BYTES)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "preprocessor_config.json").write_text("{}")
+    return folder
+
+
+def make_import_folder(root: Path, model_type="qwen3_vl", sam=SAM_BYTES) -> Path:
+    make_grounder(root / "grounder", model_type)
+    (root / "MedSAM2_latest.pt").write_bytes(sam)
+    return root
+
+
+def make_adapter(folder: Path, base="Qwen/Qwen3-VL-4B-Instruct") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": base}))
+    (folder / "adapter_model.safetensors").write_bytes(WEIGHT_BYTES)
+    return folder
+
+
+def override_table(tmp_path, monkeypatch, presets: dict) -> Path:
+    f = tmp_path / "my_models.json"
+    f.write_text(json.dumps({"presets": presets}))
+    monkeypatch.setenv("MEDVOL_MODELS_JSON", str(f))
+    return f
+
+
+def pinned_preset(sha):
+    return {"description": "pinned MedSAM2", "smoke": False, "gpu_memory_gb": 12, "settings": {"think_budget": "real"},
+            "grounder": {"repo_id": "Qwen/Qwen3-VL-4B-Instruct", "revision": None, "allow_patterns": ["*.json"]},
+            "medsam2": {"repo_id": "wanglab/MedSAM2", "revision": None, "filename": "MedSAM2_latest.pt", "sha256": sha}}
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err):
+    lines = [l for l in err.splitlines() if "error" in l]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# ---- import cost -------------------------------------------------------------------------
+
+def test_importing_models_loads_nothing_heavy():
+    code = ("import sys, medvolcore.models, medvolcore.cli_models; "
+            "heavy = [m for m in ('torch', 'transformers', 'huggingface_hub', 'peft') if m in sys.modules]; "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- presets -----------------------------------------------------------------------------
+
+def test_shipped_presets():
+    presets = {p.name: p for p in models.list_presets()}
+    assert list(presets) == ["medvol-r1", "qwen3-vl-2b", "tiny"]
+    assert models.default_preset() == "medvol-r1"
+    r1, q2, tiny = presets["medvol-r1"], presets["qwen3-vl-2b"], presets["tiny"]
+    assert r1.grounder["repo_id"] == "Qwen/Qwen3-VL-4B-Instruct" and r1.adapter is None
+    assert q2.grounder["repo_id"] == "Qwen/Qwen3-VL-2B-Instruct"
+    for p in (r1, q2):
+        assert (p.medsam2["repo_id"], p.medsam2["filename"]) == ("wanglab/MedSAM2", "MedSAM2_latest.pt")
+        assert p.grounder_kind == "hub" and p.medsam2_kind == "hub" and p.needs_download and not p.smoke
+        assert p.settings == {"think_budget": "real"}
+    assert tiny.smoke and tiny.grounder_kind == "builder" and tiny.medsam2_kind == "random"
+    assert (tiny.medsam2["random_seed"], tiny.medsam2["image_size"]) == (0, 64) and not tiny.needs_download
+    assert tiny.settings == {"think_budget": "tiny"}
+    assert all(p.gpu_memory_note == "estimated" and p.gpu_memory_gb > 0 for p in presets.values())
+    assert q2.gpu_memory_gb < r1.gpu_memory_gb
+
+
+def test_unknown_preset_lists_known_ones():
+    with pytest.raises(InputError) as e:
+        models.get_preset("medvol-r2")
+    assert "medvol-r1" in str(e.value) and "qwen3-vl-2b" in str(e.value) and "tiny" in str(e.value)
+
+
+def test_bad_override_table_is_a_clear_error(tmp_path, monkeypatch):
+    override_table(tmp_path, monkeypatch, {"x": pinned_preset("abc")})
+    with pytest.raises(ModelError, match="sha256 must be 64 hex digits"):
+        models.list_presets()
+
+
+def test_medvol_home(monkeypatch, home):
+    assert models.medvol_home() == home
+    monkeypatch.delenv("MEDVOL_HOME")
+    assert models.medvol_home() == Path.home() / ".medvol"
+
+
+# ---- resolve -----------------------------------------------------------------------------
+
+def test_resolve_missing_names_download_and_import(home):
+    with pytest.raises(ModelNotFoundError) as e:
+        models.resolve("medvol-r1")
+    msg = str(e.value)
+    assert "medvol models download medvol-r1" in msg and "medvol models import medvol-r1 FOLDER" in msg
+    assert "\n" not in msg
+    assert models.preset_status("medvol-r1") == {"present": False, "available": False, "status": "missing"}
+
+
+def test_tiny_is_built_on_first_use(monkeypatch, home):
+    calls = []
+
+    def ensure_tiny_model(root):
+        calls.append(Path(root))
+        return make_grounder(Path(root))
+
+    monkeypatch.setitem(sys.modules, "medvolcore.tiny", types.SimpleNamespace(ensure_tiny_model=ensure_tiny_model))
+    assert models.preset_status("tiny")["available"] and not models.preset_status("tiny")["present"]
+    r = models.resolve("tiny")
+    assert calls == [home / "models" / "tiny" / "grounder"]
+    assert r.grounder_dir == home / "models" / "tiny" / "grounder"
+    assert r.sam_checkpoint is None and r.sam_random == (0, 64) and r.smoke and r.adapter_dir is None
+    assert r.settings == {"think_budget": "tiny"}
+    assert models.preset_status("tiny")["present"]
+    assert models.download("tiny")["grounder"] == str(r.grounder_dir)  # download tiny = build it
+    assert len(calls) == 2
+
+
+# ---- download (no network) ---------------------------------------------------------------
+
+def test_download_offline_names_import(monkeypatch, home):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: keep this test independent of import order.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFoundError) as e:
+        models.download("qwen3-vl-2b", progress=False)
+    msg = str(e.value)
+    assert "medvol models import qwen3-vl-2b FOLDER" in msg and "\n" not in msg
+    assert not models.registration_path("qwen3-vl-2b").exists()
+
+
+def test_download_offline_keeps_an_earlier_import(tmp_path, monkeypatch, home):
+    models.import_weights("medvol-r1", make_import_folder(tmp_path / "src"), progress=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFoundError):
+        models.download("medvol-r1", progress=False)
+    assert models.resolve("medvol-r1").sam_checkpoint.read_bytes() == SAM_BYTES
+
+
+def test_download_offline_cli_subprocess(tmp_path, home):
+    env = {**os.environ, "MEDVOL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "medvolcore.cli", "models", "download", "medvol-r1", "--no-progress"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2
+    line = one_error_line(r.stderr)
+    assert line.startswith("medvol models: error:") and "medvol models import medvol-r1 FOLDER" in line
+
+
+class FakeHub:
+    """Stand-ins for huggingface_hub's public HfApi.model_info / snapshot_download / hf_hub_download.
+
+    They serve files from memory and record the revisions asked for; the sha256 reported for LFS
+    files is what the real API puts in ``RepoSibling.lfs`` (``BlobLfsInfo.sha256``).
+    """
+
+    COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, files_by_repo, reported_sha=None):
+        self.files = files_by_repo
+        self.reported_sha = reported_sha or {}
+        self.calls = []
+
+    def install(self, monkeypatch):
+        import huggingface_hub
+        from huggingface_hub.hf_api import ModelInfo
+
+        hub = self
+
+        class Api:
+            def model_info(self, repo_id, revision=None, files_metadata=False, **kw):
+                hub.calls.append(("model_info", repo_id, revision))
+                siblings = []
+                for fn, data in hub.files[repo_id].items():
+                    s = {"rfilename": fn, "size": len(data), "blobId": "0" * 40}
+                    if fn.endswith((".pt", ".safetensors")):
+                        sha = hub.reported_sha.get(fn, hashlib.sha256(data).hexdigest())
+                        s["lfs"] = {"size": len(data), "sha256": sha, "pointerSize": 134}
+                    siblings.append(s)
+                return ModelInfo(id=repo_id, sha=hub.COMMIT, siblings=siblings)
+
+        def snapshot_download(repo_id, revision=None, allow_patterns=None, local_dir=None, **kw):
+            hub.calls.append(("snapshot_download", repo_id, revision))
+            for fn, data in hub.files[repo_id].items():
+                (Path(local_dir) / fn).parent.mkdir(parents=True, exist_ok=True)
+                (Path(local_dir) / fn).write_bytes(data)
+            return local_dir
+
+        def hf_hub_download(repo_id, filename, revision=None, local_dir=None, **kw):
+            hub.calls.append(("hf_hub_download", repo_id, revision))
+            out = Path(local_dir) / filename
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(hub.files[repo_id][filename])
+            return str(out)
+
+        monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+        return self
+
+
+def qwen_files():
+    return {"config.json": json.dumps({"model_type": "qwen3_vl"}).encode(), "model.safetensors": WEIGHT_BYTES,
+            "tokenizer.json": b"{}", "tokenizer_config.json": b"{}", "preprocessor_config.json": b"{}"}
+
+
+def test_download_checks_hub_sha256_and_registers(monkeypatch, home):
+    hub = FakeHub({"Qwen/Qwen3-VL-2B-Instruct": qwen_files(),
+                   "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES, "README.md": b"hi"}}).install(monkeypatch)
+    res = models.download("qwen3-vl-2b", progress=False)
+    # one commit per repo: every transfer asks for the commit model_info reported
+    assert {c[2] for c in hub.calls if c[0] != "model_info"} == {FakeHub.COMMIT}
+    d = home / "models" / "qwen3-vl-2b"
+    assert res["grounder"] == str(d / "grounder") and res["medsam2"] == str(d / "medsam2" / "MedSAM2_latest.pt")
+    reg = json.loads((d / "medvol_weights.json").read_text())
+    assert reg["method"] == "download" and reg["medsam2"]["sha256"] == SAM_SHA
+    assert reg["medsam2"]["sha256_checked_against"] == "hub" and reg["medsam2"]["revision"] == FakeHub.COMMIT
+    assert reg["grounder"]["sha256_checked_files"] == 1
+    assert models.resolve("qwen3-vl-2b").sam_checkpoint.read_bytes() == SAM_BYTES
+
+
+def test_download_sha256_mismatch_removes_file(monkeypatch, home):
+    FakeHub({"Qwen/Qwen3-VL-2B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}},
+            reported_sha={"MedSAM2_latest.pt": "f" * 64}).install(monkeypatch)
+    with pytest.raises(ModelError, match="sha256"):
+        models.download("qwen3-vl-2b", progress=False)
+    assert not (home / "models" / "qwen3-vl-2b" / "medsam2" / "MedSAM2_latest.pt").exists()
+    assert not models.registration_path("qwen3-vl-2b").exists()
+    with pytest.raises(ModelNotFoundError):
+        models.resolve("qwen3-vl-2b")
+
+
+def test_hub_metadata_parsing_gives_lfs_sha256():
+    """What model_info(files_metadata=True) returns: RepoSibling.lfs.sha256 (not blob_id, a git sha1)."""
+    from huggingface_hub.hf_api import ModelInfo
+
+    info = ModelInfo(id="wanglab/MedSAM2", sha=FakeHub.COMMIT, siblings=[
+        {"rfilename": "MedSAM2_latest.pt", "size": 3, "blobId": "a" * 40,
+         "lfs": {"size": 3, "sha256": SAM_SHA, "pointerSize": 134}},
+        {"rfilename": "README.md", "size": 2, "blobId": "b" * 40}])
+    assert models._lfs_sha256(info.siblings[0]) == SAM_SHA
+    assert models._lfs_sha256(info.siblings[1]) is None
+
+
+# ---- import ------------------------------------------------------------------------------
+
+def test_import_copies_and_resolve_returns_the_copies(tmp_path, home):
+    src = make_import_folder(tmp_path / "usb")
+    res = models.import_weights("medvol-r1", src, progress=False)
+    d = home / "models" / "medvol-r1"
+    r = models.resolve("medvol-r1")
+    assert r.grounder_dir == d / "grounder" and r.sam_checkpoint == d / "medsam2" / "MedSAM2_latest.pt"
+    assert r.sam_random is None and not r.smoke and r.adapter_dir is None and r.settings == {"think_budget": "real"}
+    assert (r.grounder_dir / "model.safetensors").read_bytes() == WEIGHT_BYTES
+    assert r.sam_checkpoint.read_bytes() == SAM_BYTES and res["medsam2"] == str(r.sam_checkpoint)
+    reg = models.read_registration("medvol-r1")
+    assert reg["method"] == "import (copied)" and reg["medsam2"]["sha256"] == SAM_SHA
+    assert reg["medsam2"]["sha256_checked_against"] is None  # the shipped preset pins no sha256
+    assert reg["grounder"]["source"] == str(src / "grounder") and reg["registered"]
+    assert models.preset_status("medvol-r1")["present"]
+    assert not models.preset_status("qwen3-vl-2b")["present"]
+
+
+def test_import_folder_is_the_qwen_folder_itself(tmp_path, home):
+    src = make_grounder(tmp_path / "Qwen3-VL-4B-Instruct")
+    (src / "MedSAM2_latest.pt").write_bytes(SAM_BYTES)
+    models.import_weights("medvol-r1", src, progress=False)
+    r = models.resolve("medvol-r1")
+    assert not (r.grounder_dir / "MedSAM2_latest.pt").exists()  # the checkpoint is not copied twice
+    assert r.sam_checkpoint.read_bytes() == SAM_BYTES
+
+
+def test_import_link_registers_in_place(tmp_path, home):
+    src = make_import_folder(tmp_path / "big_disk")
+    make_adapter(src / "adapter")
+    models.import_weights("medvol-r1", src, link=True, progress=False)
+    r = models.resolve("medvol-r1")
+    assert r.grounder_dir == src / "grounder" and r.sam_checkpoint == src / "MedSAM2_latest.pt"
+    assert r.adapter_dir == src / "adapter"
+    assert not (home / "models" / "medvol-r1" / "grounder").exists()
+    (src / "MedSAM2_latest.pt").unlink()  # the linked file went away: the preset is missing again
+    with pytest.raises(ModelNotFoundError, match="MedSAM2"):
+        models.resolve("medvol-r1")
+
+
+def test_import_pinned_sha256(tmp_path, monkeypatch, home):
+    override_table(tmp_path, monkeypatch, {"pinned": pinned_preset(SAM_SHA)})
+    models.import_weights("pinned", make_import_folder(tmp_path / "ok"), progress=False)
+    assert models.read_registration("pinned")["medsam2"]["sha256_checked_against"] == "preset"
+    assert models.resolve("pinned").sam_checkpoint.read_bytes() == SAM_BYTES
+
+
+def test_import_sha256_mismatch_registers_nothing(tmp_path, monkeypatch, home):
+    override_table(tmp_path, monkeypatch, {"pinned": pinned_preset(SAM_SHA)})
+    bad = make_import_folder(tmp_path / "bad", sam=SAM_BYTES + b"!")
+    with pytest.raises(ModelError) as e:
+        models.import_weights("pinned", bad, progress=False)
+    assert "sha256" in str(e.value) and SAM_SHA in str(e.value)
+    assert not models.registration_path("pinned").exists()
+    assert not (home / "models" / "pinned" / "medsam2").exists()
+    # a good import survives a later rejected one
+    models.import_weights("pinned", make_import_folder(tmp_path / "good"), progress=False)
+    with pytest.raises(ModelError):
+        models.import_weights("pinned", bad, progress=False)
+    assert models.resolve("pinned").sam_checkpoint.read_bytes() == SAM_BYTES
+
+
+def test_import_wrong_model_type(tmp_path, home):
+    with pytest.raises(ModelError) as e:
+        models.import_weights("medvol-r1", make_import_folder(tmp_path / "llama", model_type="llama"), progress=False)
+    assert "'llama'" in str(e.value) and "qwen3_vl" in str(e.value)
+    assert not models.registration_path("medvol-r1").exists()
+
+
+@pytest.mark.parametrize("break_it, needle", [
+    (lambda src: (src / "MedSAM2_latest.pt").unlink(), "no MedSAM2 checkpoint MedSAM2_latest.pt"),
+    (lambda src: (src / "grounder" / "model.safetensors").unlink(), "no weights"),
+    (lambda src: (src / "grounder" / "preprocessor_config.json").unlink(), "preprocessor_config.json"),
+    (lambda src: (src / "MedSAM2_latest.pt").write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:"),
+     "Git LFS pointer"),
+    (lambda src: (src / "grounder" / "config.json").unlink(), "no grounder model"),
+])
+def test_import_incomplete_folder(tmp_path, home, break_it, needle):
+    src = make_import_folder(tmp_path / "src")
+    break_it(src)
+    with pytest.raises(ModelError, match=needle):
+        models.import_weights("medvol-r1", src, progress=False)
+    assert not models.registration_path("medvol-r1").exists()
+
+
+def test_import_missing_folder_and_tiny(tmp_path):
+    with pytest.raises(InputError, match="is not a folder"):
+        models.import_weights("medvol-r1", tmp_path / "nope")
+    with pytest.raises(InputError, match="built locally"):
+        models.import_weights("tiny", tmp_path)
+
+
+# ---- adapters ----------------------------------------------------------------------------
+
+def test_adapter_checks(tmp_path, home):
+    models.import_weights("medvol-r1", make_import_folder(tmp_path / "src"), progress=False)
+    with pytest.raises(ModelError, match="does not exist"):
+        models.resolve("medvol-r1", adapter=tmp_path / "no_such_adapter")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="adapter_config.json"):
+        models.resolve("medvol-r1", adapter=tmp_path / "empty")
+    wrong = make_adapter(tmp_path / "a2b", base="Qwen/Qwen3-VL-2B-Instruct")
+    with pytest.raises(ModelError, match="Qwen3-VL-2B-Instruct"):
+        models.resolve("medvol-r1", adapter=wrong)
+    good = make_adapter(tmp_path / "a4b")
+    assert models.resolve("medvol-r1", adapter=good).adapter_dir == good
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+
+def test_cli_list_text_and_json(capsys, tmp_path, home):
+    code, out, err = run_cli(capsys, "models", "list")
+    assert code == 0, err
+    rows = {l.split()[0]: l for l in out.splitlines()[1:4]}
+    assert set(rows) == {"medvol-r1", "qwen3-vl-2b", "tiny"}
+    assert "missing" in rows["medvol-r1"] and "est." in rows["medvol-r1"] and "built on first use" in rows["tiny"]
+    models.import_weights("qwen3-vl-2b", make_import_folder(tmp_path / "src"), progress=False)
+    code, out, err = run_cli(capsys, "models", "list", "--json")
+    assert code == 0, err
+    d = {r["name"]: r for r in json.loads(out)["presets"]}
+    assert (d["medvol-r1"]["present"], d["qwen3-vl-2b"]["present"]) == (False, True)
+    assert d["tiny"]["smoke"] and d["tiny"]["available"] and d["medvol-r1"]["default"]
+    assert d["qwen3-vl-2b"]["gpu_memory_note"] == "estimated"
+    code, out2, _ = run_cli(capsys, "models", "--json", "list")  # --json before the action works too
+    assert code == 0 and json.loads(out2)["presets"]
+
+
+def test_cli_import_then_path(capsys, tmp_path, home):
+    src = make_import_folder(tmp_path / "src")
+    code, out, err = run_cli(capsys, "models", "import", "medvol-r1", src, "--no-progress", "--json")
+    assert code == 0, err
+    assert json.loads(out)["medsam2"] == str(home / "models" / "medvol-r1" / "medsam2" / "MedSAM2_latest.pt")
+    code, out, err = run_cli(capsys, "models", "path", "medvol-r1", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["grounder"] == str(home / "models" / "medvol-r1" / "grounder") and d["preset"] == "medvol-r1"
+    assert d["registration"] == str(home / "models" / "medvol-r1" / "medvol_weights.json")
+
+
+def test_cli_errors_are_one_line(capsys, tmp_path, home):
+    code, _, err = run_cli(capsys, "models", "path", "qwen3-vl-2b")
+    line = one_error_line(err)
+    assert code == 2 and "medvol models download qwen3-vl-2b" in line and "medvol models import qwen3-vl-2b" in line
+    code, _, err = run_cli(capsys, "models", "import", "medvol-r1", make_import_folder(tmp_path / "x", "qwen2_vl"))
+    assert code == 2 and "qwen2_vl" in one_error_line(err)
+    code, _, err = run_cli(capsys, "models", "path", "nope")
+    assert code == 2 and "known presets" in one_error_line(err)
+    code, _, err = run_cli(capsys, "models")
+    assert code == 2 and "give an action" in one_error_line(err)
+
+
+def test_tiny_with_the_real_builder(home):
+    """resolve('tiny') builds the real tiny Qwen3-VL (no network) where the preset layout says."""
+    r = models.resolve("tiny")
+    assert r.grounder_dir == home / "models" / "tiny" / "grounder"
+    models.check_grounder_dir(r.grounder_dir, "qwen3_vl")  # what import would accept
+    assert models.preset_status("tiny")["present"] and r.smoke and r.sam_random == (0, 64)
