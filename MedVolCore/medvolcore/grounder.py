@@ -1,0 +1,926 @@
+"""The grounder: Qwen3-VL looks at 64 axial slices and answers with an evidence anchor.
+
+Public API
+----------
+``QwenVLGrounder.from_pretrained(model_dir, adapter=None, device="cpu", dtype=None, settings=None)``
+    loads a Qwen3-VL checkpoint folder (tokenizer, the PIL image processor, the model; fp32 on
+    CPU, bfloat16 on CUDA) and optionally a PEFT LoRA adapter.
+``grounder.build_inputs(stack, query, window=None) -> (inputs, shown_slices)``
+    the model inputs for one request (see "Prompt" below).
+``grounder.build_batch_inputs([(stack, query), ...], window=None) -> (inputs, [shown_slices, ...])``
+    the same for several requests, left-padded.
+``grounder.ground(stack, query, *, constrain=True, do_sample=False, seed=None, max_new_tokens=None,
+retries=2, window=None) -> GroundingResult``
+    one answer as an :class:`~medvolcore.anchor.EvidenceAnchor` (source ``"grounder"``).
+:func:`answer_grammar`, :func:`plan_budget`, :func:`validate_query`, :func:`load_prompts`
+    the pure pieces, for training code and tests.
+
+Prompt (ours; no ``Qwen3VLProcessor``, no torchvision, no video processor)
+-------------------------------------------------------------------------
+Qwen's chat layout, written by us rather than by the checkpoint's chat template (a thinking
+model's template would otherwise open ``<think>`` itself)::
+
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n<|im_start|>assistant\\n
+
+``system`` and ``user`` come from ``Resources/prompts/grounder.json``. Inside the user turn the
+``{slices}`` placeholder becomes, for every shown slice ``z`` (``stack.sample_indices(64)``:
+all slices when the stack has fewer than 64)::
+
+    <slice z><|vision_start|><|image_pad|>×N<|vision_end|>\\n
+
+Each slice is rendered 256×256 RGB with the request's window and goes through Qwen2-VL's
+image processor (PIL backend). With patch 16 and merge 2 a 256×256 image is a 1×16×16 patch
+grid, so ``N = t·h·w / merge² = 64`` tokens per image and 4096 image tokens for 64 slices (the
+real Qwen3-VL's processor settings keep 256×256 unresized too); ``N`` is always taken from the
+processor's ``image_grid_thw``. Text runs are tokenized with ``split_special_tokens=True``, so
+a query that contains ``<|image_pad|>`` or ``<|im_end|>`` stays plain text and cannot shift the
+image tokens. Besides ``input_ids`` and ``attention_mask`` the model gets ``pixel_values``,
+``image_grid_thw`` and ``mm_token_type_ids`` (1 on image tokens, 0 elsewhere): transformers
+5.x's Qwen3-VL needs the latter to build its 3-D (M-RoPE) positions.
+
+Constrained decoding
+--------------------
+By default the answer is forced by a grammar built per request from the shown tags::
+
+    <think>TEXT</think><answer>[{"slice": TAG, "bbox_2d_list": [[X, Y, X, Y], ...]}]</answer><stop>
+
+``TAG`` is one of the shown tags, each coordinate an integer 0..1000 (no leading zeros), 1 to
+``max_boxes`` boxes, with the exact separators of :func:`~medvolcore.answer.format_answer` (the
+canonical text the SFT targets use). ``TEXT`` has no ``<`` and at most ``think_max_chars``
+characters. When the grammar is complete only stop tokens (``<|im_end|>``) are allowed, so
+generation stops there.
+
+Think budget: the answer after the reasoning costs at most one token per byte (byte-level
+BPE, the worst case, which the tiny tokenizer can hit), i.e.
+``answer_tokens(B) = 27 + len(longest tag) + 19 + 24·B + 2·(B−1) + 12 + 1`` tokens for ``B``
+boxes. :func:`plan_budget` lowers ``B`` (from ``max_boxes``, 8) until ``max_new_tokens`` leaves
+``7 + min_think_tokens + 3`` more tokens, and a budget guard in the logits processor forces
+``</think>`` once only ``answer_tokens(B) + 3`` tokens remain (the 3 lets a multi-byte character
+finish). So the whole answer always fits in ``max_new_tokens`` whatever the tokenizer or the
+language of the reasoning, and a character cap (``think_max_chars``, per preset in
+grounder.json: 2000 for real models, 24 for the tiny smoke model so smoke runs stay short)
+still bounds the reasoning. With the preset defaults (256 new tokens, the MedVol-R1 paper's
+limit; 48 reserved for reasoning) real models may give up to 5 boxes and the tiny model up to 6.
+
+Why xgrammar: it compiles a context-free grammar (EBNF with bounded repetition, which the tag
+alternatives and the think/box bounds need) against the tokenizer's vocabulary, precomputing
+the masks of most tokens, so a step costs microseconds even with Qwen's 151k-token vocabulary;
+its low-level bitmask API (the same one behind ``xgrammar.contrib.hf.LogitsProcessor``) lets our
+budget guard sit in the same logits processor; and it is installed here. llguidance (Rust,
+Lark-style grammars, also fast) would serve as well — one engine is enough. lm-format-enforcer
+is pure Python, takes JSON Schema or regular expressions rather than grammars, and walks a
+token prefix tree at every step, which is slower on a large vocabulary.
+
+Unconstrained decoding (``constrain=False``) parses with :func:`~medvolcore.answer.parse_answer`;
+an answer that does not parse, names a slice that was not shown, or has no usable box is
+retried with sampling (seed ``seed + attempt``) up to ``retries`` times, then a
+:class:`~medvolcore.errors.GenerationError` carries the raw text. In both modes boxes with
+swapped corners are reordered and boxes of zero width or height dropped, each with a note.
+
+Timings are measured, not estimated: ``prefill_s`` is from the ``generate`` call to the first
+call of our logits processor (vision encoder + prompt forward + first logits), ``decode_s`` from
+there to the end of ``generate``; ``new_tokens`` counts the generated tokens (stop token
+included) and ``stopped`` says whether a stop token ended them; ``prompt_s`` is rendering and
+tokenization; ``total_s`` the whole ``ground`` call, retries included. Prefill, decode and
+new_tokens describe the last attempt.
+
+Importing this module does not import torch or transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+import math
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from .anchor import MAX_BOXES, EvidenceAnchor
+from .answer import parse_answer
+from .errors import (AnchorError, AnswerFormatError, DependencyError, GenerationError, InputError, MedVolError,
+                     ModelError, ModelNotFoundError)
+from .resources import load_json
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "QwenVLGrounder", "GroundingResult", "answer_grammar", "answer_tokens", "plan_budget", "validate_query",
+    "load_prompts", "resolve_settings", "describe_window", "clean_boxes", "MAX_QUERY_CHARS",
+]
+
+PROMPTS_FILE = ("prompts", "grounder.json")
+MAX_QUERY_CHARS = 2000
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_ANSWER_HEAD = '</think><answer>[{"slice": '
+_ANSWER_MID = ', "bbox_2d_list": ['
+_ANSWER_TAIL = "]}]</answer>"
+_BOX_WORST = "[1000, 1000, 1000, 1000]"
+_BOX_SEP = ", "
+_UTF8_SLACK = 3  # continuation bytes a multi-byte character may still need before "</think>" fits
+_PLACEHOLDER = re.compile(r"\{(query|window|num_shown|depth)\}")
+_SETTING_KEYS = ("max_new_tokens", "think_max_chars", "min_think_tokens", "max_boxes", "temperature", "top_p",
+                 "top_k")
+
+
+# ---- prompt resources and settings ---------------------------------------------------------
+
+def load_prompts() -> dict:
+    """``Resources/prompts/grounder.json`` (a private copy), checked."""
+    try:
+        cfg = copy.deepcopy(load_json(*PROMPTS_FILE))
+    except (OSError, ValueError) as e:
+        raise MedVolError(f"cannot read the grounder prompts (Resources/prompts/grounder.json): {e}") from None
+    for key in ("system", "user", "slice_tag", "presets"):
+        if key not in cfg:
+            raise MedVolError(f"Resources/prompts/grounder.json has no {key!r}")
+    for ph in ("{slices}", "{query}"):
+        if cfg["user"].count(ph) != 1:
+            raise MedVolError(f"the grounder's user template must contain {ph} exactly once")
+    if "{z}" not in cfg["slice_tag"]:
+        raise MedVolError("the grounder's slice_tag must contain {z}")
+    return cfg
+
+
+def resolve_settings(preset: str = "real", overrides: Optional[dict] = None) -> dict:
+    """Decoding settings: a preset of grounder.json (``"real"`` or ``"tiny"``) with ``overrides``.
+
+    ``overrides`` may name the preset as ``preset`` or ``think_budget`` (the key the model
+    manifest, ``Resources/models.json``, uses); other keys override single settings.
+    """
+    presets = load_prompts()["presets"]
+    overrides = dict(overrides or {})
+    named = {overrides.pop(k) for k in ("preset", "think_budget") if k in overrides}
+    if len(named) > 1:
+        raise InputError(f"grounder settings name two presets: {', '.join(sorted(map(str, named)))}")
+    preset = named.pop() if named else preset
+    if preset not in presets:
+        raise InputError(f"unknown grounder preset {preset!r}; choose one of {', '.join(sorted(presets))}")
+    unknown = sorted(set(overrides) - set(_SETTING_KEYS))
+    if unknown:
+        raise InputError(f"unknown grounder setting(s) {', '.join(unknown)}; known: {', '.join(_SETTING_KEYS)}")
+    out = dict(presets[preset], **overrides, preset=preset)
+    for key in ("max_new_tokens", "think_max_chars", "min_think_tokens", "max_boxes"):
+        v = out.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key in ("max_new_tokens", "max_boxes") else 0):
+            raise InputError(f"grounder setting {key} must be a whole number ≥ 0 (≥ 1 for {key}), got {v!r}")
+    out["max_boxes"] = min(out["max_boxes"], MAX_BOXES)
+    return out
+
+
+def validate_query(query) -> str:
+    """The query, stripped. Empty or longer than 2000 characters → :class:`InputError`."""
+    if not isinstance(query, str):
+        raise InputError(f"the query must be text, got {type(query).__name__}")
+    q = query.strip()
+    if not q:
+        raise InputError("the query is empty; describe what to find, e.g. 'the organ that secretes bile'")
+    if len(q) > MAX_QUERY_CHARS:
+        raise InputError(f"the query has {len(q)} characters; at most {MAX_QUERY_CHARS} are allowed")
+    return q
+
+
+def describe_window(window) -> str:
+    from .windowing import get_window
+
+    w = get_window(window)
+    name = "custom" if w.name == "custom" else w.name.replace("_", " ")
+    return f"{name} window (centre {w.center:g} HU, width {w.width:g} HU)"
+
+
+# ---- grammar and budget -------------------------------------------------------------------
+
+def _tag_texts(tags: Sequence[int]) -> List[str]:
+    out = []
+    for t in tags:
+        if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__") or int(t) < 0:
+            raise InputError(f"slice tags must be non-negative integers, got {t!r}")
+        out.append(str(int(t)))
+    if not out:
+        raise InputError("no slice tags to choose from")
+    return out
+
+
+def answer_tokens(tags: Sequence[int], boxes: int) -> int:
+    """Worst-case tokens from ``</think>`` through the stop token, one token per byte."""
+    longest = max(len(t) for t in _tag_texts(tags))
+    return (len(_ANSWER_HEAD) + longest + len(_ANSWER_MID) + boxes * len(_BOX_WORST)
+            + (boxes - 1) * len(_BOX_SEP) + len(_ANSWER_TAIL) + 1)
+
+
+def plan_budget(tags: Sequence[int], max_new_tokens: int, settings: dict) -> dict:
+    """Grammar bounds for a request: ``think_chars``, ``max_boxes`` and ``force_close_at``.
+
+    ``max_boxes`` is lowered from the setting until the worst-case answer leaves
+    ``min_think_tokens`` for the reasoning (never below 1; too small a budget is an
+    :class:`InputError`). ``think_chars`` is the setting's character cap; it is not derived from
+    the token budget (a token may hold many characters): the budget guard enforces the fit —
+    when ``force_close_at`` tokens or fewer remain and the reasoning is still open, it forces
+    ``</think>``.
+    """
+    min_think = int(settings.get("min_think_tokens", 0))
+    boxes = int(settings.get("max_boxes", MAX_BOXES))
+    overhead = len(THINK_OPEN) + min_think + _UTF8_SLACK
+    while boxes > 1 and answer_tokens(tags, boxes) + overhead > max_new_tokens:
+        boxes -= 1
+    need = answer_tokens(tags, 1) + len(THINK_OPEN) + _UTF8_SLACK
+    if answer_tokens(tags, boxes) + len(THINK_OPEN) + _UTF8_SLACK > max_new_tokens:
+        raise InputError(f"max_new_tokens={max_new_tokens} is too small for a constrained answer; "
+                         f"give at least {need} (more leaves room for the reasoning)")
+    return {"think_chars": max(0, int(settings.get("think_max_chars", 0))),
+            "max_boxes": boxes,
+            "force_close_at": answer_tokens(tags, boxes) + _UTF8_SLACK}
+
+
+def _ebnf_literal(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def answer_grammar(tags: Sequence[int], think_chars: int, max_boxes: int) -> str:
+    """EBNF (xgrammar / GBNF dialect) of the answer format for the given shown tags."""
+    tag_texts = _tag_texts(tags)
+    if not 1 <= max_boxes <= MAX_BOXES:
+        raise InputError(f"max_boxes must be 1..{MAX_BOXES}, got {max_boxes}")
+    think = f" think {_ebnf_literal(_ANSWER_HEAD)}" if think_chars > 0 else f" {_ebnf_literal(_ANSWER_HEAD)}"
+    more = f" ({_ebnf_literal(_BOX_SEP)} box){{0,{max_boxes - 1}}}" if max_boxes > 1 else ""
+    lines = [
+        f"root ::= {_ebnf_literal(THINK_OPEN)}{think} tag {_ebnf_literal(_ANSWER_MID)} box{more} "
+        f"{_ebnf_literal(_ANSWER_TAIL)}",
+        "tag ::= " + " | ".join(_ebnf_literal(t) for t in dict.fromkeys(tag_texts)),
+        'box ::= "[" num ", " num ", " num ", " num "]"',
+        'num ::= "0" | [1-9] [0-9]{0,2} | "1000"',
+    ]
+    if think_chars > 0:
+        lines.append(f"think ::= [^<]{{0,{think_chars}}}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- answers → anchors --------------------------------------------------------------------
+
+def _fmt(box) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in box) + "]"
+
+
+def clean_boxes(boxes_norm) -> Tuple[List[List[float]], List[str]]:
+    """Reorder swapped corners, drop zero-width/height boxes, keep at most 8; with notes."""
+    kept, notes = [], []
+    for i, box in enumerate(boxes_norm, start=1):
+        x0, y0, x1, y1 = (float(v) for v in box)
+        fixed = [min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)]
+        if fixed != [x0, y0, x1, y1]:
+            notes.append(f"box {i} {_fmt(box)} had swapped corners; reordered to {_fmt(fixed)}")
+        if fixed[0] == fixed[2] or fixed[1] == fixed[3]:
+            notes.append(f"box {i} {_fmt(box)} has zero width or height; dropped")
+            continue
+        kept.append(fixed)
+    if len(kept) > MAX_BOXES:
+        notes.append(f"the answer has {len(kept)} boxes; kept the first {MAX_BOXES}")
+        kept = kept[:MAX_BOXES]
+    return kept, notes
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    if len(text) > limit:
+        head = limit * 2 // 3
+        text = f"{text[:head]} …[{len(text) - limit} characters left out]… {text[-(limit - head):]}"
+    return text
+
+
+class _Unusable(Exception):
+    """An answer that parsed but cannot become an anchor (reason in the message)."""
+
+
+@dataclass
+class GroundingResult:
+    """One grounding: the anchor plus what led to it."""
+
+    anchor: EvidenceAnchor
+    reasoning: str
+    raw_text: str
+    shown_slices: List[int]
+    timings: Dict[str, float]
+    notes: List[str] = field(default_factory=list)
+    attempts: int = 1
+
+    def to_dict(self) -> dict:
+        return {"anchor": self.anchor.to_dict(), "reasoning": self.reasoning, "raw_text": self.raw_text,
+                "shown_slices": list(self.shown_slices), "timings": dict(self.timings), "notes": list(self.notes),
+                "attempts": self.attempts}
+
+
+# ---- lazy imports ---------------------------------------------------------------------------
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise DependencyError("the grounder needs PyTorch; install it with `pip install torch`") from None
+    return torch
+
+
+def _transformers():
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoTokenizer, GenerationConfig, Qwen3VLForConditionalGeneration
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError as e:
+        raise DependencyError(f"the grounder needs transformers ≥ 5 with Qwen3-VL ({e}); "
+                              "install it with `pip install 'transformers>=5'`") from None
+    return AutoTokenizer, GenerationConfig, Qwen3VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise DependencyError("constrained decoding needs xgrammar (`pip install xgrammar`); "
+                              "or pass constrain=False") from None
+    return xgrammar
+
+
+@functools.lru_cache(maxsize=None)
+def _step_processor_class():
+    """A transformers ``LogitsProcessor``: times the first call and applies an optional guide."""
+    from transformers import LogitsProcessor
+
+    class _StepProcessor(LogitsProcessor):
+        def __init__(self, guide=None):
+            self.guide = guide
+            self.first_call = None
+
+        def __call__(self, input_ids, scores):
+            if self.first_call is None:
+                if scores.is_cuda:  # the prefill is asynchronous on a GPU: wait for it
+                    import torch
+
+                    torch.cuda.synchronize(scores.device)
+                self.first_call = time.perf_counter()
+            return scores if self.guide is None else self.guide(input_ids, scores)
+
+    return _StepProcessor
+
+
+class _GrammarGuide:
+    """Per-generate grammar state: xgrammar matchers per row, token bitmask, and the budget guard."""
+
+    def __init__(self, xgr, torch, compiled, batch_size: int, vocab_bytes, close_ids: dict, max_new_tokens: int,
+                 force_close_at: int):
+        self.xgr, self.torch = xgr, torch
+        self.matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch_size)]
+        self.bitmask = xgr.allocate_token_bitmask(batch_size, compiled.tokenizer_info.vocab_size)
+        self.vocab_bytes = vocab_bytes
+        self.close_ids = close_ids
+        self.max_new_tokens = max_new_tokens
+        self.force_close_at = force_close_at
+        self.text = [bytearray() for _ in range(batch_size)]
+        self.closed = [False] * batch_size
+        self.step = 0
+        self.forced = 0
+
+    def _close_rest(self, i: int) -> bytes:
+        close, buf = THINK_CLOSE.encode(), self.text[i]
+        for k in range(len(close) - 1, 0, -1):
+            if buf.endswith(close[:k]):
+                return close[k:]
+        return close
+
+    def __call__(self, input_ids, scores):
+        torch = self.torch
+        if self.step > 0:
+            for i, m in enumerate(self.matchers):
+                if m.is_terminated():
+                    continue
+                tok = int(input_ids[i, -1])
+                if not m.accept_token(tok):
+                    raise GenerationError(f"internal error: the grammar rejected token {tok} that it allowed")
+                if not self.closed[i]:
+                    self.text[i] += self.vocab_bytes[tok] if tok < len(self.vocab_bytes) else b""
+                    self.closed[i] = THINK_CLOSE.encode() in self.text[i]
+        remaining = self.max_new_tokens - self.step
+        self.step += 1
+        for i, m in enumerate(self.matchers):
+            if m.is_terminated():
+                self.bitmask[i].fill_(-1)  # finished row: generate pads it anyway
+            else:
+                m.fill_next_token_bitmask(self.bitmask, i)
+        device = scores.device
+        work = scores if device.type in ("cpu", "cuda") else scores.to("cpu")
+        self.xgr.apply_token_bitmask_inplace(work, self.bitmask.to(work.device))
+        if remaining <= self.force_close_at:
+            for i, m in enumerate(self.matchers):
+                if self.closed[i] or m.is_terminated():
+                    continue
+                allowed = self.close_ids.get(self._close_rest(i))
+                if allowed is None or allowed.numel() == 0:
+                    continue
+                allowed = allowed.to(work.device)
+                keep = work[i, allowed]
+                if torch.isfinite(keep).any():  # else: mid-character; the slack covers a few steps
+                    row = torch.full_like(work[i], -math.inf)
+                    row[allowed] = keep
+                    work[i] = row
+                    self.forced += 1
+        return work if work is scores else work.to(device)
+
+
+# ---- the grounder ---------------------------------------------------------------------------
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {path}: {e}") from None
+
+
+def _listing(folder: Path, limit: int = 8) -> str:
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+    except OSError:
+        return "nothing readable"
+    if not names:
+        return "an empty folder"
+    more = f", … ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _check_qwen3_vl_folder(model_dir: Path) -> dict:
+    if not model_dir.exists():
+        raise ModelNotFoundError(f"model folder {model_dir} does not exist; install the model or check the path")
+    if not model_dir.is_dir():
+        raise ModelError(f"{model_dir} is not a folder; a Qwen3-VL checkpoint is a folder with config.json")
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ModelError(f"{model_dir} is not a Qwen3-VL checkpoint: it has no config.json "
+                         f"(found {_listing(model_dir)})")
+    cfg = _read_json(cfg_path)
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type != "qwen3_vl":
+        arch = ", ".join(cfg.get("architectures") or []) if isinstance(cfg, dict) else ""
+        raise ModelError(f"{model_dir} is not a Qwen3-VL checkpoint: its config.json says model_type "
+                         f"{model_type!r}{f' ({arch})' if arch else ''}, expected 'qwen3_vl'")
+    for needed in ("preprocessor_config.json",):
+        if not (model_dir / needed).is_file():
+            raise ModelError(f"{model_dir} has no {needed}; copy the complete checkpoint folder")
+    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise ModelError(f"{model_dir} has no tokenizer files (tokenizer.json); copy the complete checkpoint folder")
+    return cfg
+
+
+def _resolve_device(device, torch):
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputError(f"unknown device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r} was asked for but CUDA is not available here; use device='cpu'")
+    return dev
+
+
+def _resolve_dtype(dtype, dev, torch):
+    if dtype is None:
+        return torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                 "float16": torch.float16, "fp16": torch.float16}
+        if dtype.lower() not in names:
+            raise InputError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+        return names[dtype.lower()]
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"dtype must be a torch dtype or its name, got {dtype!r}")
+    return dtype
+
+
+def _identity_names(model_dir: Optional[Path], meta: dict) -> set:
+    names = set()
+    if model_dir is not None:
+        names.add(model_dir.name.lower())
+    for key in ("id", "repo_id", "base_model", "name"):
+        v = meta.get(key)
+        if isinstance(v, str) and v:
+            names.add(v.rstrip("/").split("/")[-1].lower())
+    return names
+
+
+def _normalise_adapter_key(key: str) -> str:
+    parts = [p for p in key.split(".") if p not in ("default", "modules_to_save", "original_module")]
+    return ".".join(parts)
+
+
+class QwenVLGrounder:
+    """Qwen3-VL (optionally with a LoRA adapter) answering clinical queries with an evidence anchor."""
+
+    def __init__(self, model, tokenizer, image_processor, *, settings: Optional[dict] = None,
+                 model_dir: Optional[Union[str, Path]] = None, adapter_dir: Optional[Union[str, Path]] = None,
+                 meta: Optional[dict] = None, notes: Optional[List[str]] = None, peft_model=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
+        self.meta = dict(meta or {})
+        self.peft_model = peft_model
+        self.prompts = load_prompts()
+        preset = "tiny" if self.is_smoke else "real"
+        if isinstance(settings, str):
+            settings = {"preset": settings}
+        self.settings = resolve_settings(preset, settings)
+        self.notes: List[str] = list(notes or [])
+        if self.is_smoke:
+            smoke = str(self.meta.get("note") or "untrained smoke model: its answers are meaningless")
+            if smoke not in self.notes:
+                self.notes.insert(0, smoke)
+        self._ids = self._special_ids()
+        self._xgr_state = None
+        self._compiled: Dict[str, object] = {}
+
+    # -- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_dir, adapter=None, device="cpu", dtype=None, settings=None) -> "QwenVLGrounder":
+        """Load a Qwen3-VL checkpoint folder, optionally with a PEFT LoRA adapter folder.
+
+        fp32 on CPU, bfloat16 on CUDA unless ``dtype`` says otherwise. ``settings`` is a preset
+        name of grounder.json or a dict of overrides (it may name a ``preset``).
+        """
+        model_dir = Path(model_dir).expanduser()
+        _check_qwen3_vl_folder(model_dir)
+        torch = _torch()
+        dev = _resolve_device(device, torch)
+        dt = _resolve_dtype(dtype, dev, torch)
+        AutoTokenizer, _, Qwen3VL, ImageProcessor = _transformers()
+        meta_path = model_dir / "medvol_model.json"
+        meta = _read_json(meta_path) if meta_path.is_file() else {}
+        if not isinstance(meta, dict):
+            raise ModelError(f"{meta_path} must hold a JSON object")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            image_processor = ImageProcessor.from_pretrained(str(model_dir))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ModelError(f"cannot load the tokenizer or image processor of {model_dir}: {e}") from None
+        load_kw = {"dtype": dt}
+        if dev.type == "cuda":
+            load_kw["device_map"] = {"": str(dev)}  # straight onto the GPU, not via host memory
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model = Qwen3VL.from_pretrained(str(model_dir), **load_kw)
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise ModelError(f"cannot load the Qwen3-VL weights from {model_dir}: {e}") from None
+        if dev.type != "cuda":
+            model.to(dev)
+        model.eval()
+        notes, peft_model, adapter_dir = [], None, None
+        if adapter is not None:
+            adapter_dir = Path(adapter).expanduser()
+            peft_model, adapter_notes = cls._load_adapter(model, model_dir, meta, adapter_dir)
+            notes += adapter_notes
+            model = peft_model.get_base_model()
+            model.eval()
+        return cls(model, tokenizer, image_processor, settings=settings, model_dir=model_dir, adapter_dir=adapter_dir,
+                   meta=meta, notes=notes, peft_model=peft_model)
+
+    @staticmethod
+    def _load_adapter(model, model_dir: Path, meta: dict, adapter_dir: Path):
+        if not adapter_dir.exists():
+            raise ModelNotFoundError(f"adapter folder {adapter_dir} does not exist")
+        cfg_path = adapter_dir / "adapter_config.json"
+        if not cfg_path.is_file():
+            raise ModelError(f"{adapter_dir} is not a PEFT adapter: it has no adapter_config.json "
+                             f"(found {_listing(adapter_dir)})")
+        acfg = _read_json(cfg_path)
+        base = (acfg.get("base_model_name_or_path") if isinstance(acfg, dict) else None) or ""
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise DependencyError("loading an adapter needs peft (`pip install peft`)") from None
+        made_for = repr(base) if base else "an unnamed base model (adapter_config.json has no base_model_name_or_path)"
+        what = f"adapter {adapter_dir} was made for {made_for} and does not fit the model in {model_dir}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+            except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
+                detail = str(e).strip()
+                first = next((ln.strip() for ln in detail.splitlines() if "size mismatch" in ln), None)
+                detail = (first or detail.splitlines()[0]) if detail else type(e).__name__
+                raise ModelError(f"{what}: {_one_line(detail, 300)}") from None
+        missing = [str(w.message) for w in caught if "missing adapter keys" in str(w.message)]
+        if missing:
+            keys = re.findall(r"'([^']+)'", missing[0])
+            example = f"{len(keys)} weight(s), e.g. {keys[0]}" if keys else _one_line(missing[0], 200)
+            raise ModelError(f"{what}: the model has adapted layers the adapter has no weights for ({example})")
+        unexpected = QwenVLGrounder._unexpected_adapter_keys(peft_model, adapter_dir)
+        if unexpected:
+            raise ModelError(f"{what}: {len(unexpected)} adapter weight(s) match no layer of the model "
+                             f"(e.g. {unexpected[0]})")
+        notes = []
+        base_name = str(base).rstrip("/").split("/")[-1].lower()
+        same_path = False
+        if base:
+            try:
+                same_path = Path(base).expanduser().resolve() == model_dir.resolve()
+            except (OSError, ValueError):
+                pass
+        if base and not same_path and base_name not in _identity_names(model_dir, meta):
+            note = (f"adapter {adapter_dir.name} names base model {base!r} but was loaded onto {model_dir}; "
+                    "its weights fit, check that this is the intended base")
+            log.warning(note)
+            notes.append(note)
+        notes.append(f"LoRA adapter: {adapter_dir}")
+        return peft_model, notes
+
+    @staticmethod
+    def _unexpected_adapter_keys(peft_model, adapter_dir: Path) -> List[str]:
+        weights = adapter_dir / "adapter_model.safetensors"
+        if not weights.is_file():
+            return []
+        try:
+            from safetensors import safe_open
+            with safe_open(str(weights), framework="pt") as f:
+                file_keys = list(f.keys())
+        except Exception:  # unreadable here means peft already complained above
+            return []
+        model_keys = {_normalise_adapter_key(k) for k in peft_model.state_dict().keys()}
+        return [k for k in file_keys if _normalise_adapter_key(k) not in model_keys]
+
+    # -- properties ------------------------------------------------------------------------------
+    @property
+    def is_smoke(self) -> bool:
+        return bool(self.meta.get("smoke"))
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.model.parameters()).dtype
+
+    def _special_ids(self) -> dict:
+        tok = self.tokenizer
+        ids = {}
+        for name in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>",
+                     "<|image_pad|>"):
+            i = tok.convert_tokens_to_ids(name)
+            if i is None or (tok.unk_token_id is not None and i == tok.unk_token_id):
+                raise ModelError(f"the tokenizer of {self.model_dir or 'the model'} has no {name} token; "
+                                 "is it a Qwen3-VL tokenizer?")
+            ids[name] = int(i)
+        cfg = self.model.config
+        for attr, name in (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+                           ("vision_end_token_id", "<|vision_end|>")):
+            if getattr(cfg, attr, None) is not None and int(getattr(cfg, attr)) != ids[name]:
+                raise ModelError(f"model config {attr}={getattr(cfg, attr)} but the tokenizer's {name} is "
+                                 f"{ids[name]}: tokenizer and model in {self.model_dir} do not belong together")
+        stops = {ids["<|im_end|>"], ids["<|endoftext|>"]}
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            stops |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+        if tok.eos_token_id is not None:
+            stops.add(int(tok.eos_token_id))
+        ids["stop"] = sorted(int(s) for s in stops)
+        ids["pad"] = int(tok.pad_token_id) if tok.pad_token_id is not None else ids["<|endoftext|>"]
+        return ids
+
+    # -- prompt ---------------------------------------------------------------------------------
+    def _fill(self, template: str, values: dict) -> str:
+        return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+
+    def _encode_text(self, text: str) -> List[int]:
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def _prompt_ids(self, query: str, shown: Sequence[int], depth: int, window, image_tokens: Sequence[int]):
+        """Token ids of the chat prompt and the (start, length) of each image's token run."""
+        p, ids = self.prompts, self._ids
+        values = {"query": query, "window": describe_window(window), "num_shown": len(shown), "depth": depth}
+        before, after = p["user"].split("{slices}")
+        pieces: list = [ids["<|im_start|>"], "system\n" + p["system"], ids["<|im_end|>"], "\n",
+                        ids["<|im_start|>"], "user\n" + self._fill(before, values)]
+        sep = p.get("slice_separator", "\n")
+        for z, n in zip(shown, image_tokens):
+            pieces += [p["slice_tag"].replace("{z}", str(int(z))), ids["<|vision_start|>"], ("image", int(n)),
+                       ids["<|vision_end|>"], sep]
+        pieces += [self._fill(after, values), ids["<|im_end|>"], "\n", ids["<|im_start|>"], "assistant\n"]
+        out, spans, text = [], [], ""
+        for piece in pieces:
+            if isinstance(piece, str):
+                text += piece
+                continue
+            out += self._encode_text(text)
+            text = ""
+            if isinstance(piece, tuple):
+                spans.append((len(out), piece[1]))
+                out += [ids["<|image_pad|>"]] * piece[1]
+            else:
+                out.append(piece)
+        out += self._encode_text(text)
+        return out, spans
+
+    def _single_inputs(self, stack, query: str, window):
+        torch = _torch()
+        if stack.depth < 2:
+            raise InputError(f"volume too small: the stack has {stack.depth} axial slice(s); the grounder needs at "
+                             "least 2")
+        n = int(self.prompts.get("num_slices", 64))
+        size = int(self.prompts.get("image_size", 256))
+        shown = [int(z) for z in stack.sample_indices(n)]
+        images = [stack.render_slice(z, size, window) for z in shown]
+        px = self.image_processor(images=images, return_tensors="pt")
+        grid = px["image_grid_thw"]
+        merge = int(getattr(self.image_processor, "merge_size", 2) or 2)
+        tokens = (grid.prod(-1) // (merge * merge)).tolist()
+        ids, spans = self._prompt_ids(query, shown, stack.depth, window, tokens)
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        mm = torch.zeros_like(input_ids, dtype=torch.int32)
+        for start, length in spans:
+            mm[0, start:start + length] = 1
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                "pixel_values": px["pixel_values"], "image_grid_thw": grid, "mm_token_type_ids": mm}, shown
+
+    def build_inputs(self, stack, query: str, window=None):
+        """Model inputs for one request and the shown slice indices (in prompt order)."""
+        return self._single_inputs(stack, validate_query(query), window)
+
+    def build_batch_inputs(self, requests: Sequence[Tuple[object, str]], window=None):
+        """Left-padded inputs for several ``(stack, query)`` requests and each one's shown slices."""
+        torch = _torch()
+        if not requests:
+            raise InputError("no requests to batch")
+        singles = [self._single_inputs(stack, validate_query(q), window) for stack, q in requests]
+        width = max(s[0]["input_ids"].shape[1] for s in singles)
+        rows_ids, rows_mask, rows_mm = [], [], []
+        for inputs, _ in singles:
+            pad = width - inputs["input_ids"].shape[1]
+            rows_ids.append(torch.cat([torch.full((1, pad), self._ids["pad"], dtype=torch.long), inputs["input_ids"]], 1))
+            rows_mask.append(torch.cat([torch.zeros((1, pad), dtype=torch.long), inputs["attention_mask"]], 1))
+            rows_mm.append(torch.cat([torch.zeros((1, pad), dtype=torch.int32), inputs["mm_token_type_ids"]], 1))
+        batch = {"input_ids": torch.cat(rows_ids), "attention_mask": torch.cat(rows_mask),
+                 "pixel_values": torch.cat([s[0]["pixel_values"] for s in singles]),
+                 "image_grid_thw": torch.cat([s[0]["image_grid_thw"] for s in singles]),
+                 "mm_token_type_ids": torch.cat(rows_mm)}
+        return batch, [s[1] for s in singles]
+
+    # -- grammar --------------------------------------------------------------------------------
+    def _xgr(self):
+        """TokenizerInfo, GrammarCompiler, token bytes and the ``</think>`` prefix sets (cached)."""
+        if self._xgr_state is None:
+            xgr, torch = _xgrammar(), _torch()
+            vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=self._ids["stop"])
+            compiler = xgr.GrammarCompiler(info, max_threads=max(1, min(8, torch.get_num_threads())))
+            vocab = [bytes(b) for b in info.decoded_vocab]
+            close = THINK_CLOSE.encode()
+            pieces = [(i, b) for i, b in enumerate(vocab) if b and b in close]
+            close_ids = {}
+            for k in range(len(close)):
+                rest = close[k:]
+                close_ids[rest] = torch.tensor([i for i, b in pieces if rest.startswith(b)], dtype=torch.long)
+            self._xgr_state = (xgr, info, compiler, vocab, close_ids)
+        return self._xgr_state
+
+    def _compile(self, ebnf: str):
+        xgr, _, compiler, _, _ = self._xgr()
+        compiled = self._compiled.get(ebnf)
+        if compiled is None:
+            compiled = compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
+            if len(self._compiled) >= 16:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[ebnf] = compiled
+        return compiled
+
+    # -- generation -----------------------------------------------------------------------------
+    def _generation_config(self, do_sample: bool, max_new_tokens: int):
+        _, GenerationConfig, _, _ = _transformers()
+        s = self.settings
+        kw = dict(max_new_tokens=int(max_new_tokens), min_new_tokens=0, do_sample=bool(do_sample), num_beams=1,
+                  eos_token_id=self._ids["stop"], pad_token_id=self._ids["pad"], use_cache=True)
+        if do_sample:
+            kw.update(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]))
+        else:
+            kw.update(temperature=None, top_p=None, top_k=None)
+        return GenerationConfig(**kw)
+
+    def _generate_text(self, inputs: dict, shown: Sequence[int], *, constrain: bool, do_sample: bool,
+                       seed: Optional[int], max_new_tokens: int):
+        """One ``generate`` call → ``(text, timings)``; the seam tests replace with canned texts."""
+        torch = _torch()
+        dev = self.device
+        model_inputs = {k: v.to(dev) for k, v in inputs.items()}
+        model_inputs["pixel_values"] = model_inputs["pixel_values"].to(self.dtype)
+        batch = model_inputs["input_ids"].shape[0]
+        guide = None
+        if constrain:
+            xgr, _, _, vocab, close_ids = self._xgr()
+            plan = plan_budget(shown, max_new_tokens, self.settings)
+            compiled = self._compile(answer_grammar(shown, plan["think_chars"], plan["max_boxes"]))
+            guide = _GrammarGuide(xgr, torch, compiled, batch, vocab, close_ids, max_new_tokens,
+                                  plan["force_close_at"])
+        step = _step_processor_class()(guide)
+        config = self._generation_config(do_sample, max_new_tokens)
+        devices = [dev] if dev.type == "cuda" else []
+        # generate() fills every unset field from model.generation_config (a checkpoint's may set
+        # repetition_penalty, top_k, ...): swap ours in so that our settings alone define decoding.
+        saved_config = self.model.generation_config
+        t0 = time.perf_counter()
+        try:
+            self.model.generation_config = config
+            with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.inference_mode():
+                if seed is not None:
+                    torch.manual_seed(int(seed))
+                out = self.model.generate(**model_inputs, generation_config=config, logits_processor=[step])
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+        finally:
+            self.model.generation_config = saved_config
+        t1 = time.perf_counter()
+        new = out[0, model_inputs["input_ids"].shape[1]:].tolist()
+        stops = set(self._ids["stop"])
+        n_new, stopped = len(new), False
+        for i, t in enumerate(new):  # tokens after the first stop are padding
+            if t in stops:
+                n_new, stopped = i + 1, True
+                break
+        text = self.tokenizer.decode(new[:n_new], skip_special_tokens=True)
+        first = step.first_call if step.first_call is not None else t1
+        timings = {"prefill_s": first - t0, "decode_s": t1 - first, "new_tokens": n_new, "stopped": stopped}
+        if guide is not None and guide.forced:
+            timings["forced_close_steps"] = guide.forced
+        return text, timings
+
+    # -- the request ------------------------------------------------------------------------------
+    def _check_answer(self, text: str, shown: Sequence[int]):
+        parsed = parse_answer(text)
+        if parsed.slice not in set(shown):
+            raise _Unusable(f"slice {parsed.slice} is not one of the shown slices")
+        boxes, notes = clean_boxes(parsed.boxes_norm)
+        if not boxes:
+            raise _Unusable("no box with a non-zero width and height")
+        return parsed, boxes, notes
+
+    def ground(self, stack, query: str, *, constrain: bool = True, do_sample: bool = False, seed: Optional[int] = None,
+               max_new_tokens: Optional[int] = None, retries: int = 2, window=None) -> GroundingResult:
+        """Answer ``query`` on ``stack`` with an evidence anchor (see the module docstring).
+
+        Greedy by default; ``do_sample=True`` with ``seed`` samples reproducibly. Failed attempts
+        are retried with sampling seeded ``seed + attempt`` (``0 + attempt`` without a seed).
+        ``max_new_tokens`` defaults to the preset's (256, the paper's limit).
+        """
+        t_start = time.perf_counter()
+        query = validate_query(query)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InputError(f"retries must be a whole number ≥ 0, got {retries!r}")
+        if max_new_tokens is None:
+            max_new_tokens = int(self.settings["max_new_tokens"])
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be a whole number ≥ 1, got {max_new_tokens!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InputError(f"seed must be an integer, got {seed!r}")
+        inputs, shown = self._single_inputs(stack, query, window)
+        if constrain:
+            plan_budget(shown, max_new_tokens, self.settings)  # fail early on a too-small budget
+        prompt_s = time.perf_counter() - t_start
+        failures: List[str] = []
+        last_text = ""
+        for attempt in range(retries + 1):
+            sample = do_sample or attempt > 0
+            s = seed if attempt == 0 else (seed or 0) + attempt
+            text, timings = self._generate_text(inputs, shown, constrain=constrain, do_sample=sample,
+                                                seed=s if sample else None, max_new_tokens=max_new_tokens)
+            last_text = text
+            try:
+                parsed, boxes, box_notes = self._check_answer(text, shown)
+                notes = list(self.notes)
+                notes += [f"attempt {i + 1} was unusable: {reason}" for i, reason in enumerate(failures)]
+                notes += box_notes
+                anchor = EvidenceAnchor.from_norm(parsed.slice, boxes, [stack.width, stack.height], query=query,
+                                                  reasoning=parsed.reasoning, source="grounder", notes=notes)
+                anchor.with_world(stack)
+            except (AnswerFormatError, _Unusable, InputError, AnchorError) as e:
+                failures.append(str(e))
+                log.info("grounder attempt %d unusable: %s", attempt + 1, e)
+                continue
+            timings = dict(timings, prompt_s=prompt_s, total_s=time.perf_counter() - t_start)
+            timings.setdefault("prefill_s", float("nan"))
+            timings.setdefault("decode_s", float("nan"))
+            timings.setdefault("new_tokens", 0)
+            return GroundingResult(anchor=anchor, reasoning=parsed.reasoning, raw_text=text, shown_slices=list(shown),
+                                   timings=timings, notes=list(notes), attempts=attempt + 1)
+        reasons = "; ".join(f"attempt {i + 1}: {r}" for i, r in enumerate(failures))
+        err = GenerationError(
+            f"the model gave no usable answer in {retries + 1} attempt(s) ({reasons}); last answer: "
+            f"«{_one_line(last_text)}»" + (" — this is the untrained smoke model" if self.is_smoke else ""))
+        err.raw_text = last_text
+        err.failures = failures
+        raise err
+
+    def __repr__(self) -> str:
+        extra = f", adapter={self.adapter_dir}" if self.adapter_dir else ""
+        return f"QwenVLGrounder({self.model_dir}{extra}, smoke={self.is_smoke}, preset={self.settings['preset']})"
