@@ -565,12 +565,19 @@ class QwenVLGrounder:
         load_kw = {"dtype": dt}
         if dev.type == "cuda":
             load_kw["device_map"] = {"": str(dev)}  # straight onto the GPU, not via host memory
+        from transformers.utils import logging as hf_logging
+
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # its "Loading weights" bar is noise in a CLI or a worker
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 model = Qwen3VL.from_pretrained(str(model_dir), **load_kw)
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise ModelError(f"cannot load the Qwen3-VL weights from {model_dir}: {e}") from None
+        finally:
+            if bar_was_on:
+                hf_logging.enable_progress_bar()
         if dev.type != "cuda":
             model.to(dev)
         model.eval()

@@ -41,12 +41,15 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
     for i, (x0, y0, x1, y1) in enumerate(anchor.boxes):
         c = _BOX_COLOURS[i % len(_BOX_COLOURS)]
         draw.rectangle([x0 * s, y0 * s, (x1 + 1) * s - 1, (y1 + 1) * s - 1], outline=c, width=max(1, s // 2))
-    font = ImageFont.load_default()
+    try:
+        font = ImageFont.load_default(size=13)  # scalable (Pillow ≥ 10.1)
+    except TypeError:
+        font = ImageFont.load_default()
     canvas = Image.new("RGB", (img.width + panel_width, max(img.height, 200)), (20, 20, 20))
     canvas.paste(img, (0, 0))
     d = ImageDraw.Draw(canvas)
     x, y = img.width + 10, 8
-    chars = max(20, (panel_width - 20) // 6)
+    chars = max(20, (panel_width - 20) // 7)
     lines = []
     if banner:
         for ln in textwrap.wrap(banner, chars):
@@ -67,7 +70,7 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
             break
         if colour:
             d.text((x, y), text, fill=colour, font=font)
-        y += 13
+        y += 16
     return canvas
 
 
