@@ -119,16 +119,6 @@ def cmd_anchor(args) -> int:
 
 # ---- medvol propagate ------------------------------------------------------------------
 
-def _select_device(name: str) -> str:
-    import torch
-
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda: CUDA is not available here (no GPU, or a CPU-only torch); use --device cpu")
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
 def cmd_propagate(args) -> int:
     from .anchor import EvidenceAnchor
     from .fileio import check_output
@@ -160,7 +150,9 @@ def cmd_propagate(args) -> int:
         anchor = EvidenceAnchor(args.slice, [list(b) for b in args.box], [stack.width, stack.height],
                                 source="user").with_world(stack)
 
-    device = _select_device(args.device)
+    from .devices import resolve_device
+
+    device = str(resolve_device(args.device))
     from .propagation import MedSAM2Propagator  # torch + sam2 only from here on
 
     t_load = time.perf_counter()
@@ -208,7 +200,7 @@ def cmd_propagate(args) -> int:
         "model_load_seconds": round(load_s, 3), "total_seconds": round(time.perf_counter() - t0, 3),
         "peak_memory_mb": _peak_memory_mb(),
     }
-    if device == "cuda":
+    if device.startswith("cuda"):
         import torch
 
         res["peak_cuda_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)

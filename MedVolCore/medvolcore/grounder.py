@@ -105,6 +105,7 @@ from .anchor import MAX_BOXES, EvidenceAnchor
 from .answer import parse_answer
 from .errors import (AnchorError, AnswerFormatError, DependencyError, GenerationError, InputError, MedVolError,
                      ModelError, ModelNotFoundError)
+from .devices import resolve_device
 from .resources import load_json
 
 log = logging.getLogger(__name__)
@@ -472,16 +473,6 @@ def _check_qwen3_vl_folder(model_dir: Path) -> dict:
     return cfg
 
 
-def _resolve_device(device, torch):
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InputError(f"unknown device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {device!r} was asked for but CUDA is not available here; use device='cpu'")
-    return dev
-
-
 def _resolve_dtype(dtype, dev, torch):
     if dtype is None:
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -550,7 +541,7 @@ class QwenVLGrounder:
         model_dir = Path(model_dir).expanduser()
         _check_qwen3_vl_folder(model_dir)
         torch = _torch()
-        dev = _resolve_device(device, torch)
+        dev = resolve_device(device)
         dt = _resolve_dtype(dtype, dev, torch)
         AutoTokenizer, _, Qwen3VL, ImageProcessor = _transformers()
         meta_path = model_dir / "medvol_model.json"

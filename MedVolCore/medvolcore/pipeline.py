@@ -15,7 +15,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from .anchor import EvidenceAnchor
-from .errors import InputError
+from .devices import resolve_device
 from .stack import AxialStack
 from .volume import CTVolume, load_volume
 
@@ -79,7 +79,7 @@ class Pipeline:
         self.models = models.resolve(preset, adapter=adapter)
         self.preset = self.models.name
         self.smoke = bool(self.models.smoke)
-        self.device = _check_device(device)
+        self.device = str(resolve_device(device))
         self.low_memory = bool(low_memory)
         self._grounder = None
         self._propagator = None
@@ -193,17 +193,3 @@ class Pipeline:
 def _stage(progress, stage, fraction, message):
     if progress is not None:
         progress(stage, float(fraction), message)
-
-
-def _check_device(device: str) -> str:
-    if device not in ("cpu", "cuda", "auto") and not str(device).startswith("cuda:"):
-        raise InputError(f"unknown device {device!r}: use cpu, cuda or auto")
-    if device == "cpu":
-        return "cpu"
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if not torch.cuda.is_available():
-        raise InputError(f"--device {device}: CUDA is not available here (no GPU, or a CPU-only torch); use --device cpu")
-    return device

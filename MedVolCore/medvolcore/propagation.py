@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .devices import resolve_device
 from .errors import CancelledError, CheckpointError, DependencyError, InputError
 from .resources import resource_path
 from .windowing import WindowLike, get_window, window_to_uint8
@@ -257,20 +258,6 @@ def _check_image_size(image_size) -> int:
     return s
 
 
-def _resolve_device(device):
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InputError(f"unknown device {device!r}: use 'cpu' or 'cuda[:N]'") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"device {device!r} requested but torch reports no usable CUDA GPU; use device='cpu'")
-    if dev.type not in ("cpu", "cuda"):
-        raise InputError(f"device {device!r} is not supported: use 'cpu' or 'cuda'")
-    return dev
-
-
 def _hydra_overrides(image_size: int) -> Tuple[list, str]:
     from omegaconf import OmegaConf
 
@@ -464,7 +451,7 @@ class MedSAM2Propagator:
         _require_sam2()
         import torch
 
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(seed))
             model = _build_predictor(size)
@@ -478,7 +465,7 @@ class MedSAM2Propagator:
         _require_sam2()
         import torch
 
-        dev = _resolve_device(device)
+        dev = resolve_device(device)
         p = Path(path).expanduser()
         if not p.is_file():
             raise CheckpointError(f"MedSAM2 checkpoint {p} does not exist (or is not a file)")
