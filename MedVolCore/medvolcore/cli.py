@@ -227,8 +227,9 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     from .volume import save_mask
     from .windowing import get_window
 
-    if not isinstance(query, str) or not query.strip():
-        raise InputError("the query is empty: describe the target, e.g. --query 'the organ that secretes bile'")
+    from .grounder import validate_query
+
+    query = validate_query(query)
     for path in filter(None, (out, anchor_out, qc)):
         check_output(path, args.overwrite)
     hu_window = get_window(args.ct_window)

@@ -16,6 +16,7 @@ import numpy as np
 
 from .anchor import EvidenceAnchor
 from .devices import resolve_device
+from .errors import InputError
 from .stack import AxialStack
 from .volume import CTVolume, load_volume
 
@@ -124,9 +125,14 @@ class Pipeline:
     def segment(self, volume: VolumeLike, query: str, *, constrain: bool = True, seed: Optional[int] = None,
                 do_sample: bool = False, hu_window=None, progress: Optional[Progress] = None, cancel=None) -> Segmentation:
         """Ground ``query`` on the volume's 64 sampled slices, then propagate the anchor."""
+        from .grounder import validate_query
+
+        query = validate_query(query)  # before any model is loaded
         with self._lock:
             t0 = time.perf_counter()
             stack = as_stack(volume)
+            if stack.depth < 2:
+                raise InputError(f"volume too small: the stack has {stack.depth} axial slice(s); at least 2 are needed")
             _stage(progress, "ground", 0.0, "reading the slices")
             grounder = self.grounder
             self._lvlm_to(self.device)
