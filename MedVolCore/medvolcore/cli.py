@@ -420,9 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_segment_options(sp)
     sp.set_defaults(preset=None)
 
+    from .cli_batch import add_batch_command
     from .cli_models import add_models_command
+    from .cli_serve import add_serve_command
 
     add_models_command(sub, add)
+    add_serve_command(sub, add)
+    add_batch_command(sub, add)
 
     sp = add("metrics", "Dice and IoU of a predicted mask against a label map, on the source grid.", cmd_metrics)
     sp.add_argument("--pred", required=True, help="predicted mask or label map")

@@ -51,10 +51,18 @@ def atomic_path(path: PathLike, overwrite: bool = False) -> Iterator[Path]:
         yield tmp_path
         if final.exists() and not overwrite:  # appeared while we were writing
             raise OutputExistsError(f"{final} already exists; pass --overwrite to replace it")
+        # mkstemp creates 0600 files; give the output the permissions a plain open() would
+        os.chmod(tmp_path, 0o666 & ~_umask())
         os.replace(tmp_path, final)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: PathLike, text: str, overwrite: bool = False) -> Path:

@@ -712,3 +712,15 @@ def test_empty_folder_is_not_a_dicom_series(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(VolumeError):
         load_volume(tmp_path / "empty")
+
+
+def test_outputs_get_normal_file_permissions(tmp_path):
+    import os
+    import stat
+
+    from medvolcore.fileio import write_text_atomic
+
+    p = write_text_atomic(tmp_path / "a.anchor.json", "{}")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask

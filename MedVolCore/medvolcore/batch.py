@@ -1,0 +1,669 @@
+"""``medvol batch``: the main job over a manifest of CTs, resumable and shardable.
+
+A manifest lists cases, one per CSV row or JSONL line, with the fields ``id``, ``volume``,
+``query`` and optionally ``gt`` (a label map) and ``label`` (an id, or several: ``2,3`` in CSV,
+``[2, 3]`` in JSONL; without ``label`` every non-zero voxel of ``gt`` is the target). Relative
+paths are resolved against the manifest's folder. The whole manifest is validated before any
+work starts (missing columns, empty fields, duplicate ids, ids that are not safe folder names,
+``label`` without ``gt``): every problem is reported at once, as one error.
+
+For each case the run writes, in this order and each atomically (temporary name + rename),
+
+- ``DIR/<id>/mask.nii.gz``  the 3-D mask on the CT's grid,
+- ``DIR/<id>/anchor.json``  the evidence anchor (schema ``medvol.anchor/1``),
+- ``DIR/<id>/qc.png``       the QC picture,
+- ``DIR/<id>/done.json``    status, seconds, metrics and anchor summary: written LAST.
+
+A case is *complete* only when ``done.json`` is present, readable, says ``"status": "done"``,
+matches the manifest entry (same volume, query, gt, label, preset) and the three outputs
+exist. A run killed at any moment therefore never leaves a case that counts as done without
+its outputs. A case that fails (missing or corrupt file, model error, …) gets
+``DIR/<id>/error.json`` (its error code and message) and the run goes on.
+
+``--resume`` skips complete cases and reruns failed or incomplete ones (their leftovers are
+removed first). Without ``--resume`` or ``--overwrite`` the run refuses to start when any of its
+case folders already holds outputs. ``--overwrite`` reruns every case of the shard.
+
+``--shard I/N`` (1-based ``I``) takes the cases whose 0-based position in the manifest ``p``
+satisfies ``p % N == I - 1``: a deterministic partition (every case in exactly one shard, for
+any manifest order), suited to a cluster job array (``--shard $((SLURM_ARRAY_TASK_ID+1))/N``).
+Shards of one manifest may share ``DIR``: case folders never clash, and the summaries are
+named ``summary.shard-I-of-N.csv`` / ``.html`` (``summary.csv`` / ``summary.html`` without
+``--shard`` or with ``N = 1``).
+
+The summary covers every case of the shard, including those skipped by ``--resume`` (read back
+from their ``done.json``). ``summary.csv`` has exactly the columns
+``id,status,error,slice,boxes,seconds,dice,iou`` (``status`` ``done`` or ``failed``; ``boxes`` is
+the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``).
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from urllib.parse import quote
+
+from .errors import InputError, MedVolError, OutputExistsError
+from .fileio import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+CASE_SCHEMA = "medvol.batch-case/1"
+SUMMARY_COLUMNS = ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou")
+OUTPUTS = ("mask.nii.gz", "anchor.json", "qc.png")
+DONE, ERROR = "done.json", "error.json"
+REQUIRED_FIELDS = ("id", "volume", "query")
+OPTIONAL_FIELDS = ("gt", "label")
+MAX_ID_CHARS = 128
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_WINDOWS_RESERVED = {"con", "prn", "aux", "nul"} | {f"com{i}" for i in range(1, 10)} | {f"lpt{i}" for i in range(1, 10)}
+SMOKE_BANNER = "UNTRAINED SMOKE MODEL: meaningless output"
+
+
+class ManifestError(InputError):
+    """The batch manifest cannot be used (missing columns, duplicate or unsafe ids, …)."""
+
+    code = "bad_manifest"
+
+
+# ---- the manifest --------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """One manifest entry; ``index`` is its 0-based position in the manifest, ``line`` its line."""
+
+    id: str
+    volume: Path
+    query: str
+    gt: Optional[Path] = None
+    label: Optional[Union[int, List[int]]] = None
+    index: int = 0
+    line: int = 0
+
+    def fingerprint(self, preset: str = "", adapter=None) -> dict:
+        """What a finished case must match to be skipped by ``--resume``."""
+        return {"volume": str(self.volume), "query": self.query, "gt": str(self.gt) if self.gt else None,
+                "label": self.label, "preset": preset, "adapter": str(adapter) if adapter else None}
+
+
+def check_case_id(value: str) -> Optional[str]:
+    """Why ``value`` is not usable as a case folder name, or None when it is."""
+    if not value:
+        return "the id is empty"
+    if len(value) > MAX_ID_CHARS:
+        return f"id {value[:40]!r}… is longer than {MAX_ID_CHARS} characters"
+    if not _ID_RE.match(value):
+        return (f"id {value!r} is not safe as a folder name (use letters, digits, '.', '_' and '-', "
+                "starting with a letter or digit)")
+    if value.split(".")[0].lower() in _WINDOWS_RESERVED:
+        return f"id {value!r} is a reserved device name on Windows"
+    if value.lower().startswith("summary."):
+        return f"id {value!r} would clash with the summary files (ids may not start with 'summary.')"
+    return None
+
+
+def parse_label(value, where: str = "label") -> Optional[Union[int, List[int]]]:
+    """``5`` / ``"5"`` / ``"2,3"`` / ``[2, 3]`` → int or list of ints; empty → None."""
+    if value is None:
+        return None
+    items = []
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: expected label ids, got {value!r}")
+    if isinstance(value, int):
+        items = [value]
+    elif isinstance(value, str):
+        parts = [p.strip() for p in re.split(r"[,;\s]+", value.strip().strip("[]")) if p.strip()]
+        for p in parts:
+            try:
+                items.append(int(p))
+            except ValueError:
+                raise ValueError(f"{where}: {p!r} is not an integer label id") from None
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{where}: {v!r} is not an integer label id")
+            items.append(v)
+    else:
+        raise ValueError(f"{where}: expected an integer or a list of integers, got {type(value).__name__}")
+    if not items:
+        return None
+    bad = [v for v in items if v <= 0]
+    if bad:
+        raise ValueError(f"{where}: label ids must be positive (0 is background), got {bad[0]}")
+    items = list(dict.fromkeys(items))
+    return items[0] if len(items) == 1 else items
+
+
+def _resolve(value: str, base: Path) -> Path:
+    p = Path(os.path.expanduser(value))
+    return p if p.is_absolute() else base / p
+
+
+def _read_rows(path: Path) -> Tuple[List[Tuple[int, dict]], List[str]]:
+    """(line, raw record) pairs of the manifest, and the problems found while reading it."""
+    problems: List[str] = []
+    rows: List[Tuple[int, dict]] = []
+    name = path.name.lower()
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 text ({e})") from None
+    except OSError as e:
+        raise ManifestError(f"cannot read the manifest {path}: {e.strerror or e}") from None
+    if name.endswith(".csv"):
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        header = [h.strip() for h in (reader.fieldnames or [])]
+        if not header:
+            raise ManifestError(f"{path}: empty manifest; expected a header row with the columns {', '.join(REQUIRED_FIELDS)}")
+        missing = [c for c in REQUIRED_FIELDS if c not in header]
+        if missing:
+            raise ManifestError(f"{path}: missing column(s) {', '.join(missing)} (found: {', '.join(header) or 'none'}); "
+                                f"required: {', '.join(REQUIRED_FIELDS)}, optional: {', '.join(OPTIONAL_FIELDS)}")
+        reader.fieldnames = header
+        for rec in reader:
+            line = reader.line_num
+            if None in rec:
+                problems.append(f"line {line}: more fields than columns")
+                continue
+            if all((v or "").strip() == "" for v in rec.values()):
+                continue
+            rows.append((line, {k: (v.strip() if isinstance(v, str) else v) for k, v in rec.items()}))
+    elif name.endswith((".jsonl", ".ndjson")):
+        for line, raw in enumerate(text.splitlines(), start=1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except json.JSONDecodeError as e:
+                problems.append(f"line {line}: not valid JSON ({e.msg})")
+                continue
+            if not isinstance(rec, dict):
+                problems.append(f"line {line}: expected a JSON object, got {type(rec).__name__}")
+                continue
+            rows.append((line, rec))
+    else:
+        raise ManifestError(f"{path}: unknown manifest type; use .csv (a header row with {', '.join(REQUIRED_FIELDS)}) "
+                            "or .jsonl (one JSON object per line)")
+    return rows, problems
+
+
+def read_manifest(path) -> List[Case]:
+    """Read and validate a manifest (``.csv`` or ``.jsonl``); every problem is reported at once."""
+    from .grounder import validate_query
+
+    path = Path(os.path.abspath(os.path.expanduser(str(path))))
+    if not path.exists():
+        raise ManifestError(f"manifest {path} does not exist")
+    if path.is_dir():
+        raise ManifestError(f"manifest {path} is a folder; give a .csv or .jsonl file")
+    base = path.parent
+    rows, problems = _read_rows(path)
+    cases: List[Case] = []
+    seen: Dict[str, Tuple[str, int]] = {}
+    for line, rec in rows:
+        where = f"line {line}"
+        missing = [k for k in REQUIRED_FIELDS if rec.get(k) is None or (isinstance(rec.get(k), str) and not rec[k].strip())]
+        if missing:
+            problems.append(f"{where}: missing {', '.join(missing)}")
+            continue
+        cid = rec["id"]
+        if isinstance(cid, int) and not isinstance(cid, bool):
+            cid = str(cid)
+        if not isinstance(cid, str):
+            problems.append(f"{where}: id must be text, got {type(cid).__name__}")
+            continue
+        cid = cid.strip()
+        why = check_case_id(cid)
+        if why:
+            problems.append(f"{where}: {why}")
+            continue
+        key = cid.lower()  # case-insensitive file systems (macOS, Windows) would merge these folders
+        if key in seen:
+            first, first_line = seen[key]
+            if first == cid:
+                problems.append(f"{where}: duplicate id {cid!r} (first on line {first_line})")
+            else:
+                problems.append(f"{where}: id {cid!r} differs from {first!r} (line {first_line}) only in letter case; "
+                                "their folders would clash on case-insensitive file systems")
+            continue
+        seen[key] = (cid, line)
+        bad = [k for k in ("volume", "query", "gt") if rec.get(k) is not None and not isinstance(rec.get(k), str)]
+        if bad:
+            problems.append(f"{where} ({cid}): {', '.join(bad)} must be text")
+            continue
+        try:
+            query = validate_query(rec["query"])
+        except InputError as e:
+            problems.append(f"{where} ({cid}): {e}")
+            continue
+        gt_text = (rec.get("gt") or "").strip()
+        try:
+            label = parse_label(rec.get("label"), "label")
+        except ValueError as e:
+            problems.append(f"{where} ({cid}): {e}")
+            continue
+        if label is not None and not gt_text:
+            problems.append(f"{where} ({cid}): 'label' is given without 'gt'; give the label map in 'gt'")
+            continue
+        cases.append(Case(id=cid, volume=_resolve(rec["volume"].strip(), base), query=query,
+                          gt=_resolve(gt_text, base) if gt_text else None, label=label, index=len(cases), line=line))
+    if problems:
+        shown = problems[:10]
+        more = f"; … and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise ManifestError(f"{path}: {len(problems)} problem(s): " + "; ".join(shown) + more)
+    if not cases:
+        raise ManifestError(f"{path}: the manifest lists no cases")
+    # positions are manifest positions, so shards are stable whatever was skipped above (nothing is)
+    return cases
+
+
+# ---- shards ----------------------------------------------------------------------------------
+
+def parse_shard(spec: Optional[str]) -> Optional[Tuple[int, int]]:
+    """``"2/4"`` → ``(2, 4)``; None → None. ``I`` is 1-based, ``1 ≤ I ≤ N``."""
+    if spec is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(spec))
+    if not m:
+        raise InputError(f"--shard takes I/N with 1 ≤ I ≤ N (e.g. 2/4), got {spec!r}")
+    i, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or not 1 <= i <= n:
+        raise InputError(f"--shard {spec}: need 1 ≤ I ≤ N and N ≥ 1 (I is 1-based), got I={i}, N={n}")
+    return i, n
+
+
+def shard_cases(cases: Sequence[Case], shard: Optional[Tuple[int, int]]) -> List[Case]:
+    """The cases of shard ``(I, N)``: manifest positions ``p`` with ``p % N == I - 1``."""
+    if shard is None:
+        return list(cases)
+    i, n = shard
+    return [c for c in cases if c.index % n == i - 1]
+
+
+def summary_names(shard: Optional[Tuple[int, int]]) -> Tuple[str, str]:
+    if shard is None or shard[1] == 1:
+        return "summary.csv", "summary.html"
+    i, n = shard
+    return f"summary.shard-{i}-of-{n}.csv", f"summary.shard-{i}-of-{n}.html"
+
+
+# ---- case folders ----------------------------------------------------------------------------
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def completed_record(case_dir: Path, case: Case, fingerprint: Optional[dict] = None) -> Optional[dict]:
+    """``done.json`` of a complete case (all outputs present, same inputs), else None."""
+    d = _read_json(case_dir / DONE)
+    if not d or d.get("status") != "done" or d.get("id") != case.id:
+        return None
+    if not all((case_dir / name).is_file() for name in OUTPUTS):
+        return None
+    if fingerprint is not None and d.get("case") != fingerprint:
+        return None
+    return d
+
+
+def _has_outputs(case_dir: Path) -> bool:
+    return case_dir.is_dir() and any((case_dir / n).exists() for n in OUTPUTS + (DONE, ERROR))
+
+
+def _clear_case(case_dir: Path) -> None:
+    """Remove this tool's files from a case folder: done.json first, then the rest and leftovers."""
+    for name in (DONE, ERROR) + OUTPUTS:
+        try:
+            (case_dir / name).unlink()
+        except FileNotFoundError:
+            pass
+    if case_dir.is_dir():
+        for name in OUTPUTS + (DONE, ERROR):
+            for tmp in case_dir.glob(f".{name}.*.part*"):  # temporaries of a killed run (fileio.atomic_path)
+                try:
+                    tmp.unlink()
+                except FileNotFoundError:
+                    pass
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+@dataclass
+class BatchOptions:
+    preset: str = "medvol-r1"
+    adapter: Optional[str] = None
+    device: str = "auto"
+    seed: Optional[int] = None
+    sample: bool = False
+    ct_window: Optional[str] = None
+    shard: Optional[Tuple[int, int]] = None
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+
+@dataclass
+class BatchResult:
+    rows: List[dict] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if all(r["status"] == "done" for r in self.rows) else 3
+
+
+def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipeline=None,
+              on_case: Optional[Callable[[dict], None]] = None) -> BatchResult:
+    """Run every case of the (shard of the) manifest; write the outputs and the summaries.
+
+    ``pipeline``: an already built :class:`~medvolcore.pipeline.Pipeline` to use instead of
+    building one from ``options`` (tests, the benchmark). ``on_case``: called with each row.
+    """
+    opts = options or BatchOptions()
+    t_start = time.perf_counter()
+    if opts.resume and opts.overwrite:
+        raise InputError("--resume and --overwrite do not go together: --resume keeps finished cases, "
+                         "--overwrite redoes every case")
+    cases = read_manifest(manifest)
+    mine = shard_cases(cases, opts.shard)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out-dir {out} is a file, not a folder")
+    csv_name, html_name = summary_names(opts.shard)
+
+    from .windowing import get_window
+
+    hu_window = get_window(opts.ct_window)
+    if pipeline is None:
+        from .pipeline import Pipeline
+
+        pipeline = Pipeline(opts.preset, adapter=opts.adapter, device=opts.device)  # resolves the preset: fails early
+    preset = pipeline.preset
+
+    # plan: which cases run, which are already complete
+    done_before: Dict[str, dict] = {}
+    to_run: List[Case] = []
+    occupied = []
+    for c in mine:
+        cdir = out / c.id
+        if opts.resume:
+            rec = completed_record(cdir, c, c.fingerprint(preset, opts.adapter))
+            if rec is not None:
+                done_before[c.id] = rec
+                continue
+        elif not opts.overwrite and _has_outputs(cdir):
+            occupied.append(c.id)
+        to_run.append(c)
+    if occupied:
+        shown = ", ".join(occupied[:5]) + (f" and {len(occupied) - 5} more" if len(occupied) > 5 else "")
+        raise OutputExistsError(f"{out} already holds outputs for {len(occupied)} case(s) ({shown}); pass --resume to "
+                                "skip finished cases and rerun the others, or --overwrite to redo them all")
+    out.mkdir(parents=True, exist_ok=True)
+
+    t_load = time.perf_counter()
+    if to_run:
+        pipeline.load()  # once for the whole run; a model that cannot load stops the run here
+    load_s = time.perf_counter() - t_load
+
+    bar = None
+    log_lines = False
+    if opts.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(mine), initial=len(done_before), desc="batch", unit="case", file=sys.stderr,
+                   dynamic_ncols=True, smoothing=0.1, disable=None,  # no bar when stderr is not a terminal
+                   bar_format="{desc}: {n_fmt}/{total_fmt}|{bar}| {elapsed}<{remaining}{postfix}")
+        if bar.disable:  # a log file (cluster job): one line per case instead
+            bar = None
+            log_lines = True
+    counts = {"done": len(done_before), "failed": 0}
+
+    def show(case_id: str = "", stage: str = "") -> None:
+        if bar is not None:
+            text = f"done {counts['done']}, failed {counts['failed']}"
+            if case_id:
+                text += f" | {case_id} {stage}"
+            bar.set_postfix_str(text, refresh=False)
+            bar.refresh()
+
+    show()
+    rows_by_id: Dict[str, dict] = {cid: _row_from_done(rec) for cid, rec in done_before.items()}
+    ran = 0
+    t_loop = time.perf_counter()
+    try:
+        for c in to_run:
+            last = [0.0]
+
+            def progress(stage, fraction, message, _id=c.id):
+                now = time.monotonic()
+                if now - last[0] > 0.5:
+                    last[0] = now
+                    show(_id, f"{stage} {int(100 * fraction)}%")
+
+            show(c.id, "starting")
+            row = _run_case(c, out / c.id, pipeline, opts, hu_window, progress)
+            ran += 1
+            rows_by_id[c.id] = row
+            counts[row["status"]] += 1
+            if bar is not None:
+                bar.update(1)
+            elif log_lines:
+                finished = counts["done"] + counts["failed"]
+                per_case = (time.perf_counter() - t_loop) / ran
+                left = per_case * (len(to_run) - ran)
+                sys.stderr.write(f"batch: [{finished}/{len(mine)}] {c.id} {row['status']} ({row['seconds']:.1f} s); "
+                                 f"done {counts['done']}, failed {counts['failed']}, about {left / 60:.1f} min left\n")
+                sys.stderr.flush()
+            show()
+            if on_case is not None:
+                on_case(row)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    rows = [rows_by_id[c.id] for c in mine if c.id in rows_by_id]
+    smoke = bool(getattr(pipeline, "smoke", False)) or any(r.get("_smoke") for r in rows)
+    write_summary_csv(out / csv_name, rows)
+    write_summary_html(out / html_name, rows, title=f"MedVol batch: {Path(str(manifest)).name}"
+                       + (f", shard {opts.shard[0]}/{opts.shard[1]}" if opts.shard else ""), preset=preset, smoke=smoke)
+    seconds = time.perf_counter() - t_start
+    run_s = sum(r["_run_seconds"] for r in rows if r.get("_run_seconds") is not None)
+    info = {
+        "manifest": str(manifest), "out_dir": str(out), "preset": preset, "smoke": smoke,
+        "shard": f"{opts.shard[0]}/{opts.shard[1]}" if opts.shard else None,
+        "cases": len(mine), "manifest_cases": len(cases),
+        "done": sum(r["status"] == "done" for r in rows), "failed": sum(r["status"] == "failed" for r in rows),
+        "skipped": len(done_before), "ran": ran,
+        "seconds": round(seconds, 3), "model_load_s": round(load_s, 3), "cases_seconds": round(run_s, 3),
+        "cases_per_minute": round(60.0 * ran / seconds, 3) if ran and seconds > 0 else None,
+        "summary_csv": str(out / csv_name), "summary_html": str(out / html_name),
+        "failures": [{"id": r["id"], "error": r["error"]} for r in rows if r["status"] == "failed"],
+    }
+    if smoke:
+        info["notice"] = "made with the untrained 'tiny' smoke model: anchors, masks and metrics are meaningless"
+    return BatchResult(rows=rows, info=info)
+
+
+def _row(case_id, status, error="", slice_=None, boxes=None, seconds=None, dice=None, iou=None, **extra) -> dict:
+    r = {"id": case_id, "status": status, "error": error, "slice": slice_, "boxes": boxes, "seconds": seconds,
+         "dice": dice, "iou": iou}
+    r.update(extra)
+    return r
+
+
+def _row_from_done(d: dict) -> dict:
+    a = d.get("anchor") or {}
+    m = d.get("metrics") or {}
+    return _row(d["id"], "done", "", a.get("slice"), a.get("n_boxes"), d.get("seconds"), m.get("dice"), m.get("iou"),
+                _query=d.get("case", {}).get("query", ""), _reasoning=d.get("reasoning", ""), _smoke=d.get("smoke"),
+                _skipped=True, _run_seconds=None)
+
+
+def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress) -> dict:
+    """Segment one case and write its files; any failure is recorded in ``error.json``."""
+    t0 = time.perf_counter()
+    fingerprint = c.fingerprint(pipe.preset, opts.adapter)
+    _clear_case(cdir)
+    cdir.mkdir(parents=True, exist_ok=True)
+    try:
+        rec = _segment_case(c, cdir, pipe, opts, hu_window, progress, fingerprint, t0)
+        return _row(c.id, "done", "", rec["anchor"]["slice"], rec["anchor"]["n_boxes"], rec["seconds"],
+                    (rec["metrics"] or {}).get("dice"), (rec["metrics"] or {}).get("iou"), _query=c.query,
+                    _reasoning=rec["reasoning"], _smoke=rec["smoke"], _skipped=False, _run_seconds=rec["seconds"])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - one case's failure must not stop the run
+        seconds = round(time.perf_counter() - t0, 3)
+        if isinstance(e, MedVolError):
+            code, message = e.code, _one_line(str(e))
+        else:
+            log.debug("case %s failed", c.id, exc_info=True)
+            code, message = "internal_error", _one_line(f"{type(e).__name__}: {e}")
+        _clear_case(cdir)  # a failed case keeps only its error.json
+        err = {"schema": CASE_SCHEMA, "id": c.id, "status": "failed", "error": {"code": code, "message": message},
+               "seconds": seconds, "case": fingerprint, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        write_text_atomic(cdir / ERROR, json.dumps(err, indent=2) + "\n", overwrite=True)
+        return _row(c.id, "failed", f"{code}: {message}", None, None, seconds, None, None, _query=c.query,
+                    _reasoning="", _smoke=None, _skipped=False, _run_seconds=seconds)
+
+
+def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress, fingerprint, t0) -> dict:
+    from .metrics import overlap
+    from .pipeline import as_stack
+    from .qc import save_qc
+    from .volume import label_mask, load_label_map, save_mask
+
+    stack = as_stack(c.volume)
+    target = None
+    if c.gt is not None:  # read before the model runs: a bad label map fails the case cheaply
+        labels = load_label_map(c.gt)
+        if labels.shape != stack.volume.shape:
+            raise InputError(f"ground truth {c.gt} has shape {labels.shape}, the CT {c.volume} has {stack.volume.shape}; "
+                             "they must be on the same grid")
+        target = label_mask(labels, c.label)
+    seg = pipe.segment(stack, c.query, seed=opts.seed, do_sample=opts.sample, hu_window=hu_window, progress=progress)
+    seg.anchor.query = c.query
+    seg.anchor.reasoning = seg.reasoning
+    seg.anchor.source = "grounder"
+    save_mask(seg.mask, stack.volume, cdir / "mask.nii.gz", overwrite=True)
+    seg.anchor.save(cdir / "anchor.json", overwrite=True)
+    save_qc(cdir / "qc.png", stack, seg.anchor, seg.mask_stack, overwrite=True, title=f"{c.id} · query: {c.query}",
+            reasoning=seg.reasoning, banner=SMOKE_BANNER if seg.smoke else "", window=hu_window)
+    metrics = None
+    if target is not None:
+        m = overlap(seg.mask, target)
+        metrics = {"dice": round(m["dice"], 6), "iou": round(m["iou"], 6), "pred_voxels": m["pred_voxels"],
+                   "gt_voxels": m["gt_voxels"]}
+    rec = {
+        "schema": CASE_SCHEMA, "id": c.id, "status": "done", "seconds": round(time.perf_counter() - t0, 3),
+        "case": fingerprint, "metrics": metrics,
+        "anchor": {"slice": seg.anchor.slice, "n_boxes": len(seg.anchor.boxes), "boxes": [list(b) for b in seg.anchor.boxes]},
+        "reasoning": seg.reasoning, "mask_voxels": int(seg.mask.sum()), "smoke": bool(seg.smoke),
+        "notes": list(seg.notes), "outputs": list(OUTPUTS),
+        "timings": {k: round(v, 4) for k, v in seg.timings.items() if isinstance(v, float)},
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    write_text_atomic(cdir / DONE, json.dumps(rec, indent=2) + "\n", overwrite=True)  # last: marks the case complete
+    return rec
+
+
+# ---- summaries -------------------------------------------------------------------------------
+
+def _fmt(v, digits: Optional[int] = None) -> str:
+    if v is None or v == "":
+        return ""
+    if digits is not None and isinstance(v, (int, float)):
+        return f"{float(v):.{digits}f}"
+    return str(v)
+
+
+def summary_csv_rows(rows: Sequence[dict]) -> List[List[str]]:
+    return [[r["id"], r["status"], r["error"] or "", _fmt(r["slice"]), _fmt(r["boxes"]), _fmt(r["seconds"], 2),
+             _fmt(r["dice"], 4), _fmt(r["iou"], 4)] for r in rows]
+
+
+def write_summary_csv(path: Path, rows: Sequence[dict]) -> Path:
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(SUMMARY_COLUMNS)
+    w.writerows(summary_csv_rows(rows))
+    return write_text_atomic(path, buf.getvalue(), overwrite=True)
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1.5em auto;max-width:1100px;
+color:#222;background:#fafafa;padding:0 1em}
+h1{font-size:1.4em} table{border-collapse:collapse;font-size:.9em} td,th{border:1px solid #ccc;padding:.2em .5em}
+th{background:#eee} .banner{background:#b00020;color:#fff;padding:.6em 1em;font-weight:bold;border-radius:4px}
+.case{background:#fff;border:1px solid #ddd;border-radius:6px;margin:1.2em 0;padding:.8em 1em}
+.case h2{font-size:1.1em;margin:.2em 0 .5em} .done{color:#087f23} .failed{color:#b00020}
+.case img{max-width:100%;height:auto;border:1px solid #333;display:block;margin:.5em 0}
+.reasoning{white-space:pre-wrap;background:#f4f4f4;padding:.5em;border-radius:4px;font-size:.9em}
+.error{white-space:pre-wrap;color:#b00020} .meta{color:#555;font-size:.9em}
+"""
+
+
+def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", preset: str = "", smoke: bool = False) -> str:
+    esc = html.escape
+    n_done = sum(r["status"] == "done" for r in rows)
+    n_failed = len(rows) - n_done
+    parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{esc(title)}</title>",
+             f"<style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>"]
+    if smoke:
+        parts.append("<p class=\"banner\">Made with the untrained 'tiny' smoke model: every anchor, mask and metric "
+                     "on this page is meaningless. Use a real preset (medvol models download medvol-r1) for results.</p>")
+    parts.append(f"<p class=\"meta\">preset {esc(preset)} · {len(rows)} case(s): {n_done} done, {n_failed} failed · "
+                 f"written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>")
+    parts.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS) + "</tr>")
+    for r, cells in zip(rows, summary_csv_rows(rows)):
+        anchor = "case-" + quote(r["id"])
+        tds = [f"<td><a href=\"#{anchor}\">{esc(cells[0])}</a></td>", f"<td class=\"{r['status']}\">{esc(cells[1])}</td>"]
+        tds += [f"<td>{esc(v)}</td>" for v in cells[2:]]
+        parts.append("<tr>" + "".join(tds) + "</tr>")
+    parts.append("</table>")
+    for r in rows:
+        cid = r["id"]
+        link = quote(cid)
+        parts.append(f"<section class=\"case\" id=\"case-{link}\"><h2>{esc(cid)} "
+                     f"<span class=\"{r['status']}\">[{esc(r['status'])}]</span></h2>")
+        parts.append(f"<p><b>query:</b> {esc(r.get('_query') or '')}</p>")
+        if r["status"] == "done":
+            metrics = []
+            if r["dice"] is not None:
+                metrics.append(f"Dice {r['dice']:.4f}, IoU {r['iou']:.4f}")
+            metrics.append(f"key slice {r['slice']}, {r['boxes']} box(es)")
+            metrics.append(f"{_fmt(r['seconds'], 2)} s" + (" (from an earlier run)" if r.get("_skipped") else ""))
+            parts.append(f"<p class=\"meta\">{esc(' · '.join(metrics))} · <a href=\"{link}/mask.nii.gz\">mask</a> · "
+                         f"<a href=\"{link}/anchor.json\">anchor</a></p>")
+            parts.append(f"<img src=\"{link}/qc.png\" alt=\"QC picture of {esc(cid)}\" loading=\"lazy\">")
+            parts.append(f"<div class=\"reasoning\"><b>reasoning:</b> {esc(r.get('_reasoning') or '(none)')}</div>")
+        else:
+            parts.append(f"<p class=\"error\"><b>error:</b> {esc(r['error'] or '')}</p>")
+        parts.append("</section>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def write_summary_html(path: Path, rows: Sequence[dict], **kw) -> Path:
+    return write_text_atomic(path, render_summary_html(rows, **kw), overwrite=True)
+
+
+__all__ = ["Case", "ManifestError", "BatchOptions", "BatchResult", "read_manifest", "parse_shard", "shard_cases",
+           "summary_names", "completed_record", "run_batch", "SUMMARY_COLUMNS", "check_case_id", "parse_label"]

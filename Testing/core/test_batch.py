@@ -1,0 +1,339 @@
+"""`medvol batch`: a manifest of real CTs run with the tiny preset on CPU.
+
+Covers failures recorded while the run goes on (corrupt NIfTI, missing file), the exact summary
+table, the HTML page, refusing to overwrite, a SIGKILL midway followed by ``--resume``, shards
+that partition the manifest, and manifest validation.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from medvolcore.batch import (OUTPUTS, SUMMARY_COLUMNS, Case, completed_record, parse_label, parse_shard,
+                              read_manifest, shard_cases, summary_names)
+from medvolcore.cli_batch import main_batch
+from medvolcore.metrics import overlap
+
+from conftest import LIVER
+
+QUERY = "the organ that secretes bile"
+BASE = ["--preset", "tiny", "--device", "cpu", "--no-progress"]
+
+
+def run_batch_cli(capsys, *argv):
+    code = main_batch([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_summary(path: Path):
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    return rows[0], rows[1:]
+
+
+def write_manifest(path: Path, rows, fmt: str) -> Path:
+    """rows: dicts with id, volume, query and optional gt, label (label as an int or a list)."""
+    if fmt == "csv":
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["id", "volume", "query", "gt", "label"])
+            for r in rows:
+                lab = r.get("label")
+                lab = ",".join(map(str, lab)) if isinstance(lab, list) else ("" if lab is None else str(lab))
+                w.writerow([r["id"], r["volume"], r["query"], r.get("gt", ""), lab])
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, ct_sm_path, seg_sm_path):
+    """The real CT and its labels copied beside the manifests (so relative paths are exercised),
+    plus a file with a NIfTI name whose bytes are not NIfTI."""
+    d = tmp_path_factory.mktemp("batch_data")
+    shutil.copy(ct_sm_path, d / "ct.nii.gz")
+    shutil.copy(seg_sm_path, d / "seg.nii.gz")
+    (d / "corrupt.nii.gz").write_bytes(b"this is not a NIfTI file\x00\x01\x02" * 10)
+    # 8 slices of the same CT (every voxel kept, affine shifted): cheaper cases for the multi-case runs
+    ct, seg = nib.load(str(ct_sm_path)), nib.load(str(seg_sm_path))
+    k0 = 11
+    aff = ct.affine.copy()
+    aff[:3, 3] = ct.affine[:3, :3] @ [0, 0, k0] + ct.affine[:3, 3]
+    nib.save(nib.Nifti1Image(np.asarray(ct.dataobj)[:, :, k0:k0 + 8], aff, ct.header), str(d / "ct8.nii.gz"))
+    nib.save(nib.Nifti1Image(np.asarray(seg.dataobj)[:, :, k0:k0 + 8], aff, seg.header), str(d / "seg8.nii.gz"))
+    return d
+
+
+def mixed_rows(label, ct="ct.nii.gz", seg="seg.nii.gz"):
+    return [
+        {"id": "good", "volume": ct, "query": QUERY, "gt": seg, "label": label},
+        {"id": "corrupt", "volume": "corrupt.nii.gz", "query": QUERY},
+        {"id": "missing", "volume": "no_such_ct.nii.gz", "query": QUERY},
+    ]
+
+
+# ---- a run with a good case, a corrupt NIfTI and a missing file ----------------------------
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
+    # CSV: the 30-slice CT itself; JSONL: its 8-slice crop (label as a list), to keep the suite quick
+    rows = mixed_rows(LIVER) if fmt == "csv" else mixed_rows([LIVER], "ct8.nii.gz", "seg8.nii.gz")
+    manifest = write_manifest(data_dir / f"mixed.{fmt}", rows, fmt)
+    seg_file = data_dir / rows[0]["gt"]
+    out = tmp_path / "out"
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--json")
+    assert code == 3, err
+    assert "Traceback" not in err
+    info = json.loads(stdout)
+    assert (info["cases"], info["done"], info["failed"], info["skipped"], info["ran"]) == (3, 1, 2, 0, 3)
+    assert info["smoke"] is True and {f["id"] for f in info["failures"]} == {"corrupt", "missing"}
+
+    # the good case: all three outputs, then done.json; metrics checked against the files themselves
+    good = out / "good"
+    assert sorted(p.name for p in good.iterdir()) == sorted(OUTPUTS + ("done.json",))
+    done = json.loads((good / "done.json").read_text())
+    assert done["status"] == "done" and done["id"] == "good" and done["case"]["label"] == LIVER  # [5] → 5
+    mask = np.asarray(nib.load(str(good / "mask.nii.gz")).dataobj)
+    gt = np.asarray(nib.load(str(seg_file)).dataobj) == LIVER
+    m = overlap(mask, gt)
+    assert done["metrics"]["dice"] == pytest.approx(m["dice"], abs=1e-6)
+    assert done["metrics"]["iou"] == pytest.approx(m["iou"], abs=1e-6)
+    anchor = json.loads((good / "anchor.json").read_text())
+    assert anchor["schema"] == "medvol.anchor/1" and anchor["query"] == QUERY
+    assert (good / "qc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # the failures: error.json only, with a useful message
+    errors = {}
+    for cid, needle in (("corrupt", "corrupt.nii.gz"), ("missing", "no_such_ct.nii.gz")):
+        assert [p.name for p in (out / cid).iterdir()] == ["error.json"]
+        e = json.loads((out / cid / "error.json").read_text())
+        assert e["status"] == "failed" and e["error"]["code"] == "bad_volume" and needle in e["error"]["message"]
+        errors[cid] = e
+    assert "does not exist" in errors["missing"]["error"]["message"]
+
+    # summary.csv: exact header and rows
+    header, rows = read_summary(out / "summary.csv")
+    assert tuple(header) == SUMMARY_COLUMNS == ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou")
+    expected = [["good", "done", "", str(anchor["slice"]), str(len(anchor["boxes"])), f"{done['seconds']:.2f}",
+                 f"{m['dice']:.4f}", f"{m['iou']:.4f}"]]
+    for cid in ("corrupt", "missing"):
+        e = errors[cid]
+        expected.append([cid, "failed", f"{e['error']['code']}: {e['error']['message']}", "", "", f"{e['seconds']:.2f}", "", ""])
+    assert rows == expected
+
+    # summary.html: every id, a QC picture for the done case only, the errors, the smoke banner
+    page = (out / "summary.html").read_text(encoding="utf-8")
+    for cid in ("good", "corrupt", "missing"):
+        assert cid in page
+    assert '<img src="good/qc.png"' in page
+    assert page.count("<img") == 1
+    assert "does not exist" in page and QUERY in page and "smoke model" in page
+
+    # a second run without --resume/--overwrite refuses to start and changes nothing
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE)
+    assert code == 2 and "--resume" in err and "--overwrite" in err and "Traceback" not in err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+    if fmt == "jsonl":
+        return
+    # --resume keeps the finished case and retries only the failed ones
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--resume", "--json")
+    assert code == 3, err
+    info = json.loads(stdout)
+    assert (info["skipped"], info["ran"], info["done"], info["failed"]) == (1, 2, 1, 2)
+    assert (good / "done.json").stat().st_mtime_ns == before[good / "done.json"]
+    assert read_summary(out / "summary.csv")[1][0] == expected[0]  # the skipped case, read back from done.json
+
+
+# ---- killed midway, then resumed -----------------------------------------------------------
+
+def test_kill_midway_then_resume(capsys, tmp_path, data_dir):
+    ids = [f"case{i}" for i in range(4)]
+    manifest = write_manifest(data_dir / "four.csv",
+                              [{"id": i, "volume": "ct8.nii.gz", "query": QUERY, "gt": "seg8.nii.gz", "label": LIVER}
+                               for i in ids], "csv")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "medvolcore.cli_batch", "--manifest", str(manifest), "--out-dir", str(out), *BASE]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first_done = out / ids[0] / "done.json"
+    try:
+        deadline = time.monotonic() + 180
+        while not first_done.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"batch ended before being killed: {proc.returncode} {proc.stderr.read().decode()}")
+            if time.monotonic() > deadline:
+                pytest.fail("the first case never finished")
+            time.sleep(0.02)
+        time.sleep(0.2)  # let the second case get under way
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "summary.csv").exists()
+
+    # nothing counts as done without all of its outputs
+    cases = {c.id: c for c in read_manifest(manifest)}
+    finished = []
+    for cid in ids:
+        cdir = out / cid
+        if (cdir / "done.json").exists():
+            assert all((cdir / n).is_file() for n in OUTPUTS), cid
+            assert completed_record(cdir, cases[cid]) is not None
+            finished.append(cid)
+    assert finished and finished == ids[:len(finished)] and len(finished) < len(ids)
+    mtimes = {cid: (out / cid / "done.json").stat().st_mtime_ns for cid in finished}
+
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--resume", "--json")
+    assert code == 0, err
+    info = json.loads(stdout)
+    assert info["skipped"] == len(finished) and info["ran"] == len(ids) - len(finished)
+    assert info["done"] == len(ids) and info["failed"] == 0
+    for cid in finished:  # not redone
+        assert (out / cid / "done.json").stat().st_mtime_ns == mtimes[cid]
+    for cid in ids:
+        cdir = out / cid
+        assert completed_record(cdir, cases[cid]) is not None
+        assert not list(cdir.glob(".*part*")), "temporary files left behind"
+    header, rows = read_summary(out / "summary.csv")
+    assert [r[0] for r in rows] == ids and all(r[1] == "done" and r[6] and r[7] for r in rows)
+
+
+# ---- shards --------------------------------------------------------------------------------
+
+def test_shard_partition_is_exact():
+    for n_cases in (0, 1, 2, 3, 7, 10, 31):
+        cases = [Case(id=f"c{i}", volume=Path("v"), query="q", index=i) for i in range(n_cases)]
+        for n in (1, 2, 3, 4, 5):
+            parts = [shard_cases(cases, (i, n)) for i in range(1, n + 1)]
+            ids = [c.id for p in parts for c in p]
+            assert sorted(ids) == sorted(c.id for c in cases) and len(ids) == len(set(ids))
+            for i, p in enumerate(parts, start=1):
+                assert all(c.index % n == i - 1 for c in p)
+                assert p == shard_cases(cases, (i, n))  # deterministic
+    assert parse_shard("2/4") == (2, 4) and parse_shard(" 1 / 1 ") == (1, 1) and parse_shard(None) is None
+    for bad in ("0/3", "4/3", "1/0", "a/b", "3", "-1/3", "1/3/4", ""):
+        with pytest.raises(Exception) as ei:
+            parse_shard(bad)
+        assert "--shard" in str(ei.value)
+    assert summary_names(None) == ("summary.csv", "summary.html")
+    assert summary_names((1, 1)) == ("summary.csv", "summary.html")
+    assert summary_names((2, 3)) == ("summary.shard-2-of-3.csv", "summary.shard-2-of-3.html")
+
+
+def test_sharded_run_partitions_the_manifest(capsys, tmp_path, data_dir):
+    # one real case (position 0 → shard 1) and five missing files, which fail fast
+    rows = [{"id": "real", "volume": "ct8.nii.gz", "query": QUERY}] + \
+           [{"id": f"m{i}", "volume": f"absent{i}.nii.gz", "query": QUERY} for i in range(1, 6)]
+    manifest = write_manifest(data_dir / "shards.jsonl", rows, "jsonl")
+    out = tmp_path / "out"
+    seen = []
+    for i in (1, 2, 3):
+        code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE,
+                                          "--shard", f"{i}/3", "--json")
+        assert code == 3, err
+        info = json.loads(stdout)
+        assert info["shard"] == f"{i}/3" and info["manifest_cases"] == 6
+        header, srows = read_summary(out / f"summary.shard-{i}-of-3.csv")
+        got = [r[0] for r in srows]
+        assert got == [r["id"] for p, r in enumerate(rows) if p % 3 == i - 1]
+        assert (out / f"summary.shard-{i}-of-3.html").exists()
+        seen += got
+    assert sorted(seen) == sorted(r["id"] for r in rows) and len(seen) == len(set(seen))
+    assert not (out / "summary.csv").exists()
+    assert (out / "real" / "done.json").exists()
+
+
+# ---- manifest reading and validation -------------------------------------------------------
+
+def test_manifest_csv_and_jsonl_read_alike(tmp_path):
+    (tmp_path / "sub").mkdir()
+    rows = [{"id": "a", "volume": "ct.nii.gz", "query": " liver ", "gt": "seg.nii.gz", "label": [2, 3]},
+            {"id": "b-2.x_y", "volume": "/abs/ct.nii.gz", "query": "spleen", "gt": "seg.nii.gz"},
+            {"id": "c", "volume": "sub/ct.nii.gz", "query": "kidney", "gt": "seg.nii.gz", "label": 5}]
+    for fmt in ("csv", "jsonl"):
+        cases = read_manifest(write_manifest(tmp_path / f"m.{fmt}", rows, fmt))
+        assert [c.id for c in cases] == ["a", "b-2.x_y", "c"] and [c.index for c in cases] == [0, 1, 2]
+        assert cases[0].volume == tmp_path / "ct.nii.gz" and cases[0].gt == tmp_path / "seg.nii.gz"
+        assert cases[1].volume == Path("/abs/ct.nii.gz") and cases[2].volume == tmp_path / "sub" / "ct.nii.gz"
+        assert cases[0].query == "liver" and cases[0].label == [2, 3] and cases[1].label is None and cases[2].label == 5
+    assert parse_label("2; 3") == [2, 3] and parse_label("") is None and parse_label(7) == 7
+
+
+BAD_MANIFESTS = [
+    ("csv", "id,volume\na,ct.nii.gz\n", "missing column(s) query"),
+    ("csv", "id,volume,query\na,ct.nii.gz,liver\na,ct.nii.gz,spleen\n", "duplicate id 'a'"),
+    ("csv", "id,volume,query\nA,ct.nii.gz,liver\na,ct.nii.gz,spleen\n", "letter case"),
+    ("csv", "id,volume,query\n../evil,ct.nii.gz,liver\n", "not safe as a folder name"),
+    ("csv", "id,volume,query\na/b,ct.nii.gz,liver\n", "not safe as a folder name"),
+    ("csv", "id,volume,query\n.hidden,ct.nii.gz,liver\n", "not safe as a folder name"),
+    ("csv", "id,volume,query\nsummary.csv,ct.nii.gz,liver\n", "summary"),
+    ("csv", "id,volume,query\na,ct.nii.gz,\n", "missing query"),
+    ("csv", "id,volume,query,gt,label\na,ct.nii.gz,liver,,5\n", "without 'gt'"),
+    ("csv", "id,volume,query,gt,label\na,ct.nii.gz,liver,seg.nii.gz,liver\n", "not an integer label id"),
+    ("csv", "id,volume,query,gt,label\na,ct.nii.gz,liver,seg.nii.gz,0\n", "must be positive"),
+    ("csv", "id,volume,query\n", "lists no cases"),
+    ("csv", "", "empty manifest"),
+    ("jsonl", '{"id": "a", "volume": "ct.nii.gz", "query": "liver"}\n{not json}\n', "line 2: not valid JSON"),
+    ("jsonl", '["a", "ct.nii.gz", "liver"]\n', "expected a JSON object"),
+    ("jsonl", '{"id": "a", "volume": 3, "query": "liver"}\n', "must be text"),
+    ("jsonl", '{"id": "a", "volume": "ct.nii.gz", "query": "x", "gt": "s.nii.gz", "label": [2, "x"]}\n', "label"),
+    ("txt", "id,volume,query\na,ct.nii.gz,liver\n", "use .csv"),
+]
+
+
+@pytest.mark.parametrize("fmt,text,needle", BAD_MANIFESTS, ids=[f"{i}-{m[2][:20]}" for i, m in enumerate(BAD_MANIFESTS)])
+def test_bad_manifest_is_one_clear_error(capsys, tmp_path, fmt, text, needle):
+    manifest = tmp_path / f"cases.{fmt}"
+    manifest.write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("medvol batch: error:") and needle in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_all_manifest_problems_reported_at_once(capsys, tmp_path):
+    manifest = tmp_path / "cases.csv"
+    manifest.write_text("id,volume,query\na,ct.nii.gz,liver\na,ct.nii.gz,liver\nb c,ct.nii.gz,liver\n")
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", tmp_path / "out", *BASE)
+    assert code == 2 and "2 problem(s)" in err and "line 3" in err and "line 4" in err
+
+
+@pytest.mark.parametrize("spec", ["0/3", "4/3", "x", "1/0"])
+def test_bad_shard_spec(capsys, tmp_path, spec):
+    manifest = tmp_path / "cases.csv"
+    manifest.write_text("id,volume,query\na,ct.nii.gz,liver\n")
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", tmp_path / "out", *BASE, "--shard", spec)
+    assert code == 2 and "--shard" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_manifest_and_resume_with_overwrite(capsys, tmp_path):
+    code, stdout, err = run_batch_cli(capsys, "--manifest", tmp_path / "nope.csv", "--out-dir", tmp_path / "out", *BASE)
+    assert code == 2 and "does not exist" in err
+    with pytest.raises(SystemExit) as ei:
+        main_batch(["--manifest", str(tmp_path / "nope.csv"), "--out-dir", str(tmp_path / "out"), "--resume", "--overwrite"])
+    assert ei.value.code == 2
+    assert "not allowed with" in capsys.readouterr().err

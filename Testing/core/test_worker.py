@@ -1,0 +1,418 @@
+"""``medvol serve`` (protocol 1) driven by a real client: a subprocess over stdio and over HTTP.
+
+Uses the ``tiny`` preset on CPU and the shared real CTs. The stdio worker and the HTTP
+worker are each started once per module, so the models load once (which is also what is
+tested: the second segment must not reload them).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from medvolcore.pipeline import as_stack
+from medvolcore.stack import sample_slice_indices
+
+SERVE = [sys.executable, "-m", "medvolcore.cli_serve"]
+TIMEOUT = 120
+
+
+class StdioClient:
+    """A JSON-lines client of ``medvol serve --stdio`` running as a child process."""
+
+    def __init__(self, *args):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(SERVE + ["--stdio", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env)
+        self.lines: "queue.Queue" = queue.Queue()
+        self.stderr: list = []
+        self.raw_stdout: list = []
+        threading.Thread(target=self._read_out, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read_out(self):
+        for line in self.proc.stdout:
+            self.raw_stdout.append(line)
+            self.lines.put(json.loads(line))  # every stdout line must be JSON: fails loudly otherwise
+        self.lines.put(None)
+
+    def _read_err(self):
+        for line in self.proc.stderr:
+            self.stderr.append(line.decode("utf-8", "replace"))
+
+    def send_raw(self, data: bytes) -> None:
+        self.proc.stdin.write(data if data.endswith(b"\n") else data + b"\n")
+        self.proc.stdin.flush()
+
+    def send(self, obj) -> None:
+        self.send_raw(json.dumps(obj).encode("utf-8"))
+
+    def next(self, timeout=TIMEOUT):
+        msg = self.lines.get(timeout=timeout)
+        assert msg is not None, "the worker closed stdout; stderr:\n" + "".join(self.stderr[-20:])
+        return msg
+
+    def reply(self, rid, timeout=TIMEOUT, events=None):
+        """Messages until the final reply of ``rid`` (other replies are kept in order in ``self.other``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.next(max(0.1, deadline - time.monotonic()))
+            if msg.get("id") == rid and "event" in msg:
+                if events is not None:
+                    events.append(msg)
+                continue
+            if "event" not in msg:
+                assert msg.get("id") == rid, f"expected the reply to {rid!r}, got {msg}"
+                return msg
+
+    def call(self, obj, **kw):
+        self.send(obj)
+        return self.reply(obj.get("id"), **kw)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    c = StdioClient("--device", "cpu", "--max-request-mb", "1")
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def first_segment(worker, ct_sm_path):
+    t = time.perf_counter()
+    events = []
+    r = worker.call({"id": "seg-1", "op": "segment", "volume": str(ct_sm_path), "query": "the liver", "preset": "tiny"},
+                    events=events)
+    return r, time.perf_counter() - t, events
+
+
+def _ct_shape(path):
+    return tuple(nib.load(str(path)).shape)
+
+
+# ---- stdio ------------------------------------------------------------------------------------
+
+def test_hello(worker):
+    r = worker.call({"id": 1, "op": "hello"})
+    assert r["ok"] is True and r["result"]["protocol"] == 1
+    assert set(r["result"]["ops"]) >= {"hello", "load", "segment", "propagate", "cancel", "status", "shutdown"}
+    assert r["result"]["medvolcore"]
+
+
+def test_segment_writes_mask_on_the_ct_grid(first_segment, ct_sm_path):
+    r, _, events = first_segment
+    assert r["ok"] is True, r
+    res = r["result"]
+    mask_path = Path(res["mask_path"])
+    assert mask_path.is_file()
+    img = nib.load(str(mask_path))
+    assert tuple(img.shape) == _ct_shape(ct_sm_path)
+    assert int(np.asarray(img.dataobj).sum()) == res["mask_voxels"]
+    a = res["anchor"]
+    assert a["schema"] == "medvol.anchor/1" and a["boxes"] and "world" in a
+    assert a["slice"] in sample_slice_indices(as_stack(ct_sm_path).depth)
+    assert res["smoke"] is True and any("tiny" in n for n in res["notes"])
+    assert res["timings"]["models_reloaded"] is True and res["timings"]["volume_cached"] is False
+    stages = [e["stage"] for e in events]
+    assert "ground" in stages and "propagate" in stages
+    assert all(0.0 <= e["fraction"] <= 1.0 for e in events)
+
+
+def test_second_segment_reuses_models_and_volume(worker, first_segment, ct_sm_path):
+    _, first_s, _ = first_segment
+    t = time.perf_counter()
+    r = worker.call({"id": "seg-2", "op": "segment", "volume": str(ct_sm_path), "query": "the liver"})
+    second_s = time.perf_counter() - t
+    assert r["ok"] is True, r
+    tm = r["result"]["timings"]
+    assert tm["models_reloaded"] is False and tm["load_s"] == 0.0
+    assert tm["volume_cached"] is True
+    assert second_s < first_s
+    assert r["result"]["mask_path"] != first_segment[0]["result"]["mask_path"]
+
+
+def test_propagate_edited_anchor(worker, first_segment, ct_sm_path):
+    anchor = dict(first_segment[0]["result"]["anchor"])
+    edited = [[40, 30, 80, 70]]
+    anchor.update(boxes=edited, source="user")
+    for k in ("boxes_norm", "world"):
+        anchor.pop(k, None)
+    r = worker.call({"id": "prop-1", "op": "propagate", "volume": str(ct_sm_path), "anchor": anchor})
+    assert r["ok"] is True, r
+    res = r["result"]
+    assert res["anchor"]["boxes"] == edited and res["anchor"]["slice"] == anchor["slice"]
+    assert res["timings"]["models_reloaded"] is False and res["timings"]["volume_cached"] is True
+    assert tuple(nib.load(res["mask_path"]).shape) == _ct_shape(ct_sm_path)
+
+    # Slicer writes back only 'world' after an edit: the same boxes must come out
+    world_only = {"schema": "medvol.anchor/1", "world": res["anchor"]["world"], "source": "user"}
+    r2 = worker.call({"id": "prop-2", "op": "propagate", "volume": str(ct_sm_path), "anchor": world_only})
+    assert r2["ok"] is True, r2
+    assert r2["result"]["anchor"]["boxes"] == edited
+
+
+def test_cancel_during_propagation(worker, ct_path):
+    anchor = {"schema": "medvol.anchor/1", "slice": 56, "boxes": [[30, 30, 90, 80]], "source": "user"}
+    worker.send({"id": "long", "op": "propagate", "volume": str(ct_path), "anchor": anchor})
+    t = time.perf_counter()
+    while True:
+        msg = worker.next()
+        assert msg.get("id") == "long", msg
+        assert "event" in msg, f"the propagation finished before it could be cancelled: {msg}"
+        if msg["stage"] == "propagate":
+            break
+    worker.send({"id": "stop-it", "op": "cancel", "target": "long"})
+    got = {}
+    while len(got) < 2:
+        msg = worker.next()
+        if "event" not in msg:
+            got[msg["id"]] = msg
+    assert got["stop-it"]["ok"] is True and got["stop-it"]["result"]["state"] == "running"
+    assert got["long"]["ok"] is False and got["long"]["error"]["code"] == "cancelled"
+    assert "propagat" in got["long"]["error"]["message"]
+    assert time.perf_counter() - t < 30
+    r = worker.call({"id": "after-cancel", "op": "status"})
+    assert r["ok"] is True and r["result"]["busy"] is False
+    # cancelling something that is not there is not an error
+    r = worker.call({"id": "c2", "op": "cancel", "target": "nothing"})
+    assert r["ok"] is True and r["result"]["found"] is False
+
+
+def test_status_answers_while_a_request_runs(worker, ct_sm_path):
+    anchor = {"schema": "medvol.anchor/1", "slice": 12, "boxes": [[30, 30, 90, 80]], "source": "user"}
+    worker.send({"id": "busy", "op": "propagate", "volume": str(ct_sm_path), "anchor": anchor})
+    worker.send({"id": "st", "op": "status"})
+    order = []
+    status = None
+    while "busy" not in order:
+        msg = worker.next()
+        if "event" in msg:
+            continue
+        order.append(msg["id"])
+        if msg["id"] == "st":
+            status = msg
+    assert order == ["st", "busy"]
+    res = status["result"]
+    assert res["preset"] == "tiny" and res["cached_volumes"] >= 1 and res["uptime_s"] > 0
+    assert res["busy"] is True and res["current"]["id"] == "busy" or res["queued"] == ["busy"]
+
+
+def test_twenty_malformed_inputs_then_a_valid_request(worker, ct_sm_path, tmp_path):
+    ct = str(ct_sm_path)
+    corrupt = tmp_path / "corrupt.nii.gz"
+    corrupt.write_bytes(b"\x1f\x8b this is not a gzip stream" * 20)
+    good_anchor = {"schema": "medvol.anchor/1", "slice": 12, "boxes": [[30, 30, 90, 80]], "source": "user"}
+    cases = [  # (raw line, expected id, expected code)
+        (b"this is not json", None, "bad_json"),
+        (b'{"id": 2, "op": "hello"', None, "bad_json"),
+        (b"[1, 2, 3]", None, "bad_request"),
+        (b'"a string"', None, "bad_request"),
+        (b"42", None, "bad_request"),
+        (b"\xff\xfe\x00 not utf-8", None, "bad_json"),
+        (b'{"id": {"nested": 1}, "op": "hello"}', None, "bad_request"),
+        (b'{"id": 8}', 8, "bad_request"),
+        (b'{"id": 9, "op": 5}', 9, "bad_request"),
+        (b'{"id": 10, "op": "explode"}', 10, "unknown_op"),
+        (json.dumps({"id": 11, "op": "segment", "query": "liver"}), 11, "bad_request"),
+        (json.dumps({"id": 12, "op": "segment", "volume": ct}), 12, "bad_request"),
+        (json.dumps({"id": 13, "op": "segment", "volume": 13, "query": "x"}), 13, "bad_request"),
+        (json.dumps({"id": 14, "op": "segment", "volume": ct, "query": "x", "seed": "abc"}), 14, "bad_request"),
+        (json.dumps({"id": 15, "op": "propagate", "volume": ct, "anchor": "not an object"}), 15, "bad_request"),
+        (json.dumps({"id": 16, "op": "cancel"}), 16, "bad_request"),
+        (b'{"id": 17, "op": "hello", "pad": "' + b"x" * (1 << 20) + b'"}', None, "too_large"),
+        (json.dumps({"id": 18, "op": "segment", "volume": str(tmp_path / "missing.nii.gz"), "query": "x"}), 18, "bad_volume"),
+        (json.dumps({"id": 19, "op": "segment", "volume": str(corrupt), "query": "x"}), 19, "bad_volume"),
+        (json.dumps({"id": 20, "op": "propagate", "volume": ct, "anchor": dict(good_anchor, slice=999)}), 20, "bad_anchor"),
+        (json.dumps({"id": 21, "op": "propagate", "volume": ct, "anchor": good_anchor, "window": "no-such-window"}), 21, None),
+        (json.dumps({"id": 22, "op": "load", "preset": "no-such-preset"}), 22, None),
+        (json.dumps({"id": 23, "op": "segment", "volume": ct, "query": "   "}), 23, "bad_input"),
+        (json.dumps({"id": 24, "op": "segment", "volume": ct, "query": "x", "window": [1, 2, 3]}), 24, "bad_request"),
+    ]
+    assert len(cases) >= 20
+    for raw, rid, code in cases:
+        worker.send_raw(raw.encode() if isinstance(raw, str) else raw)
+        msg = worker.reply(rid)
+        assert msg["ok"] is False, (raw[:80], msg)
+        assert msg["id"] == rid
+        assert isinstance(msg["error"]["message"], str) and msg["error"]["message"]
+        if code:
+            assert msg["error"]["code"] == code, (raw[:80], msg)
+        assert "Traceback" not in msg["error"]["message"]
+    r = worker.call({"id": "valid", "op": "propagate", "volume": ct, "anchor": good_anchor})
+    assert r["ok"] is True, r
+    assert r["result"]["timings"]["models_reloaded"] is False  # the failed load kept the tiny models
+    assert worker.proc.poll() is None
+    assert not any("Traceback" in line for line in worker.stderr)
+
+
+def _temp_dir_of(client):
+    r = client.call({"id": "s", "op": "status"})
+    return Path(r["result"]["tmp_dir"])
+
+
+def test_shutdown_exits_cleanly_and_removes_temp_dir():
+    c = StdioClient("--device", "cpu")
+    try:
+        tmp = _temp_dir_of(c)
+        assert tmp.is_dir()
+        r = c.call({"id": "bye", "op": "shutdown"})
+        assert r["ok"] is True
+        assert c.proc.wait(30) == 0
+        assert not tmp.exists()
+        assert c.lines.get(timeout=5) is None  # nothing after the shutdown reply
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("how", ["eof", "sigterm"])
+def test_end_of_input_and_signal_stop_cleanly(how):
+    c = StdioClient("--device", "cpu")
+    try:
+        tmp = _temp_dir_of(c)
+        if how == "eof":
+            c.proc.stdin.close()
+        else:
+            c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(30) == 0
+        assert not tmp.exists()
+    finally:
+        c.close()
+
+
+# ---- HTTP -------------------------------------------------------------------------------------
+
+class HttpServer:
+    def __init__(self, *args):
+        self.proc = subprocess.Popen(SERVE + ["--http", "--host", "127.0.0.1", "--port", "0", *args],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        self.port = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline().decode()
+            if not line:
+                break
+            if "ready (protocol 1) on http://127.0.0.1:" in line:
+                self.port = int(line.split("http://127.0.0.1:")[1].split()[0].rstrip("/"))
+                break
+        assert self.port, "no ready line from medvol serve --http"
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+
+    def request(self, method, path, obj=None, token=None, timeout=TIMEOUT):
+        data = None if obj is None else json.dumps(obj).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    s = HttpServer("--device", "cpu", "--preset", "tiny")
+    yield s
+    s.stop()
+
+
+def test_http_hello_status_segment(http_server, ct_sm_path, tmp_path):
+    status, r = http_server.request("POST", "/rpc", {"id": "h", "op": "hello"})
+    assert status == 200 and r["ok"] and r["result"]["protocol"] == 1 and r["result"]["transport"] == "http"
+
+    body = {"id": "seg", "op": "segment", "query": "the liver",
+            "volume_b64": base64.b64encode(ct_sm_path.read_bytes()).decode()}
+    out = {}
+    th = threading.Thread(target=lambda: out.update(r=http_server.request("POST", "/rpc", body)))
+    th.start()
+    busy = None
+    deadline = time.monotonic() + 60
+    while th.is_alive() and time.monotonic() < deadline:
+        st, s = http_server.request("GET", "/status", timeout=10)
+        assert st == 200 and s["ok"]
+        if s["result"]["busy"] and s["result"]["current"]["id"] == "seg":
+            busy = s["result"]
+            break
+        time.sleep(0.05)
+    th.join(TIMEOUT)
+    assert busy is not None, "GET /status never showed the running segment"
+    assert 0.0 <= busy["current"]["fraction"] <= 1.0 and busy["current"]["stage"]
+    status, r = out["r"]
+    assert status == 200 and r["ok"] is True, r
+    res = r["result"]
+    assert "mask_path" not in res
+    mask_file = tmp_path / "mask.nii.gz"
+    mask_file.write_bytes(base64.b64decode(res["mask_b64"]))
+    assert tuple(nib.load(str(mask_file)).shape) == _ct_shape(ct_sm_path)
+    assert res["anchor"]["schema"] == "medvol.anchor/1"
+    assert res["timings"]["models_reloaded"] is False  # --preset tiny loaded them at start
+
+    status, r = http_server.request("POST", "/rpc", {"id": "bad", "op": "segment", "query": "x"})
+    assert status == 200 and r["ok"] is False and r["error"]["code"] == "bad_request" and r["id"] == "bad"
+    status, r = http_server.request("GET", "/nowhere")
+    assert status == 404 and r["ok"] is False
+
+
+def test_http_refuses_non_loopback_bind_without_token():
+    p = subprocess.run(SERVE + ["--http", "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "token" in lines[0] and "0.0.0.0" in lines[0]
+    assert p.stdout == ""
+
+
+def test_http_token_required(tmp_path):
+    token = "s3cret-token-for-the-test-0123456789"
+    tf = tmp_path / "token"
+    tf.write_text(token + "\n")
+    s = HttpServer("--device", "cpu", "--token-file", str(tf))
+    try:
+        status, r = s.request("POST", "/rpc", {"id": 1, "op": "hello"})
+        assert status == 401 and r["ok"] is False and r["error"]["code"] == "unauthorized"
+        status, r = s.request("GET", "/status", token="wrong-token-wrong-token")
+        assert status == 401
+        status, r = s.request("POST", "/rpc", {"id": 1, "op": "hello"}, token=token)
+        assert status == 200 and r["ok"] is True and r["id"] == 1
+        status, r = s.request("POST", "/rpc", {"id": 2, "op": "shutdown"}, token=token)
+        assert status == 200 and r["ok"] is True
+        assert s.proc.wait(30) == 0
+    finally:
+        s.stop()
