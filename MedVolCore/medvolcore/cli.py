@@ -442,7 +442,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     logger = logging.getLogger("medvolcore")
-    logger.addHandler(_OneLineWarnings(level=logging.WARNING))
+    if not any(isinstance(h, _OneLineWarnings) for h in logger.handlers):
+        logger.addHandler(_OneLineWarnings(level=logging.WARNING))
     logger.propagate = False
     try:
         return int(args.func(args) or 0)
@@ -452,7 +453,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write(f"{PROG} {args.command}: interrupted\n")
+        hint = getattr(args, "interrupt_hint", "")
+        sys.stderr.write(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else "") + "\n")
         return 130
     except Exception as e:  # an unexpected failure: still one line, with a hint
         if args.debug:

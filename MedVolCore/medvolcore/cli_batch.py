@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 from typing import List, Optional
@@ -39,6 +38,7 @@ exit codes: 0 all cases done, 3 some failed, 2 the run could not start, 130 inte
 def add_batch_command(sub, add):
     """Add ``batch`` to the ``medvol`` subcommands (``add(name, help, func)`` as in cli.build_parser)."""
     sp = add("batch", HELP, cmd_batch)
+    sp.set_defaults(interrupt_hint="rerun with --resume to finish the remaining cases")
     sp.formatter_class = argparse.RawDescriptionHelpFormatter
     sp.epilog = EPILOG
     sp.add_argument("--manifest", required=True, metavar="CASES", help="cases to run: .csv or .jsonl")
@@ -98,50 +98,12 @@ def cmd_batch(args) -> int:
     return res.exit_code
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    from .cli import PROG, _Parser
-
-    p = _Parser(prog=PROG)
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    def add(name, help_, func):
-        sp = sub.add_parser(name, help=help_, description=help_)
-        sp.set_defaults(func=func)
-        sp.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-        sp.add_argument("--debug", action="store_true", help="show tracebacks")
-        return sp
-
-    add_batch_command(sub, add)
-    return p
-
-
 def main_batch(argv: Optional[List[str]] = None) -> int:
     """``medvol batch ARGV…`` in process; returns the exit code (errors: one line on stderr)."""
-    from .cli import PROG, _OneLineWarnings
-    from .errors import MedVolError
+    from .cli import main
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _build_parser().parse_args(["batch"] + [str(a) for a in argv])
-    logger = logging.getLogger("medvolcore")
-    if not any(isinstance(h, _OneLineWarnings) for h in logger.handlers):
-        logger.addHandler(_OneLineWarnings(level=logging.WARNING))
-    logger.propagate = False
-    try:
-        return int(args.func(args) or 0)
-    except MedVolError as e:
-        if args.debug:
-            raise
-        sys.stderr.write(f"{PROG} batch: error: {e}\n")
-        return e.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write(f"{PROG} batch: interrupted; rerun with --resume to finish the remaining cases\n")
-        return 130
-    except Exception as e:  # noqa: BLE001
-        if args.debug:
-            raise
-        sys.stderr.write(f"{PROG} batch: internal error: {type(e).__name__}: {e} (rerun with --debug for details)\n")
-        return 1
+    return main(["batch"] + [str(a) for a in argv])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ loopback one needs ``--token-file``; ``--port 0`` picks a free port, shown in th
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import ipaddress
 import json
@@ -23,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import List, Optional
 
-from .errors import InputError, MedVolError
+from .errors import InputError
 from .worker import DEFAULT_CACHE_SIZE, DEFAULT_MAX_REQUEST_MB, PROTOCOL, Worker, dumps_line, error_reply
 
 PROG = "medvol serve"
@@ -404,28 +403,10 @@ def add_serve_command(sub, add):
 
 def main_serve(argv: Optional[List[str]] = None) -> int:
     """``medvol serve`` on its own (``python -m medvolcore.cli_serve ARGS``)."""
+    from .cli import main
 
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message):  # noqa: D401
-            self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-    p = _Parser(prog=PROG, description=SERVE_HELP)
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    _add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return int(cmd_serve(args) or 0)
-    except MedVolError as e:
-        if args.debug:
-            raise
-        sys.stderr.write(f"{PROG}: error: {e}\n")
-        return e.exit_code
-    except Exception as e:  # noqa: BLE001
-        if args.debug:
-            raise
-        sys.stderr.write(f"{PROG}: internal error: {type(e).__name__}: {e} (rerun with --debug for details)\n")
-        return 1
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return main(["serve"] + [str(a) for a in argv])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Union
 
 import numpy as np
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 SMOKE_NOTE = ("made with the untrained 'tiny' smoke model: the anchor and mask are meaningless; "
               "run `medvol models download medvol-r1` for real results")
 
-VolumeLike = Union[str, "os.PathLike[str]", CTVolume, AxialStack]
+VolumeLike = Union[str, Path, CTVolume, AxialStack]
 Progress = Callable[[str, float, str], None]  # (stage, fraction 0..1, message)
 
 

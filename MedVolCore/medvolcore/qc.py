@@ -24,7 +24,7 @@ def _outline(mask2d: np.ndarray) -> np.ndarray:
 
 
 def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: str = "", reasoning: str = "",
-              banner: str = "", window=None, scale: Optional[int] = None, panel_width: int = 360) -> "Image.Image":
+              banner: str = "", window=None, scale: Optional[int] = None, panel_width: int = 360):
     """A PIL image: the key slice (radiological view, patient right on the left) with each box
     and the mask outline of that slice, and a text panel (title, banner, reasoning)."""
     from PIL import Image, ImageDraw, ImageFont
