@@ -79,6 +79,24 @@ def _quiet_signals() -> None:
 
 # ---- stdio ----------------------------------------------------------------------------------
 
+
+def _stop_worker(worker, how: str, old_signals: dict, before_close=None) -> bool:
+    """Cancel what runs, wait up to STOP_GRACE_S, clean up and restore the signal handlers.
+
+    Returns whether the worker thread finished in time.
+    """
+    _quiet_signals()
+    worker.stop(f"the worker is stopping ({how})")
+    done = worker.join(STOP_GRACE_S)
+    if before_close is not None:
+        before_close()
+    worker.close(0)
+    _say(f"stopped ({how})")
+    for sig, handler in old_signals.items():
+        signal.signal(sig, handler)
+    return done
+
+
 def _read_lines(stream, limit: int):
     """Yield each line (bytes) of ``stream``, or None for a line longer than ``limit`` bytes (skipped)."""
     while True:
@@ -147,13 +165,7 @@ def serve_stdio(args, stdin=None) -> int:
     except KeyboardInterrupt:
         how = "SIGINT"
     finally:
-        _quiet_signals()
-        worker.stop(f"the worker is stopping ({how})")
-        done = worker.join(STOP_GRACE_S)
-        worker.close(0)
-        _say(f"stopped ({how})")
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        done = _stop_worker(worker, how, old)
         try:
             proto.close()
         except OSError:
@@ -336,14 +348,7 @@ def serve_http(args) -> int:
     except KeyboardInterrupt:
         how = "SIGINT"
     finally:
-        _quiet_signals()
-        worker.stop(f"the worker is stopping ({how})")
-        done = worker.join(STOP_GRACE_S)
-        server.server_close()
-        worker.close(0)
-        _say(f"stopped ({how})")
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        done = _stop_worker(worker, how, old, before_close=server.server_close)
     if not done:
         sys.stderr.flush()
         os._exit(0)

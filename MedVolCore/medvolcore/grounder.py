@@ -106,6 +106,7 @@ from .answer import parse_answer
 from .errors import (AnchorError, AnswerFormatError, DependencyError, GenerationError, InputError, MedVolError,
                      ModelError, ModelNotFoundError)
 from .devices import resolve_device
+from .models import folder_listing
 from .resources import load_json
 
 log = logging.getLogger(__name__)
@@ -439,38 +440,15 @@ def _read_json(path: Path):
         raise ModelError(f"cannot read {path}: {e}") from None
 
 
-def _listing(folder: Path, limit: int = 8) -> str:
-    try:
-        names = sorted(p.name for p in folder.iterdir())
-    except OSError:
-        return "nothing readable"
-    if not names:
-        return "an empty folder"
-    more = f", … ({len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
 def _check_qwen3_vl_folder(model_dir: Path) -> dict:
+    """The folder's config; one clear error when it is not a complete Qwen3-VL checkpoint."""
+    from .models import check_grounder_dir
+
     if not model_dir.exists():
         raise ModelNotFoundError(f"model folder {model_dir} does not exist; install the model or check the path")
     if not model_dir.is_dir():
         raise ModelError(f"{model_dir} is not a folder; a Qwen3-VL checkpoint is a folder with config.json")
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise ModelError(f"{model_dir} is not a Qwen3-VL checkpoint: it has no config.json "
-                         f"(found {_listing(model_dir)})")
-    cfg = _read_json(cfg_path)
-    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
-    if model_type != "qwen3_vl":
-        arch = ", ".join(cfg.get("architectures") or []) if isinstance(cfg, dict) else ""
-        raise ModelError(f"{model_dir} is not a Qwen3-VL checkpoint: its config.json says model_type "
-                         f"{model_type!r}{f' ({arch})' if arch else ''}, expected 'qwen3_vl'")
-    for needed in ("preprocessor_config.json",):
-        if not (model_dir / needed).is_file():
-            raise ModelError(f"{model_dir} has no {needed}; copy the complete checkpoint folder")
-    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        raise ModelError(f"{model_dir} has no tokenizer files (tokenizer.json); copy the complete checkpoint folder")
-    return cfg
+    return check_grounder_dir(model_dir)
 
 
 def _resolve_dtype(dtype, dev, torch):
@@ -589,7 +567,7 @@ class QwenVLGrounder:
         cfg_path = adapter_dir / "adapter_config.json"
         if not cfg_path.is_file():
             raise ModelError(f"{adapter_dir} is not a PEFT adapter: it has no adapter_config.json "
-                             f"(found {_listing(adapter_dir)})")
+                             f"(found {folder_listing(adapter_dir)})")
         acfg = _read_json(cfg_path)
         base = (acfg.get("base_model_name_or_path") if isinstance(acfg, dict) else None) or ""
         try:

@@ -322,6 +322,18 @@ def preset_status(name: str) -> dict:
     return {"present": True, "available": True, "status": "present"}
 
 
+def folder_listing(folder: Path, limit: int = 8) -> str:
+    """What a folder holds, for error messages: ``a, b, … (N more)``."""
+    try:
+        names = sorted(p.name for p in Path(folder).iterdir())
+    except OSError:
+        return "nothing readable"
+    if not names:
+        return "an empty folder"
+    more = f", … ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def check_grounder_dir(folder: Path, model_type: str = "qwen3_vl") -> dict:
     """Check a Hugging Face model folder: config.json of ``model_type``, weights, tokenizer, processor.
 
@@ -330,15 +342,16 @@ def check_grounder_dir(folder: Path, model_type: str = "qwen3_vl") -> dict:
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise ModelError(f"{folder} is not a model folder: it has no config.json")
+        raise ModelError(f"{folder} is not a Qwen3-VL checkpoint: it has no config.json (found {folder_listing(folder)})")
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelError(f"{cfg_path} is not valid JSON ({e})") from None
     found = cfg.get("model_type") if isinstance(cfg, dict) else None
     if found != model_type:
+        arch = ", ".join(cfg.get("architectures") or []) if isinstance(cfg, dict) else ""
         raise ModelError(f"{folder} holds a {found or 'model of unknown type'!s} model (config.json model_type "
-                         f"{found!r}); this preset needs model_type {model_type!r} (Qwen3-VL)")
+                         f"{found!r}{f', {arch}' if arch else ''}); this preset needs model_type {model_type!r} (Qwen3-VL)")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:

@@ -31,6 +31,15 @@ SERVE = [sys.executable, "-m", "medvolcore.cli_serve"]
 TIMEOUT = 120
 
 
+
+def _reap(proc, timeout: float = 30) -> None:
+    """Wait for a worker process to exit; kill it if it does not within ``timeout``."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
 class StdioClient:
     """A JSON-lines client of ``medvol serve --stdio`` running as a child process."""
 
@@ -89,11 +98,7 @@ class StdioClient:
                 self.proc.stdin.close()
             except OSError:
                 pass
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            _reap(self.proc)
 
 
 @pytest.fixture(scope="module")
@@ -339,11 +344,7 @@ class HttpServer:
     def stop(self):
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            _reap(self.proc)
 
 
 @pytest.fixture(scope="module")
