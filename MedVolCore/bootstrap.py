@@ -11,7 +11,9 @@ Steps, each skipped when already satisfied, so running it again is cheap:
    ``torch==2.13.0+cpu`` wheel on our CI machines) and otherwise PyTorch's CPU index;
 3. install ``medvolcore`` (editable, with the SimpleITK and test extras);
 4. install ``sam2==1.1.0`` the way ARCHITECTURE.md says: ``SAM2_BUILD_CUDA=0``, ``--no-deps``,
-   ``--no-build-isolation`` (its metadata asks for torchvision, which we do not need).
+   ``--no-build-isolation`` (its metadata asks for torchvision, which we do not need);
+5. install ``medvoltrain`` (editable, from ``Training/``: TRL, PEFT, accelerate, datasets,
+   TensorBoard) unless ``--no-training`` is given.
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--torch", choices=["auto", "cpu", "cuda", "keep"], default="auto",
                     help="which PyTorch build to install (default: auto)")
     ap.add_argument("--no-dev", action="store_true", help="skip the test tools (pytest, psutil)")
+    ap.add_argument("--no-training", action="store_true",
+                    help="skip the training package (medvoltrain: TRL, accelerate, datasets, TensorBoard)")
     args = ap.parse_args(argv)
 
     venv = Path(args.venv)
@@ -134,6 +138,10 @@ def main(argv=None) -> int:
         run([py, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", SAM2_SPEC], env=env)
     else:
         log(f"{SAM2_SPEC} already installed")
+
+    training = REPO / "Training"
+    if not args.no_training and (training / "pyproject.toml").exists():
+        run([py, "-m", "pip", "install", "--quiet", "-e", str(training)])
 
     # Smoke check: the engine imports and sam2 builds its config without torchvision.
     run([py, "-c", "import medvolcore, sam2.build_sam; print('medvolcore', medvolcore.__version__, 'ready')"])
