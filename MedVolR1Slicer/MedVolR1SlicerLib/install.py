@@ -1,0 +1,247 @@
+"""What is missing from Slicer's Python, and how to install it without breaking Slicer.
+
+Nothing here installs anything: :func:`plan_install` turns "what is installed" into an
+:class:`InstallPlan` (what is missing, the steps that fix it, the problems no step may fix),
+which the widget shows in one dialog and runs only after the user agrees. Rules:
+
+* ``>=`` floors, never pins (but ``sam2``, which MedSAM2's checkpoints are tied to);
+* torch goes through the PyTorch extension (``PyTorchUtils``), which picks the CUDA or CPU
+  build for the machine; no pip call may replace it;
+* packages that Slicer ships (numpy, scipy, SimpleITK, …) are never installed, upgraded or
+  replaced: every pip call gets a constraints file pinning them to the installed version, and a
+  shipped package that is too old is reported, not "fixed";
+* ``medvolcore`` comes from the copy the extension carries (a wheel next to this Lib, or the
+  ``MedVolCore`` folder of a source checkout).
+
+Weights are separate: :func:`download_command` runs ``medvol models download`` with progress and
+:func:`import_hint` tells offline users how to import a folder instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence
+
+LIB_DIR = Path(__file__).resolve().parent
+MODULE_DIR = LIB_DIR.parent
+DEPENDENCIES_JSON = MODULE_DIR / "Resources" / "dependencies.json"
+SAM2_ENV = {"SAM2_BUILD_CUDA": "0", "SAM2_BUILD_ALLOW_ERRORS": "1"}
+
+
+def canonical(name: str) -> str:
+    """PEP 503 normalised distribution name (``Pillow`` → ``pillow``, ``hydra_core`` → ``hydra-core``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def version_tuple(version: str) -> tuple:
+    """Release numbers of a version string: ``2.13.0+cpu`` → ``(2, 13, 0)``, ``1.0rc1`` → ``(1, 0)``."""
+    parts = []
+    for piece in str(version).split("+")[0].split("."):
+        m = re.match(r"\d+", piece)
+        if not m:
+            break
+        parts.append(int(m.group(0)))
+        if m.end() != len(piece):  # a pre/post-release tag ends the release part
+            break
+    return tuple(parts)
+
+
+def at_least(version: str, floor: str) -> bool:
+    a, b = version_tuple(version), version_tuple(floor)
+    n = max(len(a), len(b))
+    return a + (0,) * (n - len(a)) >= b + (0,) * (n - len(b))
+
+
+@dataclass
+class Requirement:
+    name: str
+    via: str = "pip"  # pip | torch | sam2 | bundled
+    floor: Optional[str] = None
+    pin: Optional[str] = None
+
+    def spec(self) -> str:
+        if self.pin:
+            return f"{self.name}=={self.pin}"
+        return f"{self.name}>={self.floor}" if self.floor else self.name
+
+    def satisfied_by(self, version: Optional[str]) -> bool:
+        if version is None:
+            return False
+        if self.pin:
+            return version_tuple(version) == version_tuple(self.pin)
+        return self.floor is None or at_least(version, self.floor)
+
+
+@dataclass
+class Dependencies:
+    requirements: List[Requirement]
+    slicer_ships: List[str]
+
+
+def load_dependencies(path: Path = DEPENDENCIES_JSON) -> Dependencies:
+    d = json.loads(Path(path).read_text(encoding="utf-8"))
+    if d.get("schema") != "medvol.slicer-deps/1":
+        raise ValueError(f"{path}: schema is {d.get('schema')!r}, expected 'medvol.slicer-deps/1'")
+    reqs = [Requirement(r["name"], r.get("via", "pip"), r.get("floor"), r.get("pin")) for r in d["requirements"]]
+    return Dependencies(reqs, list(d.get("slicer_ships", [])))
+
+
+def installed_versions(names: Sequence[str]) -> Dict[str, Optional[str]]:
+    """Installed distribution versions in this Python (``None`` when absent). Imports nothing."""
+    import importlib.metadata as md
+
+    out = {}
+    for n in names:
+        try:
+            out[n] = md.version(n)
+        except md.PackageNotFoundError:
+            out[n] = None
+    return out
+
+
+def find_bundled_core(module_dir: Path = MODULE_DIR) -> Optional[Path]:
+    """The ``medvolcore`` the extension carries: a wheel in ``MedVolR1SlicerLib/wheels`` (built
+    extension) or ``<repo>/MedVolCore`` (running from a source checkout); ``None`` if neither."""
+    wheels = sorted((Path(module_dir) / "MedVolR1SlicerLib" / "wheels").glob("medvolcore-*.whl"))
+    if wheels:
+        return wheels[-1]
+    src = Path(module_dir).parent / "MedVolCore"
+    if (src / "pyproject.toml").is_file() and (src / "medvolcore" / "__init__.py").is_file():
+        return src
+    return None
+
+
+@dataclass
+class InstallStep:
+    """``kind`` ``torch``: call PyTorchUtils with ``requirement``; ``pip``: run pip with ``args``
+    (and ``env`` set) through ``slicer.util.pip_install``."""
+
+    kind: str
+    packages: List[str]
+    args: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    requirement: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "torch":
+            return f"PyTorch ({self.requirement}) through the PyTorch extension"
+        return "pip install " + " ".join(self.args)
+
+
+@dataclass
+class InstallPlan:
+    missing: List[str]  # "name (wanted; found …)" lines for the dialog
+    steps: List[InstallStep]
+    problems: List[str]  # what no step may fix (a shipped package too old, no bundled medvolcore)
+    constraints: List[str]  # lines of the constraints file every pip step uses
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.steps or self.problems)
+
+    def message(self) -> str:
+        """The text of the one dialog that asks before installing."""
+        lines = []
+        if self.missing:
+            lines.append("MedVol-R1 needs these Python packages in Slicer:")
+            lines += [f"  • {m}" for m in self.missing]
+        if self.steps:
+            lines.append("")
+            lines.append("Install them now? It takes a few minutes and downloads about 1–3 GB (PyTorch included); "
+                         "Slicer's own packages are left as they are.")
+        if self.problems:
+            lines.append("")
+            lines.append("Cannot be fixed automatically:")
+            lines += [f"  • {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def plan_install(installed: Mapping[str, Optional[str]], deps: Optional[Dependencies] = None,
+                 core_source: Optional[Path] = None, constraints_path: str = "{constraints}") -> InstallPlan:
+    """The steps that bring ``installed`` (distribution name → version or None) up to ``deps``.
+
+    ``constraints_path`` is the file name the pip steps pass to ``-c`` (the caller writes
+    :attr:`InstallPlan.constraints` there).
+    """
+    deps = deps or load_dependencies()
+    have = {canonical(k): v for k, v in installed.items()}
+    ships = {canonical(n) for n in deps.slicer_ships}
+    missing, problems, pip_specs, constraints = [], [], [], []
+    torch_step = sam2_step = None
+    core_spec = None
+
+    for req in deps.requirements:
+        key = canonical(req.name)
+        found = have.get(key)
+        if req.satisfied_by(found):
+            continue
+        wanted = req.spec()
+        missing.append(f"{req.name} ({wanted}; " + (f"found {found})" if found else "not installed)"))
+        if key in ships:
+            problems.append(f"{req.name} {found or '(missing)'} comes with Slicer and is older than MedVol needs "
+                            f"({wanted}); MedVol does not replace Slicer's packages: use Slicer 5.8 or newer")
+        elif req.via == "torch":
+            torch_step = InstallStep("torch", [req.name], requirement=f">={req.floor}" if req.floor else "")
+        elif req.via == "sam2":
+            sam2_step = InstallStep("pip", [req.name], ["--no-deps", "--no-build-isolation", wanted, "-c", constraints_path],
+                                    env=dict(SAM2_ENV))
+        elif req.via == "bundled":
+            if core_source is None:
+                problems.append(f"{req.name} is not bundled with this copy of the module; install it with "
+                                f"`PythonSlicer -m pip install <MedVol repo>/MedVolCore`")
+            else:
+                core_spec = str(core_source)
+        else:
+            pip_specs.append(wanted)
+
+    for name in sorted(ships | {"torch"}):
+        version = have.get(name)
+        if version is not None and not (name == "torch" and torch_step is not None):
+            constraints.append(f"{name}=={version}")
+
+    steps: List[InstallStep] = []
+    if torch_step is not None:
+        steps.append(torch_step)
+    if pip_specs or core_spec:
+        pkgs = pip_specs + ([core_spec] if core_spec else [])
+        steps.append(InstallStep("pip", [p.split(">=")[0].split("==")[0] if p != core_spec else "medvolcore" for p in pkgs],
+                                 pkgs + ["-c", constraints_path]))
+    if sam2_step is not None:
+        steps.append(sam2_step)  # last: its build imports torch
+    return InstallPlan(missing, steps, problems, constraints)
+
+
+def current_plan(core_source: Optional[Path] = None, deps: Optional[Dependencies] = None) -> InstallPlan:
+    """:func:`plan_install` for the running Python, with the bundled medvolcore."""
+    deps = deps or load_dependencies()
+    names = sorted({r.name for r in deps.requirements} | set(deps.slicer_ships) | {"torch"})
+    return plan_install(installed_versions(names), deps, core_source or find_bundled_core())
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+def download_command(python: str, preset: str) -> List[str]:
+    """``medvol models download PRESET`` run with Slicer's Python (progress bars on stderr)."""
+    return [str(python), "-m", "medvolcore.cli", "models", "download", preset]
+
+
+_PERCENT = re.compile(r"(\d{1,3})%\|")
+
+
+def download_progress(line: str) -> Optional[float]:
+    """Fraction 0–1 from a progress-bar line of ``medvol models download``, or None."""
+    m = None
+    for m in _PERCENT.finditer(line):
+        pass
+    if m is None:
+        return None
+    return min(100, int(m.group(1))) / 100.0
+
+
+def import_hint(preset: str) -> str:
+    return (f"On a machine without internet: copy the weights folder there and run\n"
+            f"  PythonSlicer -m medvolcore.cli models import {preset} /path/to/folder\n"
+            f"(`PythonSlicer -m medvolcore.cli models import --help` shows the expected layout).")

@@ -1,0 +1,134 @@
+"""Panel defaults and the small pure rules behind the panel: query history, segment names,
+window and worker settings. The parameter node (in ``MedVolR1Slicer.py``) takes its defaults
+from :data:`DEFAULTS`; a test checks they agree with MedVolCore's presets and windows."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+from .session import Options
+
+DEFAULTS = {
+    "preset": "medvol-r1",      # = Resources/models.json "default"
+    "device": "auto",           # cuda when a GPU is usable, else cpu (decided by the worker)
+    "window": "soft_tissue",    # = Resources/windows.json "default": centre 40 HU, width 400 HU
+    "worker": "local",
+    "remote_url": "http://127.0.0.1:8765",
+    "history_size": 15,
+}
+PRESETS = ("medvol-r1", "qwen3-vl-2b", "tiny")
+WINDOWS = ("soft_tissue", "abdomen", "liver", "mediastinum", "lung", "bone", "brain")
+DEVICES = ("auto", "cuda", "cpu")
+SEGMENT_NAME_MAX = 64
+
+
+class QueryHistory:
+    """Recent queries, newest first, without repeats (ignoring case and spacing)."""
+
+    def __init__(self, items: Iterable[str] = (), size: int = DEFAULTS["history_size"]):
+        self.size = int(size)
+        self.items: List[str] = []
+        for q in reversed(list(items)):
+            self.add(q)
+
+    @staticmethod
+    def _key(q: str) -> str:
+        return " ".join(q.split()).casefold()
+
+    def add(self, query: str) -> None:
+        q = " ".join(str(query or "").split())
+        if not q:
+            return
+        self.items = [q] + [i for i in self.items if self._key(i) != self._key(q)]
+        del self.items[self.size:]
+
+    def to_json(self) -> str:
+        return json.dumps(self.items)
+
+    @classmethod
+    def from_json(cls, text: Optional[str], size: int = DEFAULTS["history_size"]) -> "QueryHistory":
+        """Read a stored history; anything unreadable gives an empty one (settings may be hand-edited)."""
+        try:
+            items = json.loads(text or "[]")
+        except (TypeError, ValueError):
+            items = []
+        if not isinstance(items, list):
+            items = []
+        return cls([i for i in items if isinstance(i, str)], size)
+
+
+def segment_name(query: str) -> str:
+    """A segment name from the query: one line, at most :data:`SEGMENT_NAME_MAX` characters."""
+    q = " ".join(str(query or "").split())
+    if not q:
+        return "MedVol segment"
+    if len(q) > SEGMENT_NAME_MAX:
+        q = q[: SEGMENT_NAME_MAX - 1].rstrip() + "…"
+    return q
+
+
+def unique_name(name: str, existing: Sequence[str]) -> str:
+    """``name`` or ``name (2)``, ``name (3)``… whichever is not in ``existing``."""
+    taken = set(existing)
+    if name not in taken:
+        return name
+    base = re.sub(r" \(\d+\)$", "", name)
+    n = 2
+    while f"{base} ({n})" in taken:
+        n += 1
+    return f"{base} ({n})"
+
+
+def parse_window(text: Union[str, Sequence[float]]) -> Union[str, List[float]]:
+    """A window preset name or ``"centre,width"`` (HU) from the panel → what the worker takes."""
+    if not isinstance(text, str):
+        vals = [float(v) for v in text]
+    else:
+        t = text.strip()
+        if t in WINDOWS:
+            return t
+        try:
+            vals = [float(v) for v in re.split(r"[,;\s]+", t) if v]
+        except ValueError:
+            raise ValueError(f"window must be one of {', '.join(WINDOWS)} or 'centre, width' in HU, got {text!r}") from None
+    if len(vals) != 2 or vals[1] <= 0:
+        raise ValueError(f"a custom window is 'centre, width' in HU with a positive width, got {text!r}")
+    return vals
+
+
+def parse_remote_url(url: str) -> str:
+    u = str(url or "").strip().rstrip("/")
+    if not re.match(r"^https?://[^\s/]+(:\d+)?(/.*)?$", u):
+        raise ValueError(f"the remote worker address must look like http://host:8765, got {url!r}")
+    return u
+
+
+def options_from_panel(preset: str, adapter: str = "", device: str = "auto", window="soft_tissue",
+                       worker: str = "local", remote_url: str = "", remote_token: str = "") -> Options:
+    """Validated :class:`Options` from the panel's plain values (raises ValueError with a message)."""
+    if device not in DEVICES and not re.match(r"^cuda:\d+$", device or ""):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)} or cuda:N, got {device!r}")
+    if worker not in ("local", "remote"):
+        raise ValueError(f"worker must be 'local' or 'remote', got {worker!r}")
+    preset = (preset or "").strip() or DEFAULTS["preset"]
+    url = parse_remote_url(remote_url) if worker == "remote" else ""
+    return Options(preset=preset, adapter=(adapter or "").strip(), device=device, window=parse_window(window),
+                   worker=worker, remote_url=url, remote_token=(remote_token or "").strip())
+
+
+def progress_text(stage: Optional[str], fraction: float, message: str = "") -> Tuple[int, str]:
+    """Progress-bar value (0–100) and its label for a worker progress event.
+
+    Stages are weighted so the bar moves forward across the whole request
+    (load 0–15 %, read 15–20 %, ground 20–50 %, propagate 50–95 %, write 95–100 %)."""
+    spans = {"load": (0, 15), "read": (15, 20), "ground": (20, 50), "propagate": (50, 95), "write": (95, 100)}
+    lo, hi = spans.get(stage or "", (0, 100))
+    f = min(1.0, max(0.0, float(fraction or 0.0)))
+    names = {"load": "Loading models", "read": "Reading the volume", "ground": "Finding the key slice",
+             "propagate": "Propagating", "write": "Writing the mask"}
+    label = names.get(stage or "", "Working")
+    if message:
+        label = f"{label}: {message}"
+    return int(round(lo + (hi - lo) * f)), label

@@ -1,0 +1,212 @@
+"""The module's worker client and session against a real ``medvol serve`` (tiny preset, CPU):
+progress, results, edited anchors, cancel (polite and by killing the tree), crash and restart,
+and the remote (HTTP) transport."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import nibabel as nib
+import numpy as np
+import pytest
+from MedVolR1SlicerLib.client import RemoteWorker, StdioWorker, WorkerError, worker_command
+from MedVolR1SlicerLib.geometry import RoiBox, VolumeGeometry, anchor_from_rois, rois_from_anchor
+from MedVolR1SlicerLib.session import CANCELLING, IDLE, RUNNING, Options, Session
+
+TIMEOUT = 180
+TINY = Options(preset="tiny", device="cpu")
+
+
+def _command():
+    return worker_command(sys.executable, "cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def session():
+    s = Session(python=sys.executable)
+    s._factory = lambda options: StdioWorker(_command(), cancel_grace_s=20.0)
+    yield s
+    s.shutdown()
+
+
+def _track(s: Session):
+    states, events = [], []
+    s.state_changed.connect(states.append)
+    s.progress.connect(lambda job: events.append((job.op, job.stage, job.fraction)))
+    return states, events
+
+
+def test_segment_reports_progress_and_returns_mask_and_world_anchor(session, ct_sm_path):
+    states, events = _track(session)
+    job = session.segment(str(ct_sm_path), "  the organ that   secretes bile ", TINY)
+    assert session.state == RUNNING
+    session.wait(job, TIMEOUT)
+    assert job.state == "done", job.error
+    assert states == [RUNNING, IDLE]
+    stages = [st for op, st, _ in events if op == "segment"]
+    assert {"ground", "propagate"} <= set(stages)
+    assert stages.index("ground") < stages.index("propagate")
+    prop = [f for op, st, f in events if op == "segment" and st == "propagate"]
+    assert prop == sorted(prop) and prop[-1] == pytest.approx(1.0)
+    assert any(op == "load" for op, _, _ in events)  # model loading shows on the bar too
+
+    r = job.result
+    assert r["smoke"] is True
+    assert r["anchor"]["query"] == "the organ that secretes bile"  # sent normalised
+    world = r["anchor"]["world"]
+    assert len(world["boxes_ras"]) == len(r["anchor"]["boxes"]) >= 1
+    mask = nib.load(r["mask_path"])
+    ct = nib.load(str(ct_sm_path))
+    assert mask.shape == ct.shape
+    np.testing.assert_allclose(mask.affine, ct.affine, atol=1e-5)
+    assert int(np.count_nonzero(np.asanyarray(mask.dataobj))) == r["mask_voxels"]
+
+
+def test_edited_boxes_propagate_without_reloading(session, ct_sm_path):
+    job = session.wait(session.segment(str(ct_sm_path), "the liver", TINY), TIMEOUT)
+    assert job.state == "done", job.error
+    starts = session.client.starts
+    ct = nib.load(str(ct_sm_path))
+    geo = VolumeGeometry(ct.affine, ct.shape)
+    rois, k = rois_from_anchor(geo, job.result["anchor"])
+    # the user drags the first box 3 mm and widens it by 6 mm along the volume's first axis
+    r = rois[0]
+    rois[0] = RoiBox(r.center + r.axes[:, 0] * 3.0, r.size + np.array([6.0, 0, 0]), r.axes)
+    anchor, notes = anchor_from_rois(geo, rois, k, query="the liver")
+    prop = session.wait(session.propagate(str(ct_sm_path), anchor, TINY), TIMEOUT)
+    assert prop.state == "done", prop.error
+    assert session.client.starts == starts  # same process
+    assert prop.result["timings"]["load_s"] == 0  # models stayed loaded
+    got = prop.result["anchor"]
+    assert got["source"] == "user"
+    # the worker placed the world boxes on its stack: same slice, the first box moved
+    assert got["slice"] == job.result["anchor"]["slice"]
+    assert got["boxes"][0] != job.result["anchor"]["boxes"][0]
+    np.testing.assert_allclose(got["world"]["boxes_ras"], anchor["world"]["boxes_ras"], atol=1e-4)
+
+
+def test_bad_requests_come_back_as_errors_and_the_worker_keeps_serving(session, ct_sm_path, tmp_path):
+    with pytest.raises(WorkerError, match="type a query"):
+        session.segment(str(ct_sm_path), "   ", TINY)
+    job = session.wait(session.segment(str(tmp_path / "missing.nii.gz"), "the liver", TINY), TIMEOUT)
+    assert job.state == "failed"
+    assert job.error.code in ("bad_volume", "bad_input")
+    assert "missing.nii.gz" in job.error.message
+    assert session.state == IDLE
+    ok = session.wait(session.segment(str(ct_sm_path), "the spleen", TINY), TIMEOUT)
+    assert ok.state == "done"
+
+
+def test_cancel_stops_a_running_request(session, ct_path):
+    states, events = _track(session)
+    job = session.segment(str(ct_path), "the liver", TINY)
+    while not job.done and job.stage != "propagate":
+        session.poll(0.05)
+    session.cancel()
+    assert session.state == CANCELLING
+    session.wait(job, 60)
+    assert job.state == "cancelled", (job.state, job.error)
+    assert states[-2:] == [CANCELLING, IDLE]
+    assert session.client.running  # stopped politely: no kill needed
+    assert session.wait(session.segment(str(ct_path), "the spleen", TINY), TIMEOUT).state == "done"
+
+
+def test_cancel_that_is_not_honoured_kills_the_process_tree(ct_sm_path):
+    w = StdioWorker(_command(), cancel_grace_s=1.0)
+    try:
+        w.call("load", TIMEOUT, preset="tiny", device="cpu")
+        first = w.pid
+        job = w.submit("segment", volume=str(ct_sm_path), query="the liver", preset="tiny")
+        while not job.done and job.stage is None:
+            w.poll(0.05)
+        os.kill(first, signal.SIGSTOP)  # a worker stuck where it cannot honour a cancel
+        t = time.monotonic()
+        w.cancel(job)
+        w.wait(job, 30)
+        assert job.state == "cancelled"
+        assert "did not stop within 1 s" in job.error.message
+        assert 1.0 <= time.monotonic() - t < 15
+        assert not w.running
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)
+        # the next request starts a fresh worker
+        assert w.call("hello", 60)["protocol"] == 1
+        assert w.starts == 2 and w.pid != first
+    finally:
+        w.stop()
+
+
+def test_crash_is_reported_and_the_worker_restarts(ct_sm_path):
+    s = Session()
+    s._factory = lambda options: StdioWorker(_command())
+    crashes = []
+    try:
+        job = s.segment(str(ct_sm_path), "the liver", TINY)
+        s.client.crashed.connect(crashes.append)
+        while not job.done and job.stage not in ("ground", "propagate"):
+            s.poll(0.05)
+        os.kill(s.client.pid, signal.SIGKILL)
+        s.wait(job, 30)
+        assert job.state == "failed"
+        assert job.error.code == "worker_crashed"
+        assert "restarted on the next request" in job.error.message
+        assert crashes and s.state == IDLE
+        ops = []
+        s.progress.connect(lambda j: ops.append(j.op))
+        again = s.wait(s.segment(str(ct_sm_path), "the liver", TINY), TIMEOUT)
+        assert again.state == "done", again.error
+        assert s.client.starts == 2
+        assert "load" in ops  # the session asked the new process for the models again
+    finally:
+        s.shutdown()
+
+
+def test_worker_that_cannot_start_fails_the_request_not_the_session(tmp_path):
+    s = Session()
+    s._factory = lambda options: StdioWorker([str(tmp_path / "no-such-python"), "-m", "medvolcore.cli_serve", "--stdio"])
+    with pytest.raises(WorkerError) as e:
+        s.segment(str(tmp_path / "ct.nii.gz"), "the liver", TINY)
+    assert e.value.code == "worker_start"
+    assert s.state == IDLE
+
+
+def test_remote_worker_over_http(ct_sm_path, tmp_path):
+    token = "t" * 24
+    (tmp_path / "token").write_text(token)
+    proc = subprocess.Popen([sys.executable, "-m", "medvolcore.cli_serve", "--http", "--port", "0", "--threads", "1",
+                             "--token-file", str(tmp_path / "token"), "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + 60
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            m = re.search(r"127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "the HTTP worker did not say where it listens"
+        with pytest.raises(WorkerError, match="unauthorized|token"):
+            RemoteWorker(f"http://127.0.0.1:{port}", token="wrong-token-xxxxxxxxxxxx").call("hello", 30)
+        s = Session()
+        opts = Options(preset="tiny", device="cpu", worker="remote", remote_url=f"http://127.0.0.1:{port}/",
+                       remote_token=token)
+        job = s.wait(s.segment(str(ct_sm_path), "the liver", opts), TIMEOUT)
+        assert job.state == "done", job.error
+        assert "mask_b64" not in job.result
+        mask = nib.load(job.result["mask_path"])  # written locally from the reply
+        assert mask.shape == nib.load(str(ct_sm_path)).shape
+        assert int(np.count_nonzero(np.asanyarray(mask.dataobj))) == job.result["mask_voxels"]
+        s.shutdown()
+        with pytest.raises(WorkerError, match="http://"):
+            RemoteWorker("ftp://example")
+        gone = RemoteWorker("http://127.0.0.1:9")  # nothing listens there
+        with pytest.raises(WorkerError) as e:
+            gone.call("hello", 30)
+        assert e.value.code == "connection"
+    finally:
+        proc.terminate()
+        proc.wait(30)
