@@ -1,0 +1,153 @@
+"""The Slicer module's files: packaging list, lazy imports, UI names, extension metadata.
+
+Slicer cannot be installed here, so the module file is imported once with minimal stand-ins
+for ``slicer``, ``qt`` and ``vtk`` (test-only; the product never uses them) to show that loading
+it imports no heavy package."""
+
+from __future__ import annotations
+
+import ast
+import py_compile
+import re
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MODULE = REPO / "MedVolR1Slicer"
+HEAVY = ("torch", "transformers", "sam2", "medvolcore", "nibabel", "peft", "xgrammar")
+
+
+def _cmake_list(text: str, var: str) -> list:
+    body = re.search(rf"set\({var}\s+(.*?)\)", text, re.S).group(1)
+    return [line.strip().replace("${MODULE_NAME}", "MedVolR1Slicer") for line in body.splitlines() if line.strip()]
+
+
+def test_cmake_lists_every_module_file_and_only_existing_ones():
+    text = (MODULE / "CMakeLists.txt").read_text()
+    scripts = set(_cmake_list(text, "MODULE_PYTHON_SCRIPTS"))
+    resources = set(_cmake_list(text, "MODULE_PYTHON_RESOURCES"))
+    on_disk_py = {p.relative_to(MODULE).as_posix() for p in MODULE.rglob("*.py") if "__pycache__" not in p.parts}
+    on_disk_res = {p.relative_to(MODULE).as_posix() for p in (MODULE / "Resources").rglob("*") if p.is_file()}
+    assert scripts == on_disk_py
+    assert resources == on_disk_res
+    assert "WITH_GENERIC_TESTS" in text
+
+
+def _imports(path: Path, top_level_only: bool):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+            out += [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def test_every_imported_lib_module_is_packaged():
+    text = (MODULE / "CMakeLists.txt").read_text()
+    scripts = set(_cmake_list(text, "MODULE_PYTHON_SCRIPTS"))
+    files = [MODULE / "MedVolR1Slicer.py", MODULE / "batch.py"] + sorted((MODULE / "MedVolR1SlicerLib").glob("*.py"))
+    used = set()
+    for f in files:
+        for name in _imports(f, top_level_only=False):
+            if name.startswith("MedVolR1SlicerLib."):
+                used.add(name.split(".")[1])
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):  # relative imports inside the Lib
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                used.add(node.module)
+    lib_files = {Path(s).stem for s in scripts if s.startswith("MedVolR1SlicerLib/")}
+    missing = {u for u in used if u not in lib_files and (MODULE / "MedVolR1SlicerLib" / f"{u}.py").exists()}
+    assert not missing, f"imported but not in CMakeLists.txt: {missing}"
+    assert {"geometry", "client", "session", "install", "params", "batchjobs"} <= used
+
+
+@pytest.mark.parametrize("name", ["MedVolR1Slicer.py", "batch.py"])
+def test_module_and_batch_script_compile_and_import_nothing_heavy_at_load(name):
+    py_compile.compile(str(MODULE / name), doraise=True)
+    heavy = [m for m in _imports(MODULE / name, top_level_only=True) if m.split(".")[0] in HEAVY]
+    assert heavy == []
+
+
+def test_lib_never_imports_the_engine_or_its_models():
+    for f in (MODULE / "MedVolR1SlicerLib").glob("*.py"):
+        heavy = [m for m in _imports(f, top_level_only=False) if m.split(".")[0] in HEAVY + ("slicer", "qt", "vtk", "ctk")]
+        assert heavy == [], f"{f.name} imports {heavy}"
+
+
+STANDINS = textwrap.dedent('''
+    import sys, types
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        sys.modules[name] = m
+        return m
+
+    class _Base:
+        def __init__(self, *a, **k):
+            pass
+
+    class _Node:
+        pass
+
+    slicer = module("slicer", vtkMRMLMarkupsROINode=type("vtkMRMLMarkupsROINode", (_Node,), {}),
+                    vtkMRMLScalarVolumeNode=type("vtkMRMLScalarVolumeNode", (_Node,), {}),
+                    vtkMRMLSegmentationNode=type("vtkMRMLSegmentationNode", (_Node,), {}))
+    module("slicer.parameterNodeWrapper", parameterNodeWrapper=lambda cls: cls)
+    module("slicer.ScriptedLoadableModule", **{n: type(n, (_Base,), {}) for n in (
+        "ScriptedLoadableModule", "ScriptedLoadableModuleLogic", "ScriptedLoadableModuleTest",
+        "ScriptedLoadableModuleWidget")})
+    module("slicer.util", VTKObservationMixin=type("VTKObservationMixin", (), {}))
+    module("qt")
+    module("vtk", calldata_type=lambda t: (lambda f: f), VTK_OBJECT=0)
+    sys.path.insert(0, sys.argv[1])
+    import MedVolR1Slicer
+    cls = MedVolR1Slicer.MedVolR1SlicerParameterNode
+    print("DEFAULTS", cls.preset, cls.device, cls.window, cls.worker)
+    print("HEAVY", sorted(m for m in sys.modules if m.split(".")[0] in %r))
+''' % (HEAVY,))
+
+
+def test_loading_the_module_imports_no_heavy_package(tmp_path):
+    script = tmp_path / "load.py"
+    script.write_text(STANDINS)
+    r = subprocess.run([sys.executable, str(script), str(MODULE)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "HEAVY []" in r.stdout
+    assert "DEFAULTS medvol-r1 auto soft_tissue local" in r.stdout
+
+
+def test_ui_has_every_widget_the_module_uses_and_parameter_names_exist():
+    ui = ET.parse(MODULE / "Resources" / "UI" / "MedVolR1Slicer.ui").getroot()
+    names = {w.get("name") for w in ui.iter("widget")}
+    source = (MODULE / "MedVolR1Slicer.py").read_text()
+    used = set(re.findall(r"self\.ui\.(\w+)", source))
+    assert used and used <= names, f"missing in the .ui: {used - names}"
+    tree = ast.parse(source)
+    pnode = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MedVolR1SlicerParameterNode")
+    fields = {s.target.id for s in pnode.body if isinstance(s, ast.AnnAssign)}
+    assert {"inputVolume", "query", "preset", "device", "outputSegmentation", "boxes", "keySlice", "reasoning"} <= fields
+    bound = {p.findtext("string") for p in ui.iter("property") if p.get("name") == "SlicerParameterName"}
+    assert bound and bound <= fields
+
+
+def test_extension_metadata():
+    text = (REPO / "CMakeLists.txt").read_text()
+    meta = dict(re.findall(r'set\((EXTENSION_\w+)\s+"([^"]*)"\)', text))
+    assert meta["EXTENSION_CATEGORY"] == "Segmentation"
+    assert "PyTorch" in meta["EXTENSION_DEPENDS"].split()
+    for key in ("EXTENSION_HOMEPAGE", "EXTENSION_CONTRIBUTORS", "EXTENSION_DESCRIPTION"):
+        assert meta[key].strip()
+    for key in ("EXTENSION_ICONURL", "EXTENSION_SCREENSHOTURLS"):
+        rel = meta[key].split("/main/", 1)[1]
+        assert (REPO / rel).is_file(), f"{key} points at {rel}, which is not in the repository"
+    assert "add_subdirectory(MedVolR1Slicer)" in text
