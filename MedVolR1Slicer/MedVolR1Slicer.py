@@ -108,6 +108,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.segmentButton.connect("clicked(bool)", self.onSegmentButton)
         self.ui.repropagateButton.connect("clicked(bool)", self.onRepropagateButton)
         self.ui.addBoxButton.connect("clicked(bool)", self.onAddBoxButton)
+        self.ui.undoButton.connect("clicked(bool)", self.onUndoButton)
         self.ui.restartWorkerButton.connect("clicked(bool)", self.onRestartWorker)
         self.ui.historyComboBox.connect("activated(int)", self.onHistoryChosen)
         self.ui.queryEdit.connect("textChanged()", self._onQueryEdited)
@@ -202,6 +203,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         has_anchor = bool(p and p.anchorJson)
         self.ui.addBoxButton.enabled = idle and has_anchor
         self.ui.repropagateButton.enabled = idle and has_anchor and bool(p.boxesEdited) and len(p.boxes) > 0
+        self.ui.undoButton.enabled = idle and self.logic.canUndo
         remote = bool(p and p.worker == "remote")
         self.ui.remoteUrlLineEdit.enabled = self.ui.remoteTokenLineEdit.enabled = remote
 
@@ -288,8 +290,21 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._history.add(p.query)
         qt.QSettings().setValue(SETTINGS_HISTORY, self._history.to_json())
         self._refreshHistory()
+        replace = False
+        existing = self.logic.existingSegmentId(p)
+        if existing:
+            box = qt.QMessageBox(qt.QMessageBox.Question, "MedVol-R1",
+                                 f"The segmentation already has a segment named “{params.segment_name(p.query)}”.",
+                                 qt.QMessageBox.NoButton, slicer.util.mainWindow())
+            replaceButton = box.addButton("Replace it", qt.QMessageBox.AcceptRole)
+            keepButton = box.addButton("Keep both", qt.QMessageBox.AcceptRole)
+            box.addButton(qt.QMessageBox.Cancel)
+            box.exec_()
+            if box.clickedButton() not in (replaceButton, keepButton):
+                return
+            replace = box.clickedButton() == replaceButton
         try:
-            self.logic.startSegment(p, options, self._onJobFinished)
+            self.logic.startSegment(p, options, self._onJobFinished, replaceExisting=replace)
         except (WorkerError, GeometryError, ValueError) as e:
             slicer.util.errorDisplay(str(e), windowTitle="MedVol-R1")
             return
@@ -314,6 +329,11 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         except GeometryError as e:
             slicer.util.errorDisplay(str(e))
         self._updateGuiFromParameterNode()
+
+    def onUndoButton(self):
+        if self.logic.undoLastResult():
+            self.ui.statusLabel.text = "The last result was taken back."
+        self._updateButtons()
 
     def onRestartWorker(self):
         self.logic.shutdown()
@@ -403,6 +423,7 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self.session = Session(python=python_for_worker(), env=env)
         self._tmp = tempfile.mkdtemp(prefix="medvol-slicer-")
         self._exported = {}  # volume node ID → (MTime, path)
+        self._undo = None  # (segmentation, segment ID, previous mask or None when added, volume)
 
     def getParameterNode(self):
         return MedVolR1SlicerParameterNode(super().getParameterNode())
@@ -461,13 +482,20 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return path
 
     # -- requests --
-    def startSegment(self, p, options: Options, onFinished=None):
+    @staticmethod
+    def existingSegmentId(p) -> str:
+        """ID of the segment a new result for ``p.query`` would collide with ('' if none)."""
+        if p.outputSegmentation is None:
+            return ""
+        return p.outputSegmentation.GetSegmentation().GetSegmentIdBySegmentName(params.segment_name(p.query)) or ""
+
+    def startSegment(self, p, options: Options, onFinished=None, replaceExisting: bool = False):
         if not p.inputVolume:
             raise ValueError("choose a CT volume first")
         self.geometry(p.inputVolume)  # refuse transformed volumes before the long run
         volume = p.inputVolume
         job = self.session.segment(self.exportVolume(volume), p.query, options)
-        job.finished.connect(lambda j: self._finishSegment(p, volume, j, onFinished))
+        job.finished.connect(lambda j: self._finishSegment(p, volume, j, onFinished, replaceExisting))
         return job
 
     def startRepropagate(self, p, options: Options, onFinished=None) -> List[str]:
@@ -477,10 +505,12 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         job.finished.connect(lambda j: self._finishPropagate(p, volume, j, notes, onFinished))
         return notes
 
-    def _finishSegment(self, p, volume, job, onFinished):
+    def _finishSegment(self, p, volume, job, onFinished, replaceExisting=False):
         notes = []
         if job.state == "done":
-            notes = self.applyResult(p, volume, job.result, replaceSegment=False)
+            if replaceExisting:
+                p.segmentId = self.existingSegmentId(p)
+            notes = self.applyResult(p, volume, job.result, replaceSegment=replaceExisting)
         if onFinished:
             onFinished(job, notes)
 
@@ -498,7 +528,6 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         notes = list(result.get("notes") or [])
         if result.get("smoke"):
             notes.insert(0, "made with the random-weight 'tiny' preset: a smoke test, not a segmentation")
-        slicer.mrmlScene.SaveStateForUndo()
         segNode = p.outputSegmentation
         if segNode is None:
             segNode = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", f"{volumeNode.GetName()} MedVol")
@@ -508,10 +537,13 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         segmentation = segNode.GetSegmentation()
         if replaceSegment and p.segmentId and segmentation.GetSegment(p.segmentId):
             segmentId = p.segmentId
+            previous = slicer.util.arrayFromSegmentBinaryLabelmap(segNode, segmentId, volumeNode).copy()
+            self._undo = (segNode, segmentId, previous, volumeNode)
         else:
             existing = [segmentation.GetNthSegment(i).GetName() for i in range(segmentation.GetNumberOfSegments())]
             name = params.unique_name(params.segment_name(anchor.get("query") or p.query), existing)
             segmentId = segmentation.AddEmptySegment("", name)
+            self._undo = (segNode, segmentId, None, volumeNode)
         labelNode = slicer.util.loadLabelVolume(result["mask_path"], {"show": False})
         try:
             mask = slicer.util.arrayFromVolume(labelNode)
@@ -526,6 +558,24 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         p.boxesEdited = False
         self.showKeySlice(volumeNode, anchor)
         return notes
+
+    @property
+    def canUndo(self) -> bool:
+        return self._undo is not None and self._undo[0].GetScene() is not None
+
+    def undoLastResult(self):
+        """Take back the last result: remove the segment it added, or restore the mask it replaced."""
+        if not self.canUndo:
+            return False
+        segNode, segmentId, previous, volumeNode = self._undo
+        self._undo = None
+        if segNode.GetSegmentation().GetSegment(segmentId) is None:
+            return False
+        if previous is None:
+            segNode.GetSegmentation().RemoveSegment(segmentId)
+        else:
+            slicer.util.updateSegmentBinaryLabelmapFromArray(previous, segNode, segmentId, volumeNode)
+        return True
 
     def placeBoxes(self, p, volumeNode, anchor: dict):
         """One ``vtkMRMLMarkupsROINode`` per anchor box, flat on the key slice, from ``world``."""
