@@ -50,6 +50,17 @@ def _variants(array: np.ndarray, affine: np.ndarray) -> dict:
     return out
 
 
+def _liver(real, name="ras"):
+    """The liver's anchor on a variant of the real CT, its one ROI and the key slice index."""
+    labels, affine = real
+    arr, aff = _variants(labels, affine)[name]
+    stack = AxialStack(CTVolume(arr, aff))
+    geo = VolumeGeometry(aff, arr.shape)
+    anchor = anchor_from_mask(stack.data == LIVER, stack=stack)
+    (roi,), k = rois_from_anchor(geo, anchor.to_dict())
+    return stack, geo, anchor, roi, k
+
+
 @pytest.fixture(scope="module")
 def real(ct_sm_path, seg_sm_path):
     ct = nib.load(str(ct_sm_path))
@@ -108,12 +119,7 @@ def test_anchor_to_roi_to_anchor_round_trip(real, name, label_ids, n_boxes):
 
 @pytest.mark.parametrize("name", ["ras", "lps", "oblique"])
 def test_moved_box_lands_where_it_was_dragged(real, name):
-    labels, affine = real
-    arr, aff = _variants(labels, affine)[name]
-    stack = AxialStack(CTVolume(arr, aff))
-    anchor = anchor_from_mask(stack.data == LIVER, stack=stack)
-    geo = VolumeGeometry(aff, arr.shape)
-    (roi,), k = rois_from_anchor(geo, anchor.to_dict())
+    stack, geo, anchor, roi, k = _liver(real, name)
     # drag 4 voxels towards the image's right edge (stack +x) and 2 down (stack +y), in mm
     step = stack.stack_to_ras([0, 2, 4]) - stack.stack_to_ras([0, 0, 0])
     moved = RoiBox(roi.center + step, roi.size, roi.axes)
@@ -126,11 +132,7 @@ def test_moved_box_lands_where_it_was_dragged(real, name):
 
 
 def test_resized_box_takes_voxels_whose_centres_it_covers(real):
-    labels, affine = real
-    stack = AxialStack(CTVolume(labels, affine))
-    geo = VolumeGeometry(affine, labels.shape)
-    anchor = anchor_from_mask(stack.data == LIVER, stack=stack)
-    (roi,), k = rois_from_anchor(geo, anchor.to_dict())
+    stack, geo, anchor, roi, k = _liver(real)
     # grow by 1.4 voxels in total along every in-plane axis: each side moves 0.7 voxel, which
     # passes the neighbouring voxel centre (0.5 away) on both sides
     grow = np.array([1.4 * geo.spacing[a] if a != geo.slice_axis else 0.0 for a in range(3)])
@@ -144,11 +146,7 @@ def test_resized_box_takes_voxels_whose_centres_it_covers(real):
 
 
 def test_box_off_the_key_slice_is_put_back_with_a_message(real):
-    labels, affine = real
-    stack = AxialStack(CTVolume(labels, affine))
-    geo = VolumeGeometry(affine, labels.shape)
-    anchor = anchor_from_mask(stack.data == LIVER, stack=stack)
-    (roi,), k = rois_from_anchor(geo, anchor.to_dict())
+    stack, geo, anchor, roi, k = _liver(real)
     up = np.zeros(3)
     up[geo.slice_axis] = 3
     off = RoiBox(geo.to_ras(geo.to_ijk(roi.center) + up), roi.size, roi.axes)
@@ -159,11 +157,7 @@ def test_box_off_the_key_slice_is_put_back_with_a_message(real):
 
 
 def test_box_outside_the_volume_is_cut_or_refused(real):
-    labels, affine = real
-    stack = AxialStack(CTVolume(labels, affine))
-    geo = VolumeGeometry(affine, labels.shape)
-    anchor = anchor_from_mask(stack.data == LIVER, stack=stack)
-    (roi,), k = rois_from_anchor(geo, anchor.to_dict())
+    stack, geo, anchor, roi, k = _liver(real)
     x0, y0, x1, y1 = anchor.boxes[0]
     # push the box so that it hangs 5 voxels over the image's left edge (stack x < 0)
     shift = stack.stack_to_ras([0, 0, -(x0 + 5)]) - stack.stack_to_ras([0, 0, 0])
@@ -181,11 +175,7 @@ def test_box_outside_the_volume_is_cut_or_refused(real):
 
 
 def test_rotated_box_uses_its_bounding_box(real):
-    labels, affine = real
-    stack = AxialStack(CTVolume(labels, affine))
-    geo = VolumeGeometry(affine, labels.shape)
-    anchor = anchor_from_mask(stack.data == LIVER, stack=stack)
-    (roi,), k = rois_from_anchor(geo, anchor.to_dict())
+    stack, geo, anchor, roi, k = _liver(real)
     turned = RoiBox(roi.center, roi.size, _rot(2, 30) @ roi.axes)
     back, notes = anchor_from_rois(geo, [turned], k)
     assert any("rotated" in n for n in notes)
