@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -95,16 +95,20 @@ class MedSAM2Frames:
     (3, S, S) float32 CPU tensor; nothing is cached here (the predictor caches features).
     It also carries the per-request bookkeeping of the feature cache: ``pinned`` (frame
     indices whose features must survive cache eviction and ``reset_state``), ``loaded`` and
-    ``encoded`` (frame indices in the order they were preprocessed / encoded).
+    ``encoded`` (frame indices in the order they were preprocessed / encoded). With
+    ``share_features`` the image features of every encoded slice are also kept in
+    ``feature_store`` and reused by later propagations over the same frames (several box
+    prompts on one volume, e.g. the rollouts of one GRPO group): each slice is encoded once.
     """
 
-    def __init__(self, stack_hu: np.ndarray, image_size: int, window: WindowLike = None):
+    def __init__(self, stack_hu: np.ndarray, image_size: int, window: WindowLike = None, share_features: bool = False):
         self.stack = stack_hu
         self.image_size = int(image_size)
         self.window = get_window(window)
         self.pinned: set = set()
         self.loaded: list = []
         self.encoded: list = []
+        self.feature_store: Optional[dict] = {} if share_features else None
 
     def __len__(self) -> int:
         return int(self.stack.shape[0])
@@ -192,13 +196,19 @@ def _predictor_class():
             frames = inference_state["images"]
             if isinstance(frames, MedSAM2Frames):
                 cache = inference_state["cached_features"]
+                store = frames.feature_store
                 if frame_idx not in cache:
-                    image = frames[frame_idx].to(inference_state["device"]).float().unsqueeze(0)
-                    backbone_out = self.forward_image(image)
-                    frames.encoded.append(int(frame_idx))
+                    if store is not None and frame_idx in store:
+                        entry = store[frame_idx]
+                    else:
+                        image = frames[frame_idx].to(inference_state["device"]).float().unsqueeze(0)
+                        entry = (image, self.forward_image(image))
+                        frames.encoded.append(int(frame_idx))
+                        if store is not None:
+                            store[frame_idx] = entry
                     # keep the pinned frames (the key slice) and the most recent one
                     kept = {k: v for k, v in cache.items() if k in frames.pinned}
-                    kept[frame_idx] = (image, backbone_out)
+                    kept[frame_idx] = entry
                     inference_state["cached_features"] = kept
             # a cache hit now for our frames; sam2's stock behaviour for any other "images"
             return super()._get_image_feature(inference_state, frame_idx, batch_size)
@@ -521,6 +531,28 @@ class MedSAM2Propagator:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def propagate_many(
+        self,
+        stack_hu: np.ndarray,
+        prompts: Sequence[Tuple[int, Sequence[Sequence[int]]]],
+        *,
+        hu_window: WindowLike = None,
+        window: Optional[int] = None,
+        largest_component: bool = False,
+    ) -> List[PropagationResult]:
+        """Propagate several independent prompts ``(key_slice, boxes)`` over one stack.
+
+        Each prompt gives the same mask as its own :meth:`propagate` call, but image features are
+        shared between them, so every slice is encoded at most once for the whole list (the
+        rollouts of one GRPO group, say, which all look at the same volume). The features of
+        every slice touched stay in memory until the call returns: keep ``window`` small.
+        """
+        stack = _check_stack(stack_hu)
+        win = get_window(hu_window)
+        frames = MedSAM2Frames(stack, self.image_size, win, share_features=True)
+        return [self.propagate(stack, k, boxes, hu_window=win, window=window, largest_component=largest_component,
+                               _frames=frames) for k, boxes in prompts]
+
     def propagate(
         self,
         stack_hu: np.ndarray,
@@ -533,6 +565,7 @@ class MedSAM2Propagator:
         progress: Optional[ProgressFn] = None,
         cancel: CancelLike = None,
         return_object_masks: bool = False,
+        _frames: Optional[MedSAM2Frames] = None,
     ) -> PropagationResult:
         """Propagate the boxes on ``key_slice`` through the stack; returns a :class:`PropagationResult`.
 
@@ -564,8 +597,9 @@ class MedSAM2Propagator:
         with self._lock:
             t0 = time.perf_counter()
             pred = self.predictor
-            frames = MedSAM2Frames(stack, self.image_size, win)
-            frames.pinned.add(k)
+            frames = _frames if _frames is not None else MedSAM2Frames(stack, self.image_size, win)
+            frames.pinned = {k}
+            n_encoded_before = len(frames.encoded)
             calls = [0]
 
             def _count(_module, _inputs):
@@ -624,11 +658,11 @@ class MedSAM2Propagator:
                 mask=mask,
                 key_slice=k,
                 slice_range=(lo, hi),
-                slices_encoded=len(set(frames.encoded)),
+                slices_encoded=len(set(frames.encoded[n_encoded_before:])),
                 encoder_calls=calls[0],
                 seconds=seconds,
                 seconds_per_slice=seconds / total,
                 num_objects=n_obj,
-                encoded_slices=tuple(frames.encoded),
+                encoded_slices=tuple(frames.encoded[n_encoded_before:]),
                 object_masks=obj_masks if return_object_masks else None,
             )

@@ -385,3 +385,25 @@ def test_invalid_stacks(prop, case):
     bad[0, 0, 0] = np.nan
     with pytest.raises(InputError, match="NaN"):
         prop.propagate(bad, 0, [[0, 0, 1, 1]])
+
+
+def test_propagate_many_shares_features_and_matches_single_runs(prop, case):
+    """Prompts on one volume (a GRPO group's rollouts): same masks as separate calls, but every
+    slice of the union of their windows is encoded once."""
+    stack, _, boxes = case
+    prompts = [(2, boxes[:1]), (4, boxes[1:3]), (5, boxes[:1]), (2, boxes[2:3])]
+    singles = [prop.propagate(stack, k, b, window=1) for k, b in prompts]
+    counted = []
+    hook = prop.predictor.image_encoder.register_forward_pre_hook(lambda m, i: counted.append(1))
+    try:
+        group = prop.propagate_many(stack, prompts, window=1)
+    finally:
+        hook.remove()
+    assert [r.slice_range for r in group] == [r.slice_range for r in singles]
+    for g, s in zip(group, singles):
+        assert np.array_equal(g.mask, s.mask)
+    union = {z for k, _ in prompts for z in range(max(0, k - 1), min(stack.shape[0] - 1, k + 1) + 1)}
+    assert len(counted) == len(union) == 6  # windows [1,3], [3,5], [4,6], [1,3]: slices 1..6 once each
+    assert sum(r.encoder_calls for r in group) == len(union)
+    assert sum(r.encoder_calls for r in singles) == sum(r.slices_propagated for r in singles) == 12
+    assert group[3].encoder_calls == 0  # the last prompt's window was already encoded
