@@ -72,10 +72,13 @@ class Pipeline:
 
     ``preset``: a name from ``Resources/models.json`` (``medvol-r1``, ``qwen3-vl-2b``, ``tiny``).
     ``adapter``: a LoRA adapter folder overriding the preset's. ``low_memory``: on CUDA, move
-    the language model off the GPU while MedSAM2 runs.
+    the language model off the GPU while MedSAM2 runs. ``propagator``: a loaded
+    :class:`~medvolcore.propagation.MedSAM2Propagator` to use instead of the preset's MedSAM2
+    (evaluation with another checkpoint, or seeded random weights).
     """
 
-    def __init__(self, preset: str = "medvol-r1", adapter=None, device: str = "cpu", low_memory: bool = False):
+    def __init__(self, preset: str = "medvol-r1", adapter=None, device: str = "cpu", low_memory: bool = False,
+                 propagator=None):
         from . import models
 
         self.models = models.resolve(preset, adapter=adapter)
@@ -84,7 +87,7 @@ class Pipeline:
         self.device = str(resolve_device(device))
         self.low_memory = bool(low_memory)
         self._grounder = None
-        self._propagator = None
+        self._propagator = propagator
         self._lock = threading.RLock()
         self.load_seconds = {}
 

@@ -60,6 +60,21 @@ def test_repropagate_user_anchor(tiny):
     assert again.mask.shape == stack.volume.shape
 
 
+def test_pipeline_with_a_given_propagator(tiny):
+    """Evaluation swaps in another MedSAM2 (a checkpoint or other random weights)."""
+    from medvolcore.propagation import MedSAM2Propagator
+
+    other = MedSAM2Propagator.from_random(7, image_size=64)
+    pipe = Pipeline("tiny", device="cpu", propagator=other)
+    assert pipe.propagator is other
+    stack = as_stack(SAMPLE)
+    anchor = tiny.segment(stack, "the liver").anchor
+    mine = pipe.repropagate(stack, anchor.to_dict())
+    theirs = tiny.repropagate(stack, anchor.to_dict())
+    assert mine.propagation.slices_encoded == stack.depth
+    assert not np.array_equal(mine.mask, theirs.mask)  # other weights, other mask
+
+
 def test_segment_cli_writes_mask_anchor_qc(capsys, tmp_path):
     out, qc = tmp_path / "liver.nii.gz", tmp_path / "qc.png"
     code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "the organ that secretes bile",
