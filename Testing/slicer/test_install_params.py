@@ -116,7 +116,7 @@ def test_bundled_core_is_found_in_a_source_checkout_and_in_a_built_extension(tmp
 
 def test_dependency_floors_equal_medvolcores_own():
     """The Slicer installer asks for what medvolcore declares (and nothing it does not)."""
-    text = (REPO / "MedVolCore" / "pyproject.toml").read_text()
+    text = (REPO / "MedVolCore" / "pyproject.toml").read_text(encoding="utf-8")
     block = re.search(r"dependencies = \[(.*?)\]", text, re.S).group(1)
     core = dict(re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)"', block))
     deps = install.load_dependencies()

@@ -28,7 +28,7 @@ def _cmake_list(text: str, var: str) -> list:
 
 
 def test_cmake_lists_every_module_file_and_only_existing_ones():
-    text = (MODULE / "CMakeLists.txt").read_text()
+    text = (MODULE / "CMakeLists.txt").read_text(encoding="utf-8")
     scripts = set(_cmake_list(text, "MODULE_PYTHON_SCRIPTS"))
     resources = set(_cmake_list(text, "MODULE_PYTHON_RESOURCES"))
     on_disk_py = {p.relative_to(MODULE).as_posix() for p in MODULE.rglob("*.py") if "__pycache__" not in p.parts}
@@ -52,7 +52,7 @@ def _imports(path: Path, top_level_only: bool):
 
 
 def test_every_imported_lib_module_is_packaged():
-    text = (MODULE / "CMakeLists.txt").read_text()
+    text = (MODULE / "CMakeLists.txt").read_text(encoding="utf-8")
     scripts = set(_cmake_list(text, "MODULE_PYTHON_SCRIPTS"))
     files = [MODULE / "MedVolR1Slicer.py", MODULE / "batch.py"] + sorted((MODULE / "MedVolR1SlicerLib").glob("*.py"))
     used = set()
@@ -60,7 +60,7 @@ def test_every_imported_lib_module_is_packaged():
         for name in _imports(f, top_level_only=False):
             if name.startswith("MedVolR1SlicerLib."):
                 used.add(name.split(".")[1])
-        tree = ast.parse(f.read_text())
+        tree = ast.parse(f.read_text(encoding="utf-8"))
         for node in ast.walk(tree):  # relative imports inside the Lib
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
                 used.add(node.module)
@@ -129,7 +129,7 @@ def test_loading_the_module_imports_no_heavy_package(tmp_path):
 def test_ui_has_every_widget_the_module_uses_and_parameter_names_exist():
     ui = ET.parse(MODULE / "Resources" / "UI" / "MedVolR1Slicer.ui").getroot()
     names = {w.get("name") for w in ui.iter("widget")}
-    source = (MODULE / "MedVolR1Slicer.py").read_text()
+    source = (MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8")
     used = set(re.findall(r"self\.ui\.(\w+)", source))
     assert used and used <= names, f"missing in the .ui: {used - names}"
     tree = ast.parse(source)
@@ -141,7 +141,7 @@ def test_ui_has_every_widget_the_module_uses_and_parameter_names_exist():
 
 
 def test_extension_metadata():
-    text = (REPO / "CMakeLists.txt").read_text()
+    text = (REPO / "CMakeLists.txt").read_text(encoding="utf-8")
     meta = dict(re.findall(r'set\((EXTENSION_\w+)\s+"([^"]*)"\)', text))
     assert meta["EXTENSION_CATEGORY"] == "Segmentation"
     assert "PyTorch" in meta["EXTENSION_DEPENDS"].split()
