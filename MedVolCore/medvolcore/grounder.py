@@ -9,6 +9,8 @@ Public API
     the model inputs for one request (see "Prompt" below).
 ``grounder.build_batch_inputs([(stack, query), ...], window=None) -> (inputs, [shown_slices, ...])``
     the same for several requests, left-padded.
+``grounder.inputs_from_images(images, shown, depth, query, window=None) -> inputs``
+    the same prompt from slices rendered beforehand (training data stores them).
 ``grounder.ground(stack, query, *, constrain=True, do_sample=False, seed=None, max_new_tokens=None,
 retries=2, window=None) -> GroundingResult``
     one answer as an :class:`~medvolcore.anchor.EvidenceAnchor` (source ``"grounder"``).
@@ -700,7 +702,7 @@ class QwenVLGrounder:
         return out, spans
 
     def _single_inputs(self, stack, query: str, window):
-        torch = _torch()
+        _torch()  # a clear DependencyError before any rendering when torch is missing
         if stack.depth < 2:
             raise InputError(f"volume too small: the stack has {stack.depth} axial slice(s); the grounder needs at "
                              "least 2")
@@ -708,17 +710,31 @@ class QwenVLGrounder:
         size = int(self.prompts.get("image_size", 256))
         shown = [int(z) for z in stack.sample_indices(n)]
         images = [stack.render_slice(z, size, window) for z in shown]
-        px = self.image_processor(images=images, return_tensors="pt")
+        return self.inputs_from_images(images, shown, stack.depth, query, window), shown
+
+    def inputs_from_images(self, images, shown: Sequence[int], depth: int, query: str, window=None) -> dict:
+        """Model inputs of one request from already rendered slices (for training code).
+
+        ``images`` are the shown slices rendered as :meth:`build_inputs` renders them (RGB uint8,
+        ``image_size`` square, the request's window), in the order of ``shown``; ``depth`` is the
+        stack depth and ``window`` the window named in the prompt. The result is token for token
+        what :meth:`build_inputs` gives for the same stack and query.
+        """
+        torch = _torch()
+        query = validate_query(query)
+        if len(images) != len(shown):
+            raise InputError(f"{len(images)} images for {len(shown)} shown slices")
+        px = self.image_processor(images=list(images), return_tensors="pt")
         grid = px["image_grid_thw"]
         merge = int(getattr(self.image_processor, "merge_size", 2) or 2)
         tokens = (grid.prod(-1) // (merge * merge)).tolist()
-        ids, spans = self._prompt_ids(query, shown, stack.depth, window, tokens)
+        ids, spans = self._prompt_ids(query, [int(z) for z in shown], int(depth), window, tokens)
         input_ids = torch.tensor([ids], dtype=torch.long)
         mm = torch.zeros_like(input_ids, dtype=torch.int32)
         for start, length in spans:
             mm[0, start:start + length] = 1
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                "pixel_values": px["pixel_values"], "image_grid_thw": grid, "mm_token_type_ids": mm}, shown
+                "pixel_values": px["pixel_values"], "image_grid_thw": grid, "mm_token_type_ids": mm}
 
     def build_inputs(self, stack, query: str, window=None):
         """Model inputs for one request and the shown slice indices (in prompt order)."""

@@ -1,0 +1,2 @@
+"""MedVol-R1 training."""
+__version__ = "0.1.0"

@@ -1,0 +1,159 @@
+"""The ``medvol-train`` command line: ``prepare``, ``sft`` and ``m3dseg-manifest``.
+
+Errors are one line on stderr (``medvol-train: error: …``) and a non-zero exit code, never a
+traceback (``--debug`` shows it). Exit codes: 0 done; 2 bad input, configuration or data
+(``prepare`` exits 2 only when not a single sample could be prepared — skipped rows alone are
+reported, not fatal); 1 an unexpected internal error; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import List, Optional
+
+from medvolcore.errors import MedVolError
+
+from . import __version__
+
+PROG = "medvol-train"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
+class _OneLineWarnings(logging.Handler):
+    def emit(self, record):
+        sys.stderr.write(f"{PROG}: warning: {record.getMessage()}\n")
+
+
+def cmd_prepare(args) -> int:
+    from .prepare import PrepareSettings, format_summary, prepare
+
+    settings = PrepareSettings(seed=args.seed, top_k=args.top_k, query_kind=args.query_kind,
+                               test_fraction=args.test_fraction, relational=not args.no_relational,
+                               prompt_window=args.prompt_window)
+    summary = prepare(args.manifest, args.out, settings, workers=args.workers, progress=not args.no_progress)
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=1) + "\n")
+    else:
+        sys.stdout.write(format_summary(summary) + "\n")
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from .config import load_settings, parse_overrides
+    from .sft import train_sft
+
+    settings = load_settings(args.config, parse_overrides(args.overrides), preset=args.preset,
+                             max_steps=args.max_steps)
+    summary = train_sft(args.data, args.output, settings, resume=args.resume, overwrite=args.overwrite)
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=1) + "\n")
+    else:
+        sys.stdout.write(f"adapter written to {summary['adapter']} after {summary['global_step']} step(s) "
+                         f"({summary['seconds']:.1f} s); loss {summary['loss_first']} → {summary['loss_last']}\n")
+    return 0
+
+
+def cmd_m3dseg_manifest(args) -> int:
+    from .datasets import m3dseg_rows, write_manifest
+
+    rows = []
+    for code in args.code:
+        rows += m3dseg_rows(args.root, code, args.nifti_map, args.orientation)
+    write_manifest(rows, args.out, overwrite=args.overwrite)
+    sys.stdout.write(f"wrote {len(rows)} case(s) to {args.out}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="MedVol-R1 training: prepare data, cold-start SFT with LoRA.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def add(name, help_, func):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(func=func)
+        sp.add_argument("--debug", action="store_true", help="show tracebacks")
+        sp.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+        return sp
+
+    sp = add("prepare", "Turn a manifest of cases into a training set (64 rendered slices, query, SFT target, "
+                        "reward ground truth per sample).", cmd_prepare)
+    sp.add_argument("--manifest", required=True, help="CASES.csv or CASES.jsonl (id, volume, labels, targets or "
+                                                      "dataset, split)")
+    sp.add_argument("--out", required=True, help="output folder DATA (samples.jsonl, summary.json, cases/)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the queries, think sentences and Top-K draws")
+    sp.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    sp.add_argument("--top-k", type=int, default=3, help="key slice drawn among the K largest shown slices (default 3)")
+    sp.add_argument("--query-kind", choices=["implicit", "explicit"], default="implicit",
+                    help="implicit: a description that does not name the label (default); explicit: the label name")
+    sp.add_argument("--test-fraction", type=float, default=0.2,
+                    help="fraction of each label's descriptions held out for test queries (default 0.2)")
+    sp.add_argument("--no-relational", action="store_true", help="no KiTS23-style relational test queries")
+    sp.add_argument("--prompt-window", default=None, help="window named in the prompt (default: the grounder's)")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sp = add("sft", "Cold-start SFT with LoRA (TRL SFTTrainer); writes RUN/adapter/.", cmd_sft)
+    sp.add_argument("--data", required=True, help="a folder made by `medvol-train prepare`")
+    sp.add_argument("--output", required=True, help="run folder RUN (checkpoints/, tensorboard/, adapter/)")
+    sp.add_argument("--config", help="YAML settings (e.g. Training/configs/sft.yaml)")
+    sp.add_argument("--preset", help="base model preset (medvol models list), default medvol-r1; tiny for smoke runs")
+    sp.add_argument("--max-steps", type=int, help="stop after N optimiser steps")
+    sp.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN/checkpoints")
+    sp.add_argument("--overwrite", action="store_true", help="start again in a RUN folder that holds a run")
+    sp.add_argument("overrides", nargs="*", metavar="key=value", help="override any setting, e.g. learning_rate=1e-4")
+
+    sp = add("m3dseg-manifest", "Write a manifest for M3D-Seg datasets (their train/test split and label lists).",
+             cmd_m3dseg_manifest)
+    sp.add_argument("--root", required=True, help="the M3D_Seg folder (holding 0003/, 0004/, 0012/, …)")
+    sp.add_argument("--code", action="append", required=True, help="dataset code, e.g. 0012 (repeatable)")
+    sp.add_argument("--nifti-map", help="CSV case,volume,labels: use the original NIfTI (HU) files for these cases")
+    sp.add_argument("--orientation", help="axis codes of the M3D arrays (default RAS)")
+    sp.add_argument("--out", required=True, help="manifest to write (.jsonl)")
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing manifest")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    handler = _OneLineWarnings(level=logging.WARNING)
+    loggers = [logging.getLogger(n) for n in ("medvoltrain", "medvolcore")]
+    saved = [(lg, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        return int(args.func(args) or 0)
+    except MedVolError as e:
+        if args.debug:
+            raise
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted" + ("; rerun with --resume to continue" if args.command == "sft"
+                                                   else "; rerun the same command to continue") + "\n")
+        return 130
+    except Exception as e:  # noqa: BLE001 — still one line, with a hint
+        if args.debug:
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        sys.stderr.write(f"{PROG}: internal error: {type(e).__name__}: {msg} (rerun with --debug for details)\n")
+        return 1
+    finally:
+        for lg, prop in saved:
+            lg.removeHandler(handler)
+            lg.propagate = prop
+
+
+if __name__ == "__main__":
+    sys.exit(main())

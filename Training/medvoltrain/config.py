@@ -1,0 +1,171 @@
+"""Training configuration: a dataclass whose defaults are the MedVol-R1 paper's SFT settings.
+
+Order of precedence: the dataclass defaults < the YAML file (``--config``) < the command line's
+named options (``--preset``, ``--max-steps``) < ``key=value`` overrides. Every key is checked: an
+unknown key is refused with the list of valid keys, a value of the wrong type is refused naming
+the expected type. ``Training/configs/sft.yaml`` spells the defaults out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Optional, Union
+
+from .errors import ConfigError
+
+LORA_SCOPES = ("language", "language+vision")
+
+
+@dataclass
+class SFTSettings:
+    """Cold-start SFT settings (defaults = the paper's recipe where the paper gives one)."""
+
+    # -- model: a preset of Resources/models.json, or a Qwen3-VL folder (model_path wins) --
+    preset: str = "medvol-r1"  # Qwen3-VL-4B-Instruct, the paper's base model
+    model_path: Optional[str] = None
+    # -- LoRA (paper: rank 128, all linear layers) --
+    lora_r: int = 128
+    lora_alpha: int = 256  # 2·r: the usual choice at this rank; keeps the update scale alpha/r = 2 at lr 2e-5
+    lora_dropout: float = 0.05
+    lora_scope: str = "language"  # every linear layer of the language model; "language+vision" adds the vision tower
+    # -- optimisation (paper) --
+    learning_rate: float = 2e-5
+    num_train_epochs: float = 1.0
+    max_steps: int = -1  # > 0 stops after that many optimiser steps (smoke runs, tests)
+    per_device_train_batch_size: int = 2
+    gradient_accumulation_steps: int = 1
+    optim: str = "adamw_torch"
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.1
+    lr_scheduler_type: str = "cosine"
+    max_grad_norm: float = 1.0
+    bf16: Union[bool, str] = "auto"  # auto: bfloat16 where the GPU supports it, else fp32 (with a notice)
+    gradient_checkpointing: bool = True
+    # -- bookkeeping --
+    seed: int = 42
+    logging_steps: int = 10
+    save_steps: int = 500
+    save_total_limit: Optional[int] = 3
+    report_to: str = "tensorboard"  # "none" to switch logging off
+    dataloader_num_workers: int = 2
+    split: str = "train"
+    max_samples: Optional[int] = None  # use only the first N samples (smoke runs)
+    deepspeed: Optional[str] = None  # a DeepSpeed json (e.g. Training/configs/zero2.json); usually set by accelerate
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "SFTSettings":
+        if self.lora_scope not in LORA_SCOPES:
+            raise ConfigError(f"lora_scope must be one of {', '.join(LORA_SCOPES)}, got {self.lora_scope!r}")
+        if not (self.bf16 in (True, False) or self.bf16 == "auto"):
+            raise ConfigError(f"bf16 must be true, false or auto, got {self.bf16!r}")
+        for key in ("lora_r", "lora_alpha", "per_device_train_batch_size", "gradient_accumulation_steps",
+                    "logging_steps", "save_steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be ≥ 1, got {getattr(self, key)}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"max_steps must be -1 (whole epochs) or ≥ 1, got {self.max_steps}")
+        if self.split not in ("train", "test"):
+            raise ConfigError(f"split must be train or test, got {self.split!r}")
+        return self
+
+
+def valid_keys() -> list:
+    return [f.name for f in fields(SFTSettings)]
+
+
+def _types(tp) -> tuple:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        return tuple(t for a in typing.get_args(tp) for t in _types(a))
+    return (tp,)
+
+
+def _coerce(key: str, value, tp):
+    kinds = _types(tp)
+    if value is None and type(None) in kinds:
+        return None
+    if isinstance(value, str):
+        import yaml
+
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        # text becomes a number/bool/null where the field takes one ("false" for bf16: auto|bool)
+        if str not in kinds or (parsed is None and type(None) in kinds) or \
+                (isinstance(parsed, bool) and bool in kinds):
+            value = parsed
+    if isinstance(value, str) and str in kinds:
+        return value
+    if isinstance(value, str) and float in kinds:
+        try:
+            value = float(value)  # YAML 1.1 reads "5e-3" as text
+        except ValueError:
+            pass
+    if isinstance(value, bool):
+        if bool in kinds:
+            return value
+    elif isinstance(value, int) and int in kinds:
+        return value
+    elif isinstance(value, (int, float)) and float in kinds:
+        return float(value)
+    if value is None and type(None) in kinds:
+        return None
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in kinds)
+    raise ConfigError(f"{key} must be {names}, got {value!r}")
+
+
+def apply(settings: SFTSettings, values: dict, where: str) -> SFTSettings:
+    """``settings`` with ``values`` applied; unknown keys and wrong types → :class:`ConfigError`."""
+    hints = typing.get_type_hints(SFTSettings)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {where}; valid keys: {', '.join(valid_keys())}")
+    changes = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
+    return dataclasses.replace(settings, **changes)
+
+
+def parse_overrides(items) -> dict:
+    """``["key=value", …]`` → dict (values still text; :func:`apply` converts them)."""
+    out = {}
+    for item in items or []:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ConfigError(f"override {item!r} is not key=value; valid keys: {', '.join(valid_keys())}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def load_settings(config: Optional[str] = None, overrides: Optional[dict] = None, **named) -> SFTSettings:
+    """Defaults, then the YAML ``config``, then ``named`` (non-None), then ``overrides``."""
+    s = SFTSettings()
+    if config:
+        import yaml
+
+        path = Path(config).expanduser()
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a mapping of key: value")
+        s = apply(s, data, str(path))
+    s = apply(s, {k: v for k, v in named.items() if v is not None}, "the command line")
+    s = apply(s, dict(overrides or {}), "the overrides")
+    return s.validate()
+
+
+__all__ = ["SFTSettings", "load_settings", "parse_overrides", "apply", "valid_keys", "LORA_SCOPES"]

@@ -1,0 +1,395 @@
+"""``medvol-train prepare``: cases → a training set on disk, and the loader that reads it back.
+
+Layout of ``DATA/`` (format ``medvol.train.samples/1``)
+-------------------------------------------------------
+::
+
+    DATA/
+      samples.jsonl            index: one JSON object per sample (fields below), in manifest order
+      summary.json             what was prepared, what was skipped and why, settings, timings
+      cases/<case>/slices.npz  uint8 array "images" (N, 256, 256): the N ≤ 64 shown slices, windowed
+                               and resized exactly as the grounder renders them (the grey level of its
+                               RGB image; the grounder's RGB is this grey in all three channels), and
+                               int array "shown" (N,) with their stack indices
+      cases/<case>/masks/<target>.npz   bool array "mask" (D, H, W): the target mask ON THE CANONICAL
+                               AXIAL STACK (medvolcore.stack.AxialStack of the case's CT), so index z of
+                               the mask is the z of the prompt's <slice z> tags; ``AxialStack.to_source``
+                               maps it back to the CT's grid exactly
+      cases/<case>/case.json   the case's samples and skipped targets, written last (resume marker)
+
+Every file is written under a temporary name and renamed, so an interrupted run leaves either
+nothing or a complete file; a re-run skips cases whose ``case.json`` matches the row and settings.
+
+Sample fields (``samples.jsonl``)
+---------------------------------
+``id`` ``"<case>/<target>"``; ``case_id``; ``split`` (train/test); ``dataset`` (M3D-Seg code or null);
+``label`` (target name) and ``label_ids``; ``query`` (the text the grounder receives) and
+``query_info`` (kind implicit/explicit/relational, description, template, term); ``prompt_window``
+(the window named in the prompt, the inference default unless set) and ``render_window``
+(``{"name", "center", "width"}`` used for the pictures); ``intensity`` (``hu`` or
+``m3d_normalised``); ``messages`` (the system and user text with ``<image>`` where the slice images
+go — for reading; training rebuilds the exact token ids with the grounder's own prompt builder);
+``target`` (the SFT completion text, without the end-of-turn token) and ``target_info`` (slice,
+pixel boxes, normalised boxes, think sentence); ``top_k``, ``seed``; ``shown`` (the stack indices of the
+shown slices, in prompt order); ``depth`` (stack depth D); ``stack_shape`` ``[D, H, W]``;
+``image_size`` ``[256, 256]`` (width, height of the rendered slices); ``slices_file`` and
+``mask_file`` (paths relative to DATA); ``mask_frame`` ``"stack"``; ``slice_areas`` (D integers:
+foreground pixels of every stack slice, index = z); ``gt_boxes`` and ``gt_boxes_norm`` (per shown
+slice with foreground, keyed by ``str(z)``: the target's component boxes as inclusive pixels on the
+stack slice and normalised 0–1000 as ``box_to_norm`` gives them); ``source`` (volume and label
+paths).
+
+:func:`load_samples`, :func:`load_slices` and :func:`load_mask` read it back (Training II reuses
+them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from .datasets import M3D_WARNING, Case, load_case, read_manifest, safe_name
+from .errors import CaseError, DataError
+from .queries import QueryBank, seeded_rng
+from .targets import reward_ground_truth, sft_target
+
+log = logging.getLogger(__name__)
+
+FORMAT = "medvol.train.samples/1"
+INDEX = "samples.jsonl"
+SUMMARY = "summary.json"
+CASE_FILE = "case.json"
+# Bump when the content of prepared cases changes, so a resume redoes them.
+PREPARE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """Settings of ``prepare``; they are part of each case's fingerprint (a change redoes the case)."""
+
+    seed: int = 0
+    top_k: int = 3  # the key slice is drawn among the 3 largest shown slices (1 = always the largest)
+    query_kind: str = "implicit"
+    test_fraction: float = 0.2
+    relational: bool = True  # KiTS23-style relational test queries where the dataset has them
+    prompt_window: Optional[str] = None  # None: the grounder's default window (soft tissue 40/400 HU)
+
+
+def _prompt_geometry():
+    from medvolcore.grounder import load_prompts
+
+    p = load_prompts()
+    return int(p.get("num_slices", 64)), int(p.get("image_size", 256)), p
+
+
+def _fingerprint(case: Case, settings: PrepareSettings) -> str:
+    blob = json.dumps({"row": case.raw, "volume": str(case.volume), "labels": str(case.labels),
+                       "targets": case.targets, "settings": asdict(settings), "version": PREPARE_VERSION},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _save_npz(path: Path, **arrays) -> None:
+    from medvolcore.fileio import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path, overwrite=True) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **arrays)
+
+
+def _write_json(path: Path, obj, lines: bool = False) -> None:
+    from medvolcore.fileio import write_text_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(o) + "\n" for o in obj) if lines else json.dumps(obj, indent=1) + "\n"
+    write_text_atomic(path, text, overwrite=True)
+
+
+def _messages(prompts: dict, query: str, shown, depth: int, window) -> list:
+    from medvolcore.grounder import describe_window
+
+    values = {"query": query, "window": describe_window(window), "num_shown": str(len(shown)), "depth": str(depth)}
+    user = prompts["user"]
+    for k in ("window", "num_shown", "depth"):
+        user = user.replace("{" + k + "}", values[k])
+    slices = "".join(prompts["slice_tag"].replace("{z}", str(z)) + "<image>" + prompts.get("slice_separator", "\n")
+                     for z in shown)
+    user = user.replace("{slices}", slices).replace("{query}", query)  # the query last: its braces stay as typed
+    return [{"role": "system", "content": prompts["system"]}, {"role": "user", "content": user}]
+
+
+def _relational_targets(case: Case, labels, bank: QueryBank, settings: PrepareSettings):
+    """(name, lesion, mask) for relational queries: the organ's 3-D components that contain the lesion."""
+    from scipy import ndimage
+
+    spec = bank.relational_spec(case.dataset)
+    if not settings.relational or spec is None or case.split != "test":
+        return []
+    from . import resources
+
+    names = {v: k for k, v in resources.dataset_labels(case.dataset).items()}
+    organ_ids = [names[n] for n in spec["organ_labels"] if n in names]
+    out = []
+    for lesion in spec["lesions"]:
+        if lesion not in names or names[lesion] not in labels.present_ids():
+            continue
+        lesion_mask = labels.mask([names[lesion]])
+        comp, n = ndimage.label(labels.mask(organ_ids), structure=np.ones((3, 3, 3), bool))
+        hit = np.unique(comp[lesion_mask & (comp > 0)])
+        if hit.size:
+            out.append((f"{spec['organ']} containing {lesion}", lesion, organ_ids, np.isin(comp, hit)))
+    return out
+
+
+def prepare_case(case: Case, out_dir, settings: PrepareSettings) -> dict:
+    """Prepare one case into ``out_dir/cases/<case>/``; returns its ``case.json`` content.
+
+    Per-target problems (unknown label id, empty label) are listed under ``skipped``; a problem
+    with the whole case raises :class:`CaseError`.
+    """
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    folder = out_dir / "cases" / case.folder_name
+    fingerprint = _fingerprint(case, settings)
+    done = folder / CASE_FILE
+    if done.is_file():
+        try:
+            prev = json.loads(done.read_text(encoding="utf-8"))
+            if prev.get("fingerprint") == fingerprint:
+                prev["resumed"] = True
+                return prev
+        except (OSError, ValueError):
+            pass
+    n_slices, size, prompts = _prompt_geometry()
+    stack, labels, render_window, intensity = load_case(case)
+    if stack.depth < 2:
+        raise CaseError("too_small", f"the stack has {stack.depth} slice(s); the grounder needs at least 2")
+    shown = [int(z) for z in stack.sample_indices(n_slices)]
+    from medvolcore.windowing import get_window
+
+    rw = get_window(render_window)
+    images = np.stack([stack.render_slice(z, size, rw)[..., 0] for z in shown])
+    slices_rel = f"cases/{case.folder_name}/slices.npz"
+    _save_npz(out_dir / slices_rel, images=images, shown=np.asarray(shown, dtype=np.int32))
+
+    bank = QueryBank(settings.test_fraction, settings.query_kind)
+    known, present = labels.known_ids(), labels.present_ids()
+    samples, skipped = [], []
+    jobs = []
+    for name, ids in case.targets.items():
+        unknown = [i for i in ids if (i not in known if known is not None else i not in present)]
+        if known is not None and unknown:
+            skipped.append({"case": case.id, "target": name, "reason": "unknown_label",
+                            "message": f"label id(s) {unknown} not in the dataset's label list (1..{max(known)})"})
+            continue
+        if known is None and unknown and len(unknown) == len(ids):
+            shown_ids = ", ".join(str(i) for i in sorted(present)[:20])
+            skipped.append({"case": case.id, "target": name, "reason": "unknown_label",
+                            "message": f"label id(s) {unknown} not in the label map (present: {shown_ids})"})
+            continue
+        jobs.append((name, ids, None, None))
+    for name, lesion, ids, mask in _relational_targets(case, labels, bank, settings):
+        jobs.append((name, ids, lesion, mask))
+
+    for name, ids, lesion, mask in jobs:
+        if mask is None:
+            mask = labels.mask(ids)
+        if not mask.any():
+            skipped.append({"case": case.id, "target": name, "reason": "empty_label",
+                            "message": f"label {ids} has no voxel in this case"})
+            continue
+        if not mask[shown].any():
+            skipped.append({"case": case.id, "target": name, "reason": "empty_label",
+                            "message": f"label {ids} has no voxel on the {len(shown)} shown slices"})
+            continue
+        if lesion is None:
+            query = bank.draw(case.id, name, case.split, settings.seed)
+        else:
+            query = bank.draw_relational(case.id, case.dataset, lesion, settings.seed)
+        target_name = name.replace("_", " ")
+        rng = seeded_rng(settings.seed, "target", case.id, name)
+        tgt = sft_target(mask, shown, target_name, settings.top_k, rng)
+        gt = reward_ground_truth(mask, shown)
+        mask_rel = f"cases/{case.folder_name}/masks/{safe_name(name)}.npz"
+        _save_npz(out_dir / mask_rel, mask=mask.astype(bool))
+        samples.append({
+            "format": FORMAT, "id": f"{case.id}/{name}", "case_id": case.id, "split": case.split,
+            "dataset": case.dataset, "label": name, "label_ids": list(ids), "query": query.text,
+            "query_info": query.to_dict(), "prompt_window": settings.prompt_window,
+            "render_window": {"name": rw.name, "center": rw.center, "width": rw.width}, "intensity": intensity,
+            "messages": _messages(prompts, query.text, shown, stack.depth, settings.prompt_window),
+            "target": tgt.text, "target_info": tgt.to_dict(), "top_k": settings.top_k, "seed": settings.seed,
+            "shown": shown, "depth": stack.depth, "stack_shape": list(stack.shape), "image_size": [size, size],
+            "slices_file": slices_rel, "mask_file": mask_rel, "mask_frame": "stack",
+            "slice_areas": gt["slice_areas"], "gt_boxes": gt["boxes"], "gt_boxes_norm": gt["boxes_norm"],
+            "source": {"volume": str(case.volume), "labels": str(case.labels)},
+        })
+    record = {"case_id": case.id, "row": case.row, "fingerprint": fingerprint, "samples": samples,
+              "skipped": skipped, "intensity": intensity, "seconds": round(time.perf_counter() - t0, 3)}
+    _write_json(done, record)
+    return record
+
+
+def _run_one(args):
+    case, out_dir, settings = args
+    try:
+        return case.id, prepare_case(case, out_dir, settings), None
+    except CaseError as e:
+        return case.id, None, {"reason": e.reason, "message": str(e)}
+    except Exception as e:  # noqa: BLE001 — one bad case must not stop the others
+        from medvolcore.errors import MedVolError
+
+        reason = "error" if not isinstance(e, MedVolError) else getattr(e, "code", "error")
+        return case.id, None, {"reason": reason, "message": f"{type(e).__name__}: {e}"}
+
+
+def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), workers: int = 1,
+            progress: bool = True) -> dict:
+    """Prepare every case of ``manifest`` into ``out_dir``; returns the summary.
+
+    Raises :class:`DataError` when no sample at all could be prepared (the CLI then exits
+    non-zero); otherwise bad rows and targets are listed in the summary and the rest goes on.
+    """
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"{out_dir} exists and is not a folder")
+    if settings.query_kind not in ("implicit", "explicit"):
+        raise DataError(f"query kind must be implicit or explicit, got {settings.query_kind!r}")
+    if isinstance(settings.top_k, bool) or not isinstance(settings.top_k, int) or settings.top_k < 1:
+        raise DataError(f"top-k must be a whole number ≥ 1, got {settings.top_k!r}")
+    cases, bad_rows = read_manifest(manifest)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if any(c.is_m3dseg for c in cases):
+        log.warning(M3D_WARNING)
+    results = {}
+    workers = max(1, int(workers or 1))
+    bar = tqdm(total=len(cases), desc="prepare", unit="case", file=sys.stderr, disable=not progress or None)
+    try:
+        jobs = [(c, out_dir, settings) for c in cases]
+        if workers == 1 or len(cases) <= 1:
+            for job in jobs:
+                cid, rec, err = _run_one(job)
+                results[cid] = (rec, err)
+                bar.update(1)
+        else:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                futures = [pool.submit(_run_one, job) for job in jobs]
+                for fut in as_completed(futures):
+                    cid, rec, err = fut.result()
+                    results[cid] = (rec, err)
+                    bar.update(1)
+    finally:
+        bar.close()
+
+    samples, skipped = [], list(bad_rows)
+    resumed = 0
+    per_case_s = []
+    for c in cases:
+        rec, err = results[c.id]
+        if err is not None:
+            skipped.append({"case": c.id, "row": c.row, "target": None, **err})
+            continue
+        samples += rec["samples"]
+        skipped += [dict(s, row=c.row) for s in rec["skipped"]]
+        resumed += bool(rec.get("resumed"))
+        if not rec.get("resumed"):
+            per_case_s.append(rec["seconds"])
+    by_reason = {}
+    for s in skipped:
+        by_reason[s["reason"]] = by_reason.get(s["reason"], 0) + 1
+    summary = {
+        "format": FORMAT, "manifest": str(manifest), "cases": len(cases) + len(bad_rows),
+        "cases_prepared": sum(1 for c in cases if results[c.id][1] is None),
+        "cases_resumed": resumed, "samples": len(samples),
+        "samples_by_split": {s: sum(1 for x in samples if x["split"] == s) for s in ("train", "test")},
+        "skipped": skipped, "skipped_by_reason": by_reason, "settings": asdict(settings), "workers": workers,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "seconds_per_case": round(float(np.mean(per_case_s)), 3) if per_case_s else None,
+    }
+    _write_json(out_dir / SUMMARY, summary)
+    if not samples:
+        raise DataError(f"nothing could be prepared from {manifest}: " + "; ".join(
+            f"{s['case']}{'/' + s['target'] if s.get('target') else ''}: {s['message']}" for s in skipped[:3])
+                        + (f" (and {len(skipped) - 3} more; see {out_dir / SUMMARY})" if len(skipped) > 3 else ""))
+    _write_json(out_dir / INDEX, samples, lines=True)
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"prepared {summary['samples']} sample(s) ({summary['samples_by_split']['train']} train, "
+             f"{summary['samples_by_split']['test']} test) from {summary['cases_prepared']} of {summary['cases']} "
+             f"case(s) in {summary['seconds']:.1f} s ({summary['cases_resumed']} resumed)"]
+    if summary["skipped"]:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(summary["skipped_by_reason"].items()))
+        lines.append(f"skipped {len(summary['skipped'])} ({reasons}):")
+        for s in summary["skipped"]:
+            lines.append(f"  {s['case']}{' / ' + s['target'] if s.get('target') else ''}: [{s['reason']}] "
+                         f"{s['message']}")
+    return "\n".join(lines)
+
+
+# ---- reading a prepared set back ---------------------------------------------------------------
+
+def load_samples(data_dir, split: Optional[str] = None) -> List[dict]:
+    """The samples of a prepared folder (``samples.jsonl``), optionally of one split.
+
+    Each sample gets ``data_dir`` (absolute) so :func:`load_slices` and :func:`load_mask` work.
+    """
+    data_dir = Path(data_dir).expanduser().resolve()
+    index = data_dir / INDEX
+    if not index.is_file():
+        raise DataError(f"{data_dir} is not a prepared training set (no {INDEX}); run `medvol-train prepare`")
+    out = []
+    for n, line in enumerate(index.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            s = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"{index} line {n} is not JSON ({e})") from None
+        if s.get("format") != FORMAT:
+            raise DataError(f"{index} line {n}: format {s.get('format')!r}, expected {FORMAT!r}")
+        if split is None or s["split"] == split:
+            s["data_dir"] = str(data_dir)
+            out.append(s)
+    return out
+
+
+def load_slices(sample: dict) -> List[np.ndarray]:
+    """The shown slices of a sample as the grounder renders them: RGB uint8 ``(256, 256, 3)`` each."""
+    path = Path(sample["data_dir"]) / sample["slices_file"]
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            images, shown = z["images"], z["shown"]
+    except Exception as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+    if [int(v) for v in shown] != [int(v) for v in sample["shown"]]:
+        raise DataError(f"{path}: its shown slices do not match the index; prepare the set again")
+    return [np.repeat(im[..., None], 3, axis=2) for im in images]
+
+
+def load_mask(sample: dict) -> np.ndarray:
+    """The sample's target mask, bool ``(D, H, W)`` on the canonical stack."""
+    path = Path(sample["data_dir"]) / sample["mask_file"]
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return z["mask"].astype(bool)
+    except Exception as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+
+
+__all__ = ["PrepareSettings", "prepare", "prepare_case", "format_summary", "load_samples", "load_slices",
+           "load_mask", "FORMAT"]
