@@ -1,0 +1,166 @@
+"""The four MedVol-R1 rewards against values computed by hand, and the group consistency scorer
+with random-weight MedSAM2 (encoder calls counted)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from medvolcore.answer import format_answer
+from medvoltrain.rewards import (
+    ConsistencyScorer,
+    RewardError,
+    axial_reward,
+    box_reward,
+    consistency_reward,
+    format_reward,
+    match_boxes,
+    parsed,
+    window_range,
+)
+
+GOOD = '<think>The liver is largest here.</think><answer>[{"slice": 12, "bbox_2d_list": [[10, 20, 300, 400]]}]</answer>'
+
+
+@pytest.mark.parametrize("text,want", [
+    (GOOD, 1.0),
+    ('<think></think><answer>{"slice": 3, "bbox_2d_list": [1, 2, 3, 4]}</answer>', 1.0),  # tolerated forms
+    ('<answer>[{"slice": 12, "bbox_2d_list": [[10, 20, 300, 400]]}]</answer>', 0.0),  # no think block
+    ('<think>x</think>', 0.0),  # no answer block
+    ('<think>x</think><answer>[{"slice": 12, "bbox_2d_list": []}]</answer>', 0.0),  # no box
+    ('<think>x</think><answer>[{"slice": 12}]</answer>', 0.0),  # no box list
+    ("<think>x</think><answer>[{'slice': 12, 'bbox_2d_list': [[1, 2, 3, 4]]}]</answer>", 0.0),  # not JSON
+    ('<answer>[{"slice": 1, "bbox_2d_list": [[1, 2, 3, 4]]}]</answer><think>x</think>', 0.0),  # wrong order
+    ('<think>x</think><answer>[{"slice": 1, "bbox_2d_list": [[1, 2, 3, 1400]]}]</answer>', 0.0),  # > 1000
+    (None, 0.0),
+])
+def test_format_reward(text, want):
+    assert format_reward(text) == want
+
+
+def test_axial_reward():
+    areas = [0, 10, 40, 20]
+    assert axial_reward(2, areas) == 1.0
+    assert axial_reward(1, areas) == 0.25
+    assert axial_reward(3, areas) == 0.5
+    assert axial_reward(0, areas) == 0.0
+    assert axial_reward(4, areas) == 0.0  # out of range
+    assert axial_reward(-1, areas) == 0.0
+    assert axial_reward(True, areas) == 0.0
+    assert axial_reward(1, [0, 0, 0]) == 0.0  # all-empty target
+    with pytest.raises(RewardError):
+        axial_reward(0, [])
+
+
+def test_box_reward_single_extra_and_missing_boxes():
+    a = [0, 0, 100, 100]
+    assert box_reward([a], [a]) == 1.0
+    # shifted by half its width: IoU = 50·100 / (2·10000 − 5000) = 1/3
+    assert box_reward([[50, 0, 150, 100]], [a]) == pytest.approx(1 / 3)
+    # an extra predicted box is divided in: (1 + 0) / 2
+    assert box_reward([a, [500, 500, 600, 600]], [a]) == 0.5
+    # a missing box likewise: 1 / 2
+    assert box_reward([a], [a, [500, 500, 600, 600]]) == 0.5
+    # corners in the wrong order count as the box they span
+    assert box_reward([[100, 100, 0, 0]], [a]) == 1.0
+
+
+def test_box_reward_empty_lists():
+    assert box_reward([], []) == 1.0
+    assert box_reward([], [[0, 0, 10, 10]]) == 0.0
+    assert box_reward([[0, 0, 10, 10]], []) == 0.0
+    with pytest.raises(RewardError):
+        box_reward([[1, 2, 3]], [[0, 0, 10, 10]])
+
+
+def test_box_reward_uses_the_optimal_matching_not_the_greedy_one():
+    gt1, gt2 = [0, 0, 100, 100], [50, 0, 150, 100]
+    p1, p2 = [20, 0, 120, 100], [0, 0, 50, 100]
+    # IoU(p1, gt1) = 80/120 = 2/3 is the best single pair, but taking it leaves p2–gt2 = 0.
+    # Optimal: p1–gt2 = 70/130 = 7/13 and p2–gt1 = 50/100 = 1/2  →  (7/13 + 1/2) / 2 = 27/52.
+    assert box_reward([p1, p2], [gt1, gt2]) == pytest.approx(27 / 52)
+    pairs = sorted(match_boxes([p1, p2], [gt1, gt2]))
+    assert [(i, j) for i, j, _ in pairs] == [(0, 1), (1, 0)]
+
+
+def test_consistency_reward_windows():
+    d = 12
+    gt = np.zeros((d, 4, 4), bool)
+    pred = np.zeros_like(gt)
+    gt[2:5, :2, :2] = True     # 3 slices × 4 px = 12 px
+    pred[3:6, :2, :2] = True   # overlaps gt on slices 3, 4
+    # window k=3, Δ=2 → slices 1..5: |gt| = 12, |pred| = 12, overlap 8 → Dice 16/24
+    assert consistency_reward(pred, gt, 3, 2) == pytest.approx(2 / 3)
+    # Δ=0 → slice 3 only: both 4 px, identical → 1
+    assert consistency_reward(pred, gt, 3, 0) == 1.0
+    # window clipped at the end: k=11, Δ=5 → slices 6..11, both empty there → 1
+    assert window_range(11, d, 5) == (6, 11)
+    assert consistency_reward(pred, gt, 11, 5) == 1.0
+    # clipped at the start: k=0, Δ=2 → 0..2: gt 4 px on slice 2, pred nothing → 0
+    assert window_range(0, d, 2) == (0, 2)
+    assert consistency_reward(pred, gt, 0, 2) == 0.0
+    # whole stack when no key slice: |gt| 12, |pred| 12, overlap 8
+    assert consistency_reward(pred, gt) == pytest.approx(2 / 3)
+    with pytest.raises(RewardError):
+        consistency_reward(pred[:5], gt)
+
+
+@pytest.fixture(scope="module")
+def small_case(ct_sm_path, seg_sm_path):
+    from medvolcore.anchor import boxes_from_slice_mask, box_to_norm
+    from medvolcore.stack import AxialStack
+    from medvolcore.volume import load_label_map, load_volume
+
+    stack = AxialStack(load_volume(ct_sm_path))
+    labels = AxialStack(load_label_map(seg_sm_path)).data
+    hu = np.ascontiguousarray(stack.data[:, ::2, ::2], dtype=np.float32)  # 30 × 51 × 61
+    gt = np.ascontiguousarray(labels[:, ::2, ::2] == 5)  # liver
+    h, w = gt.shape[1:]
+    by_slice = {str(z): [box_to_norm(b, w, h) for b in boxes_from_slice_mask(gt[z])]
+                for z in range(gt.shape[0]) if gt[z].any()}
+    return hu, gt, by_slice
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    from medvolcore.propagation import MedSAM2Propagator
+
+    return ConsistencyScorer(MedSAM2Propagator.from_random(0, image_size=64), delta=2)
+
+
+def test_group_consistency_encodes_each_window_slice_once(small_case, scorer):
+    hu, gt, by_slice = small_case
+    z_liver = max(by_slice, key=lambda z: gt[int(z)].sum())
+    k = int(z_liver)
+    box = by_slice[z_liver][0]
+    answers = [parsed(format_answer(k, [box], "a")),
+               parsed(format_answer(k + 1, [box], "b")),
+               parsed(format_answer(k, [box, [0, 0, 30, 30]], "c")),  # an extra box: not matched, not propagated
+               None]                                                  # unparsed: 0
+    got = scorer.score_group(hu, gt, answers, by_slice)
+    assert got[3] == 0.0
+    union = set(range(k - 2, k + 4))  # windows [k-2, k+2] and [k-1, k+3]
+    assert scorer.last_encoder_calls == len(union) == 6  # not 3 × 5 = 15
+    # each score is the Dice of the rollout's own propagation over its window
+    prop = scorer.propagator
+    h, w = gt.shape[1:]
+    from medvolcore.anchor import norm_to_box
+
+    for ans, score in zip(answers[:3], got[:3]):
+        # the answer text carries integer coordinates: propagate what it says
+        single = prop.propagate(hu, ans.slice, [norm_to_box(ans.boxes_norm[0], w, h)], window=2).mask
+        assert score == pytest.approx(consistency_reward(single, gt, ans.slice, 2))
+    assert got[0] == got[2]  # the unmatched extra box changed nothing
+
+
+def test_prediction_on_a_slice_without_target_scores_by_the_window(small_case, scorer):
+    hu, gt, by_slice = small_case
+    first = min(int(z) for z in by_slice) + 10
+    gt = gt.copy()
+    gt[:first] = False  # the target now starts at slice `first`
+    by_slice = {z: b for z, b in by_slice.items() if int(z) >= first}
+    box = [[100, 100, 400, 400]]
+    answers = [parsed(format_answer(first - 6, box, "far")),   # window [first-8, first-4]: no target
+               parsed(format_answer(first - 1, box, "near"))]  # window reaches the target, nothing propagated
+    assert scorer.score_group(hu, gt, answers, by_slice) == [1.0, 0.0]
+    assert scorer.last_encoder_calls == 0  # neither slice has ground-truth boxes to match: MedSAM2 not run

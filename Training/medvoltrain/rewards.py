@@ -1,0 +1,189 @@
+"""The four MedVol-R1 rewards, exactly as the paper defines them, as plain functions.
+
+* :func:`format_reward` — 1 when the completion has a ``<think>…</think>`` block and an
+  ``<answer>…</answer>`` block whose content parses to the answer schema (one key slice and a
+  list of boxes; :func:`medvolcore.answer.parse_answer`), else 0.
+* :func:`axial_reward` — ``areas[k̂] / max(areas)`` with ``areas`` the ground-truth foreground
+  area of every slice of the stack; 0 for a slice outside the stack or an all-empty target.
+* :func:`box_reward` — Hungarian matching (``scipy.optimize.linear_sum_assignment``) of the
+  predicted and ground-truth boxes (0–1000 coordinates) on cost ``1 − IoU``; the sum of the
+  matched IoUs divided by ``max(N, N*)``; 0 when exactly one list is empty, 1 when both are.
+  The ground-truth boxes are those of the *predicted* key slice.
+* :func:`consistency_reward` — Dice between MedSAM2's propagation of the matched predicted
+  boxes and the ground truth, over the slices ``[k̂ − Δ, k̂ + Δ]`` clipped to the stack; 1 when
+  both are empty there. :class:`ConsistencyScorer` runs the (frozen) MedSAM2 on the window only
+  and shares image features between the rollouts of one group (one volume), so a group of G
+  encodes each window slice once instead of G times.
+
+"Matched predicted boxes": the predicted boxes that the Hungarian assignment pairs with a
+ground-truth box of the predicted slice (all of them when ``N ≤ N*``; the ``N − N*`` left over
+otherwise). A prediction on a slice without ground truth has no matched box and an empty
+propagation.
+
+A completion whose answer does not parse gets 0 from every term (that is the format reward's job
+to teach); a reward that *cannot be computed* (a missing mask file, a MedSAM2 failure) raises
+:class:`RewardError` and is never turned into 0 silently.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from medvolcore.anchor import box_iou, norm_to_box
+from medvolcore.answer import parse_answer
+from medvolcore.errors import AnswerFormatError, MedVolError
+from medvolcore.metrics import dice
+
+DEFAULT_DELTA = 5
+
+
+class RewardError(MedVolError):
+    """A reward could not be computed (not a bad completion: the ground truth or the model failed)."""
+
+    code = "reward_failed"
+
+
+def parsed(completion: str):
+    """The parsed answer of a completion, or None when it does not follow the format."""
+    try:
+        return parse_answer(completion)
+    except AnswerFormatError:
+        return None
+
+
+def format_reward(completion: str) -> float:
+    return 1.0 if isinstance(completion, str) and parsed(completion) is not None else 0.0
+
+
+def axial_reward(pred_slice: int, areas: Sequence[float]) -> float:
+    a = np.asarray(areas, dtype=np.float64)
+    if a.ndim != 1 or a.size == 0:
+        raise RewardError(f"areas must be a non-empty list of per-slice foreground areas, got shape {a.shape}")
+    top = float(a.max())
+    if top <= 0 or isinstance(pred_slice, bool) or not isinstance(pred_slice, (int, np.integer)):
+        return 0.0
+    if not 0 <= int(pred_slice) < a.size:
+        return 0.0
+    return float(a[int(pred_slice)] / top)
+
+
+def _boxes(boxes) -> np.ndarray:
+    b = np.asarray(boxes if boxes is not None else [], dtype=np.float64)
+    if b.size == 0:
+        return np.zeros((0, 4))
+    if b.ndim != 2 or b.shape[1] != 4:
+        raise RewardError(f"boxes must be a list of [x0, y0, x1, y1], got shape {b.shape}")
+    # corners given in the wrong order count as the box they span (as the pipeline reads them)
+    return np.concatenate([np.minimum(b[:, :2], b[:, 2:]), np.maximum(b[:, :2], b[:, 2:])], axis=1)
+
+
+def match_boxes(pred_boxes, gt_boxes) -> List[Tuple[int, int, float]]:
+    """Hungarian matching on cost ``1 − IoU``: ``(pred index, gt index, IoU)`` per matched pair."""
+    from scipy.optimize import linear_sum_assignment
+
+    p, g = _boxes(pred_boxes), _boxes(gt_boxes)
+    if len(p) == 0 or len(g) == 0:
+        return []
+    iou = np.array([[box_iou(a, b) for b in g] for a in p])
+    rows, cols = linear_sum_assignment(1.0 - iou)
+    return [(int(r), int(c), float(iou[r, c])) for r, c in zip(rows, cols)]
+
+
+def box_reward(pred_boxes, gt_boxes) -> float:
+    p, g = _boxes(pred_boxes), _boxes(gt_boxes)
+    if len(p) == 0 and len(g) == 0:
+        return 1.0
+    if len(p) == 0 or len(g) == 0:
+        return 0.0
+    return float(sum(iou for _, _, iou in match_boxes(p, g)) / max(len(p), len(g)))
+
+
+def window_range(key_slice: int, depth: int, delta: int = DEFAULT_DELTA) -> Tuple[int, int]:
+    """Inclusive ``[k̂ − Δ, k̂ + Δ]`` clipped to ``0..depth−1``."""
+    return max(0, int(key_slice) - int(delta)), min(int(depth) - 1, int(key_slice) + int(delta))
+
+
+def consistency_reward(pred_mask: np.ndarray, gt_mask: np.ndarray, key_slice: Optional[int] = None,
+                       delta: int = DEFAULT_DELTA) -> float:
+    """Dice of two ``(D, H, W)`` stack masks over ``[k̂ − Δ, k̂ + Δ]`` (the whole stack when
+    ``key_slice`` is None); 1.0 when both are empty there."""
+    p, g = np.asarray(pred_mask), np.asarray(gt_mask)
+    if p.shape != g.shape or p.ndim != 3:
+        raise RewardError(f"masks must be two (D, H, W) arrays of one shape, got {p.shape} and {g.shape}")
+    if key_slice is None:
+        return dice(p, g)
+    if not 0 <= int(key_slice) < p.shape[0]:
+        return 0.0 if g.any() else 1.0
+    lo, hi = window_range(key_slice, p.shape[0], delta)
+    return dice(p[lo:hi + 1], g[lo:hi + 1])
+
+
+class ConsistencyScorer:
+    """The consistency reward of a whole group: MedSAM2 (frozen) on the window of each rollout,
+    with image features shared across the group.
+
+    ``propagator``: a :class:`medvolcore.propagation.MedSAM2Propagator` (a checkpoint, or seeded
+    random weights in tests and the CPU benchmark).
+    """
+
+    def __init__(self, propagator, delta: int = DEFAULT_DELTA, hu_window=None):
+        if isinstance(delta, bool) or not isinstance(delta, (int, np.integer)) or delta < 0:
+            raise RewardError(f"delta must be an integer ≥ 0, got {delta!r}")
+        self.propagator = propagator
+        self.delta = int(delta)
+        self.hu_window = hu_window
+        self.last_encoder_calls = 0
+
+    def prompts(self, answers, gt_boxes_by_slice: dict, image_size: Sequence[int]) -> List[Optional[Tuple[int, list]]]:
+        """Per answer: ``(k̂, matched pixel boxes)``, or None when there is nothing to propagate
+        (unparsed answer, slice without ground truth)."""
+        w, h = int(image_size[0]), int(image_size[1])
+        out = []
+        for ans in answers:
+            if ans is None:
+                out.append(None)
+                continue
+            gt = gt_boxes_by_slice.get(str(int(ans.slice))) or []
+            pairs = match_boxes(ans.boxes_norm, gt)
+            ordered = _boxes(ans.boxes_norm)
+            boxes = []
+            for i, _, _ in pairs:
+                try:
+                    boxes.append(norm_to_box([float(v) for v in ordered[i]], w, h))
+                except MedVolError:
+                    continue  # a degenerate box draws nothing
+            out.append((int(ans.slice), boxes) if boxes else None)
+        return out
+
+    def score_group(self, stack_hu: np.ndarray, gt_mask: np.ndarray, answers, gt_boxes_by_slice: dict) -> List[float]:
+        """Consistency rewards of ``answers`` (parsed answers or None) on one volume.
+
+        ``gt_boxes_by_slice``: normalised ground-truth boxes per stack slice (``{"z": [[…]]}``,
+        as ``prepare`` stores them). ``stack_hu`` and ``gt_mask`` are ``(D, H, W)`` on the stack.
+        """
+        gt = np.asarray(gt_mask, dtype=bool)
+        if np.shape(stack_hu) != gt.shape:
+            raise RewardError(f"the CT stack {np.shape(stack_hu)} and the mask {gt.shape} differ in shape")
+        depth, height, width = gt.shape
+        prompts = self.prompts(answers, gt_boxes_by_slice, (width, height))
+        todo = [(i, p) for i, p in enumerate(prompts) if p is not None and 0 <= p[0] < depth]
+        try:
+            results = self.propagator.propagate_many(stack_hu, [p for _, p in todo], hu_window=self.hu_window,
+                                                     window=self.delta) if todo else []
+        except MedVolError as e:
+            raise RewardError(f"MedSAM2 failed on the consistency window: {e}") from None
+        self.last_encoder_calls = sum(r.encoder_calls for r in results)
+        masks = {i: r.mask for (i, _), r in zip(todo, results)}
+        scores = []
+        for i, ans in enumerate(answers):
+            if ans is None:
+                scores.append(0.0)
+                continue
+            k = int(ans.slice)
+            pred = masks.get(i)
+            if pred is None:
+                pred = np.zeros_like(gt)
+            scores.append(consistency_reward(pred, gt, k, self.delta))
+        return scores
