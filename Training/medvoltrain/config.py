@@ -65,6 +65,8 @@ class SFTSettings:
             raise ConfigError(f"bf16 must be true, false or auto, got {self.bf16!r}")
         for key in ("lora_r", "lora_alpha", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "logging_steps", "save_steps"):
+            if not hasattr(self, key):
+                continue
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be ≥ 1, got {getattr(self, key)}")
         if not self.learning_rate > 0:
@@ -80,8 +82,89 @@ class SFTSettings:
         return self
 
 
-def valid_keys() -> list:
-    return [f.name for f in fields(SFTSettings)]
+DELTAS = (2, 5, 10, 15)  # the paper's ablation of the consistency window
+
+
+@dataclass
+class GRPOSettings:
+    """GRPO settings (defaults = the paper's second stage where the paper gives one).
+
+    ``prompts_per_device`` is the paper's "per-GPU batch 1": one prompt per GPU per step, whose
+    ``num_generations`` rollouts form its group (TRL counts completions, so its
+    ``per_device_train_batch_size`` is ``prompts_per_device × num_generations``).
+    """
+
+    # -- model: the SFT adapter's base (a preset or a Qwen3-VL folder) --
+    preset: str = "medvol-r1"
+    model_path: Optional[str] = None
+    # -- a new LoRA when GRPO starts without an SFT adapter (the paper's ablation; it reports no convergence) --
+    lora_r: int = 128
+    lora_alpha: int = 256
+    lora_dropout: float = 0.05
+    lora_scope: str = "language"
+    # -- GRPO (paper) --
+    num_generations: int = 4
+    beta: float = 0.01  # KL to the frozen reference = the base with the adapter disabled
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    learning_rate: float = 2e-6
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    prompts_per_device: int = 1
+    gradient_accumulation_steps: int = 1
+    optim: str = "adamw_torch"
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.1
+    lr_scheduler_type: str = "cosine"
+    max_grad_norm: float = 1.0
+    bf16: Union[bool, str] = "auto"
+    gradient_checkpointing: bool = True
+    use_vllm: bool = False  # optional: TRL's vLLM generation where vllm is installed
+    # -- rewards: λ per term (0 switches a term off) and the consistency window Δ --
+    lambda_format: float = 1.0
+    lambda_axial: float = 1.0
+    lambda_box: float = 1.0
+    lambda_consistency: float = 1.0
+    delta: int = 5
+    # -- bookkeeping --
+    seed: int = 42
+    logging_steps: int = 1
+    save_steps: int = 100
+    save_total_limit: Optional[int] = 3
+    report_to: str = "tensorboard"
+    dataloader_num_workers: int = 0
+    split: str = "train"
+    max_samples: Optional[int] = None
+    deepspeed: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def reward_weights(self) -> dict:
+        return {"format": self.lambda_format, "axial": self.lambda_axial, "box": self.lambda_box,
+                "consistency": self.lambda_consistency}
+
+    def validate(self) -> "GRPOSettings":
+        SFTSettings.validate(self)  # the fields they share follow the same rules
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations must be ≥ 2 (GRPO compares rollouts within a group), got "
+                              f"{self.num_generations}")
+        for key in ("prompts_per_device", "max_completion_length"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be ≥ 1, got {getattr(self, key)}")
+        if self.beta < 0 or not self.temperature > 0:
+            raise ConfigError(f"beta must be ≥ 0 and temperature > 0, got beta={self.beta}, temperature={self.temperature}")
+        if self.delta < 0:
+            raise ConfigError(f"delta must be ≥ 0 (the paper's ablation uses {', '.join(map(str, DELTAS))}), got {self.delta}")
+        weights = self.reward_weights
+        if any(w < 0 for w in weights.values()) or not any(w > 0 for w in weights.values()):
+            raise ConfigError(f"reward weights must be ≥ 0 with at least one > 0, got {weights}")
+        return self
+
+
+def valid_keys(cls=None) -> list:
+    return [f.name for f in fields(cls or SFTSettings)]
 
 
 def _types(tp) -> tuple:
@@ -126,30 +209,32 @@ def _coerce(key: str, value, tp):
     raise ConfigError(f"{key} must be {names}, got {value!r}")
 
 
-def apply(settings: SFTSettings, values: dict, where: str) -> SFTSettings:
+def apply(settings, values: dict, where: str):
     """``settings`` with ``values`` applied; unknown keys and wrong types → :class:`ConfigError`."""
-    hints = typing.get_type_hints(SFTSettings)
+    hints = typing.get_type_hints(type(settings))
     unknown = sorted(set(values) - set(hints))
     if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {where}; valid keys: {', '.join(valid_keys())}")
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} in {where}; valid keys: "
+                          f"{', '.join(valid_keys(type(settings)))}")
     changes = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
     return dataclasses.replace(settings, **changes)
 
 
-def parse_overrides(items) -> dict:
+def parse_overrides(items, cls=None) -> dict:
     """``["key=value", …]`` → dict (values still text; :func:`apply` converts them)."""
     out = {}
     for item in items or []:
         if "=" not in item or not item.split("=", 1)[0].strip():
-            raise ConfigError(f"override {item!r} is not key=value; valid keys: {', '.join(valid_keys())}")
+            raise ConfigError(f"override {item!r} is not key=value; valid keys: {', '.join(valid_keys(cls))}")
         k, v = item.split("=", 1)
         out[k.strip()] = v.strip()
     return out
 
 
-def load_settings(config: Optional[str] = None, overrides: Optional[dict] = None, **named) -> SFTSettings:
-    """Defaults, then the YAML ``config``, then ``named`` (non-None), then ``overrides``."""
-    s = SFTSettings()
+def load_settings(config: Optional[str] = None, overrides: Optional[dict] = None, cls=None, **named):
+    """Defaults of ``cls`` (:class:`SFTSettings` unless given), then the YAML ``config``, then
+    ``named`` (non-None), then ``overrides``."""
+    s = (cls or SFTSettings)()
     if config:
         import yaml
 
@@ -168,4 +253,4 @@ def load_settings(config: Optional[str] = None, overrides: Optional[dict] = None
     return s.validate()
 
 
-__all__ = ["SFTSettings", "load_settings", "parse_overrides", "apply", "valid_keys", "LORA_SCOPES"]
+__all__ = ["SFTSettings", "GRPOSettings", "DELTAS", "load_settings", "parse_overrides", "apply", "valid_keys", "LORA_SCOPES"]

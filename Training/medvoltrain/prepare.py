@@ -391,5 +391,25 @@ def load_mask(sample: dict) -> np.ndarray:
         raise DataError(f"cannot read {path}: {e}") from None
 
 
+def load_stack(sample: dict):
+    """``(stack, window)``: the sample's CT as a :class:`~medvolcore.stack.AxialStack` (re-read from
+    ``source``) and the window its pictures were rendered with (None: the default soft-tissue
+    window on HU; M3D-Seg's normalised intensities get their percentile window back)."""
+    from .datasets import Case, load_case
+    from .errors import CaseError
+
+    src = sample.get("source") or {}
+    case = Case(id=str(sample.get("case_id")), volume=Path(src.get("volume", "")), labels=Path(src.get("labels", "")),
+                targets={}, split=str(sample.get("split")), dataset=sample.get("dataset"))
+    try:
+        stack, _, window, _ = load_case(case)
+    except CaseError as e:
+        raise DataError(f"sample {sample.get('id')}: cannot read its CT again: {e}") from None
+    if list(stack.shape) != list(sample["stack_shape"]):
+        raise DataError(f"sample {sample.get('id')}: its CT is now {list(stack.shape)} on the stack, the prepared "
+                        f"set says {sample['stack_shape']}; prepare the set again")
+    return stack, window
+
+
 __all__ = ["PrepareSettings", "prepare", "prepare_case", "format_summary", "load_samples", "load_slices",
-           "load_mask", "FORMAT"]
+           "load_mask", "load_stack", "FORMAT"]

@@ -157,7 +157,8 @@ class ConsistencyScorer:
             out.append((int(ans.slice), boxes) if boxes else None)
         return out
 
-    def score_group(self, stack_hu: np.ndarray, gt_mask: np.ndarray, answers, gt_boxes_by_slice: dict) -> List[float]:
+    def score_group(self, stack_hu: np.ndarray, gt_mask: np.ndarray, answers, gt_boxes_by_slice: dict,
+                    hu_window=None) -> List[float]:
         """Consistency rewards of ``answers`` (parsed answers or None) on one volume.
 
         ``gt_boxes_by_slice``: normalised ground-truth boxes per stack slice (``{"z": [[…]]}``,
@@ -170,7 +171,8 @@ class ConsistencyScorer:
         prompts = self.prompts(answers, gt_boxes_by_slice, (width, height))
         todo = [(i, p) for i, p in enumerate(prompts) if p is not None and 0 <= p[0] < depth]
         try:
-            results = self.propagator.propagate_many(stack_hu, [p for _, p in todo], hu_window=self.hu_window,
+            win = hu_window if hu_window is not None else self.hu_window
+            results = self.propagator.propagate_many(stack_hu, [p for _, p in todo], hu_window=win,
                                                      window=self.delta) if todo else []
         except MedVolError as e:
             raise RewardError(f"MedSAM2 failed on the consistency window: {e}") from None
@@ -187,3 +189,137 @@ class ConsistencyScorer:
                 pred = np.zeros_like(gt)
             scores.append(consistency_reward(pred, gt, k, self.delta))
         return scores
+
+
+# ---- the terms as TRL reward functions -------------------------------------------------------
+
+TERMS = ("format", "axial", "box", "consistency")
+
+
+class RewardFunctions:
+    """The four terms as TRL ``GRPOTrainer`` reward functions, one per term, so TRL logs each
+    (``rewards/<term>/mean`` and ``/std``; the format term's mean is the fraction of well-formed
+    answers) and each can be switched off (weight 0) for ablations.
+
+    Each is called as ``f(prompts, completions, completion_ids=…, **columns)`` and returns one
+    float per completion. Columns read: ``slice_areas`` (axial), ``gt_boxes_norm`` (box; JSON text
+    or a dict ``{"z": [[…]]}``), ``sample_id`` (consistency: the sample's mask and CT, looked up in
+    ``samples``). Completion text is decoded from ``completion_ids`` with ``tokenizer`` when given,
+    keeping ``<think>``/``<answer>`` even where a tokenizer marks them special, and cut at the
+    end-of-turn token. A reward that cannot be computed is logged, counted in ``failures`` and
+    returned as None (TRL ignores it in the group statistics) — never as 0.
+    """
+
+    def __init__(self, tokenizer=None, scorer: Optional[ConsistencyScorer] = None, samples: Optional[dict] = None,
+                 stop_tokens: Sequence[str] = ("<|im_end|>", "<|endoftext|>")):
+        import collections
+
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.samples = samples or {}
+        self.stop_tokens = tuple(stop_tokens)
+        self.failures = collections.Counter()
+        self._stacks = collections.OrderedDict()
+
+    # -- plumbing --
+    def texts(self, completions, completion_ids=None) -> List[str]:
+        if completion_ids is not None and self.tokenizer is not None:
+            out = []
+            for ids in completion_ids:
+                text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+                cut = min([i for i in (text.find(t) for t in self.stop_tokens) if i >= 0], default=len(text))
+                out.append(text[:cut])
+            return out
+        return [c[-1]["content"] if isinstance(c, list) else str(c) for c in completions]
+
+    def _guard(self, term: str, n: int, fn, log_metric=None) -> list:
+        import logging
+
+        try:
+            out = fn()
+        except (RewardError, MedVolError, OSError, ValueError, KeyError) as e:
+            self.failures[term] += n
+            logging.getLogger(__name__).error("the %s reward could not be computed for %d completion(s): %s", term, n, e)
+            out = [None] * n
+        if log_metric is not None:
+            log_metric(f"reward_failures/{term}", float(self.failures[term]))
+        return out
+
+    @staticmethod
+    def _boxes_by_slice(value) -> dict:
+        import json
+
+        return json.loads(value) if isinstance(value, str) else dict(value or {})
+
+    # -- the four terms --
+    def format(self, prompts, completions, completion_ids=None, log_metric=None, **kw) -> list:
+        texts = self.texts(completions, completion_ids)
+        return self._guard("format", len(texts), lambda: [format_reward(t) for t in texts], log_metric)
+
+    def axial(self, prompts, completions, completion_ids=None, slice_areas=None, log_metric=None, **kw) -> list:
+        texts = self.texts(completions, completion_ids)
+
+        def run():
+            out = []
+            for t, areas in zip(texts, slice_areas):
+                a = parsed(t)
+                out.append(0.0 if a is None else axial_reward(a.slice, areas))
+            return out
+
+        return self._guard("axial", len(texts), run, log_metric)
+
+    def box(self, prompts, completions, completion_ids=None, gt_boxes_norm=None, log_metric=None, **kw) -> list:
+        texts = self.texts(completions, completion_ids)
+
+        def run():
+            out = []
+            for t, gt in zip(texts, gt_boxes_norm):
+                a = parsed(t)
+                out.append(0.0 if a is None else box_reward(a.boxes_norm, self._boxes_by_slice(gt).get(str(a.slice), [])))
+            return out
+
+        return self._guard("box", len(texts), run, log_metric)
+
+    def _stack(self, sample: dict):
+        from .prepare import load_stack
+
+        key = sample["id"]
+        if key not in self._stacks:
+            stack, window = load_stack(sample)
+            self._stacks[key] = (np.ascontiguousarray(stack.data, dtype=np.float32), window)
+            while len(self._stacks) > 2:
+                self._stacks.popitem(last=False)
+        return self._stacks[key]
+
+    def consistency(self, prompts, completions, completion_ids=None, sample_id=None, log_metric=None, **kw) -> list:
+        from .prepare import load_mask
+
+        texts = self.texts(completions, completion_ids)
+        if self.scorer is None:
+            raise RewardError("the consistency reward needs MedSAM2: give a checkpoint or random weights")
+        scores: List[Optional[float]] = [None] * len(texts)
+        groups = {}
+        for i, sid in enumerate(sample_id):
+            groups.setdefault(sid, []).append(i)
+        for sid, rows in groups.items():
+            def run(sid=sid, rows=rows):
+                sample = self.samples.get(sid)
+                if sample is None:
+                    raise RewardError(f"no prepared sample {sid!r}")
+                hu, window = self._stack(sample)
+                return self.scorer.score_group(hu, load_mask(sample), [parsed(texts[i]) for i in rows],
+                                               self._boxes_by_slice(sample.get("gt_boxes_norm")), hu_window=window)
+
+            for i, v in zip(rows, self._guard("consistency", len(rows), run, log_metric)):
+                scores[i] = v
+        return scores
+
+    def functions(self, weights: dict) -> Tuple[list, List[float]]:
+        """The reward functions with a weight > 0 and their weights, in :data:`TERMS` order."""
+        funcs, ws = [], []
+        for term in TERMS:
+            w = float(weights.get(term, 0.0))
+            if w > 0:
+                funcs.append(getattr(self, term))
+                ws.append(w)
+        return funcs, ws

@@ -1,0 +1,174 @@
+"""GRPO on the tiny model (CPU): settings, the TRL reward wrappers, the multimodal scoring hook,
+and a two-step run from the SFT adapter that logs every reward term."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from medvolcore.answer import format_answer
+from medvoltrain.cli import main
+from medvoltrain.config import GRPOSettings, load_settings
+from medvoltrain.errors import ConfigError
+from medvoltrain.prepare import load_samples
+from medvoltrain.rewards import TERMS, ConsistencyScorer, RewardFunctions, parsed
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+def test_defaults_are_the_papers_and_the_yaml_spells_them_out():
+    s = GRPOSettings()
+    assert (s.num_generations, s.beta, s.learning_rate, s.num_train_epochs, s.prompts_per_device, s.warmup_ratio,
+            s.lr_scheduler_type, s.optim, s.bf16, s.gradient_checkpointing, s.max_completion_length, s.delta) == \
+        (4, 0.01, 2e-6, 3.0, 1, 0.1, "cosine", "adamw_torch", "auto", True, 256, 5)
+    assert s.reward_weights == {"format": 1.0, "axial": 1.0, "box": 1.0, "consistency": 1.0}
+    path = REPO / "Training" / "configs" / "grpo.yaml"
+    assert load_settings(str(path), cls=GRPOSettings) == s
+    assert set(yaml.safe_load(path.read_text(encoding="utf-8"))) == set(s.to_dict())
+
+
+def test_ablation_switches_and_bad_settings():
+    s = load_settings(None, {"lambda_consistency": "0", "delta": "10"}, cls=GRPOSettings)
+    funcs, weights = RewardFunctions().functions(s.reward_weights)
+    assert [f.__name__ for f in funcs] == ["format", "axial", "box"] and weights == [1.0, 1.0, 1.0]
+    with pytest.raises(ConfigError, match="unknown setting.*lambda_fmt.*valid keys: preset"):
+        load_settings(None, {"lambda_fmt": "0"}, cls=GRPOSettings)
+    with pytest.raises(ConfigError, match="at least one > 0"):
+        load_settings(None, {f"lambda_{t}": "0" for t in TERMS}, cls=GRPOSettings)
+    with pytest.raises(ConfigError, match="num_generations must be ≥ 2"):
+        load_settings(None, {"num_generations": "1"}, cls=GRPOSettings)
+    with pytest.raises(ConfigError, match="delta must be ≥ 0"):
+        load_settings(None, {"delta": "-1"}, cls=GRPOSettings)
+
+
+def _answer(z, boxes):
+    return format_answer(z, boxes, "because")
+
+
+def test_trl_wrappers_return_one_float_per_completion_and_read_the_columns(sm_data):
+    sample = next(s for s in load_samples(sm_data, "train") if s["label"] == "kidneys")
+    z = int(sample["target_info"]["slice"])
+    gt = sample["gt_boxes_norm"][str(z)]
+    empty = next(int(k) for k, a in enumerate(sample["slice_areas"]) if a == 0)
+    completions = [_answer(z, gt), _answer(z, gt[:1]), "no answer at all", _answer(empty, gt)]
+    n = len(completions)
+    cols = {"slice_areas": [sample["slice_areas"]] * n, "gt_boxes_norm": [json.dumps(sample["gt_boxes_norm"])] * n,
+            "sample_id": [sample["id"]] * n}
+    f = RewardFunctions(samples={sample["id"]: sample})
+    prompts = [sample["id"]] * n
+    assert f.format(prompts, completions, **cols) == [1.0, 1.0, 0.0, 1.0]
+    areas = np.asarray(sample["slice_areas"], float)
+    assert f.axial(prompts, completions, **cols) == pytest.approx([areas[z] / areas.max()] * 2 + [0.0, 0.0])
+    box = f.box(prompts, completions, **cols)
+    assert box[0] == pytest.approx(1.0, abs=0.02)  # integer rounding of the text only
+    assert box[1] == pytest.approx(box[0] / 2, abs=0.02)  # one of two kidneys
+    assert box[2:] == [0.0, 0.0]
+    # completions as conversational messages read the same
+    conv = [[{"role": "assistant", "content": c}] for c in completions]
+    assert f.format(prompts, conv, **cols) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_consistency_wrapper_groups_rollouts_and_counts_failures(sm_data):
+    from medvolcore.propagation import MedSAM2Propagator
+
+    samples = {s["id"]: s for s in load_samples(sm_data, "train")}
+    sid = next(k for k, s in samples.items() if s["label"] == "liver")
+    s = samples[sid]
+    z = int(s["target_info"]["slice"])
+    scorer = ConsistencyScorer(MedSAM2Propagator.from_random(0, image_size=64), delta=1)
+    f = RewardFunctions(scorer=scorer, samples=samples)
+    completions = [_answer(z, s["gt_boxes_norm"][str(z)])] * 3 + ["garbage"]
+    metrics = {}
+    out = f.consistency([sid] * 4, completions, sample_id=[sid] * 4, log_metric=metrics.__setitem__)
+    assert len(out) == 4 and out[3] == 0.0
+    assert out[0] == out[1] == out[2] and 0.0 <= out[0] <= 1.0
+    assert scorer.last_encoder_calls == 3  # one window [z-1, z+1] for the whole group, not 3 × 3
+    # a sample that cannot be found is a counted failure (None), not a zero
+    out = f.consistency(["x"] * 2, completions[:2], sample_id=["missing", "missing"], log_metric=metrics.__setitem__)
+    assert out == [None, None] and f.failures["consistency"] == 2
+    assert metrics["reward_failures/consistency"] == 2.0
+
+
+@pytest.fixture(scope="module")
+def grpo_run(sft_run, sm_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("grpo") / "RUN2"
+    rc = main(["grpo", "--data", str(sm_data), "--adapter", str(sft_run / "adapter"), "--output", str(run),
+               "--preset", "tiny", "--max-steps", "2", "--random-weights", "0", "learning_rate=1e-3",
+               "warmup_ratio=0", "save_steps=1", "max_completion_length=48", "delta=1", "max_samples=2",
+               "num_generations=2"])
+    assert rc == 0
+    return run
+
+
+def test_two_grpo_steps_from_the_sft_adapter_log_every_term(grpo_run):
+    report = json.loads((grpo_run / "training.json").read_text(encoding="utf-8"))
+    assert report["global_step"] == 2 and report["started_from"].endswith("adapter")
+    assert report["reward_failures"] == {}
+    assert [h["step"] for h in report["history"]] == [1, 2]
+    for h in report["history"]:
+        assert math.isfinite(h["loss"]) and math.isfinite(h["kl"])
+        for term in TERMS:
+            assert math.isfinite(h[f"rewards/{term}/mean"]) and math.isfinite(h[f"rewards/{term}/std"])
+        assert 0 < h["completions/mean_length"] <= 48
+    blob = b"".join(p.read_bytes() for p in (grpo_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert b"rewards/consistency/mean" in blob and b"kl" in blob
+    meta = json.loads((grpo_run / "adapter" / "medvol_adapter.json").read_text(encoding="utf-8"))
+    assert meta["stage"] == "grpo"
+
+
+def test_grpo_adapter_loads_in_the_grounder(grpo_run):
+    from medvolcore import models
+    from medvolcore.grounder import QwenVLGrounder
+
+    tuned = QwenVLGrounder.from_pretrained(models.resolve("tiny").grounder_dir, adapter=grpo_run / "adapter")
+    assert any("LoRA adapter" in n for n in tuned.notes)
+
+
+def test_scoring_forward_pass_gets_each_rows_images(sm_data, sft_run):
+    """Completion log-probs computed by the trainer's hook equal a direct forward with the images."""
+    import torch
+    from peft import PeftModel
+    from trl import GRPOConfig
+
+    from medvolcore import models
+    from medvoltrain.grpo import _trainer_class, grpo_dataset
+    from medvoltrain.sft import load_grounder
+
+    samples = load_samples(sm_data, "train")[:2]
+    grounder = load_grounder(models.resolve("tiny").grounder_dir, bf16=False)
+    model = PeftModel.from_pretrained(grounder.model, str(sft_run / "adapter"), is_trainable=True)
+    args = GRPOConfig(output_dir=str(sm_data.parent / "unused"), per_device_train_batch_size=2, num_generations=2,
+                      use_cpu=True, report_to=[], max_completion_length=8, remove_unused_columns=False)
+    trainer = _trainer_class()(model=model, reward_funcs=[lambda prompts, completions, **k: [0.0] * len(prompts)],
+                               args=args, train_dataset=grpo_dataset(samples), processing_class=grounder.tokenizer,
+                               grounder=grounder, samples=samples)
+    ids, _, fields = trainer._tokenize_prompts([s["id"] for s in samples])
+    completion = grounder.tokenizer("<think>x</think>", add_special_tokens=False)["input_ids"]
+    width = max(len(i) for i in ids)
+    rows = torch.tensor([[0] * (width - len(i)) + i + completion for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * (len(i) + len(completion)) for i in ids])
+    model.eval()
+    with torch.no_grad():
+        got, _, _ = trainer._get_per_token_logps_and_entropies(model, rows, mask, len(completion))
+        for r, s in enumerate(samples):
+            one = torch.tensor([ids[r] + completion])
+            n_img = len(s["shown"])
+            start = sum(len(x["shown"]) for x in samples[:r])
+            grid = fields["image_grid_thw"][start:start + n_img]
+            rows_before = int(fields["image_grid_thw"][:start].prod(-1).sum())
+            pv = fields["pixel_values"][rows_before:rows_before + int(grid.prod(-1).sum())]
+            mm = torch.tensor([fields["mm_token_type_ids"][r] + [0] * len(completion)], dtype=torch.int32)
+            logits = model(input_ids=one, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=mm).logits
+            logp = torch.log_softmax(logits[0, -len(completion) - 1:-1].float(), -1)
+            want = logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            assert torch.allclose(got[r], want, atol=2e-3)  # left padding and batching: float noise only
+            blind = model(input_ids=one).logits  # the same text without its images
+            blind = torch.log_softmax(blind[0, -len(completion) - 1:-1].float(), -1)
+            blind = blind.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            assert (blind - want).abs().max() > 10 * (got[r] - want).abs().max()

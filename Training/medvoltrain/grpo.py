@@ -1,0 +1,297 @@
+"""GRPO with the four MedVol-R1 rewards: TRL's ``GRPOTrainer`` on a prepared set, starting from the
+SFT adapter, writing ``RUN/adapter/``.
+
+What is ours and what is TRL's
+------------------------------
+* **The prompt** is the grounder's own (:meth:`QwenVLGrounder.inputs_from_images`), as in SFT and
+  at inference. TRL builds VLM prompts with a processor chat template, which our grounder does not
+  use (it needs no torchvision and no video processor), so :class:`GrounderGRPOTrainer` overrides
+  two hooks: ``_tokenize_prompts`` returns our prompt ids and image inputs for generation, and
+  ``_get_per_token_logps_and_entropies`` adds the same image inputs to every forward pass that
+  scores completions (policy, old policy and reference), finding each row's images from its
+  prompt ids. Everything else — sampling G rollouts per prompt, group-normalised advantages, the
+  clipped objective with the KL term, LoRA via PEFT, checkpoints, resume, logging, ``accelerate
+  launch`` — is TRL's.
+* **Rollouts sample the policy itself** (temperature 1, no constrained decoding: a grammar would
+  hide the format errors the format reward is there to teach away).
+* **The reference** for the KL term (β = 0.01) is the base model with the adapter disabled
+  (TRL's behaviour for a PEFT model).
+* **Rewards** are :class:`medvoltrain.rewards.RewardFunctions`: one TRL reward function per term,
+  weighted by ``lambda_*`` (0 switches a term off), consistency on MedSAM2 with features shared
+  across the group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from medvolcore.errors import DependencyError, ModelError, OutputExistsError
+
+from .config import GRPOSettings
+from .errors import ConfigError, DataError
+from .prepare import load_samples, load_slices
+from .rewards import ConsistencyScorer, RewardFunctions
+from .sft import _last_checkpoint, _step_of, load_grounder, lora_target_modules, resolve_model_dir, use_bf16
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("sample_id", "slice_areas", "gt_boxes_norm")
+_MM_CACHE_SIZE = 256
+
+
+def grpo_dataset(samples):
+    """A ``datasets.Dataset`` with TRL's ``prompt`` column (the sample id: the trainer rebuilds the
+    real prompt) and the columns the rewards read."""
+    from datasets import Dataset
+
+    rows = [{"prompt": s["id"], "sample_id": s["id"], "slice_areas": [int(a) for a in s["slice_areas"]],
+             "gt_boxes_norm": json.dumps(s["gt_boxes_norm"])} for s in samples]
+    return Dataset.from_list(rows)
+
+
+def _trainer_class():
+    import torch
+    from trl import GRPOTrainer
+
+    class GrounderGRPOTrainer(GRPOTrainer):
+        """TRL's GRPOTrainer with the grounder's own multimodal prompts (see the module docstring)."""
+
+        def __init__(self, *args, grounder=None, samples=None, **kwargs):
+            self.grounder = grounder
+            self.samples_by_id = {s["id"]: s for s in samples}
+            self._mm = {}  # prompt ids → (pixel_values, image_grid_thw, mm_token_type_ids)
+            super().__init__(*args, **kwargs)
+
+        def _prompt_inputs(self, sample_id: str):
+            sample = self.samples_by_id[sample_id]
+            inputs = self.grounder.inputs_from_images(load_slices(sample), sample["shown"], int(sample["depth"]),
+                                                      sample["query"], sample.get("prompt_window"))
+            ids = inputs["input_ids"][0].tolist()
+            self._mm[tuple(ids)] = (inputs["pixel_values"], inputs["image_grid_thw"], inputs["mm_token_type_ids"][0])
+            while len(self._mm) > _MM_CACHE_SIZE:
+                self._mm.pop(next(iter(self._mm)))
+            return ids
+
+        def _tokenize_prompts(self, prompts):
+            prompt_ids = [self._prompt_inputs(p) for p in prompts]
+            pv, grid, mm = zip(*(self._mm[tuple(ids)] for ids in prompt_ids))
+            fields = {"pixel_values": torch.cat(pv), "image_grid_thw": torch.cat(grid),
+                      "mm_token_type_ids": [m.tolist() for m in mm]}
+            return prompt_ids, None, fields
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                               pixel_values=None, image_grid_thw=None, num_images=None,
+                                               mm_token_type_ids=None, **kwargs):
+            if pixel_values is None:
+                pixel_values, image_grid_thw, num_images, mm_token_type_ids = self._images_for(
+                    input_ids, attention_mask, logits_to_keep)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw, num_images=num_images, mm_token_type_ids=mm_token_type_ids, **kwargs)
+
+        def _images_for(self, input_ids, attention_mask, logits_to_keep):
+            """Image inputs of rows ``[left-padded prompt | completion]``, found from each row's prompt ids."""
+            width = input_ids.size(1) - logits_to_keep
+            pv, grids, counts = [], [], []
+            mm = torch.zeros_like(input_ids, dtype=torch.int32)
+            for r in range(input_ids.size(0)):
+                keep = attention_mask[r, :width].bool()
+                key = tuple(input_ids[r, :width][keep].tolist())
+                if key not in self._mm:
+                    raise RuntimeError("GRPO: a completion's prompt is not one this trainer built; its images are unknown")
+                p, g, m = self._mm[key]
+                pv.append(p)
+                grids.append(g)
+                counts.append(int(g.shape[0]))
+                mm[r, width - m.shape[0]:width] = m.to(mm.device)
+            device = input_ids.device
+            return torch.cat(pv).to(device), torch.cat(grids).to(device), counts, mm
+
+    return GrounderGRPOTrainer
+
+
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _suppressed_ids(tokenizer) -> list:
+    """Vision placeholder tokens may never be sampled: one in a completion would be read as an
+    image slot in the scoring forward pass (and is never a valid answer anyway)."""
+    ids = []
+    for t in VISION_TOKENS:
+        i = tokenizer.convert_tokens_to_ids(t)
+        if i is not None and i != tokenizer.unk_token_id:
+            ids.append(int(i))
+    return ids
+
+
+def _grpo_config(settings: GRPOSettings, run: Path, bf16: bool, weights, suppress=()):
+    import torch
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(run / "checkpoints"),
+        num_generations=settings.num_generations, beta=settings.beta,
+        max_completion_length=settings.max_completion_length, temperature=settings.temperature,
+        learning_rate=settings.learning_rate, num_train_epochs=settings.num_train_epochs, max_steps=settings.max_steps,
+        per_device_train_batch_size=settings.prompts_per_device * settings.num_generations,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps, optim=settings.optim,
+        weight_decay=settings.weight_decay, warmup_steps=settings.warmup_ratio,  # a float < 1 is a ratio
+        lr_scheduler_type=settings.lr_scheduler_type, max_grad_norm=settings.max_grad_norm,
+        bf16=bf16, fp16=False, use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=settings.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if settings.gradient_checkpointing else None,
+        reward_weights=list(weights), use_vllm=settings.use_vllm,
+        generation_kwargs={"suppress_tokens": list(suppress)} if suppress else None,
+        seed=settings.seed, logging_steps=settings.logging_steps, logging_first_step=True,
+        save_strategy="steps", save_steps=settings.save_steps, save_total_limit=settings.save_total_limit,
+        report_to=[] if settings.report_to in ("none", "", None) else [settings.report_to],
+        dataloader_num_workers=settings.dataloader_num_workers, remove_unused_columns=False,
+        deepspeed=settings.deepspeed, disable_tqdm=False,
+    )
+
+
+def make_scorer(settings: GRPOSettings, sam_checkpoint=None, random_weights: Optional[int] = None, device="cpu"):
+    """The MedSAM2 that scores consistency (None when that term is off)."""
+    if settings.lambda_consistency <= 0:
+        return None
+    from medvolcore.propagation import MedSAM2Propagator
+
+    if sam_checkpoint and random_weights is not None:
+        raise ConfigError("give either --sam-checkpoint or --random-weights, not both")
+    if sam_checkpoint:
+        prop = MedSAM2Propagator.from_checkpoint(sam_checkpoint, device=device)
+    elif random_weights is not None:
+        prop = MedSAM2Propagator.from_random(int(random_weights), image_size=64 if device == "cpu" else 512,
+                                             device=device)
+    else:
+        from medvolcore import models
+
+        m = models.resolve(settings.preset)
+        if m.sam_checkpoint is not None:
+            prop = MedSAM2Propagator.from_checkpoint(m.sam_checkpoint, device=device)
+        else:
+            seed, size = m.sam_random
+            prop = MedSAM2Propagator.from_random(seed, image_size=size, device=device)
+    return ConsistencyScorer(prop, delta=settings.delta)
+
+
+def _policy(grounder, adapter, settings: GRPOSettings):
+    """The trainable policy: the SFT adapter on the base (``is_trainable``), or a new LoRA."""
+    from peft import LoraConfig, PeftModel
+
+    if adapter is None:
+        log.warning("GRPO without an SFT adapter: a new LoRA starts from the base model (the paper reports that "
+                    "RL without cold-start SFT does not converge; this is the ablation)")
+        return grounder.model, LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha,
+                                          lora_dropout=settings.lora_dropout,
+                                          target_modules=lora_target_modules(settings.lora_scope), bias="none",
+                                          task_type="CAUSAL_LM")
+    from medvolcore import models
+
+    folder = models.check_adapter_dir(adapter)
+    try:
+        model = PeftModel.from_pretrained(grounder.model, str(folder), is_trainable=True)
+    except (ValueError, RuntimeError, KeyError, OSError) as e:
+        raise ModelError(f"the adapter {folder} does not fit the base model {settings.model_path or settings.preset}: "
+                         f"{str(e).splitlines()[0]}") from None
+    return model, None
+
+
+def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: bool = False,
+               overwrite: bool = False, sam_checkpoint=None, random_weights: Optional[int] = None) -> dict:
+    """Run GRPO; returns a summary (steps, reward means per step, KL, failures) also written to
+    ``RUN/training.json``."""
+    try:
+        import trl  # noqa: F401
+    except ImportError as e:
+        raise DependencyError(f"GRPO needs trl ({e}); install it with `pip install -e Training`") from None
+
+    run = Path(run_dir).expanduser()
+    out_adapter = run / "adapter"
+    checkpoint = None
+    if resume:
+        checkpoint = _last_checkpoint(run)
+        if checkpoint is None:
+            raise DataError(f"--resume: {run / 'checkpoints'} holds no checkpoint to resume from")
+    elif (run / "checkpoints").exists() or out_adapter.exists():
+        if not overwrite:
+            raise OutputExistsError(f"{run} already holds a run; pass --resume to continue it or --overwrite to "
+                                    "start again")
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+        shutil.rmtree(out_adapter, ignore_errors=True)
+    samples = load_samples(data_dir, settings.split)
+    if settings.max_samples is not None:
+        samples = samples[: max(0, int(settings.max_samples))]
+    if not samples:
+        raise DataError(f"{data_dir} has no {settings.split!r} samples to train on")
+    if adapter is not None and not Path(adapter).expanduser().is_dir():
+        raise ModelError(f"--adapter {adapter} is not a folder; give RUN/adapter of `medvol-train sft`")
+    model_dir = resolve_model_dir(settings)
+    bf16 = use_bf16(settings)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scorer = make_scorer(settings, sam_checkpoint, random_weights, device=device)
+    grounder = load_grounder(model_dir, bf16)
+    model, peft_config = _policy(grounder, adapter, settings)
+    rewards = RewardFunctions(tokenizer=grounder.tokenizer, scorer=scorer, samples={s["id"]: s for s in samples})
+    funcs, weights = rewards.functions(settings.reward_weights)
+    run.mkdir(parents=True, exist_ok=True)
+    args = _grpo_config(settings, run, bf16, weights, _suppressed_ids(grounder.tokenizer))
+    trainer_cls = _trainer_class()
+
+    old_tb = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run / "tensorboard")
+    t0 = time.perf_counter()
+    try:
+        trainer = trainer_cls(model=model, reward_funcs=funcs, args=args, train_dataset=grpo_dataset(samples),
+                              processing_class=grounder.tokenizer, peft_config=peft_config, grounder=grounder,
+                              samples=samples)
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    finally:
+        if old_tb is None:
+            os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
+        else:
+            os.environ["TENSORBOARD_LOGGING_DIR"] = old_tb
+    seconds = time.perf_counter() - t0
+    if trainer.is_world_process_zero():
+        tmp = run / f".adapter.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            trainer.model.save_pretrained(str(tmp))
+            (tmp / "medvol_adapter.json").write_text(json.dumps({
+                "base_model": str(model_dir), "preset": settings.preset if not settings.model_path else None,
+                "stage": "grpo", "started_from": str(adapter) if adapter else None, "settings": settings.to_dict(),
+                "data": str(Path(data_dir).resolve())}, indent=1) + "\n", encoding="utf-8")
+            if out_adapter.exists():
+                shutil.rmtree(out_adapter)
+            os.replace(tmp, out_adapter)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    keys = [k for k in (history[0] if history else {}) if k.startswith("rewards/") or k in
+            ("loss", "kl", "reward", "reward_std", "learning_rate", "completions/mean_length")]
+    summary = {"adapter": str(out_adapter), "base_model": str(model_dir), "started_from": str(adapter) if adapter else None,
+               "samples": len(samples), "global_step": int(trainer.state.global_step),
+               "resumed_from": str(checkpoint) if checkpoint else None, "bf16": bf16, "seconds": round(seconds, 2),
+               "seconds_per_step": round(seconds / max(1, trainer.state.global_step - _step_of(checkpoint)), 3),
+               "reward_weights": dict(zip([f.__name__ for f in funcs], weights)),
+               "reward_failures": dict(rewards.failures),
+               "history": [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history],
+               "settings": settings.to_dict()}
+    if trainer.is_world_process_zero():
+        from medvolcore.fileio import write_text_atomic
+
+        write_text_atomic(run / "training.json", json.dumps(summary, indent=1) + "\n", overwrite=True)
+    return summary
+
+
+__all__ = ["train_grpo", "grpo_dataset", "make_scorer"]
