@@ -60,6 +60,38 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def cmd_grpo(args) -> int:
+    from .config import GRPOSettings, load_settings, parse_overrides
+    from .grpo import train_grpo
+
+    settings = load_settings(args.config, parse_overrides(args.overrides, GRPOSettings), cls=GRPOSettings,
+                             preset=args.preset, max_steps=args.max_steps)
+    summary = train_grpo(args.data, args.output, settings, adapter=args.adapter, resume=args.resume,
+                         overwrite=args.overwrite, sam_checkpoint=args.sam_checkpoint,
+                         random_weights=args.random_weights)
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=1) + "\n")
+    else:
+        last = summary["history"][-1] if summary["history"] else {}
+        terms = ", ".join(f"{k.split('/')[1]} {last[k]:.3f}" for k in last if k.startswith("rewards/") and k.endswith("/mean"))
+        sys.stdout.write(f"adapter written to {summary['adapter']} after {summary['global_step']} step(s) "
+                         f"({summary['seconds']:.1f} s); last step rewards: {terms or 'none logged'}"
+                         + (f"; reward failures: {summary['reward_failures']}" if summary["reward_failures"] else "")
+                         + "\n")
+    return 0
+
+
+def cmd_m3dseg_manifest(args) -> int:
+    from .datasets import m3dseg_rows, write_manifest
+
+    rows = []
+    for code in args.code:
+        rows += m3dseg_rows(args.root, code, args.nifti_map, args.orientation)
+    write_manifest(rows, args.out, overwrite=args.overwrite)
+    sys.stdout.write(f"wrote {len(rows)} case(s) to {args.out}\n")
+    return 0
+
+
 def cmd_m3dseg_manifest(args) -> int:
     from .datasets import m3dseg_rows, write_manifest
 
@@ -109,6 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true", help="start again in a RUN folder that holds a run")
     sp.add_argument("overrides", nargs="*", metavar="key=value", help="override any setting, e.g. learning_rate=1e-4")
 
+    sp = add("grpo", "GRPO with the four MedVol-R1 rewards (TRL GRPOTrainer), from the SFT adapter; writes "
+                     "RUN/adapter/.", cmd_grpo)
+    sp.add_argument("--data", required=True, help="a folder made by `medvol-train prepare`")
+    sp.add_argument("--adapter", help="the SFT adapter to start from (RUN/adapter); without it a new LoRA starts "
+                                      "from the base model (the paper's no-SFT ablation)")
+    sp.add_argument("--output", required=True, help="run folder RUN2 (checkpoints/, tensorboard/, adapter/)")
+    sp.add_argument("--config", help="YAML settings (e.g. Training/configs/grpo.yaml)")
+    sp.add_argument("--preset", help="base model preset, default medvol-r1; tiny for smoke runs")
+    sp.add_argument("--max-steps", type=int, help="stop after N optimiser steps")
+    sam = sp.add_mutually_exclusive_group()
+    sam.add_argument("--sam-checkpoint", help="MedSAM2 checkpoint for the consistency reward (default: the preset's)")
+    sam.add_argument("--random-weights", type=int, metavar="SEED",
+                     help="seeded random MedSAM2 weights (tests, CPU benchmarks: the consistency term is then noise)")
+    sp.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN2/checkpoints")
+    sp.add_argument("--overwrite", action="store_true", help="start again in a RUN2 folder that holds a run")
+    sp.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="override any setting, e.g. lambda_consistency=0 delta=10 beta=0.04")
+
     sp = add("m3dseg-manifest", "Write a manifest for M3D-Seg datasets (their train/test split and label lists).",
              cmd_m3dseg_manifest)
     sp.add_argument("--root", required=True, help="the M3D_Seg folder (holding 0003/, 0004/, 0012/, …)")
@@ -140,7 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write(f"{PROG}: interrupted" + ("; rerun with --resume to continue" if args.command == "sft"
+        sys.stderr.write(f"{PROG}: interrupted" + ("; rerun with --resume to continue" if args.command in ("sft", "grpo")
                                                    else "; rerun the same command to continue") + "\n")
         return 130
     except Exception as e:  # noqa: BLE001 — still one line, with a hint
