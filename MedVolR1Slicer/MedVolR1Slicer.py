@@ -177,6 +177,8 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
 
     def _updateGuiFromParameterNode(self):
         p = self._parameterNode
+        if p is None:  # the scene is closing
+            return
         blockers = [self.ui.queryEdit, self.ui.presetComboBox, self.ui.deviceComboBox, self.ui.windowComboBox,
                     self.ui.remoteUrlLineEdit, self.ui.adapterPathLineEdit]
         old = [w.blockSignals(True) for w in blockers]
