@@ -9,7 +9,6 @@ runs them in its own process, and Slicer loads this file at start-up.
 """
 
 import json
-import logging
 import os
 import tempfile
 from typing import List, Optional

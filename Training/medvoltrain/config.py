@@ -20,17 +20,23 @@ LORA_SCOPES = ("language", "language+vision")
 
 
 @dataclass
-class SFTSettings:
-    """Cold-start SFT settings (defaults = the paper's recipe where the paper gives one)."""
+class ModelSettings:
+    """The base model and the LoRA both stages use."""
 
     # -- model: a preset of Resources/models.json, or a Qwen3-VL folder (model_path wins) --
     preset: str = "medvol-r1"  # Qwen3-VL-4B-Instruct, the paper's base model
     model_path: Optional[str] = None
-    # -- LoRA (paper: rank 128, all linear layers) --
+    # -- LoRA (paper: rank 128, all linear layers); GRPO uses it only when it starts without an SFT adapter --
     lora_r: int = 128
     lora_alpha: int = 256  # 2·r: the usual choice at this rank; keeps the update scale alpha/r = 2 at lr 2e-5
     lora_dropout: float = 0.05
     lora_scope: str = "language"  # every linear layer of the language model; "language+vision" adds the vision tower
+
+
+@dataclass
+class SFTSettings(ModelSettings):
+    """Cold-start SFT settings (defaults = the paper's recipe where the paper gives one)."""
+
     # -- optimisation (paper) --
     learning_rate: float = 2e-5
     num_train_epochs: float = 1.0
@@ -86,7 +92,7 @@ DELTAS = (2, 5, 10, 15)  # the paper's ablation of the consistency window
 
 
 @dataclass
-class GRPOSettings:
+class GRPOSettings(ModelSettings):
     """GRPO settings (defaults = the paper's second stage where the paper gives one).
 
     ``prompts_per_device`` is the paper's "per-GPU batch 1": one prompt per GPU per step, whose
@@ -94,14 +100,6 @@ class GRPOSettings:
     ``per_device_train_batch_size`` is ``prompts_per_device × num_generations``).
     """
 
-    # -- model: the SFT adapter's base (a preset or a Qwen3-VL folder) --
-    preset: str = "medvol-r1"
-    model_path: Optional[str] = None
-    # -- a new LoRA when GRPO starts without an SFT adapter (the paper's ablation; it reports no convergence) --
-    lora_r: int = 128
-    lora_alpha: int = 256
-    lora_dropout: float = 0.05
-    lora_scope: str = "language"
     # -- GRPO (paper) --
     num_generations: int = 4
     beta: float = 0.01  # KL to the frozen reference = the base with the adapter disabled

@@ -25,20 +25,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Optional
 
-from medvolcore.errors import DependencyError, ModelError, OutputExistsError
+from medvolcore.errors import DependencyError, ModelError
 
 from .config import GRPOSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples, load_slices
 from .rewards import ConsistencyScorer, RewardFunctions
-from .sft import _last_checkpoint, _step_of, load_grounder, lora_target_modules, resolve_model_dir, use_bf16
+from .runs import open_run, save_adapter, step_of, tensorboard_dir, write_summary
+from .sft import load_grounder, lora_target_modules, resolve_model_dir, use_bf16
 
 log = logging.getLogger(__name__)
 
@@ -215,19 +213,7 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
     except ImportError as e:
         raise DependencyError(f"GRPO needs trl ({e}); install it with `pip install -e Training`") from None
 
-    run = Path(run_dir).expanduser()
-    out_adapter = run / "adapter"
-    checkpoint = None
-    if resume:
-        checkpoint = _last_checkpoint(run)
-        if checkpoint is None:
-            raise DataError(f"--resume: {run / 'checkpoints'} holds no checkpoint to resume from")
-    elif (run / "checkpoints").exists() or out_adapter.exists():
-        if not overwrite:
-            raise OutputExistsError(f"{run} already holds a run; pass --resume to continue it or --overwrite to "
-                                    "start again")
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)
-        shutil.rmtree(out_adapter, ignore_errors=True)
+    run, checkpoint = open_run(run_dir, resume, overwrite)
     samples = load_samples(data_dir, settings.split)
     if settings.max_samples is not None:
         samples = samples[: max(0, int(settings.max_samples))]
@@ -249,48 +235,29 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
     args = _grpo_config(settings, run, bf16, weights, _suppressed_ids(grounder.tokenizer))
     trainer_cls = _trainer_class()
 
-    old_tb = os.environ.get("TENSORBOARD_LOGGING_DIR")
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run / "tensorboard")
     t0 = time.perf_counter()
-    try:
+    with tensorboard_dir(run):
         trainer = trainer_cls(model=model, reward_funcs=funcs, args=args, train_dataset=grpo_dataset(samples),
                               processing_class=grounder.tokenizer, peft_config=peft_config, grounder=grounder,
                               samples=samples)
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    finally:
-        if old_tb is None:
-            os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
-        else:
-            os.environ["TENSORBOARD_LOGGING_DIR"] = old_tb
     seconds = time.perf_counter() - t0
-    if trainer.is_world_process_zero():
-        tmp = run / f".adapter.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            trainer.model.save_pretrained(str(tmp))
-            (tmp / "medvol_adapter.json").write_text(json.dumps({
-                "base_model": str(model_dir), "preset": settings.preset if not settings.model_path else None,
-                "stage": "grpo", "started_from": str(adapter) if adapter else None, "settings": settings.to_dict(),
-                "data": str(Path(data_dir).resolve())}, indent=1) + "\n", encoding="utf-8")
-            if out_adapter.exists():
-                shutil.rmtree(out_adapter)
-            os.replace(tmp, out_adapter)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    out_adapter = save_adapter(trainer, run, {
+        "base_model": str(model_dir), "preset": settings.preset if not settings.model_path else None,
+        "stage": "grpo", "started_from": str(adapter) if adapter else None, "settings": settings.to_dict(),
+        "data": str(Path(data_dir).resolve())})
     history = [h for h in trainer.state.log_history if "loss" in h]
     keys = [k for k in (history[0] if history else {}) if k.startswith("rewards/") or k in
             ("loss", "kl", "reward", "reward_std", "learning_rate", "completions/mean_length")]
     summary = {"adapter": str(out_adapter), "base_model": str(model_dir), "started_from": str(adapter) if adapter else None,
                "samples": len(samples), "global_step": int(trainer.state.global_step),
                "resumed_from": str(checkpoint) if checkpoint else None, "bf16": bf16, "seconds": round(seconds, 2),
-               "seconds_per_step": round(seconds / max(1, trainer.state.global_step - _step_of(checkpoint)), 3),
+               "seconds_per_step": round(seconds / max(1, trainer.state.global_step - step_of(checkpoint)), 3),
                "reward_weights": dict(zip([f.__name__ for f in funcs], weights)),
                "reward_failures": dict(rewards.failures),
                "history": [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history],
                "settings": settings.to_dict()}
-    if trainer.is_world_process_zero():
-        from medvolcore.fileio import write_text_atomic
-
-        write_text_atomic(run / "training.json", json.dumps(summary, indent=1) + "\n", overwrite=True)
+    write_summary(trainer, run, summary)
     return summary
 
 

@@ -29,18 +29,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
-import uuid
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
-from medvolcore.errors import DependencyError, ModelError, OutputExistsError
+from medvolcore.errors import DependencyError, ModelError
 
 from .config import SFTSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples, load_slices
+from .runs import open_run, save_adapter, step_of, tensorboard_dir, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +187,6 @@ def _sft_config(settings: SFTSettings, run: Path, bf16: bool):
     )
 
 
-def _last_checkpoint(run: Path) -> Optional[Path]:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    folder = run / "checkpoints"
-    return Path(get_last_checkpoint(str(folder))) if folder.is_dir() and get_last_checkpoint(str(folder)) else None
-
-
 def train_sft(data_dir, run_dir, settings: SFTSettings, resume: bool = False, overwrite: bool = False) -> dict:
     """Run SFT; returns a summary (steps, losses, seconds) also written to ``RUN/training.json``."""
     try:
@@ -204,19 +195,7 @@ def train_sft(data_dir, run_dir, settings: SFTSettings, resume: bool = False, ov
     except ImportError as e:
         raise DependencyError(f"SFT needs trl and peft ({e}); install them with `pip install -e Training`") from None
 
-    run = Path(run_dir).expanduser()
-    adapter = run / "adapter"
-    checkpoint = None
-    if resume:
-        checkpoint = _last_checkpoint(run)
-        if checkpoint is None:
-            raise DataError(f"--resume: {run / 'checkpoints'} holds no checkpoint to resume from")
-    elif (run / "checkpoints").exists() or adapter.exists():
-        if not overwrite:
-            raise OutputExistsError(f"{run} already holds a run; pass --resume to continue it or --overwrite to "
-                                    "start again")
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)
-        shutil.rmtree(adapter, ignore_errors=True)
+    run, checkpoint = open_run(run_dir, resume, overwrite)
     dataset = training_dataset(data_dir, settings)
     model_dir = resolve_model_dir(settings)
     bf16 = use_bf16(settings)
@@ -229,55 +208,26 @@ def train_sft(data_dir, run_dir, settings: SFTSettings, resume: bool = False, ov
     args = _sft_config(settings, run, bf16)
     from trl import SFTTrainer
 
-    old_tb = os.environ.get("TENSORBOARD_LOGGING_DIR")
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(run / "tensorboard")
     t0 = time.perf_counter()
-    try:
+    with tensorboard_dir(run):
         trainer = SFTTrainer(model=grounder.model, args=args, train_dataset=dataset, data_collator=collator,
                              processing_class=grounder.tokenizer, peft_config=peft_config)
         result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    finally:
-        if old_tb is None:
-            os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
-        else:
-            os.environ["TENSORBOARD_LOGGING_DIR"] = old_tb
     seconds = time.perf_counter() - t0
-    if trainer.is_world_process_zero():
-        tmp = run / f".adapter.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            trainer.model.save_pretrained(str(tmp))
-            (tmp / "medvol_adapter.json").write_text(json.dumps({
-                "base_model": str(model_dir), "preset": settings.preset if not settings.model_path else None,
-                "stage": "sft", "settings": settings.to_dict(), "data": str(Path(data_dir).resolve())},
-                indent=1) + "\n", encoding="utf-8")
-            if adapter.exists():
-                shutil.rmtree(adapter)
-            os.replace(tmp, adapter)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    adapter = save_adapter(trainer, run, {
+        "base_model": str(model_dir), "preset": settings.preset if not settings.model_path else None,
+        "stage": "sft", "settings": settings.to_dict(), "data": str(Path(data_dir).resolve())})
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary = {"adapter": str(adapter), "base_model": str(model_dir), "samples": len(dataset),
                "global_step": int(trainer.state.global_step), "resumed_from": str(checkpoint) if checkpoint else None,
                "bf16": bf16, "seconds": round(seconds, 2),
-               "seconds_per_step": round(seconds / max(1, trainer.state.global_step - _step_of(checkpoint)), 3),
+               "seconds_per_step": round(seconds / max(1, trainer.state.global_step - step_of(checkpoint)), 3),
                "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
                "loss_history": [{"step": h["step"], "loss": h["loss"], "learning_rate": h.get("learning_rate")}
                                 for h in history],
                "train_loss": float(result.training_loss), "settings": settings.to_dict()}
-    if trainer.is_world_process_zero():
-        from medvolcore.fileio import write_text_atomic
-
-        write_text_atomic(run / "training.json", json.dumps(summary, indent=1) + "\n", overwrite=True)
+    write_summary(trainer, run, summary)
     return summary
-
-
-def _step_of(checkpoint: Optional[Path]) -> int:
-    if checkpoint is None:
-        return 0
-    try:
-        return int(checkpoint.name.rsplit("-", 1)[-1])
-    except ValueError:
-        return 0
 
 
 __all__ = ["GrounderSFTCollator", "train_sft", "training_dataset", "load_grounder", "resolve_model_dir",

@@ -1,0 +1,98 @@
+"""The run folder both training stages share::
+
+    RUN/checkpoints/checkpoint-N   TRL/transformers checkpoints (``--resume`` continues the newest)
+    RUN/tensorboard/               TensorBoard events
+    RUN/adapter/                   the PEFT adapter + medvol_adapter.json (written atomically at the end)
+    RUN/training.json              the stage's summary
+
+An existing run is never overwritten without ``overwrite``; ``resume`` needs a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from medvolcore.errors import OutputExistsError
+
+from .errors import DataError
+
+
+def last_checkpoint(run: Path) -> Optional[Path]:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = Path(run) / "checkpoints"
+    found = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    return Path(found) if found else None
+
+
+def step_of(checkpoint: Optional[Path]) -> int:
+    if checkpoint is None:
+        return 0
+    try:
+        return int(Path(checkpoint).name.rsplit("-", 1)[-1])
+    except ValueError:
+        return 0
+
+
+def open_run(run_dir, resume: bool, overwrite: bool) -> tuple:
+    """``(run, checkpoint)``: the run folder, and the checkpoint to resume from (None: a fresh run)."""
+    run = Path(run_dir).expanduser()
+    if resume:
+        checkpoint = last_checkpoint(run)
+        if checkpoint is None:
+            raise DataError(f"--resume: {run / 'checkpoints'} holds no checkpoint to resume from")
+        return run, checkpoint
+    if (run / "checkpoints").exists() or (run / "adapter").exists():
+        if not overwrite:
+            raise OutputExistsError(f"{run} already holds a run; pass --resume to continue it or --overwrite to "
+                                    "start again")
+        shutil.rmtree(run / "checkpoints", ignore_errors=True)
+        shutil.rmtree(run / "adapter", ignore_errors=True)
+    return run, None
+
+
+@contextlib.contextmanager
+def tensorboard_dir(run: Path):
+    """Point transformers' TensorBoard callback at ``RUN/tensorboard`` for the duration."""
+    old = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(Path(run) / "tensorboard")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
+        else:
+            os.environ["TENSORBOARD_LOGGING_DIR"] = old
+
+
+def save_adapter(trainer, run: Path, meta: dict) -> Path:
+    """Write the trained adapter and ``medvol_adapter.json`` to ``RUN/adapter`` atomically (main process only)."""
+    adapter = Path(run) / "adapter"
+    if not trainer.is_world_process_zero():
+        return adapter
+    tmp = Path(run) / f".adapter.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        trainer.model.save_pretrained(str(tmp))
+        (tmp / "medvol_adapter.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        if adapter.exists():
+            shutil.rmtree(adapter)
+        os.replace(tmp, adapter)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return adapter
+
+
+def write_summary(trainer, run: Path, summary: dict) -> None:
+    if trainer.is_world_process_zero():
+        from medvolcore.fileio import write_text_atomic
+
+        write_text_atomic(Path(run) / "training.json", json.dumps(summary, indent=1) + "\n", overwrite=True)
+
+
+__all__ = ["last_checkpoint", "step_of", "open_run", "tensorboard_dir", "save_adapter", "write_summary"]
