@@ -92,14 +92,25 @@ def cmd_m3dseg_manifest(args) -> int:
     return 0
 
 
-def cmd_m3dseg_manifest(args) -> int:
-    from .datasets import m3dseg_rows, write_manifest
+def cmd_evaluate(args) -> int:
+    from medvolcore.errors import InputError
 
-    rows = []
-    for code in args.code:
-        rows += m3dseg_rows(args.root, code, args.nifti_map, args.orientation)
-    write_manifest(rows, args.out, overwrite=args.overwrite)
-    sys.stdout.write(f"wrote {len(rows)} case(s) to {args.out}\n")
+    from .evaluate import evaluate, format_result
+
+    if not args.aggregate_only and (not args.data or not args.out):
+        raise InputError("evaluate needs --data DATA and --out DIR (or --out DIR --aggregate-only)")
+    if args.aggregate_only and not args.out:
+        raise InputError("--aggregate-only needs --out DIR")
+    summary = evaluate(args.data, args.out, split=args.split, oracle=args.oracle, preset=args.preset,
+                       adapter=args.adapter, sam_checkpoint=args.sam_checkpoint, random_weights=args.random_weights,
+                       sam_image_size=args.sam_image_size, device=args.device, shard=args.shard, limit=args.limit,
+                       constrain=not args.unconstrained, overwrite=args.overwrite, retry_failed=args.retry_failed,
+                       save_masks=not args.no_masks, progress=not args.no_progress,
+                       aggregate_only=args.aggregate_only)
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=1) + "\n")
+    else:
+        sys.stdout.write(format_result(summary, args.out) + "\n")
     return 0
 
 
@@ -167,6 +178,33 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--orientation", help="axis codes of the M3D arrays (default RAS)")
     sp.add_argument("--out", required=True, help="manifest to write (.jsonl)")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing manifest")
+
+    sp = add("evaluate", "Evaluate the pipeline (or the oracle anchor) on a prepared split: DSC/IoU per dataset as in "
+                         "the paper's Table 1 (DIR/table.md, table.csv), per-case rows (cases.csv), key-slice hit "
+                         "rate and box IoU.", cmd_evaluate)
+    sp.add_argument("--data", help="a folder made by `medvol-train prepare`")
+    sp.add_argument("--split", default="test", help="split to evaluate: test (default) or train")
+    sp.add_argument("--out", help="output folder DIR (one evaluation per folder; resumable)")
+    sp.add_argument("--adapter", help="LoRA adapter folder for the grounder (e.g. RUN/adapter)")
+    sp.add_argument("--oracle", action="store_true",
+                    help="feed the ground-truth anchor to MedSAM2 (no language model): the propagation's upper bound")
+    sp.add_argument("--preset", help="model preset (medvol models list), default medvol-r1; tiny for smoke runs")
+    w = sp.add_mutually_exclusive_group()
+    w.add_argument("--sam-checkpoint", help="MedSAM2 checkpoint (default: the preset's)")
+    w.add_argument("--random-weights", type=int, metavar="SEED", help="seeded random MedSAM2 weights (smoke runs)")
+    sp.add_argument("--sam-image-size", type=int, help="image size for --random-weights (default: the preset's, else 512)")
+    sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    sp.add_argument("--shard", metavar="I/N", help="evaluate the samples with index %% N == I (one shard per GPU)")
+    sp.add_argument("--limit", type=int, help="only the first N samples of the split")
+    sp.add_argument("--unconstrained", action="store_true", help="decode without the answer grammar (still greedy)")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="redo this shard's cases, also in a DIR made with other settings")
+    sp.add_argument("--retry-failed", action="store_true",
+                    help="redo cases whose model gave no usable answer (errors are always retried)")
+    sp.add_argument("--aggregate-only", action="store_true",
+                    help="only rebuild DIR's tables from its finished cases (e.g. after all shards ran)")
+    sp.add_argument("--no-masks", action="store_true", help="do not save the predicted masks (DIR/masks/)")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

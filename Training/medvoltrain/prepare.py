@@ -391,24 +391,44 @@ def load_mask(sample: dict) -> np.ndarray:
         raise DataError(f"cannot read {path}: {e}") from None
 
 
-def load_stack(sample: dict):
-    """``(stack, window)``: the sample's CT as a :class:`~medvolcore.stack.AxialStack` (re-read from
-    ``source``) and the window its pictures were rendered with (None: the default soft-tissue
-    window on HU; M3D-Seg's normalised intensities get their percentile window back)."""
-    from .datasets import Case, load_case
-    from .errors import CaseError
+def _hu_window(sample: dict):
+    """The window of the model inputs: the sample's percentile window for M3D-normalised intensities,
+    None (the default soft-tissue window) on HU — as the prepared pictures were rendered."""
+    if sample.get("intensity") == "m3d_normalised":
+        from medvolcore.windowing import Window
 
+        rw = sample["render_window"]
+        return Window(float(rw["center"]), float(rw["width"]), "custom")
+    return None
+
+
+def load_stack(sample: dict):
+    """``(stack, window)``: the sample's CT as an :class:`~medvolcore.stack.AxialStack`, re-read
+    from ``source`` with :func:`medvoltrain.datasets.load_case`, and the window its pictures were
+    rendered with (None: the default soft-tissue window on HU; M3D-Seg's normalised intensities get
+    their percentile window back). Checked against the prepared set: the stack shape, and one shown
+    slice rendered again must look like the stored picture (a changed file or another orientation
+    would not)."""
     src = sample.get("source") or {}
-    case = Case(id=str(sample.get("case_id")), volume=Path(src.get("volume", "")), labels=Path(src.get("labels", "")),
-                targets={}, split=str(sample.get("split")), dataset=sample.get("dataset"))
-    try:
-        stack, _, window, _ = load_case(case)
-    except CaseError as e:
-        raise DataError(f"sample {sample.get('id')}: cannot read its CT again: {e}") from None
-    if list(stack.shape) != list(sample["stack_shape"]):
-        raise DataError(f"sample {sample.get('id')}: its CT is now {list(stack.shape)} on the stack, the prepared "
-                        f"set says {sample['stack_shape']}; prepare the set again")
-    return stack, window
+    if not src.get("volume") or not src.get("labels"):
+        raise DataError(f"sample {sample.get('id')}: no source volume/labels in the prepared index")
+    from .datasets import Case, load_case
+
+    case = Case(id=str(sample.get("case_id")), volume=Path(src["volume"]), labels=Path(src["labels"]), targets={},
+                split=str(sample.get("split")), dataset=sample.get("dataset"), orientation=src.get("orientation"))
+    stack, _labels, _window, _intensity = load_case(case)
+    if list(stack.shape) != [int(v) for v in sample["stack_shape"]]:
+        raise DataError(f"sample {sample.get('id')}: its CT is {list(stack.shape)} on the stack, the prepared set "
+                        f"says {sample['stack_shape']}; prepare the set again")
+    shown = [int(z) for z in sample["shown"]]
+    i = len(shown) // 2
+    size = int(sample.get("image_size", [256, 256])[0])
+    again = stack.render_slice(shown[i], size, _hu_window(sample))[..., 0].astype(np.int16)
+    stored = load_slices(sample)[i][..., 0].astype(np.int16)
+    if again.shape != stored.shape or float(np.abs(again - stored).mean()) > 8.0:
+        raise DataError(f"sample {sample.get('id')}: slice {shown[i]} of {src['volume']} no longer looks like the "
+                        "prepared picture (another file or orientation?); prepare the set again")
+    return stack, _hu_window(sample)
 
 
 __all__ = ["PrepareSettings", "prepare", "prepare_case", "format_summary", "load_samples", "load_slices",

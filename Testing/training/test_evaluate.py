@@ -1,0 +1,333 @@
+"""``medvol-train evaluate`` on the shared real CT: oracle anchor + random MedSAM2, the tiny grounder,
+resume, shards, failure accounting and one-line errors (CPU, tiny preset, nothing downloads).
+
+Two prepared sets: ``sm_data`` (the 30-slice CT, one test sample: the liver) and ``crop_data`` (ten
+slices of the same CT cut with nibabel, two test samples: liver and spleen), so that the runs that
+need several cases stay cheap.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from medvoltrain.cli import main
+
+from conftest import LIVER, SPLEEN, write_jsonl  # Testing/training/conftest.py
+
+ORACLE = ["--oracle", "--random-weights", "0", "--preset", "tiny", "--device", "cpu", "--no-progress"]
+TABLE_HEAD = ["Method", "custom DSC", "custom IoU", "Average DSC", "Average IoU", "Hit rate (%)", "Box IoU (%)",
+              "Cases", "Failed", "Errors"]
+
+
+def read_csv(path: Path):
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def run_cli(args, capsys):
+    try:
+        rc = main(["evaluate", *map(str, args)])
+    except SystemExit as e:  # argparse's own errors (one line too, see cli._Parser)
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def count_propagations(monkeypatch):
+    """Counts MedSAM2 propagations (the expensive call) while still running them."""
+    from medvolcore.propagation import MedSAM2Propagator
+
+    calls = []
+    original = MedSAM2Propagator.propagate
+
+    def counted(self, *a, **kw):
+        calls.append(a[1] if len(a) > 1 else kw.get("key_slice"))
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(MedSAM2Propagator, "propagate", counted)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def crop_data(tmp_path_factory, ct_sm_path, seg_sm_path):
+    import nibabel as nib
+
+    root = tmp_path_factory.mktemp("crop_data")
+    for src, name in ((ct_sm_path, "ct.nii.gz"), (seg_sm_path, "seg.nii.gz")):
+        img = nib.load(str(src))
+        nib.save(img.slicer[:, :, 16:26], str(root / name))  # ten axial slices with liver and spleen
+    manifest = write_jsonl(root / "cases.jsonl", [
+        {"id": "crop", "volume": "ct.nii.gz", "labels": "seg.nii.gz", "split": "test",
+         "targets": {"liver": LIVER, "spleen": SPLEEN}},
+        {"id": "crop_train", "volume": "ct.nii.gz", "labels": "seg.nii.gz", "split": "train",
+         "targets": {"liver": LIVER}},
+    ])
+    from medvoltrain.prepare import PrepareSettings, prepare
+
+    prepare(manifest, root / "DATA", PrepareSettings(seed=0, top_k=2), workers=1, progress=False)
+    return root / "DATA"
+
+
+@pytest.fixture(scope="module")
+def oracle_sm(tmp_path_factory, sm_data):
+    out = tmp_path_factory.mktemp("eval_sm") / "EVAL"
+    assert main(["evaluate", "--data", str(sm_data), "--split", "test", "--out", str(out), *ORACLE]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle_crop(tmp_path_factory, crop_data):
+    out = tmp_path_factory.mktemp("eval_crop") / "EVAL"
+    assert main(["evaluate", "--data", str(crop_data), "--out", str(out), *ORACLE]) == 0
+    return out
+
+
+def test_oracle_on_real_ct_writes_table_1(oracle_sm, sm_data):
+    from medvoltrain.prepare import load_mask, load_samples
+
+    from medvolcore.metrics import dice, iou
+
+    (sample,) = load_samples(sm_data, "test")
+    gt = load_mask(sample)
+    md = (oracle_sm / "table.md").read_text(encoding="utf-8")
+    assert "numbers are meaningless" in md and "Oracle anchor" in md
+    assert "| " + " | ".join(TABLE_HEAD) + " |" in md
+    (row,) = read_csv(oracle_sm / "table.csv")
+    assert list(row) == TABLE_HEAD
+    (case,) = read_csv(oracle_sm / "cases.csv")
+    assert case["id"] == "sm_b/liver" and case["status"] == "ok" and case["dataset_name"] == "custom"
+
+    # the oracle's key slice is the largest-area slice of the whole stack (ties to the smaller z)
+    areas = gt.reshape(gt.shape[0], -1).sum(axis=1)
+    assert int(case["pred_slice"]) == int(case["gt_slice"]) == int(np.argmax(areas))
+    assert (float(case["hit"]), float(case["axial_score"]), float(case["box_iou"])) == (1.0, 1.0, 1.0)
+    assert row["Hit rate (%)"] == "100.00" and row["Box IoU (%)"] == "100.00" and row["Cases"] == "1/1"
+
+    # DSC / IoU are those of the saved mask (canonical stack) against the prepared ground truth
+    with np.load(next((oracle_sm / "masks").glob("*.npz"))) as z:
+        pred = z["mask"]
+    assert pred.shape == gt.shape and pred.any()
+    assert float(case["dsc_pct"]) == pytest.approx(100 * dice(pred, gt), abs=1e-4)
+    assert float(case["iou_pct"]) == pytest.approx(100 * iou(pred, gt), abs=1e-4)
+    assert float(row["custom DSC"]) == pytest.approx(100 * dice(pred, gt), abs=0.006)
+    assert float(row["Average IoU"]) == pytest.approx(100 * iou(pred, gt), abs=0.006)
+    summary = json.loads((oracle_sm / "summary.json").read_text())
+    assert summary["smoke"] and summary["cases_ok"] == 1 and summary["cases_pending"] == 0
+
+
+def test_oracle_mask_is_the_repropagated_ground_truth_anchor(oracle_crop, crop_data):
+    """An independent recomputation: Pipeline.repropagate of anchor_from_mask gives the saved mask."""
+    from medvolcore.anchor import anchor_from_mask
+    from medvolcore.metrics import dice
+    from medvolcore.pipeline import Pipeline
+    from medvolcore.propagation import MedSAM2Propagator
+    from medvoltrain.evaluate import case_key
+    from medvoltrain.prepare import load_stack
+    from medvoltrain.prepare import load_mask, load_samples
+
+    sample = load_samples(crop_data, "test")[1]
+    assert sample["label"] == "spleen"
+    stack, gt = load_stack(sample)[0], load_mask(sample)
+    pipe = Pipeline("tiny", device="cpu", propagator=MedSAM2Propagator.from_random(0, image_size=64))
+    seg = pipe.repropagate(stack, anchor_from_mask(gt, top_k=1, stack=stack))
+    with np.load(oracle_crop / "masks" / f"{case_key(sample['id'])}.npz") as z:
+        assert np.array_equal(z["mask"], seg.mask_stack.astype(bool))
+    rows = {r["label"]: r for r in read_csv(oracle_crop / "cases.csv")}
+    assert float(rows["spleen"]["dsc_pct"]) == pytest.approx(100 * dice(seg.mask_stack, gt), abs=1e-4)
+    # two cases, one dataset: the table's mean is the mean of the two rows
+    (row,) = read_csv(oracle_crop / "table.csv")
+    assert float(row["custom DSC"]) == pytest.approx(np.mean([float(r["dsc_pct"]) for r in rows.values()]), abs=0.006)
+
+
+def test_resume_skips_finished_cases(oracle_crop, tmp_path, capsys, count_propagations):
+    out = tmp_path / "EVAL"
+    shutil.copytree(oracle_crop, out)
+    before = (out / "table.csv").read_text()
+    data = json.loads((out / "settings.json").read_text())["settings"]["data"]
+    rc, stdout, _ = run_cli(["--data", data, "--out", out, *ORACLE], capsys)
+    assert rc == 0 and count_propagations == [] and "2 already done" in stdout
+    next((out / "cases").glob("crop_spleen-*.json")).unlink()
+    rc, stdout, _ = run_cli(["--data", data, "--out", out, *ORACLE], capsys)
+    assert rc == 0 and len(count_propagations) == 1 and "1 already done" in stdout
+    assert (out / "table.csv").read_text() == before
+
+
+def test_shards_into_one_folder_give_the_single_run_table(oracle_crop, crop_data, tmp_path, capsys):
+    out = tmp_path / "SHARDS"
+    rc, stdout, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "1/2", *ORACLE], capsys)
+    assert rc == 0 and "partial: 1 of 2" in stdout
+    assert "Partial" in (out / "table.md").read_text()
+    rc, _, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "0/2", *ORACLE], capsys)
+    assert rc == 0
+    assert (out / "table.csv").read_text() == (oracle_crop / "table.csv").read_text()
+
+    def no_time(rows):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+    assert no_time(read_csv(out / "cases.csv")) == no_time(read_csv(oracle_crop / "cases.csv"))
+    (out / "table.csv").unlink()
+    rc, _, _ = run_cli(["--out", out, "--aggregate-only"], capsys)
+    assert rc == 0 and (out / "table.csv").read_text() == (oracle_crop / "table.csv").read_text()
+
+
+def test_grounder_mode_records_rows_and_counts_failures(crop_data, tmp_path, monkeypatch):
+    """The tiny grounder (constrained, the product path) on case 1; case 2's model 'never parses'."""
+    from medvolcore.errors import GenerationError
+    from medvolcore.pipeline import Pipeline
+    from medvoltrain.evaluate import evaluate
+
+    original = Pipeline.segment
+    calls = []
+
+    def segment(self, stack, query, **kw):
+        assert kw["constrain"] is True  # the product path: constrained decoding by default
+        calls.append(query)
+        if len(calls) == 2:
+            raise GenerationError("the model gave no usable answer in 3 attempt(s)")
+        return original(self, stack, query, **kw)
+
+    monkeypatch.setattr(Pipeline, "segment", segment)
+    out = tmp_path / "G"
+    s = evaluate(crop_data, out, preset="tiny", random_weights=0, device="cpu", progress=False)
+    rows = read_csv(out / "cases.csv")
+    assert [r["status"] for r in rows] == ["ok", "failed"] and len(calls) == 2
+    ok, failed = rows
+    assert 0 <= int(ok["pred_slice"]) < 10 and int(ok["n_boxes"]) >= 1 and ok["hit"] in ("0", "1")
+    assert failed["error"].startswith("GenerationError") and failed["dsc_pct"] == ""
+    # hit and box IoU are judged on the *predicted* slice, against the boxes the model wrote
+    from medvoltrain.evaluate import case_key
+    from medvoltrain.prepare import load_samples
+    from medvoltrain.rewards import box_reward, parsed
+
+    sample = load_samples(crop_data, "test")[0]
+    k = int(ok["pred_slice"])
+    assert int(ok["hit"]) == int(sample["slice_areas"][k] > 0)
+    details = json.loads(next((out / "cases").glob(f"{case_key(sample['id'])}.json")).read_text())["details"]
+    answer = parsed(details["raw_text"])
+    assert answer is not None and answer.slice == k
+    gt_boxes = sample["gt_boxes_norm"].get(str(k), [])
+    assert float(ok["box_iou"]) == pytest.approx(box_reward(answer.boxes_norm, gt_boxes), abs=1e-4)
+    # the failed case enters the mean as 0, and the table says so
+    assert s["per_dataset"]["custom"]["dsc_pct"] == pytest.approx(float(ok["dsc_pct"]) / 2, abs=1e-3)
+    assert s["cases_failed"] == 1 and s["hit_rate_pct"] == pytest.approx(50.0 * float(ok["hit"]))
+    md = (out / "table.md").read_text()
+    assert "tiny → MedSAM2" in md and "numbers are meaningless" in md and "count as DSC = IoU = 0" in md
+    (row,) = read_csv(out / "table.csv")
+    assert row["Failed"] == "1" and row["Cases"] == "2/2"
+    # a failed case is kept on a re-run; --retry-failed redoes it
+    calls.clear()
+    evaluate(crop_data, out, preset="tiny", random_weights=0, device="cpu", progress=False)
+    assert calls == []
+    monkeypatch.setattr(Pipeline, "segment", lambda self, *a, **kw: (_ for _ in ()).throw(GenerationError("x")))
+    s = evaluate(crop_data, out, preset="tiny", random_weights=0, device="cpu", progress=False, retry_failed=True)
+    assert s["run"]["evaluated"] == 1 and s["cases_failed"] == 1
+
+
+def test_case_errors_are_excluded_and_retried(crop_data, tmp_path, monkeypatch):
+    """A case that cannot be evaluated is recorded, left out of the means and redone by the next run."""
+    from medvolcore.propagation import MedSAM2Propagator
+    from medvoltrain import evaluate as ev
+
+    class FakePropagator:
+        calls = 0
+
+        def propagate(self, stack_hu, key_slice, boxes, **kw):
+            FakePropagator.calls += 1
+            if FakePropagator.calls == 2:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return type("R", (), {"mask": self.gt, "slices_encoded": 0})()
+
+    fake = FakePropagator()
+    fake.gt = ev.load_mask(ev.load_samples(crop_data, "test")[0])  # the liver: DSC 100 for case 1
+    monkeypatch.setattr(MedSAM2Propagator, "from_random", classmethod(lambda cls, *a, **kw: fake))
+    out = tmp_path / "E"
+    s = ev.evaluate(crop_data, out, oracle=True, random_weights=0, preset="tiny", device="cpu", progress=False)
+    assert [r["status"] for r in read_csv(out / "cases.csv")] == ["ok", "error"]
+    assert s["cases_error"] == 1 and s["average"]["dsc_pct"] == pytest.approx(100.0)
+    (row,) = read_csv(out / "table.csv")
+    assert row["Errors"] == "1" and row["Average DSC"] == "100.00"
+    s = ev.evaluate(crop_data, out, oracle=True, random_weights=0, preset="tiny", device="cpu", progress=False)
+    assert s["run"]["evaluated"] == 1 and s["cases_error"] == 0 and FakePropagator.calls == 3
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--split", "val"], "unknown split"),
+    (["--split", "train", "--shard", "2/2"], "--shard must be I/N"),
+    (["--shard", "x"], "--shard must be I/N"),
+    (["--limit", "0"], "--limit"),
+    (["--sam-checkpoint", "m.pt"], "not allowed with argument"),
+    (["--adapter", "."], "--adapter has no effect with --oracle"),
+    (["--random-weights", "1"], "other settings"),
+], ids=["split", "shard-range", "shard-form", "limit", "two-weights", "adapter-oracle", "other-settings"])
+def test_bad_arguments_are_one_line_errors(args, words, oracle_sm, sm_data, capsys, count_propagations):
+    base = ["--data", sm_data, "--out", oracle_sm, "--oracle", "--preset", "tiny", "--random-weights", "0",
+            "--no-progress"]
+    before = (oracle_sm / "settings.json").read_text()
+    rc, out, err = run_cli(base + args, capsys)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("medvol-train: error:") and words in err
+    assert count_propagations == [] and (oracle_sm / "settings.json").read_text() == before
+
+
+def test_a_split_without_samples_is_refused(sm_data, tmp_path, capsys):
+    data = tmp_path / "TRAIN_ONLY"
+    data.mkdir()
+    lines = (sm_data / "samples.jsonl").read_text().splitlines()
+    (data / "samples.jsonl").write_text("\n".join(l for l in lines if json.loads(l)["split"] == "train") + "\n")
+    rc, _, err = run_cli(["--data", data, "--out", tmp_path / "E", *ORACLE], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "has no test samples (3 train, 0 test)" in err
+    assert not (tmp_path / "E").exists()
+
+
+def test_table_columns_follow_the_paper_and_average_datasets_equally(tmp_path):
+    """Aggregation alone, on hand-made case rows: CT-ORG, AbdomenCT-1K, KiTS23 first, then the rest;
+    Average = mean of the per-dataset means; failed = 0; errors left out; pending cases counted."""
+    from medvoltrain.evaluate import EvalSettings, aggregate, case_key
+
+    settings = EvalSettings(data=str(tmp_path), oracle=True, preset=None, sam="random:0:64")
+    fp = settings.fingerprint()
+    rows = [("k1", "0004", "ok", 80.0), ("k2", "0004", "failed", None), ("c1", "0012", "ok", 60.0),
+            ("a1", "0003", "error", None), ("a2", "0003", "ok", 90.0), ("x1", None, "ok", 30.0)]
+    for sid, code, status, dsc in rows:
+        row = {"id": sid, "dataset": code, "status": status, "dsc_pct": dsc, "iou_pct": dsc and dsc / 2,
+               "hit": 1, "box_iou": 0.5, "axial_score": 1.0, "seconds": 1.0}
+        (tmp_path / "cases").mkdir(exist_ok=True)
+        (tmp_path / "cases" / f"{case_key(sid)}.json").write_text(json.dumps({"fingerprint": fp, "row": row}))
+    samples = [{"id": r[0]} for r in rows] + [{"id": "pending"}]
+    s = aggregate(samples, tmp_path, settings, fp)
+    (table,) = read_csv(tmp_path / "table.csv")
+    assert list(table)[1:9] == ["CT-ORG DSC", "CT-ORG IoU", "AbdomenCT-1K DSC", "AbdomenCT-1K IoU", "KiTS23 DSC",
+                                "KiTS23 IoU", "custom DSC", "custom IoU"]
+    assert [table[f"{n} DSC"] for n in ("CT-ORG", "AbdomenCT-1K", "KiTS23", "custom")] == [
+        "60.00", "90.00", "40.00", "30.00"]  # KiTS23: (80 + 0) / 2; AbdomenCT-1K: the error is left out
+    assert table["Average DSC"] == "55.00" and s["average"]["dsc_pct"] == pytest.approx((60 + 90 + 40 + 30) / 4)
+    assert table["Hit rate (%)"] == "80.00" and table["Box IoU (%)"] == "40.00"  # 4 ok of 5 scored
+    assert (table["Cases"], table["Failed"], table["Errors"]) == ("6/7", "1", "1")
+    assert s["cases_pending"] == 1 and "Partial" in (tmp_path / "table.md").read_text()
+    assert "numbers are meaningless" in (tmp_path / "table.md").read_text()
+
+
+def test_a_ct_that_no_longer_matches_the_prepared_set_is_refused(sm_data, tmp_path):
+    """The CT is read again from ``source``: a mirrored picture (another orientation) is caught."""
+    from medvoltrain.errors import DataError
+    from medvoltrain.prepare import load_stack
+    from medvoltrain.prepare import load_samples
+
+    (sample,) = load_samples(sm_data, "test")
+    assert load_stack(sample)[0].shape == tuple(sample["stack_shape"])
+    data = tmp_path / "DATA"
+    shutil.copytree(sm_data, data)
+    path = data / sample["slices_file"]
+    with np.load(path) as z:
+        images, shown = z["images"], z["shown"]
+    np.savez_compressed(path, images=images[:, :, ::-1], shown=shown)
+    (sample,) = load_samples(data, "test")
+    with pytest.raises(DataError, match="no longer looks like the prepared picture"):
+        load_stack(sample)

@@ -1,0 +1,715 @@
+"""``medvol-train evaluate``: the full pipeline on a prepared split, scored like the paper's Table 1.
+
+Per sample of the split (``medvol.train.samples/1``, :mod:`medvoltrain.prepare`):
+
+* **grounder mode** (default): :meth:`medvolcore.pipeline.Pipeline.segment` on the sample's CT
+  with its query — Qwen3-VL (the preset, optionally with ``--adapter``) picks the evidence anchor
+  on the 64 shown slices, with constrained decoding as the product does (``--unconstrained``
+  turns the grammar off; decoding stays greedy) — then MedSAM2 propagates it over the whole
+  volume;
+* **oracle mode** (``--oracle``): the ground-truth anchor (:func:`medvolcore.anchor.anchor_from_mask`
+  with ``top_k=1``: the largest-area slice of the whole stack and the boxes of its 8-connected
+  components) goes straight to MedSAM2; no language model is loaded. This is the propagation's
+  upper bound: grounder DSC against oracle DSC says how much is lost in grounding.
+
+Everything is on the canonical axial stack (ARCHITECTURE.md): the prepared mask, the predicted
+mask (``Segmentation.mask_stack``), slice indices and boxes.
+
+Per case (``DIR/cases.csv``): ``dsc_pct`` / ``iou_pct`` (3-D, in %), ``hit`` (1 when the predicted
+key slice holds target foreground, ``slice_areas[k] > 0``), ``axial_score``
+(:func:`~medvoltrain.rewards.axial_reward`), ``box_iou`` (:func:`~medvoltrain.rewards.box_reward`
+of the predicted boxes against the ground-truth boxes of the *predicted* slice), the predicted and
+the largest-area slice, the number of boxes, voxel counts, ``seconds`` (inference: grounding +
+propagation, not data loading), ``status`` and ``error``.
+
+``status`` is ``ok``; ``failed`` — the model gave no usable answer
+(:class:`~medvolcore.errors.GenerationError`): the product would give the user no mask, so the case
+**counts as DSC = IoU = 0, a miss and box IoU 0** in every mean, and the table says how many; or
+``error`` — the case could not be evaluated (unreadable data, out of memory, …): **left out of
+every mean**, counted in the table, and retried by the next run. Failed cases are kept on a re-run
+(greedy decoding would fail again) unless ``--retry-failed``.
+
+Outputs (all written atomically) in ``DIR``::
+
+    settings.json        the settings and their fingerprint (a DIR holds one evaluation)
+    cases/<id>.json      one finished case (the resume marker), with its anchor and answer
+    masks/<id>.npz       its predicted mask, bool (D, H, W) on the canonical stack ("mask")
+    cases.csv            one row per finished case, in split order
+    table.md, table.csv  the Table 1 row: DSC and IoU (%) per dataset, their average, hit rate, box IoU
+    summary.json         all of it as numbers, plus means over the successful cases only
+
+Per-dataset means are over the cases of that dataset (failed as 0, errors left out); **Average**
+is the unweighted mean of the per-dataset means (each dataset counts once, whatever its size).
+
+Resume and shards: a case whose file carries the current settings' fingerprint is skipped.
+``--shard I/N`` evaluates the samples with ``index % N == I`` (index in the split, after
+``--limit``); every run — and ``--aggregate-only`` — rebuilds the tables from every matching case
+file in DIR, so shards run into one DIR give the same table as one run. A DIR made with other
+settings is refused unless ``--overwrite`` (which recomputes this shard's cases; case files of the
+old settings are ignored by the tables).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from medvolcore.errors import GenerationError, InputError, OutputExistsError
+
+from . import resources
+from .datasets import SPLITS, safe_name
+from .errors import DataError
+from .prepare import load_mask, load_samples, load_stack
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "medvol.train.evaluation/1"
+# Bump when the per-case numbers would change for the same settings (a resume then redoes them).
+EVAL_VERSION = 1
+PAPER_DATASETS = ("0012", "0003", "0004")  # the paper's Table 1 columns, in its order
+PAPER_NAMES = {"0012": "CT-ORG", "0003": "AbdomenCT-1K", "0004": "KiTS23"}  # as the paper spells them
+ERROR_CHARS = 300  # cases.csv keeps the start of an error message; the case file keeps all of it
+SMOKE_TEXT = "Smoke model (tiny / random MedSAM2): numbers are meaningless"
+CASE_COLUMNS = ("id", "case_id", "dataset", "dataset_name", "label", "status", "dsc_pct", "iou_pct", "hit",
+                "axial_score", "box_iou", "pred_slice", "gt_slice", "n_boxes", "pred_voxels", "gt_voxels",
+                "seconds", "query", "error")
+FAILURE_POLICY = ("failed cases (the model gave no usable answer) count as DSC = IoU = 0, a miss and box IoU 0; "
+                  "cases that could not be evaluated (errors) are left out of every mean")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What decides the per-case numbers; its fingerprint guards a DIR against mixing settings."""
+
+    data: str
+    split: str = "test"
+    oracle: bool = False
+    preset: Optional[str] = "medvol-r1"  # None in oracle mode with explicit MedSAM2 weights
+    adapter: Optional[str] = None
+    sam: str = "preset"  # "preset", "checkpoint:<path>" or "random:<seed>:<image size>"
+    constrain: bool = True
+    version: int = EVAL_VERSION
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+# ---- small helpers ------------------------------------------------------------------------------
+
+def parse_shard(text) -> Tuple[int, int]:
+    """``"I/N"`` → ``(I, N)`` with ``0 ≤ I < N``; :class:`InputError` otherwise."""
+    if text is None:
+        return 0, 1
+    i = n = None
+    if isinstance(text, (tuple, list)) and len(text) == 2:
+        i, n = text
+    else:
+        parts = str(text).strip().split("/")
+        if len(parts) == 2:
+            try:
+                i, n = int(parts[0]), int(parts[1])
+            except ValueError:
+                pass
+    if (not isinstance(i, int) or isinstance(i, bool) or not isinstance(n, int) or isinstance(n, bool)
+            or n < 1 or not 0 <= i < n):
+        raise InputError(f"--shard must be I/N with 0 ≤ I < N (e.g. 0/4), got {text!r}")
+    return i, n
+
+
+def dataset_name(code: Optional[str]) -> str:
+    """CT-ORG / AbdomenCT-1K / KiTS23 (any M3D-Seg code's name), the code itself if unknown, or "custom"."""
+    if code is None or str(code).strip() == "":
+        return "custom"
+    if str(code).strip() in PAPER_NAMES:
+        return PAPER_NAMES[str(code).strip()]
+    info = resources.dataset_info().get(str(code).strip())
+    return info["dataset"] if info else str(code)
+
+
+def case_key(sample_id: str) -> str:
+    """File name stem of a case: readable and collision-free (``a/b_c`` and ``a_b/c`` differ)."""
+    return f"{safe_name(sample_id)}-{hashlib.sha1(sample_id.encode('utf-8')).hexdigest()[:8]}"
+
+
+def _write_text(path: Path, text: str) -> None:
+    from medvolcore.fileio import write_text_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, text, overwrite=True)
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+
+def _write_json(path: Path, obj) -> None:
+    _write_text(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
+
+
+def _save_mask(path: Path, mask: np.ndarray) -> None:
+    from medvolcore.fileio import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path, overwrite=True) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, mask=np.asarray(mask, dtype=bool))
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+def _resolve_settings(data_dir: Path, split: str, oracle: bool, preset: Optional[str], adapter, sam_checkpoint,
+                      random_weights: Optional[int], sam_image_size: Optional[int], constrain: bool) -> EvalSettings:
+    """Check the model options and return the :class:`EvalSettings`; nothing is loaded here."""
+    from medvolcore import models
+
+    if sam_checkpoint is not None and random_weights is not None:
+        raise InputError("give either --sam-checkpoint or --random-weights, not both")
+    if random_weights is not None and (isinstance(random_weights, bool) or not isinstance(random_weights, int)):
+        raise InputError(f"--random-weights takes an integer seed, got {random_weights!r}")
+    if sam_image_size is not None and random_weights is None:
+        raise InputError("--sam-image-size applies to --random-weights only (MedSAM2 checkpoints run at 512)")
+    if oracle and adapter is not None:
+        raise InputError("--adapter has no effect with --oracle (no language model runs); drop one of them")
+    if oracle and not constrain:
+        raise InputError("--unconstrained has no effect with --oracle (no language model runs); drop one of them")
+    preset_name = preset or "medvol-r1"
+    p = models.get_preset(preset_name)  # an unknown preset is one line, before anything loads
+    adapter_path = None
+    if adapter is not None:
+        adapter_path = Path(adapter).expanduser().resolve()
+        if not (adapter_path / "adapter_config.json").is_file():
+            raise InputError(f"--adapter {adapter}: not a LoRA adapter folder (no adapter_config.json); give the "
+                             "folder `medvol-train sft` wrote, e.g. RUN/adapter")
+    if sam_checkpoint is not None:
+        ckpt = Path(sam_checkpoint).expanduser().resolve()
+        if not ckpt.is_file():
+            raise InputError(f"--sam-checkpoint {sam_checkpoint} does not exist (or is not a file)")
+        sam = f"checkpoint:{ckpt}"
+    elif random_weights is not None:
+        from medvolcore.propagation import _check_image_size
+
+        size = sam_image_size
+        if size is None:  # the preset's own random size (tiny: 64 px), else MedSAM2's 512
+            size = int(p.medsam2["image_size"]) if p.medsam2_kind == "random" else 512
+        size = _check_image_size(size)
+        sam = f"random:{int(random_weights)}:{int(size)}"
+    else:
+        sam = "preset"
+    return EvalSettings(
+        data=str(data_dir), split=split, oracle=bool(oracle),
+        # the oracle with its own MedSAM2 weights uses nothing of the preset
+        preset=None if (oracle and sam != "preset") else preset_name,
+        adapter=str(adapter_path) if adapter_path else None, sam=sam, constrain=bool(constrain))
+
+
+def _sam_description(settings: EvalSettings) -> Tuple[str, bool]:
+    """Human text of the MedSAM2 weights and whether they are random."""
+    if settings.sam.startswith("checkpoint:"):
+        return Path(settings.sam.split(":", 1)[1]).name, False
+    if settings.sam.startswith("random:"):
+        _, seed, size = settings.sam.split(":")
+        return f"random weights, seed {seed}, {size} px", True
+    from medvolcore import models
+
+    p = models.get_preset(settings.preset)
+    if p.medsam2_kind == "random":
+        return f"random weights, seed {p.medsam2['random_seed']}, {p.medsam2['image_size']} px", True
+    return (p.medsam2_filename or p.source_text()[1]), False
+
+
+def method_label(settings: EvalSettings) -> Tuple[str, bool]:
+    """The table's method label and whether the run is a smoke run (tiny grounder or random MedSAM2)."""
+    from medvolcore import models
+
+    sam_text, sam_random = _sam_description(settings)
+    if settings.oracle:
+        return f"Oracle anchor → MedSAM2 ({sam_text})", sam_random
+    p = models.get_preset(settings.preset)
+    label = settings.preset
+    if settings.adapter:
+        a = Path(settings.adapter)
+        label += f" + LoRA {a.parent.name}/{a.name}" if a.parent.name else f" + LoRA {a.name}"
+    if not settings.constrain:
+        label += " (unconstrained)"
+    return f"{label} → MedSAM2 ({sam_text})", bool(p.smoke) or sam_random
+
+
+def _build_propagator(settings: EvalSettings, device: str):
+    from medvolcore import models
+    from medvolcore.propagation import MedSAM2Propagator
+
+    if settings.sam.startswith("checkpoint:"):
+        return MedSAM2Propagator.from_checkpoint(settings.sam.split(":", 1)[1], device=device)
+    if settings.sam.startswith("random:"):
+        _, seed, size = settings.sam.split(":")
+        return MedSAM2Propagator.from_random(int(seed), image_size=int(size), device=device)
+    resolved = models.resolve(settings.preset)
+    if resolved.sam_checkpoint is not None:
+        return MedSAM2Propagator.from_checkpoint(resolved.sam_checkpoint, device=device)
+    seed, size = resolved.sam_random
+    return MedSAM2Propagator.from_random(seed, image_size=size, device=device)
+
+
+class _Engine:
+    """The models, loaded once and only when a case needs them (a fully resumed run loads nothing)."""
+
+    def __init__(self, settings: EvalSettings, device: str):
+        self.settings = settings
+        self.device_arg = device
+        self.device = None
+        self.propagator = None
+        self.pipeline = None
+        self.loaded = False
+
+    def load(self) -> "_Engine":
+        if self.loaded:
+            return self
+        from medvolcore.devices import resolve_device
+
+        self.device = str(resolve_device(self.device_arg))
+        self.propagator = _build_propagator(self.settings, self.device)
+        if not self.settings.oracle:
+            from medvolcore.pipeline import Pipeline
+
+            self.pipeline = Pipeline(self.settings.preset, adapter=self.settings.adapter, device=self.device,
+                                     propagator=self.propagator)
+            self.pipeline.grounder  # noqa: B018 — load it now: a model problem stops the run, not every case
+        self.loaded = True
+        return self
+
+
+# ---- one case -----------------------------------------------------------------------------------
+
+class _StackCache:
+    """The CT of the last case (the samples of one case are consecutive in a split)."""
+
+    def __init__(self):
+        self.key = None
+        self.stack = None
+        self.window = None
+
+    def get(self, sample: dict):
+        src = sample.get("source") or {}
+        key = (src.get("volume"), src.get("labels"), src.get("orientation"), sample.get("intensity"))
+        if key != self.key:
+            self.key, self.stack = None, None
+            self.stack, self.window = load_stack(sample)
+            self.key = key
+        return self.stack
+
+
+def _gt_boxes_norm(sample: dict, gt_mask: np.ndarray, z: int) -> list:
+    """Ground-truth boxes (0–1000) of stack slice ``z``: the prepared ones for a shown slice, else from the mask."""
+    stored = (sample.get("gt_boxes_norm") or {}).get(str(int(z)))
+    if stored is not None:
+        return stored
+    if not 0 <= z < gt_mask.shape[0]:
+        return []
+    from medvolcore.anchor import box_to_norm, boxes_from_slice_mask
+
+    h, w = gt_mask.shape[1:]
+    return [box_to_norm(b, w, h) for b in boxes_from_slice_mask(gt_mask[z])]
+
+
+def score_case(sample: dict, gt_mask: np.ndarray, pred_mask: np.ndarray, pred_slice: int, pred_boxes_norm) -> dict:
+    """The per-case numbers (see the module docstring) of a prediction on the canonical stack."""
+    from medvolcore.metrics import dice, iou
+
+    from .rewards import axial_reward, box_reward
+
+    areas = sample["slice_areas"]
+    k = int(pred_slice)
+    return {
+        "dsc_pct": 100.0 * dice(pred_mask, gt_mask), "iou_pct": 100.0 * iou(pred_mask, gt_mask),
+        "hit": int(0 <= k < len(areas) and areas[k] > 0), "axial_score": axial_reward(k, areas),
+        "box_iou": box_reward(pred_boxes_norm, _gt_boxes_norm(sample, gt_mask, k)),
+        "pred_slice": k, "n_boxes": len(pred_boxes_norm),
+        "pred_voxels": int(np.count_nonzero(pred_mask)), "gt_voxels": int(np.count_nonzero(gt_mask)),
+    }
+
+
+def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[dict, dict, Optional[np.ndarray]]:
+    """``(row, details, predicted stack mask)`` of one sample; a model that gives no usable answer
+    yields a ``failed`` row (and no mask); any other problem propagates to the caller."""
+    from medvolcore.anchor import anchor_from_mask
+
+    from .rewards import parsed
+
+    stack = stacks.get(sample)
+    gt = load_mask(sample)
+    if gt.shape != stack.shape:
+        raise DataError(f"sample {sample['id']}: mask {gt.shape} and CT stack {stack.shape} differ in shape")
+    gt_anchor = anchor_from_mask(gt, top_k=1, stack=stack)
+    window = stacks.window
+    engine.load()
+    t0 = time.perf_counter()
+    details = {"gt_anchor": {"slice": gt_anchor.slice, "boxes": gt_anchor.boxes}}
+    if engine.settings.oracle:
+        anchor = gt_anchor
+        # what Pipeline.repropagate does, without a language model (nor its weights) behind it
+        r = engine.propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=window)
+        pred_mask, boxes_norm = r.mask, anchor.boxes_norm
+        details.update(anchor=anchor.to_dict(), slices_encoded=r.slices_encoded)
+    else:
+        try:
+            seg = engine.pipeline.segment(stack, sample["query"], constrain=engine.settings.constrain,
+                                          hu_window=window)
+        except GenerationError as e:
+            details.update(raw_text=getattr(e, "raw_text", ""), failures=getattr(e, "failures", []),
+                           error=f"GenerationError: {e}")
+            row = {"status": "failed", "error": _short(f"GenerationError: {e}"), "gt_slice": gt_anchor.slice,
+                   "seconds": time.perf_counter() - t0, "gt_voxels": int(np.count_nonzero(gt))}
+            return row, details, None
+        pred_mask = seg.mask_stack
+        # the boxes as the model wrote them (what the box reward scores), else the anchor's pixel boxes
+        ans = parsed(seg.raw_text)
+        boxes_norm = ans.boxes_norm if ans is not None and int(ans.slice) == seg.anchor.slice else seg.anchor.boxes_norm
+        details.update(anchor=seg.anchor.to_dict(), raw_text=seg.raw_text, reasoning=seg.reasoning,
+                       notes=list(seg.notes),
+                       timings={k: (None if isinstance(v, float) and not np.isfinite(v) else v)  # strict JSON
+                                for k, v in seg.timings.items()})
+    seconds = time.perf_counter() - t0
+    row = score_case(sample, gt, pred_mask, details["anchor"]["slice"], [[float(v) for v in b] for b in boxes_norm])
+    row.update(status="ok", error="", gt_slice=gt_anchor.slice, seconds=seconds)
+    return row, details, pred_mask
+
+
+# ---- aggregation ----------------------------------------------------------------------------------
+
+def _mean(values) -> Optional[float]:
+    v = [float(x) for x in values]
+    return float(np.mean(v)) if v else None
+
+
+def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, fingerprint: str) -> dict:
+    """Read every case file of the current settings and write cases.csv, table.md, table.csv and
+    summary.json; returns the summary."""
+    rows = []
+    for s in samples:
+        rec = _read_json(out_dir / "cases" / f"{case_key(s['id'])}.json")
+        if rec and rec.get("fingerprint") == fingerprint and isinstance(rec.get("row"), dict):
+            rows.append(rec["row"])
+    label, smoke = method_label(settings)
+    scored = [r for r in rows if r["status"] in ("ok", "failed")]  # failed count as 0 (FAILURE_POLICY)
+    ok = [r for r in rows if r["status"] == "ok"]
+
+    def val(r, key):
+        return float(r[key]) if r["status"] == "ok" else 0.0
+
+    codes = sorted({r["dataset"] for r in rows},
+                   key=lambda c: (PAPER_DATASETS.index(c) if c in PAPER_DATASETS else len(PAPER_DATASETS),
+                                  c is None, str(c)))
+    per_dataset = {}
+    for c in codes:
+        rs = [r for r in scored if r["dataset"] == c]
+        rs_ok = [r for r in ok if r["dataset"] == c]
+        per_dataset[dataset_name(c)] = {
+            "code": c, "cases": len(rs), "failed": sum(r["status"] == "failed" for r in rs),
+            "errors": sum(r["status"] == "error" for r in rows if r["dataset"] == c),
+            "dsc_pct": _mean(val(r, "dsc_pct") for r in rs), "iou_pct": _mean(val(r, "iou_pct") for r in rs),
+            "dsc_pct_ok_only": _mean(float(r["dsc_pct"]) for r in rs_ok),
+            "iou_pct_ok_only": _mean(float(r["iou_pct"]) for r in rs_ok),
+        }
+    ds_with_cases = [d for d in per_dataset.values() if d["cases"]]
+    summary = {
+        "schema": SCHEMA, "method": label, "smoke": smoke, "settings": asdict(settings), "fingerprint": fingerprint,
+        "split": settings.split, "cases_in_split": len(samples), "cases_evaluated": len(rows),
+        "cases_pending": len(samples) - len(rows), "cases_ok": len(ok),
+        "cases_failed": sum(r["status"] == "failed" for r in rows),
+        "cases_error": sum(r["status"] == "error" for r in rows),
+        "failure_policy": FAILURE_POLICY,
+        "per_dataset": per_dataset,
+        "average": {"dsc_pct": _mean(d["dsc_pct"] for d in ds_with_cases),
+                    "iou_pct": _mean(d["iou_pct"] for d in ds_with_cases),
+                    "definition": "unweighted mean of the per-dataset means"},
+        "all_cases": {"dsc_pct": _mean(val(r, "dsc_pct") for r in scored),
+                      "iou_pct": _mean(val(r, "iou_pct") for r in scored)},
+        "hit_rate_pct": _mean(100.0 * val(r, "hit") for r in scored),
+        "box_iou": _mean(val(r, "box_iou") for r in scored),
+        "axial_score": _mean(val(r, "axial_score") for r in scored),
+        "ok_only": {"dsc_pct": _mean(float(r["dsc_pct"]) for r in ok),
+                    "iou_pct": _mean(float(r["iou_pct"]) for r in ok),
+                    "hit_rate_pct": _mean(100.0 * float(r["hit"]) for r in ok),
+                    "box_iou": _mean(float(r["box_iou"]) for r in ok)},
+        "seconds_per_case": _mean(float(r["seconds"]) for r in rows if r.get("seconds") not in (None, "")),
+        "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    _write_text(out_dir / "cases.csv", _cases_csv(rows))
+    header, line = table_row(summary)
+    _write_text(out_dir / "table.csv", _csv_text([header, line]))
+    _write_text(out_dir / "table.md", table_markdown(summary, header, line))
+    _write_json(out_dir / "summary.json", summary)
+    return summary
+
+
+def _fmt(v, digits: int = 2) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def _csv_text(rows: Sequence[Sequence]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    for r in rows:
+        w.writerow(r)
+    return buf.getvalue()
+
+
+def _cases_csv(rows: List[dict]) -> str:
+    def cell(r, k):
+        v = r.get(k, "")
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            return f"{v:.4f}"
+        return v
+
+    return _csv_text([list(CASE_COLUMNS)] + [[cell(r, k) for k in CASE_COLUMNS] for r in rows])
+
+
+def table_row(summary: dict) -> Tuple[List[str], List[str]]:
+    """Header and the one row of Table 1 (DSC and IoU in % per dataset, average, hit rate, box IoU)."""
+    header, line = ["Method"], [summary["method"]]
+    for name, d in summary["per_dataset"].items():
+        header += [f"{name} DSC", f"{name} IoU"]
+        line += [_fmt(d["dsc_pct"]), _fmt(d["iou_pct"])]
+    box = summary["box_iou"]
+    header += ["Average DSC", "Average IoU", "Hit rate (%)", "Box IoU (%)", "Cases", "Failed", "Errors"]
+    line += [_fmt(summary["average"]["dsc_pct"]), _fmt(summary["average"]["iou_pct"]), _fmt(summary["hit_rate_pct"]),
+             _fmt(None if box is None else 100.0 * box), f"{summary['cases_evaluated']}/{summary['cases_in_split']}",
+             str(summary["cases_failed"]), str(summary["cases_error"])]
+    return header, line
+
+
+def table_markdown(summary: dict, header: List[str], line: List[str]) -> str:
+    s = summary
+    out = [f"# Evaluation: {s['split']} split of {s['settings']['data']}", ""]
+    if s["smoke"]:
+        out += [f"**{SMOKE_TEXT}.**", ""]
+    out += ["DSC and IoU in %, mean over cases (3-D masks on the canonical axial stack).", ""]
+    out += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+            "| " + " | ".join(c.replace("|", "\\|") for c in line) + " |", ""]
+    notes = [f"Cases: {s['cases_evaluated']} of {s['cases_in_split']} in the split evaluated — {s['cases_ok']} ok, "
+             f"{s['cases_failed']} failed, {s['cases_error']} errors."]
+    if s["cases_pending"]:
+        notes.append(f"**Partial:** {s['cases_pending']} case(s) not evaluated yet (other shards, --limit, or an "
+                     "interrupted run); run them into this folder, then `--aggregate-only`.")
+    notes.append("Failed cases (the model gave no usable answer) count as DSC = IoU = 0, a key-slice miss and box "
+                 "IoU 0; errors (the case could not be evaluated) are left out of every mean and retried by the "
+                 "next run; see cases.csv.")
+    notes.append("Average: the unweighted mean of the per-dataset means. Hit rate: the predicted key slice holds "
+                 "target foreground. Box IoU: Hungarian-matched IoU of the predicted boxes with the ground-truth "
+                 "boxes of the predicted slice (the box reward), in %.")
+    if s["settings"]["oracle"]:
+        notes.append("Oracle anchor: MedSAM2 is given the ground-truth anchor (largest-area slice, its "
+                     "connected-component boxes), so hit rate and box IoU are 100 by construction and DSC is the "
+                     "propagation's upper bound.")
+    ok = s["ok_only"]
+    notes.append(f"Over the {s['cases_ok']} successful case(s) only: DSC {_fmt(ok['dsc_pct'])}, "
+                 f"IoU {_fmt(ok['iou_pct'])}.")
+    out += [f"- {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def _has_cases(out_dir: Path, prev: dict) -> bool:
+    """Whether ``out_dir`` holds a finished case of the settings in ``prev`` (a run that stopped before its
+    first case, e.g. a model that would not load, leaves nothing worth protecting)."""
+    for path in (out_dir / "cases").glob("*.json"):
+        rec = _read_json(path)
+        if rec and rec.get("fingerprint") == prev.get("fingerprint"):
+            return True
+    return False
+
+
+def _check_out_dir(out_dir: Path, settings: EvalSettings, fingerprint: str, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--out {out_dir} exists and is not a folder")
+    prev_path = out_dir / "settings.json"
+    prev = _read_json(prev_path) if prev_path.exists() else None
+    if prev_path.exists() and prev is None and not overwrite:
+        raise DataError(f"{prev_path} is unreadable; pass --overwrite to start this evaluation again")
+    if prev is not None and prev.get("fingerprint") != fingerprint and not overwrite and _has_cases(out_dir, prev):
+        old = prev.get("settings") or {}
+        diff = [f"{k}: {old.get(k)!r} → {v!r}" for k, v in asdict(settings).items() if old.get(k) != v]
+        raise OutputExistsError(f"{out_dir} holds an evaluation with other settings ({'; '.join(diff) or 'version'}); "
+                                "use another --out, or pass --overwrite to redo it with these settings")
+    if prev is None and out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{out_dir} is not empty and holds no evaluation (no settings.json); use another "
+                                "--out, or pass --overwrite to write into it")
+
+
+def _split_samples(data_dir, split: str, limit: Optional[int]) -> List[dict]:
+    everything = load_samples(data_dir)
+    samples = [s for s in everything if s["split"] == split]
+    if not samples:
+        counts = ", ".join(f"{sum(x['split'] == sp for x in everything)} {sp}" for sp in SPLITS)
+        raise DataError(f"{data_dir} has no {split} samples ({counts}); evaluate another split or prepare "
+                        f"{split} cases")
+    return samples[:limit] if limit else samples
+
+
+def _short(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 1] + "…"
+
+
+def _complete_row(row: dict, sample: dict) -> dict:
+    full = {k: "" for k in CASE_COLUMNS}
+    full.update(id=sample["id"], case_id=sample.get("case_id", ""), dataset=sample.get("dataset"),
+                dataset_name=dataset_name(sample.get("dataset")), label=sample.get("label", ""),
+                query=sample.get("query", ""))
+    full.update(row)
+    return full
+
+
+def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Optional[str] = None, adapter=None,
+             sam_checkpoint=None, random_weights: Optional[int] = None, sam_image_size: Optional[int] = None,
+             device: str = "auto", shard=None, limit: Optional[int] = None, constrain: bool = True,
+             overwrite: bool = False, retry_failed: bool = False, save_masks: bool = True, progress: bool = True,
+             aggregate_only: bool = False) -> dict:
+    """Evaluate the pipeline (or the oracle anchor) on a prepared split and write the tables (see the
+    module docstring); returns the summary, with ``summary["run"]`` saying what this call did.
+
+    ``aggregate_only``: rebuild the tables of ``out`` from its case files and settings (the other
+    arguments are not used)."""
+    t_start = time.perf_counter()
+    out_dir = Path(out).expanduser()
+    if aggregate_only:
+        prev = _read_json(out_dir / "settings.json")
+        if prev is None or not isinstance(prev.get("settings"), dict):
+            raise DataError(f"{out_dir} holds no evaluation (no readable settings.json) to aggregate")
+        try:
+            settings = EvalSettings(**prev["settings"])
+        except TypeError as e:
+            raise DataError(f"{out_dir / 'settings.json'} is not an evaluation's settings ({e})") from None
+        samples = _split_samples(settings.data, settings.split, prev.get("limit"))
+        summary = aggregate(samples, out_dir, settings, settings.fingerprint())
+        summary["run"] = {"evaluated": 0, "resumed": 0, "shard": None, "seconds": time.perf_counter() - t_start}
+        return summary
+
+    if split not in SPLITS:
+        raise InputError(f"unknown split {split!r}: use {' or '.join(SPLITS)}")
+    i_shard, n_shards = parse_shard(shard)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise InputError(f"--limit must be a whole number ≥ 1, got {limit!r}")
+    from medvolcore.devices import resolve_device
+
+    resolve_device(device)  # a device that is not there is refused now, not when the first case needs it
+    data_dir = Path(data).expanduser().resolve()
+    settings = _resolve_settings(data_dir, split, oracle, preset, adapter, sam_checkpoint, random_weights,
+                                 sam_image_size, constrain)
+    samples = _split_samples(data_dir, split, limit)
+    fingerprint = settings.fingerprint()
+    _check_out_dir(out_dir, settings, fingerprint, overwrite)
+    label, smoke = method_label(settings)
+    if smoke:
+        log.warning("%s: %s", label, SMOKE_TEXT[0].lower() + SMOKE_TEXT[1:])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(out_dir / "settings.json", {"schema": SCHEMA, "fingerprint": fingerprint,
+                                            "settings": asdict(settings), "limit": limit, "method": label})
+
+    mine = [s for n, s in enumerate(samples) if n % n_shards == i_shard]
+    if not mine:
+        log.warning("shard %d/%d has no samples (the split has %d)", i_shard, n_shards, len(samples))
+    keep_status = ("ok",) if retry_failed else ("ok", "failed")
+    todo, resumed = [], 0
+    for s in mine:
+        rec = _read_json(out_dir / "cases" / f"{case_key(s['id'])}.json")
+        if (rec is not None and not overwrite and rec.get("fingerprint") == fingerprint
+                and (rec.get("row") or {}).get("status") in keep_status):
+            resumed += 1
+        else:
+            todo.append(s)
+
+    from tqdm import tqdm
+
+    engine = _Engine(settings, device)
+    stacks = _StackCache()
+    done = {"ok": 0, "failed": 0, "error": 0}
+    bar = tqdm(total=len(todo), desc="evaluate" + (f" {i_shard}/{n_shards}" if n_shards > 1 else ""), unit="case",
+               file=sys.stderr, disable=not progress or None)
+    try:
+        if todo:
+            engine.load()  # a model that cannot load stops the run here, before any case is recorded
+        for s in todo:
+            key = case_key(s["id"])
+            try:
+                row, details, pred = evaluate_case(s, engine, stacks)
+            except Exception as e:  # noqa: BLE001 — one case's problem is recorded, the others go on
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                log.warning("case %s could not be evaluated: %s: %s", s["id"], type(e).__name__, msg)
+                row, details, pred = ({"status": "error", "error": _short(f"{type(e).__name__}: {msg}")},
+                                      {"error": f"{type(e).__name__}: {e}"}, None)
+            row = _complete_row(row, s)
+            if pred is not None and save_masks:
+                _save_mask(out_dir / "masks" / f"{key}.npz", pred)
+            _write_json(out_dir / "cases" / f"{key}.json",
+                        {"schema": SCHEMA, "fingerprint": fingerprint, "id": s["id"], "row": row,
+                         "device": engine.device, "details": details})
+            done[row["status"]] += 1
+            bar.update(1)
+            if row["status"] == "ok":
+                bar.set_postfix_str(f"DSC {row['dsc_pct']:.1f}", refresh=False)
+    except BaseException:
+        bar.close()
+        if any(done.values()):  # what finished is in the tables, also after an interruption
+            try:
+                aggregate(samples, out_dir, settings, fingerprint)
+            except Exception:  # noqa: BLE001 — the original problem is the one to report
+                log.debug("aggregation after an interruption failed", exc_info=True)
+        raise
+    bar.close()
+    summary = aggregate(samples, out_dir, settings, fingerprint)
+    summary["run"] = {"evaluated": len(todo), "resumed": resumed, "shard": f"{i_shard}/{n_shards}",
+                      "shard_cases": len(mine), **done, "device": engine.device,
+                      "seconds": time.perf_counter() - t_start}
+    return summary
+
+
+def format_result(summary: dict, out_dir) -> str:
+    """The lines ``medvol-train evaluate`` prints."""
+    run = summary.get("run") or {}
+    header, line = table_row(summary)
+    lines = []
+    if run.get("shard") is not None:
+        lines.append(f"shard {run['shard']}: {run.get('evaluated', 0)} case(s) evaluated "
+                     f"({run.get('ok', 0)} ok, {run.get('failed', 0)} failed, {run.get('error', 0)} errors), "
+                     f"{run.get('resumed', 0)} already done, in {run.get('seconds', 0.0):.1f} s")
+    if summary["smoke"]:
+        lines.append(SMOKE_TEXT)
+    lines += [f"{h}: {v}" for h, v in zip(header, line)]
+    if summary["cases_pending"]:
+        lines.append(f"partial: {summary['cases_pending']} of {summary['cases_in_split']} case(s) not evaluated yet")
+    lines.append(f"written: {Path(out_dir) / 'table.md'}, table.csv, cases.csv, summary.json")
+    return "\n".join(lines)
+
+
+__all__ = ["EvalSettings", "evaluate", "evaluate_case", "score_case", "aggregate", "parse_shard",
+           "dataset_name", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT"]
