@@ -173,3 +173,21 @@ def test_scoring_forward_pass_gets_each_rows_images(sm_data, sft_run):
             blind = torch.log_softmax(blind[0, -len(completion) - 1:-1].float(), -1)
             blind = blind.gather(-1, torch.tensor(completion)[:, None])[:, 0]
             assert (blind - want).abs().max() > 10 * (got[r] - want).abs().max()
+
+
+def test_resume_continues_from_the_saved_step(grpo_run, sft_run, sm_data, tmp_path):
+    import shutil
+
+    run = tmp_path / "RUN2"
+    shutil.copytree(grpo_run, run)
+    shutil.rmtree(run / "checkpoints" / "checkpoint-2")  # as if stopped after the first step
+    rc = main(["grpo", "--data", str(sm_data), "--adapter", str(sft_run / "adapter"), "--output", str(run),
+               "--preset", "tiny", "--max-steps", "2", "--random-weights", "0", "--resume", "learning_rate=1e-3",
+               "warmup_ratio=0", "save_steps=1", "max_completion_length=48", "delta=1", "max_samples=2",
+               "num_generations=2"])
+    assert rc == 0
+    report = json.loads((run / "training.json").read_text(encoding="utf-8"))
+    assert report["resumed_from"].endswith("checkpoint-1") and report["global_step"] == 2
+    original = json.loads((grpo_run / "training.json").read_text(encoding="utf-8"))["history"]
+    assert report["history"][0] == original[0]  # step 1 comes from the checkpoint, not run again
+    assert (run / "checkpoints" / "checkpoint-2").is_dir()
