@@ -34,14 +34,14 @@ class ModelSettings:
 
 
 @dataclass
-class SFTSettings(ModelSettings):
-    """Cold-start SFT settings (defaults = the paper's recipe where the paper gives one)."""
+class TrainSettings(ModelSettings):
+    """What both stages share: optimisation and bookkeeping (defaults = the SFT stage's; GRPO
+    redeclares the ones the paper sets differently)."""
 
     # -- optimisation (paper) --
     learning_rate: float = 2e-5
     num_train_epochs: float = 1.0
     max_steps: int = -1  # > 0 stops after that many optimiser steps (smoke runs, tests)
-    per_device_train_batch_size: int = 2
     gradient_accumulation_steps: int = 1
     optim: str = "adamw_torch"
     weight_decay: float = 0.0
@@ -64,16 +64,14 @@ class SFTSettings(ModelSettings):
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def validate(self) -> "SFTSettings":
+    def validate(self):
         if self.lora_scope not in LORA_SCOPES:
             raise ConfigError(f"lora_scope must be one of {', '.join(LORA_SCOPES)}, got {self.lora_scope!r}")
         if not (self.bf16 in (True, False) or self.bf16 == "auto"):
             raise ConfigError(f"bf16 must be true, false or auto, got {self.bf16!r}")
         for key in ("lora_r", "lora_alpha", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "logging_steps", "save_steps"):
-            if not hasattr(self, key):
-                continue
-            if getattr(self, key) < 1:
+            if hasattr(self, key) and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be ≥ 1, got {getattr(self, key)}")
         if not self.learning_rate > 0:
             raise ConfigError(f"learning_rate must be > 0, got {self.learning_rate}")
@@ -88,11 +86,18 @@ class SFTSettings(ModelSettings):
         return self
 
 
+@dataclass
+class SFTSettings(TrainSettings):
+    """Cold-start SFT settings (defaults = the paper's recipe: lr 2e-5, 1 epoch, batch 2 per GPU)."""
+
+    per_device_train_batch_size: int = 2
+
+
 DELTAS = (2, 5, 10, 15)  # the paper's ablation of the consistency window
 
 
 @dataclass
-class GRPOSettings(ModelSettings):
+class GRPOSettings(TrainSettings):
     """GRPO settings (defaults = the paper's second stage where the paper gives one).
 
     ``prompts_per_device`` is the paper's "per-GPU batch 1": one prompt per GPU per step, whose
@@ -105,18 +110,7 @@ class GRPOSettings(ModelSettings):
     beta: float = 0.01  # KL to the frozen reference = the base with the adapter disabled
     max_completion_length: int = 256
     temperature: float = 1.0
-    learning_rate: float = 2e-6
-    num_train_epochs: float = 3.0
-    max_steps: int = -1
     prompts_per_device: int = 1
-    gradient_accumulation_steps: int = 1
-    optim: str = "adamw_torch"
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.1
-    lr_scheduler_type: str = "cosine"
-    max_grad_norm: float = 1.0
-    bf16: Union[bool, str] = "auto"
-    gradient_checkpointing: bool = True
     use_vllm: bool = False  # optional: TRL's vLLM generation where vllm is installed
     # -- rewards: λ per term (0 switches a term off) and the consistency window Δ --
     lambda_format: float = 1.0
@@ -124,19 +118,12 @@ class GRPOSettings(ModelSettings):
     lambda_box: float = 1.0
     lambda_consistency: float = 1.0
     delta: int = 5
-    # -- bookkeeping --
-    seed: int = 42
+    # -- shared settings with other defaults here (lr and epochs are the paper's) --
+    learning_rate: float = 2e-6
+    num_train_epochs: float = 3.0
     logging_steps: int = 1
     save_steps: int = 100
-    save_total_limit: Optional[int] = 3
-    report_to: str = "tensorboard"
     dataloader_num_workers: int = 0
-    split: str = "train"
-    max_samples: Optional[int] = None
-    deepspeed: Optional[str] = None
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     @property
     def reward_weights(self) -> dict:
@@ -144,7 +131,7 @@ class GRPOSettings(ModelSettings):
                 "consistency": self.lambda_consistency}
 
     def validate(self) -> "GRPOSettings":
-        SFTSettings.validate(self)  # the fields they share follow the same rules
+        super().validate()
         if self.num_generations < 2:
             raise ConfigError(f"num_generations must be ≥ 2 (GRPO compares rollouts within a group), got "
                               f"{self.num_generations}")
@@ -251,4 +238,4 @@ def load_settings(config: Optional[str] = None, overrides: Optional[dict] = None
     return s.validate()
 
 
-__all__ = ["SFTSettings", "GRPOSettings", "DELTAS", "load_settings", "parse_overrides", "apply", "valid_keys", "LORA_SCOPES"]
+__all__ = ["ModelSettings", "TrainSettings", "SFTSettings", "GRPOSettings", "DELTAS", "load_settings", "parse_overrides", "apply", "valid_keys", "LORA_SCOPES"]

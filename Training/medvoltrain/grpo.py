@@ -35,7 +35,7 @@ from .config import GRPOSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples, load_slices
 from .rewards import ConsistencyScorer, RewardFunctions
-from .runs import open_run, save_adapter, step_of, tensorboard_dir, write_summary
+from .runs import open_run, save_adapter, step_of, tensorboard_dir, trainer_arguments, write_summary
 from .sft import load_grounder, lora_target_modules, resolve_model_dir, use_bf16
 
 log = logging.getLogger(__name__)
@@ -132,29 +132,14 @@ def _suppressed_ids(tokenizer) -> list:
 
 
 def _grpo_config(settings: GRPOSettings, run: Path, bf16: bool, weights, suppress=()):
-    import torch
     from trl import GRPOConfig
 
-    return GRPOConfig(
-        output_dir=str(run / "checkpoints"),
-        num_generations=settings.num_generations, beta=settings.beta,
-        max_completion_length=settings.max_completion_length, temperature=settings.temperature,
-        learning_rate=settings.learning_rate, num_train_epochs=settings.num_train_epochs, max_steps=settings.max_steps,
-        per_device_train_batch_size=settings.prompts_per_device * settings.num_generations,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps, optim=settings.optim,
-        weight_decay=settings.weight_decay, warmup_steps=settings.warmup_ratio,  # a float < 1 is a ratio
-        lr_scheduler_type=settings.lr_scheduler_type, max_grad_norm=settings.max_grad_norm,
-        bf16=bf16, fp16=False, use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=settings.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if settings.gradient_checkpointing else None,
-        reward_weights=list(weights), use_vllm=settings.use_vllm,
-        generation_kwargs={"suppress_tokens": list(suppress)} if suppress else None,
-        seed=settings.seed, logging_steps=settings.logging_steps, logging_first_step=True,
-        save_strategy="steps", save_steps=settings.save_steps, save_total_limit=settings.save_total_limit,
-        report_to=[] if settings.report_to in ("none", "", None) else [settings.report_to],
-        dataloader_num_workers=settings.dataloader_num_workers, remove_unused_columns=False,
-        deepspeed=settings.deepspeed, disable_tqdm=False,
-    )
+    return GRPOConfig(**trainer_arguments(settings, run, bf16),
+                      num_generations=settings.num_generations, beta=settings.beta,
+                      max_completion_length=settings.max_completion_length, temperature=settings.temperature,
+                      per_device_train_batch_size=settings.prompts_per_device * settings.num_generations,
+                      reward_weights=list(weights), use_vllm=settings.use_vllm,
+                      generation_kwargs={"suppress_tokens": list(suppress)} if suppress else None)
 
 
 def make_scorer(settings: GRPOSettings, sam_checkpoint=None, random_weights: Optional[int] = None, device="cpu"):

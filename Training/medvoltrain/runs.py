@@ -88,6 +88,27 @@ def save_adapter(trainer, run: Path, meta: dict) -> Path:
     return adapter
 
 
+def trainer_arguments(settings, run: Path, bf16: bool) -> dict:
+    """The ``TrainingArguments`` both stages set the same way from their settings."""
+    import torch
+
+    return dict(
+        output_dir=str(Path(run) / "checkpoints"),
+        learning_rate=settings.learning_rate, num_train_epochs=settings.num_train_epochs, max_steps=settings.max_steps,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps, optim=settings.optim,
+        weight_decay=settings.weight_decay, warmup_steps=settings.warmup_ratio,  # a float < 1 is a ratio
+        lr_scheduler_type=settings.lr_scheduler_type, max_grad_norm=settings.max_grad_norm,
+        bf16=bf16, fp16=False, use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=settings.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if settings.gradient_checkpointing else None,
+        seed=settings.seed, logging_steps=settings.logging_steps, logging_first_step=True,
+        save_strategy="steps", save_steps=settings.save_steps, save_total_limit=settings.save_total_limit,
+        report_to=[] if settings.report_to in ("none", "", None) else [settings.report_to],
+        dataloader_num_workers=settings.dataloader_num_workers, remove_unused_columns=False,
+        deepspeed=settings.deepspeed, disable_tqdm=False,
+    )
+
+
 def write_summary(trainer, run: Path, summary: dict) -> None:
     if trainer.is_world_process_zero():
         from medvolcore.fileio import write_text_atomic
@@ -95,4 +116,5 @@ def write_summary(trainer, run: Path, summary: dict) -> None:
         write_text_atomic(Path(run) / "training.json", json.dumps(summary, indent=1) + "\n", overwrite=True)
 
 
-__all__ = ["last_checkpoint", "step_of", "open_run", "tensorboard_dir", "save_adapter", "write_summary"]
+__all__ = ["last_checkpoint", "step_of", "open_run", "tensorboard_dir", "save_adapter", "trainer_arguments",
+           "write_summary"]

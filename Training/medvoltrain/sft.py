@@ -38,7 +38,7 @@ from medvolcore.errors import DependencyError, ModelError
 from .config import SFTSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples, load_slices
-from .runs import open_run, save_adapter, step_of, tensorboard_dir, write_summary
+from .runs import open_run, save_adapter, step_of, tensorboard_dir, trainer_arguments, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -165,26 +165,11 @@ def training_dataset(data_dir, settings: SFTSettings):
 
 
 def _sft_config(settings: SFTSettings, run: Path, bf16: bool):
-    import torch
     from trl import SFTConfig
 
-    return SFTConfig(
-        output_dir=str(run / "checkpoints"),
-        learning_rate=settings.learning_rate, num_train_epochs=settings.num_train_epochs,
-        max_steps=settings.max_steps, per_device_train_batch_size=settings.per_device_train_batch_size,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps, optim=settings.optim,
-        weight_decay=settings.weight_decay, warmup_steps=settings.warmup_ratio,  # a float < 1 is a ratio
-        lr_scheduler_type=settings.lr_scheduler_type, max_grad_norm=settings.max_grad_norm,
-        bf16=bf16, fp16=False, use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=settings.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if settings.gradient_checkpointing else None,
-        seed=settings.seed, logging_steps=settings.logging_steps, logging_first_step=True,
-        save_strategy="steps", save_steps=settings.save_steps, save_total_limit=settings.save_total_limit,
-        report_to=[] if settings.report_to in ("none", "", None) else [settings.report_to],
-        dataloader_num_workers=settings.dataloader_num_workers,
-        remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True}, max_length=None,
-        deepspeed=settings.deepspeed, disable_tqdm=False,
-    )
+    return SFTConfig(**trainer_arguments(settings, run, bf16),
+                     per_device_train_batch_size=settings.per_device_train_batch_size,
+                     dataset_kwargs={"skip_prepare_dataset": True}, max_length=None)
 
 
 def train_sft(data_dir, run_dir, settings: SFTSettings, resume: bool = False, overwrite: bool = False) -> dict:
