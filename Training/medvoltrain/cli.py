@@ -114,6 +114,24 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_bench_learning(args) -> int:
+    import os
+
+    from .bench_learning import BenchSettings, run_benchmark
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
+    knobs = {k: getattr(args, k) for k in ("model", "sft_steps", "sft_lr", "grpo_steps", "grpo_lr", "num_generations",
+                                           "beta", "lambda_consistency", "delta", "samples_per_prompt",
+                                           "max_test_samples", "train_cases", "test_cases", "threads")
+             if getattr(args, k) is not None}
+    settings = (BenchSettings.quick_settings if args.quick else BenchSettings)(seed=args.seed, **knobs)
+    result = run_benchmark(args.out, real_dir=args.real_dir, settings=settings, overwrite=args.overwrite,
+                           echo=(lambda line: None) if args.json else None)
+    if args.json:
+        sys.stdout.write(json.dumps({k: result[k] for k in ("untrained", "sft", "grpo", "timings_s")}, indent=1) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="MedVol-R1 training: prepare data, cold-start SFT with LoRA.")
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -205,6 +223,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only rebuild DIR's tables from its finished cases (e.g. after all shards ran)")
     sp.add_argument("--no-masks", action="store_true", help="do not save the predicted masks (DIR/masks/)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp = add("bench-learning", "Learning benchmark on a CPU: a small grounding task from the shared real CTs, SFT then "
+                               "GRPO on a small local Qwen3-VL, and the untrained, SFT and GRPO models scored on a "
+                               "held-out split with the same rewards (DIR/result.json, table.md, curves.png).",
+             cmd_bench_learning)
+    sp.add_argument("--out", required=True, help="output folder DIR (cases, prepared data, model, runs, results)")
+    sp.add_argument("--real-dir", help="the shared real data folder (default: $MEDVOL_REAL_DATA, else "
+                                       "../shared/data/real beside the repository)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the cases, queries, training and sampling (default 0)")
+    sp.add_argument("--quick", action="store_true", help="a few steps on the tiny model: a smoke test, not a result")
+    sp.add_argument("--overwrite", action="store_true", help="run again in a DIR that holds a benchmark")
+    sp.add_argument("--model", choices=["tiny", "bench"], help="model size (default bench; --quick: tiny)")
+    sp.add_argument("--sft-steps", type=int, help="SFT optimiser steps")
+    sp.add_argument("--sft-lr", type=float, help="SFT learning rate (LoRA)")
+    sp.add_argument("--grpo-steps", type=int, help="GRPO optimiser steps (one prompt, G rollouts each)")
+    sp.add_argument("--grpo-lr", type=float, help="GRPO learning rate")
+    sp.add_argument("--num-generations", type=int, help="GRPO group size G")
+    sp.add_argument("--beta", type=float, help="GRPO KL weight (default 0.01, the paper's)")
+    sp.add_argument("--lambda-consistency", type=float,
+                    help="weight of the consistency reward in GRPO (default 0: MedSAM2 has random weights here)")
+    sp.add_argument("--delta", type=int, help="consistency window half-width (default 5)")
+    sp.add_argument("--samples-per-prompt", type=int, help="sampled completions per test prompt and model")
+    sp.add_argument("--max-test-samples", type=int, help="test samples scored (round-robin over labels)")
+    sp.add_argument("--train-cases", type=int, help="augmented training crops")
+    sp.add_argument("--test-cases", type=int, help="augmented test crops")
+    sp.add_argument("--threads", type=int, help="torch threads (default 1: robust on a shared CPU; 0 = torch's choice)")
     return p
 
 

@@ -110,6 +110,8 @@ class GRPOSettings(TrainSettings):
     beta: float = 0.01  # KL to the frozen reference = the base with the adapter disabled
     max_completion_length: int = 256
     temperature: float = 1.0
+    top_p: float = 1.0  # rollout nucleus sampling (1.0 = off, TRL's default)
+    top_k: int = 0  # rollout top-k sampling (0 = off, TRL's default)
     prompts_per_device: int = 1
     use_vllm: bool = False  # optional: TRL's vLLM generation where vllm is installed
     # -- rewards: λ per term (0 switches a term off) and the consistency window Δ --
@@ -140,6 +142,8 @@ class GRPOSettings(TrainSettings):
                 raise ConfigError(f"{key} must be ≥ 1, got {getattr(self, key)}")
         if self.beta < 0 or not self.temperature > 0:
             raise ConfigError(f"beta must be ≥ 0 and temperature > 0, got beta={self.beta}, temperature={self.temperature}")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"top_p must be in (0, 1] and top_k ≥ 0, got top_p={self.top_p}, top_k={self.top_k}")
         if self.delta < 0:
             raise ConfigError(f"delta must be ≥ 0 (the paper's ablation uses {', '.join(map(str, DELTAS))}), got {self.delta}")
         weights = self.reward_weights

@@ -137,6 +137,7 @@ def _grpo_config(settings: GRPOSettings, run: Path, bf16: bool, weights, suppres
     return GRPOConfig(**trainer_arguments(settings, run, bf16),
                       num_generations=settings.num_generations, beta=settings.beta,
                       max_completion_length=settings.max_completion_length, temperature=settings.temperature,
+                      top_p=settings.top_p, top_k=settings.top_k,
                       per_device_train_batch_size=settings.prompts_per_device * settings.num_generations,
                       reward_weights=list(weights), use_vllm=settings.use_vllm,
                       generation_kwargs={"suppress_tokens": list(suppress)} if suppress else None)

@@ -1,0 +1,98 @@
+"""The learning benchmark (``medvol-train bench-learning``): a --quick run end to end on the CPU, and
+the held-out split really held out (z-ranges of the one patient, and descriptions)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from medvoltrain.bench_learning import (MODELS, TERMS, TEST_BANDS, TRAIN_BANDS, BenchSettings, build_cases,
+                                        select_test_samples)
+from medvoltrain.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+def test_quick_run_writes_three_models_and_the_curves(tmp_path, real_dir):
+    out = tmp_path / "BENCH"
+    t0 = time.perf_counter()
+    rc = main(["bench-learning", "--out", str(out), "--real-dir", str(real_dir), "--quick", "--seed", "3"])
+    seconds = time.perf_counter() - t0
+    assert rc == 0
+    result = json.loads((out / "result.json").read_text(encoding="utf-8"))
+    for model in MODELS:
+        row = result[model]
+        assert set(row) == {*TERMS, "total"}
+        for term in TERMS:
+            assert math.isfinite(row[term]) and 0.0 <= row[term] <= 1.0, (model, term, row[term])
+        assert 0.0 <= row["total"] <= 3.0
+        assert row["total"] == pytest.approx(row["format"] + row["axial"] + row["box"], abs=2e-4)
+    assert result["settings"]["quick"] and result["settings"]["lambda_consistency"] == 0.0
+    assert result["evaluation"]["constrained"] is False
+    assert result["training"]["grpo"]["reward_weights"] == {"format": 1.0, "axial": 1.0, "box": 1.0}
+    assert result["training"]["grpo"]["reward_failures"] == {}
+    png = (out / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(out / "curves.png") as im:
+        assert im.size == (1100, 420)
+    assert "| grpo |" in (out / "table.md").read_text(encoding="utf-8")
+    assert seconds < 240, f"--quick took {seconds:.0f} s"  # ~60 s on an idle 2-core CPU
+    # nothing is replaced without --overwrite
+    assert main(["bench-learning", "--out", str(out), "--real-dir", str(real_dir), "--quick"]) == 2
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def test_held_out_z_ranges_and_descriptions_are_disjoint_from_training(tmp_path, real_dir):
+    from medvoltrain.prepare import PrepareSettings, load_samples, prepare
+
+    settings = BenchSettings()
+    manifest, rows = build_cases(tmp_path, real_dir, settings)
+    train = [r for r in rows if r["split"] == "train"]
+    test = [r for r in rows if r["split"] == "test"]
+    assert len(train) >= 30 and len(test) >= 6
+    for a, b in TRAIN_BANDS:
+        for c, d in TEST_BANDS:
+            assert not _overlap((a, b), (c, d))
+    for r in test:
+        for t in train:
+            assert not _overlap(r["patient_z"], t["patient_z"]), (r["id"], t["id"])
+    # example_ct_sm is example_ct's stack slices 0..29: its crops stay there, inside a train band
+    assert any(r["source"] == "ct_sm" for r in train)
+    assert all(r["patient_z"][1] <= 30 for r in rows if r["source"] == "ct_sm")
+    # the written crop is the source stack slab, shifted in plane (never flipped) and jittered
+    from medvolcore.stack import AxialStack
+    from medvolcore.volume import load_label_map, load_volume
+
+    r = test[0]
+    src = AxialStack(load_volume(real_dir / "totalsegmentator" / "example_ct.nii.gz"))
+    src_lab = src.to_stack(load_label_map(real_dir / "totalsegmentator" / "example_seg_fast_force_split.nii.gz").array)
+    crop = AxialStack(load_volume(r["volume"]))
+    lab = crop.to_stack(load_label_map(r["labels"]).array)
+    (z0, z1), (dy, dx) = r["patient_z"], r["shift_yx"]
+    h, w = src.height, src.width
+    want = src_lab[z0:z1, max(0, -dy):h - max(0, dy), max(0, -dx):w - max(0, dx)]
+    got = lab[:, max(0, dy):h - max(0, -dy), max(0, dx):w - max(0, -dx)]
+    assert crop.shape == (z1 - z0, h, w) and np.array_equal(got, want)
+    np.testing.assert_allclose(crop.stack_to_ras([0, max(0, dy), max(0, dx)]),
+                               src.stack_to_ras([z0, max(0, -dy), max(0, -dx)]), atol=1e-4)
+
+    prepare(manifest, tmp_path / "data", PrepareSettings(seed=0, top_k=1), progress=False)
+    tr, te = load_samples(tmp_path / "data", "train"), load_samples(tmp_path / "data", "test")
+    assert {s["label"] for s in te} <= {s["label"] for s in tr}
+    assert all(s["query_info"]["kind"] == "implicit" for s in tr + te)
+    train_desc = {s["query_info"]["description"] for s in tr}
+    test_desc = {s["query_info"]["description"] for s in te}
+    assert test_desc and not train_desc & test_desc
+    for label in {s["label"] for s in te}:  # no label's held-out description ever appears in training
+        assert not ({s["query"] for s in te if s["label"] == label} & {s["query"] for s in tr})
+    picked = select_test_samples(te, 13)
+    assert len({s["label"] for s in picked}) == 13  # round-robin: every label scored

@@ -1,0 +1,790 @@
+"""``medvol-train bench-learning``: does training work? A grounding task small enough for a CPU,
+trained with SFT then GRPO, and the untrained, SFT and GRPO models scored with the same rewards.
+
+What it does (all inside ``DIR``)
+---------------------------------
+1. **Cases** (``DIR/cases/*.nii.gz``, ``DIR/cases.jsonl``): short axial crops (12–20 slices) of the
+   shared real CT ``example_ct`` (labels ``example_seg_fast_force_split``) and, for the upper slab it
+   covers, of ``example_ct_sm`` (labels ``example_seg``; its voxels are ``example_ct``'s first 30
+   stack slices, so it adds a second label map, not a second patient). Each crop gets an in-plane
+   shift (crop on one side, air padding on the other; never a flip or a rotation, so the canonical
+   orientation holds) and an intensity jitter (HU scale and offset). A crop is written as a NIfTI
+   whose array *is* the canonical stack (``stack[z, y, x]``) with the source's stack-to-RAS affine
+   shifted to the crop, so its world coordinates stay the patient's.
+2. **Held-out split.** Both CTs are **one patient**, so the test split cannot be a new patient. It
+   is held out by **z-range** of that patient (test crops lie in stack z ``[22, 36)`` and ``[76, 92)``,
+   train crops in ``[0, 22)``, ``[36, 76)`` and ``[92, 112)``: no test slice is ever a training
+   slice, but the same organs of the same body are seen higher or lower) and by **description**
+   (:class:`~medvoltrain.queries.QueryBank`: test queries use only the held-out descriptions of
+   each label). Targets are organs present in both splits: liver, spleen, kidneys (right, left,
+   both), gallbladder, stomach, pancreas, duodenum, aorta, inferior vena cava, urinary bladder and
+   sacrum, with TotalSegmentator ids from the shared crosswalk.
+3. ``prepare`` (``DIR/data``; Top-1 key slice), the SFT targets' reasoning shortened to one
+   template (:func:`short_think_targets`) → ``train_sft`` (``DIR/runs/sft``) → ``train_grpo`` from the
+   SFT adapter (``DIR/runs/grpo``; λc = 0 by default: MedSAM2 has random weights here, so the
+   consistency term is noise).
+4. **Evaluation** of the untrained base, the SFT adapter and the GRPO adapter on the test split:
+   each prompt is *sampled* without a grammar ``samples_per_prompt`` times with fixed seeds (the same
+   seeds for every model), and every completion is scored with
+   :class:`~medvoltrain.rewards.RewardFunctions` (format, axial, box; consistency with seeded random
+   MedSAM2, Δ = ``delta``). ``total = format + axial + box``. Sampling uses the grounder's own
+   settings for real models (``Resources/prompts/grounder.json`` preset ``real``: temperature 0.7,
+   top-p 0.8, top-k 20), for the GRPO rollouts as well as for the evaluation: a model trained from
+   random weights in a few CPU minutes keeps a long flat tail over its 660 tokens, and at
+   temperature 1 with no truncation nearly every completion leaves the format at some token
+   (measured: 0 % well-formed after 1200 SFT steps, against 98 % with the ``real`` settings).
+5. ``DIR/result.json`` (``{"untrained": {...}, "sft": {...}, "grpo": {...}}`` plus ``settings``,
+   ``timings_s``, ``data``, ``model``, ``evaluation``, ``training``, ``notes``), ``DIR/curves.png`` (SFT
+   loss, GRPO reward terms per step) and ``DIR/table.md``.
+
+The model (``DIR/model``): a Qwen3-VL with seeded random weights, built locally (nothing is
+downloaded) with the ``tiny`` preset's tokenizer, image processor and vision geometry (patch 16,
+merge 2, 64 tokens per 256×256 slice). ``model="tiny"`` (default) has the tiny preset's sizes
+(276 k parameters); ``model="bench"`` a wider and deeper one (1.1 M, :data:`MODEL_SIZES`; about
+twice the time per step, and it did not learn faster per step here). Both draw the output head
+with a larger scale than the tiny preset (see :func:`build_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from medvolcore.errors import InputError, OutputExistsError
+
+from .errors import DataError
+from .queries import seeded_rng
+
+log = logging.getLogger(__name__)
+
+RESULT = "result.json"
+MODELS = ("untrained", "sft", "grpo")
+TERMS = ("format", "axial", "box", "consistency")
+
+# Stack z-bands of the patient (example_ct's canonical stack, 112 slices, 3 mm, head → feet).
+TRAIN_BANDS = ((0, 22), (36, 76), (92, 112))
+TEST_BANDS = ((22, 36), (76, 92))
+# Share of the train crops per band: the upper abdomen holds most of the targets.
+TRAIN_BAND_WEIGHTS = (0.55, 0.3, 0.15)
+SM_DEPTH = 30  # example_ct_sm = example_ct's stack slices 0..29 (checked when the cases are built)
+
+# Targets: M3D term-dictionary key → the target name used in the manifest (the QueryBank finds the
+# key again from it); TotalSegmentator ids come from text/m3d_to_totalseg_crosswalk.json.
+TARGET_TERMS = {
+    "liver": "liver", "spleen": "spleen", "right kidney": "kidney_right", "left kidney": "kidney_left",
+    "kidneys": "kidneys", "gallbladder": "gallbladder", "stomach": "stomach", "pancreas": "pancreas",
+    "duodenum": "duodenum", "aorta": "aorta", "inferior vena cava": "inferior_vena_cava",
+    "urinary bladder": "urinary_bladder", "sacrum": "sacrum",
+}
+MIN_VOXELS = 40  # a target enters a crop with at least this many voxels …
+MIN_SLICE_AREA = 20  # … and a slice of at least this many pixels (of 122 × 101)
+
+# Language-model / vision-tower sizes of the bench model (the tokenizer and vision geometry are tiny's).
+MODEL_SIZES = {
+    "tiny": {"text": {}, "vision": {}},  # the tiny preset's own sizes (medvolcore.tiny)
+    "bench": {"text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                            "mrope_section": [8, 4, 4], "mrope_interleaved": True}),
+              "vision": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128)},
+}
+BENCH_MODEL_SEED = 20240614
+HEAD_STD = 2.0  # output head init: std HEAD_STD / sqrt(hidden) (see build_model)
+
+
+@dataclass
+class BenchSettings:
+    """Everything the benchmark does; ``quick()`` is the few-step smoke version used by the tests."""
+
+    seed: int = 0
+    model: str = "tiny"  # a key of MODEL_SIZES
+    # -- cases --
+    train_cases: int = 40
+    test_cases: int = 8
+    crop_min: int = 12
+    crop_max: int = 20
+    max_shift: int = 10  # in-plane shift, pixels of the 122 × 101 slice, each axis
+    hu_scale: float = 0.08  # HU' = HU · U(1 − s, 1 + s) + U(−o, o)
+    hu_offset: float = 30.0
+    sm_fraction: float = 0.5  # share of the [0, 22) train crops taken from example_ct_sm + example_seg
+    max_test_samples: int = 26  # at most this many test samples (round-robin over labels)
+    # -- SFT --
+    sft_steps: int = 1000
+    sft_lr: float = 5e-3
+    sft_batch: int = 2
+    lora_r: int = 32
+    lora_alpha: int = 64
+    # -- GRPO --
+    grpo_steps: int = 100
+    grpo_lr: float = 3e-4
+    num_generations: int = 4
+    beta: float = 0.01
+    lambda_consistency: float = 0.0
+    delta: int = 5
+    max_completion_length: int = 112
+    # -- sampling, the same for the GRPO rollouts and the evaluation; None: the grounder's "real" preset
+    #    (Resources/prompts/grounder.json: temperature 0.7, top_p 0.8, top_k 20) --
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    # -- evaluation --
+    samples_per_prompt: int = 4
+    sam_seed: int = 0
+    # torch threads for the whole run (None: leave torch's choice). One thread by default: on a
+    # shared 2-core machine two threads spin against the other jobs (measured 5 s per SFT step with
+    # two threads against 0.7 s with one, with one other job running; 0.45 s with two on an idle CPU).
+    threads: Optional[int] = 1
+    quick: bool = False
+
+    @classmethod
+    def quick_settings(cls, **kw) -> "BenchSettings":
+        base = dict(train_cases=4, test_cases=2, max_test_samples=3, sft_steps=3, grpo_steps=2, num_generations=2,
+                    samples_per_prompt=2, max_completion_length=48, model="tiny", quick=True)
+        base.update(kw)
+        return cls(**base)
+
+    def validate(self) -> "BenchSettings":
+        from medvolcore.grounder import resolve_settings
+
+        real = resolve_settings("real")
+        for key in ("temperature", "top_p", "top_k"):
+            if getattr(self, key) is None:
+                setattr(self, key, real[key])
+        if self.model not in MODEL_SIZES:
+            raise InputError(f"model must be one of {', '.join(MODEL_SIZES)}, got {self.model!r}")
+        for key in ("train_cases", "test_cases", "crop_min", "sft_steps", "grpo_steps", "sft_batch",
+                    "samples_per_prompt", "max_test_samples", "max_completion_length"):
+            if getattr(self, key) < 1:
+                raise InputError(f"{key} must be ≥ 1, got {getattr(self, key)}")
+        if self.num_generations < 2:
+            raise InputError(f"num_generations must be ≥ 2, got {self.num_generations}")
+        if self.crop_max < self.crop_min:
+            raise InputError(f"crop_max ({self.crop_max}) < crop_min ({self.crop_min})")
+        if self.lambda_consistency < 0:
+            raise InputError(f"lambda_consistency must be ≥ 0, got {self.lambda_consistency}")
+        return self
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+def default_real_dir() -> Path:
+    """``$MEDVOL_REAL_DATA``, else ``../shared/data/real`` beside the repository."""
+    env = os.environ.get("MEDVOL_REAL_DATA")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "real"
+
+
+@dataclass
+class _Source:
+    name: str
+    stack_hu: np.ndarray  # (D, H, W) canonical stack
+    labels: np.ndarray  # (D, H, W) TotalSegmentator ids
+    index_to_ras: np.ndarray  # 4×4: stack (z, y, x, 1) → RAS mm
+    z_offset: int  # stack z of slice 0 in the patient frame (example_ct's stack)
+    volume: str
+    label_file: str
+
+
+def _load_sources(real_dir: Path) -> List[_Source]:
+    from medvolcore.stack import AxialStack
+    from medvolcore.volume import load_label_map, load_volume
+
+    ts = real_dir / "totalsegmentator"
+    out = []
+    for name, vol, lab in (("ct", "example_ct.nii.gz", "example_seg_fast_force_split.nii.gz"),
+                           ("ct_sm", "example_ct_sm.nii.gz", "example_seg.nii.gz")):
+        for f in (vol, lab):
+            if not (ts / f).is_file():
+                raise DataError(f"{ts / f} is missing: the learning benchmark needs the shared real CTs "
+                                f"(--real-dir or $MEDVOL_REAL_DATA; see ../shared/data/real/README.md)")
+        v = load_volume(ts / vol)
+        stack = AxialStack(v)
+        labels = stack.to_stack(load_label_map(ts / lab).array)
+        out.append(_Source(name, np.ascontiguousarray(stack.data, dtype=np.float32), np.ascontiguousarray(labels),
+                           stack.index_to_ras.copy(), 0, str(ts / vol), str(ts / lab)))
+    ct, sm = out
+    if sm.stack_hu.shape[0] != SM_DEPTH or not np.array_equal(sm.stack_hu, ct.stack_hu[:SM_DEPTH]):
+        raise DataError("example_ct_sm is not example_ct's first 30 stack slices any more; the benchmark's "
+                        "z-ranges assume it is (see the shared data README)")
+    sm.index_to_ras = ct.index_to_ras.copy()  # sm's own header is a quirk: same patient frame as ct
+    return out
+
+
+def _targets(real_dir: Path) -> Dict[str, List[int]]:
+    """Target name → TotalSegmentator ids, from the shared M3D → TotalSegmentator crosswalk."""
+    path = real_dir / "text" / "m3d_to_totalseg_crosswalk.json"
+    if not path.is_file():
+        raise DataError(f"{path} is missing (see ../shared/data/real/README.md)")
+    cw = json.loads(path.read_text(encoding="utf-8"))
+    out = {}
+    for term, name in TARGET_TERMS.items():
+        if term in cw.get("single", {}):
+            out[name] = [int(cw["single"][term]["label_id"])]
+        elif term in cw.get("union", {}):
+            out[name] = [int(i) for i in cw["union"][term]["label_ids"]]
+        else:
+            raise DataError(f"the crosswalk {path} has no entry {term!r}")
+    return out
+
+
+def _crop(source: _Source, z0: int, depth: int, dy: int, dx: int, scale: float, offset: float):
+    """``(hu, labels, affine)``: stack slices ``[z0, z0+depth)`` shifted in-plane by ``(dy, dx)``
+    pixels (content moves by +dy, +dx; air / background fills the gap), HU jittered."""
+    d, h, w = source.stack_hu.shape
+    hu = np.full((depth, h, w), -1024.0, dtype=np.float32)
+    lab = np.zeros((depth, h, w), dtype=np.uint8)
+    ys, yd = (slice(0, h - dy), slice(dy, h)) if dy >= 0 else (slice(-dy, h), slice(0, h + dy))
+    xs, xd = (slice(0, w - dx), slice(dx, w)) if dx >= 0 else (slice(-dx, w), slice(0, w + dx))
+    hu[:, yd, xd] = source.stack_hu[z0:z0 + depth, ys, xs] * scale + offset
+    lab[:, yd, xd] = source.labels[z0:z0 + depth, ys, xs]
+    shift = np.eye(4)
+    shift[:3, 3] = (z0, -dy, -dx)  # crop index (z, y, x) → source stack index
+    return np.rint(hu).astype(np.int16), lab, source.index_to_ras @ shift
+
+
+def _save_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> None:
+    import nibabel as nib
+    from medvolcore.fileio import atomic_path
+
+    img = nib.Nifti1Image(array, affine)
+    img.header.set_xyzt_units("mm")
+    with atomic_path(path, overwrite=True) as tmp:
+        nib.save(img, str(tmp))  # the temporary name keeps the .nii.gz suffix nibabel reads
+
+
+def _present(lab: np.ndarray, ids: Sequence[int]) -> bool:
+    m = np.isin(lab, ids)
+    return int(m.sum()) >= MIN_VOXELS and int(m.sum(axis=(1, 2)).max()) >= MIN_SLICE_AREA
+
+
+def _plan_crops(settings: BenchSettings, split: str, n: int) -> List[dict]:
+    """Seeded crop plans: source, z0, depth, shift and jitter; z-ranges inside the split's bands."""
+    bands = TRAIN_BANDS if split == "train" else TEST_BANDS
+    weights = np.asarray(TRAIN_BAND_WEIGHTS, dtype=float)
+    plans = []
+    for i in range(n):
+        rng = seeded_rng(settings.seed, "bench-crop", split, i)
+        band = bands[i % len(bands)] if split == "test" else bands[int(rng.choice(len(bands), p=weights / weights.sum()))]
+        a, b = band
+        depth = int(rng.integers(settings.crop_min, settings.crop_max + 1))
+        depth = min(depth, b - a)
+        z0 = int(rng.integers(a, b - depth + 1))
+        src = "ct"
+        if split == "train" and z0 + depth <= SM_DEPTH and rng.random() < settings.sm_fraction:
+            src = "ct_sm"
+        plans.append({"split": split, "source": src, "z0": z0, "depth": depth,
+                      "dy": int(rng.integers(-settings.max_shift, settings.max_shift + 1)),
+                      "dx": int(rng.integers(-settings.max_shift, settings.max_shift + 1)),
+                      "hu_scale": float(1.0 + rng.uniform(-settings.hu_scale, settings.hu_scale)),
+                      "hu_offset": float(rng.uniform(-settings.hu_offset, settings.hu_offset))})
+    return plans
+
+
+def build_cases(out_dir, real_dir, settings: BenchSettings) -> Tuple[Path, List[dict]]:
+    """Write the augmented NIfTI cases and ``cases.jsonl`` (the manifest); returns both.
+
+    Each row carries, besides the manifest fields, ``patient_z`` (``[z0, z1)`` on example_ct's
+    stack), ``source``, ``shift_yx`` and ``hu_scale`` / ``hu_offset``.
+    """
+    out_dir, real_dir = Path(out_dir), Path(real_dir)
+    sources = {s.name: s for s in _load_sources(real_dir)}
+    targets = _targets(real_dir)
+    folder = out_dir / "cases"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for split, n in (("train", settings.train_cases), ("test", settings.test_cases)):
+        for i, plan in enumerate(_plan_crops(settings, split, n)):
+            src = sources[plan["source"]]
+            hu, lab, affine = _crop(src, plan["z0"], plan["depth"], plan["dy"], plan["dx"], plan["hu_scale"],
+                                    plan["hu_offset"])
+            present = {name: ids for name, ids in targets.items() if _present(lab, ids)}
+            if not present:
+                continue
+            cid = f"{split}{i:03d}_{plan['source']}_z{plan['z0']}-{plan['z0'] + plan['depth']}"
+            vol, labf = folder / f"{cid}.nii.gz", folder / f"{cid}_seg.nii.gz"
+            _save_nifti(hu, affine, vol)
+            _save_nifti(lab, affine, labf)
+            rows.append({"id": cid, "volume": str(vol), "labels": str(labf), "split": split, "targets": present,
+                         "source": plan["source"], "source_volume": src.volume, "source_labels": src.label_file,
+                         "patient_z": [plan["z0"], plan["z0"] + plan["depth"]], "shift_yx": [plan["dy"], plan["dx"]],
+                         "hu_scale": round(plan["hu_scale"], 4), "hu_offset": round(plan["hu_offset"], 2)})
+    from .datasets import write_manifest
+
+    manifest = write_manifest(rows, out_dir / "cases.jsonl", overwrite=True)
+    return Path(manifest), rows
+
+
+THINK_TEMPLATE = "The query describes the {target}; slice {slice}."
+
+
+def short_think_targets(data_dir, template: str = THINK_TEMPLATE) -> int:
+    """Rewrite the SFT targets of a prepared set with one short reasoning sentence; returns the count.
+
+    ``prepare`` draws the ``<think>`` sentence from five templates (Resources/training/think_templates.json).
+    No reward reads the reasoning, and for a model trained from random weights in a few hundred CPU
+    steps every extra token of free text is one more place where a sampled completion leaves the
+    format; one short template spends those steps on the answer instead. The key slice and the
+    boxes (``target_info``) are unchanged; the text is rebuilt with
+    :func:`medvolcore.answer.format_answer` as ``prepare`` builds it.
+    """
+    from medvolcore.answer import format_answer
+
+    from .prepare import INDEX, _write_json, load_samples
+
+    samples = load_samples(data_dir)
+    for s in samples:
+        info = s["target_info"]
+        think = template.replace("{target}", s["label"].replace("_", " ")).replace("{slice}", str(int(info["slice"])))
+        info["think"] = think
+        s["target"] = info["text"] = format_answer(int(info["slice"]), info["boxes_norm"], think)
+        s.pop("data_dir", None)
+    _write_json(Path(data_dir) / INDEX, samples, lines=True)
+    return len(samples)
+
+
+def select_test_samples(samples: List[dict], limit: int) -> List[dict]:
+    """At most ``limit`` test samples, taken round-robin over labels (in case order) so that every
+    label is scored, and deterministic."""
+    by_label: Dict[str, List[dict]] = {}
+    for s in samples:
+        by_label.setdefault(s["label"], []).append(s)
+    out, i = [], 0
+    while len(out) < limit and any(i < len(v) for v in by_label.values()):
+        for label in sorted(by_label):
+            if i < len(by_label[label]) and len(out) < limit:
+                out.append(by_label[label][i])
+        i += 1
+    return out
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+def build_model(folder, size: str) -> Path:
+    """The benchmark's base model in ``folder``: seeded random weights, built locally (no download).
+
+    The tiny preset's tokenizer, image processor and vision geometry, with the sizes of
+    :data:`MODEL_SIZES` (``tiny``: the tiny preset's own sizes). One change from the tiny
+    preset's initialisation: the output head is drawn with std ``1/sqrt(hidden)`` instead of 0.02.
+    LoRA adapts neither the final norm nor the head, and with a 0.02 head the largest logit a
+    unit-RMS hidden state can reach is about ``0.02 · hidden`` (1.3 for the tiny model): however
+    well it is fine-tuned, such a model stays near uniform over its 660 tokens, so sampling it
+    never gives a well-formed answer. A ``1/sqrt(hidden)`` head (the usual fan-in scale) lets the
+    adapter reach logit gaps of ``2·sqrt(hidden)``.
+    """
+    from medvolcore import tiny
+
+    folder = Path(folder)
+    marker = f"medvol-bench-qwen3-vl/{size}/head{HEAD_STD:g}"
+    if (folder / tiny.MARKER).is_file() and (folder / tiny.MARKER).read_text(encoding="utf-8").strip() == marker:
+        return folder
+    import torch
+    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    tokenizer = tiny.build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
+    sizes = MODEL_SIZES[size]
+    config = Qwen3VLConfig(
+        text_config=dict(tiny.TEXT_CONFIG, **sizes["text"], vocab_size=len(tokenizer), pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(tiny.VISION_CONFIG, **sizes["vision"]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(BENCH_MODEL_SEED)
+        model = Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+        head = model.get_output_embeddings().weight
+        with torch.no_grad():
+            head.normal_(0.0, HEAD_STD / math.sqrt(head.shape[1]))
+    model.generation_config = GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+                                               pad_token_id=ids["<|endoftext|>"], do_sample=False)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(**tiny.IMAGE_PROCESSOR).save_pretrained(folder)
+    n_params = sum(p.numel() for p in model.parameters())
+    (folder / "medvol_model.json").write_text(json.dumps({
+        "smoke": True, "note": f"untrained {size} Qwen3-VL of the learning benchmark ({n_params} parameters): "
+                               "its answers are meaningless", "build": marker, "seed": BENCH_MODEL_SEED,
+        "parameters": n_params}, indent=2) + "\n", encoding="utf-8")
+    (folder / tiny.MARKER).write_text(marker + "\n", encoding="utf-8")
+    return folder
+
+
+def count_parameters(model_dir) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                n += int(np.prod(st.get_slice(k).get_shape()))
+    return n
+
+
+# ---- evaluation ----------------------------------------------------------------------------
+
+def sample_completions(grounder, sample: dict, n: int, seed: int, max_new_tokens: int,
+                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> List[str]:
+    """``n`` completions of one prepared sample, sampled from the model itself (no grammar), with
+    a fixed seed; cut at the end-of-turn token as the GRPO reward functions cut them. Vision
+    placeholder tokens are never sampled (as in the GRPO rollouts)."""
+    import torch
+    from transformers import GenerationConfig
+
+    from .grpo import _suppressed_ids
+    from .prepare import load_slices
+
+    tok = grounder.tokenizer
+    inputs = grounder.inputs_from_images(load_slices(sample), sample["shown"], int(sample["depth"]), sample["query"],
+                                         sample.get("prompt_window"))
+    stops = [int(tok.convert_tokens_to_ids(t)) for t in ("<|im_end|>", "<|endoftext|>")]
+    config = GenerationConfig(max_new_tokens=int(max_new_tokens), do_sample=True, temperature=float(temperature),
+                              top_p=float(top_p), top_k=int(top_k), num_beams=1, num_return_sequences=int(n), eos_token_id=stops,
+                              pad_token_id=stops[1], suppress_tokens=_suppressed_ids(tok), use_cache=True)
+    saved = grounder.model.generation_config
+    try:
+        grounder.model.generation_config = config
+        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+            torch.manual_seed(int(seed))
+            out = grounder.model.generate(**inputs, generation_config=config)
+    finally:
+        grounder.model.generation_config = saved
+    texts = []
+    for row in out[:, inputs["input_ids"].shape[1]:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in stops), len(row))
+        texts.append(tok.decode(row[:cut], skip_special_tokens=False))
+    return texts
+
+
+def evaluate_model(model_dir, adapter, samples: List[dict], settings: BenchSettings, scorer,
+                   label: str = "") -> dict:
+    """Mean rewards of one model over ``samples`` (each sampled ``samples_per_prompt`` times)."""
+    from medvolcore.grounder import QwenVLGrounder
+
+    from .rewards import RewardFunctions
+
+    grounder = QwenVLGrounder.from_pretrained(model_dir, adapter=adapter)
+    grounder.model.eval()
+    rewards = RewardFunctions(scorer=scorer, samples={s["id"]: s for s in samples})
+    scores = {t: [] for t in TERMS}
+    per_label: Dict[str, List[float]] = {}
+    examples = []
+    lengths = []
+    for j, s in enumerate(samples):
+        seed = int(seeded_rng(settings.seed, "bench-eval", s["id"]).integers(2 ** 31))
+        texts = sample_completions(grounder, s, settings.samples_per_prompt, seed, settings.max_completion_length,
+                                   settings.temperature, settings.top_p, settings.top_k)
+        n = len(texts)
+        cols = {"slice_areas": [s["slice_areas"]] * n, "gt_boxes_norm": [json.dumps(s["gt_boxes_norm"])] * n,
+                "sample_id": [s["id"]] * n}
+        got = {"format": rewards.format(None, texts, **cols), "axial": rewards.axial(None, texts, **cols),
+               "box": rewards.box(None, texts, **cols),
+               "consistency": rewards.consistency(None, texts, **cols) if scorer is not None else [float("nan")] * n}
+        for t in TERMS:
+            if any(v is None for v in got[t]):
+                raise DataError(f"the {t} reward could not be computed for {s['id']} (see the log)")
+            scores[t] += [float(v) for v in got[t]]
+        per_label.setdefault(s["label"], []).extend(
+            got["format"][i] + got["axial"][i] + got["box"][i] for i in range(n))
+        lengths += [len(grounder.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        if j < 3:
+            examples.append({"id": s["id"], "query": s["query"], "target": s["target"], "completion": texts[0]})
+        if label:
+            sys.stderr.write(f"\r  eval {label}: {j + 1}/{len(samples)}")
+            sys.stderr.flush()
+    if label:
+        sys.stderr.write("\n")
+    means = {t: float(np.mean(scores[t])) for t in TERMS}
+    means["total"] = means["format"] + means["axial"] + means["box"]
+    return {"means": means, "per_label_total": {k: round(float(np.mean(v)), 4) for k, v in sorted(per_label.items())},
+            "completions": len(scores["format"]), "mean_completion_tokens": float(np.mean(lengths)),
+            "examples": examples}
+
+
+# ---- reward curves (PIL: matplotlib is not a dependency) --------------------------------------
+
+_COLOURS = {"loss": (31, 119, 180), "format": (31, 119, 180), "axial": (255, 127, 14), "box": (44, 160, 44),
+            "consistency": (148, 103, 189), "reward": (60, 60, 60)}
+
+
+def _panel(draw, box, title: str, series: Dict[str, List[Tuple[float, float]]], y_label: str, font) -> None:
+    x0, y0, x1, y1 = box
+    left, right, top, bottom = x0 + 56, x1 - 12, y0 + 28, y1 - 40
+    draw.text((x0 + 8, y0 + 6), title, fill=(0, 0, 0), font=font)
+    pts = [p for s in series.values() for p in s]
+    if not pts:
+        draw.text((left + 10, (top + bottom) // 2), "nothing logged", fill=(120, 120, 120), font=font)
+        return
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    xmin, xmax = min(xs), max(xs)
+    ymin, ymax = min(0.0, min(ys)), max(ys)
+    if xmax == xmin:
+        xmax = xmin + 1
+    if ymax - ymin < 1e-9:
+        ymax = ymin + 1
+    ymax += 0.05 * (ymax - ymin)
+
+    def px(x, y):
+        return (left + (x - xmin) / (xmax - xmin) * (right - left), bottom - (y - ymin) / (ymax - ymin) * (bottom - top))
+
+    draw.rectangle([left, top, right, bottom], outline=(0, 0, 0))
+    for k in range(6):
+        yv = ymin + k * (ymax - ymin) / 5
+        _, yy = px(xmin, yv)
+        draw.line([left - 4, yy, left, yy], fill=(0, 0, 0))
+        draw.line([left + 1, yy, right - 1, yy], fill=(230, 230, 230))
+        draw.text((x0 + 4, yy - 6), f"{yv:.2f}", fill=(0, 0, 0), font=font)
+        xv = xmin + k * (xmax - xmin) / 5
+        xx, _ = px(xv, ymin)
+        draw.line([xx, bottom, xx, bottom + 4], fill=(0, 0, 0))
+        draw.text((xx - 8, bottom + 6), f"{xv:.0f}", fill=(0, 0, 0), font=font)
+    draw.text(((left + right) // 2 - 12, bottom + 22), "step", fill=(0, 0, 0), font=font)
+    draw.text((left + 4, top + 4), y_label, fill=(90, 90, 90), font=font)
+    for i, (name, s) in enumerate(series.items()):
+        colour = _COLOURS.get(name, (0, 0, 0))
+        line = [px(x, y) for x, y in s]
+        if len(line) > 1:
+            draw.line(line, fill=colour, width=2)
+        for x, y in line:
+            draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
+        lx, ly = right - 110, top + 6 + 14 * i
+        draw.line([lx, ly + 6, lx + 18, ly + 6], fill=colour, width=3)
+        draw.text((lx + 22, ly), name, fill=(0, 0, 0), font=font)
+
+
+def plot_curves(path, sft_history: List[dict], grpo_history: List[dict], title: str = "") -> Path:
+    """``path`` (PNG): SFT loss per step (left) and GRPO per-term reward means per step (right)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    img = Image.new("RGB", (1100, 420), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default()
+    sft = {"loss": [(h["step"], h["loss"]) for h in sft_history if h.get("loss") is not None]}
+    grpo = {}
+    for term in (*TERMS, "reward"):
+        key = "reward" if term == "reward" else f"rewards/{term}/mean"
+        pts = [(h["step"], h[key]) for h in grpo_history if key in h and h[key] is not None
+               and math.isfinite(h[key])]
+        if pts:
+            grpo[term] = pts
+    _panel(draw, (0, 20, 550, 420), "SFT: training loss (completion tokens)", sft, "loss", font)
+    _panel(draw, (550, 20, 1100, 420), "GRPO: mean reward per term (rollouts)", grpo, "reward", font)
+    if title:
+        draw.text((8, 4), title, fill=(0, 0, 0), font=font)
+    from medvolcore.fileio import atomic_path
+
+    with atomic_path(path, overwrite=True) as tmp:
+        img.save(str(tmp), format="PNG")
+    return Path(path)
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+_OWNED = ("cases", "cases.jsonl", "data", "model", "runs", RESULT, "curves.png", "table.md")
+
+
+def format_table(result: dict) -> str:
+    head = f"| model | {' | '.join(TERMS)} | total (f+a+b) |"
+    rows = [head, "|" + "---|" * (len(TERMS) + 2)]
+    for m in MODELS:
+        r = result[m]
+        rows.append(f"| {m} | " + " | ".join(f"{r[t]:.3f}" for t in TERMS) + f" | {r['total']:.3f} |")
+    return "\n".join(rows)
+
+
+def _sft_settings(settings: BenchSettings, model_dir: Path):
+    from .config import SFTSettings
+
+    return SFTSettings(preset="tiny", model_path=str(model_dir), lora_r=settings.lora_r, lora_alpha=settings.lora_alpha,
+                       lora_dropout=0.0, learning_rate=settings.sft_lr, max_steps=settings.sft_steps,
+                       per_device_train_batch_size=settings.sft_batch, warmup_ratio=0.05, lr_scheduler_type="cosine",
+                       gradient_checkpointing=False, logging_steps=1, save_steps=10 ** 6, save_total_limit=1,
+                       report_to="none", dataloader_num_workers=0, seed=settings.seed, bf16=False).validate()
+
+
+def _grpo_settings(settings: BenchSettings, model_dir: Path):
+    from .config import GRPOSettings
+
+    return GRPOSettings(preset="tiny", model_path=str(model_dir), num_generations=settings.num_generations,
+                        beta=settings.beta, max_completion_length=settings.max_completion_length,
+                        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                        learning_rate=settings.grpo_lr, max_steps=settings.grpo_steps, prompts_per_device=1,
+                        warmup_ratio=0.05, lr_scheduler_type="cosine", gradient_checkpointing=False,
+                        lambda_consistency=settings.lambda_consistency, delta=settings.delta, seed=settings.seed,
+                        logging_steps=1, save_steps=10 ** 6, save_total_limit=1, report_to="none",
+                        dataloader_num_workers=0, bf16=False).validate()
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} exists and is not a folder")
+    if out.is_dir():
+        present = [n for n in _OWNED if (out / n).exists()]
+        if present and not overwrite:
+            raise OutputExistsError(f"{out} already holds a benchmark ({', '.join(present)}); pass --overwrite to "
+                                    "run it again there")
+        for n in present:
+            p = out / n
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def run_benchmark(out_dir, real_dir=None, settings: Optional[BenchSettings] = None, overwrite: bool = False,
+                  echo=None) -> dict:
+    """Build the task, train SFT and GRPO, evaluate the three models; returns (and writes) the result.
+
+    ``echo`` (default: print to stdout) receives each progress line, phase times included.
+    """
+    settings = (settings or BenchSettings()).validate()
+    echo = echo or (lambda line: (sys.stdout.write(line + "\n"), sys.stdout.flush()))
+    out = Path(out_dir).expanduser().resolve()
+    real_dir = Path(real_dir).expanduser().resolve() if real_dir else default_real_dir()
+    _prepare_out(out, overwrite)
+    import torch
+
+    saved_threads = torch.get_num_threads()
+    if settings.threads:
+        torch.set_num_threads(int(settings.threads))
+    try:
+        return _run(out, real_dir, settings, echo)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run(out: Path, real_dir: Path, settings: BenchSettings, echo) -> dict:
+    import torch
+
+    from .grpo import train_grpo
+    from .prepare import PrepareSettings, load_samples, prepare
+    from .sft import train_sft
+
+    timings: Dict[str, float] = {}
+    t_all = time.perf_counter()
+
+    def phase(name):
+        class _Phase:
+            def __enter__(self):
+                echo(f"[{name}] …")
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timings[name] = round(time.perf_counter() - self.t, 1)
+                if exc[0] is None:
+                    echo(f"[{name}] {timings[name]:.1f} s")
+        return _Phase()
+
+    with phase("data"):
+        manifest, rows = build_cases(out, real_dir, settings)
+        summary = prepare(manifest, out / "data", PrepareSettings(seed=settings.seed, top_k=1), progress=False)
+        short_think_targets(out / "data")
+        train = load_samples(out / "data", "train")
+        test = select_test_samples(load_samples(out / "data", "test"), settings.max_test_samples)
+        echo(f"  {len(rows)} cases ({sum(r['split'] == 'train' for r in rows)} train, "
+             f"{sum(r['split'] == 'test' for r in rows)} test); {len(train)} train samples, {len(test)} of "
+             f"{summary['samples_by_split']['test']} test samples scored, {len({s['label'] for s in train})} labels")
+    with phase("model"):
+        model_dir = build_model(out / "model", settings.model)
+        n_params = count_parameters(model_dir)
+        echo(f"  {settings.model} Qwen3-VL, {n_params} parameters, in {model_dir}")
+    with phase("sft"):
+        sft = train_sft(out / "data", out / "runs" / "sft", _sft_settings(settings, model_dir), overwrite=True)
+        echo(f"  {sft['global_step']} steps, loss {sft['loss_first']:.3f} → {sft['loss_last']:.3f}")
+    with phase("grpo"):
+        grpo = train_grpo(out / "data", out / "runs" / "grpo", _grpo_settings(settings, model_dir),
+                          adapter=out / "runs" / "sft" / "adapter", overwrite=True,
+                          random_weights=settings.sam_seed if settings.lambda_consistency > 0 else None)
+        last = grpo["history"][-1] if grpo["history"] else {}
+        echo("  " + f"{grpo['global_step']} steps; last step: " + ", ".join(
+            f"{k.split('/')[1]} {v:.3f}" for k, v in last.items() if k.startswith("rewards/") and k.endswith("/mean")))
+
+    from medvolcore.propagation import MedSAM2Propagator
+
+    from .rewards import ConsistencyScorer
+
+    scorer = ConsistencyScorer(MedSAM2Propagator.from_random(settings.sam_seed, image_size=64), delta=settings.delta)
+    adapters = {"untrained": None, "sft": out / "runs" / "sft" / "adapter", "grpo": out / "runs" / "grpo" / "adapter"}
+    evals = {}
+    for name in MODELS:
+        with phase(f"eval_{name}"):
+            evals[name] = evaluate_model(model_dir, adapters[name], test, settings, scorer, label=name)
+            m = evals[name]["means"]
+            echo("  " + ", ".join(f"{t} {m[t]:.3f}" for t in (*TERMS, "total")))
+    timings["total"] = round(time.perf_counter() - t_all, 1)
+
+    result = {name: {k: round(v, 4) for k, v in evals[name]["means"].items()} for name in MODELS}
+    result.update({
+        "settings": asdict(settings),
+        "timings_s": timings,
+        "data": {"cases": rows, "train_samples": len(train), "test_samples_scored": [s["id"] for s in test],
+                 "test_samples_prepared": summary["samples_by_split"]["test"],
+                 "train_labels": sorted({s["label"] for s in train}), "train_bands": TRAIN_BANDS,
+                 "test_bands": TEST_BANDS},
+        "model": {"size": settings.model, "parameters": n_params, "dir": str(model_dir)},
+        "torch_threads": torch.get_num_threads(),
+        "evaluation": {"samples_per_prompt": settings.samples_per_prompt, "temperature": settings.temperature,
+                       "top_p": settings.top_p, "top_k": settings.top_k, "constrained": False,
+                       "max_new_tokens": settings.max_completion_length, "completions_per_model": evals["sft"]["completions"],
+                       "consistency": f"MedSAM2 with seeded random weights (seed {settings.sam_seed}, 64 px), "
+                                      f"delta {settings.delta}: noise, not a measure of segmentation",
+                       "per_model": {n: {k: evals[n][k] for k in ("per_label_total", "mean_completion_tokens",
+                                                                  "examples")} for n in MODELS}},
+    })
+    result["training"] = {
+        "sft": {k: sft[k] for k in ("global_step", "seconds", "seconds_per_step", "loss_first", "loss_last",
+                                    "loss_history")},
+        "grpo": {k: grpo[k] for k in ("global_step", "seconds", "seconds_per_step", "reward_weights",
+                                      "reward_failures", "history")}}
+    result["notes"] = [
+        "Both CTs are one patient: the test split is held out by z-range of that patient (no test slice is a "
+        "training slice) and by description, not by patient.",
+        "MedSAM2 has random weights: the consistency column is computed and reported but is noise; GRPO "
+        f"trained with lambda_consistency = {settings.lambda_consistency}.",
+        "The model is a small Qwen3-VL with random initial weights built locally (no download); its answers "
+        "mean nothing outside this benchmark.",
+        f"Sampling (GRPO rollouts and evaluation, no grammar): temperature {settings.temperature}, top_p "
+        f"{settings.top_p}, top_k {settings.top_k} (the grounder's 'real' preset), {settings.samples_per_prompt} "
+        "seeded samples per test prompt, the same seeds for every model.",
+        "SFT targets use one short reasoning template (short_think_targets); no reward reads the reasoning.",
+    ] + (["--quick: a few steps only, a smoke test of the pipeline; the numbers mean nothing."] if settings.quick
+         else [])
+    from medvolcore.fileio import write_text_atomic
+
+    table = format_table(result)
+    write_text_atomic(out / "table.md", table + "\n", overwrite=True)
+    plot_curves(out / "curves.png", sft["loss_history"], grpo["history"],
+                title=f"MedVol-R1 learning benchmark ({settings.model} model, seed {settings.seed})")
+    write_text_atomic(out / RESULT, json.dumps(result, indent=1, default=_json_default) + "\n", overwrite=True)
+    echo("")
+    echo(table)
+    echo("")
+    echo("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    echo(f"wrote {out / RESULT}, {out / 'table.md'} and {out / 'curves.png'}")
+    return result
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+__all__ = ["BenchSettings", "run_benchmark", "build_cases", "build_model", "evaluate_model", "sample_completions",
+           "select_test_samples", "plot_curves", "format_table", "default_real_dir", "TRAIN_BANDS", "TEST_BANDS",
+           "MODEL_SIZES", "RESULT"]
