@@ -118,7 +118,7 @@ def test_oracle_on_real_ct_writes_table_1(oracle_sm, sm_data):
     assert float(case["iou_pct"]) == pytest.approx(100 * iou(pred, gt), abs=1e-4)
     assert float(row["custom DSC"]) == pytest.approx(100 * dice(pred, gt), abs=0.006)
     assert float(row["Average IoU"]) == pytest.approx(100 * iou(pred, gt), abs=0.006)
-    summary = json.loads((oracle_sm / "summary.json").read_text())
+    summary = json.loads((oracle_sm / "summary.json").read_text(encoding="utf-8"))
     assert summary["smoke"] and summary["cases_ok"] == 1 and summary["cases_pending"] == 0
 
 
@@ -149,24 +149,24 @@ def test_oracle_mask_is_the_repropagated_ground_truth_anchor(oracle_crop, crop_d
 def test_resume_skips_finished_cases(oracle_crop, tmp_path, capsys, count_propagations):
     out = tmp_path / "EVAL"
     shutil.copytree(oracle_crop, out)
-    before = (out / "table.csv").read_text()
-    data = json.loads((out / "settings.json").read_text())["settings"]["data"]
+    before = (out / "table.csv").read_text(encoding="utf-8")
+    data = json.loads((out / "settings.json").read_text(encoding="utf-8"))["settings"]["data"]
     rc, stdout, _ = run_cli(["--data", data, "--out", out, *ORACLE], capsys)
     assert rc == 0 and count_propagations == [] and "2 already done" in stdout
     next((out / "cases").glob("crop_spleen-*.json")).unlink()
     rc, stdout, _ = run_cli(["--data", data, "--out", out, *ORACLE], capsys)
     assert rc == 0 and len(count_propagations) == 1 and "1 already done" in stdout
-    assert (out / "table.csv").read_text() == before
+    assert (out / "table.csv").read_text(encoding="utf-8") == before
 
 
 def test_shards_into_one_folder_give_the_single_run_table(oracle_crop, crop_data, tmp_path, capsys):
     out = tmp_path / "SHARDS"
     rc, stdout, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "1/2", *ORACLE], capsys)
     assert rc == 0 and "partial: 1 of 2" in stdout
-    assert "Partial" in (out / "table.md").read_text()
+    assert "Partial" in (out / "table.md").read_text(encoding="utf-8")
     rc, _, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "0/2", *ORACLE], capsys)
     assert rc == 0
-    assert (out / "table.csv").read_text() == (oracle_crop / "table.csv").read_text()
+    assert (out / "table.csv").read_text(encoding="utf-8") == (oracle_crop / "table.csv").read_text(encoding="utf-8")
 
     def no_time(rows):
         return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
@@ -174,7 +174,7 @@ def test_shards_into_one_folder_give_the_single_run_table(oracle_crop, crop_data
     assert no_time(read_csv(out / "cases.csv")) == no_time(read_csv(oracle_crop / "cases.csv"))
     (out / "table.csv").unlink()
     rc, _, _ = run_cli(["--out", out, "--aggregate-only"], capsys)
-    assert rc == 0 and (out / "table.csv").read_text() == (oracle_crop / "table.csv").read_text()
+    assert rc == 0 and (out / "table.csv").read_text(encoding="utf-8") == (oracle_crop / "table.csv").read_text(encoding="utf-8")
 
 
 def test_grounder_mode_records_rows_and_counts_failures(crop_data, tmp_path, monkeypatch):
@@ -209,7 +209,7 @@ def test_grounder_mode_records_rows_and_counts_failures(crop_data, tmp_path, mon
     sample = load_samples(crop_data, "test")[0]
     k = int(ok["pred_slice"])
     assert int(ok["hit"]) == int(sample["slice_areas"][k] > 0)
-    details = json.loads(next((out / "cases").glob(f"{case_key(sample['id'])}.json")).read_text())["details"]
+    details = json.loads(next((out / "cases").glob(f"{case_key(sample['id'])}.json")).read_text(encoding="utf-8"))["details"]
     answer = parsed(details["raw_text"])
     assert answer is not None and answer.slice == k
     gt_boxes = sample["gt_boxes_norm"].get(str(k), [])
@@ -217,7 +217,7 @@ def test_grounder_mode_records_rows_and_counts_failures(crop_data, tmp_path, mon
     # the failed case enters the mean as 0, and the table says so
     assert s["per_dataset"]["custom"]["dsc_pct"] == pytest.approx(float(ok["dsc_pct"]) / 2, abs=1e-3)
     assert s["cases_failed"] == 1 and s["hit_rate_pct"] == pytest.approx(50.0 * float(ok["hit"]))
-    md = (out / "table.md").read_text()
+    md = (out / "table.md").read_text(encoding="utf-8")
     assert "tiny → MedSAM2" in md and "numbers are meaningless" in md and "count as DSC = IoU = 0" in md
     (row,) = read_csv(out / "table.csv")
     assert row["Failed"] == "1" and row["Cases"] == "2/2"
@@ -269,18 +269,18 @@ def test_case_errors_are_excluded_and_retried(crop_data, tmp_path, monkeypatch):
 def test_bad_arguments_are_one_line_errors(args, words, oracle_sm, sm_data, capsys, count_propagations):
     base = ["--data", sm_data, "--out", oracle_sm, "--oracle", "--preset", "tiny", "--random-weights", "0",
             "--no-progress"]
-    before = (oracle_sm / "settings.json").read_text()
+    before = (oracle_sm / "settings.json").read_text(encoding="utf-8")
     rc, out, err = run_cli(base + args, capsys)
     assert rc == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("medvol-train: error:") and words in err
-    assert count_propagations == [] and (oracle_sm / "settings.json").read_text() == before
+    assert count_propagations == [] and (oracle_sm / "settings.json").read_text(encoding="utf-8") == before
 
 
 def test_a_split_without_samples_is_refused(sm_data, tmp_path, capsys):
     data = tmp_path / "TRAIN_ONLY"
     data.mkdir()
-    lines = (sm_data / "samples.jsonl").read_text().splitlines()
-    (data / "samples.jsonl").write_text("\n".join(l for l in lines if json.loads(l)["split"] == "train") + "\n")
+    lines = (sm_data / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    (data / "samples.jsonl").write_text("\n".join(l for l in lines if json.loads(l)["split"] == "train") + "\n", encoding="utf-8")
     rc, _, err = run_cli(["--data", data, "--out", tmp_path / "E", *ORACLE], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "has no test samples (3 train, 0 test)" in err
     assert not (tmp_path / "E").exists()
@@ -299,7 +299,7 @@ def test_table_columns_follow_the_paper_and_average_datasets_equally(tmp_path):
         row = {"id": sid, "dataset": code, "status": status, "dsc_pct": dsc, "iou_pct": dsc and dsc / 2,
                "hit": 1, "box_iou": 0.5, "axial_score": 1.0, "seconds": 1.0}
         (tmp_path / "cases").mkdir(exist_ok=True)
-        (tmp_path / "cases" / f"{case_key(sid)}.json").write_text(json.dumps({"fingerprint": fp, "row": row}))
+        (tmp_path / "cases" / f"{case_key(sid)}.json").write_text(json.dumps({"fingerprint": fp, "row": row}), encoding="utf-8")
     samples = [{"id": r[0]} for r in rows] + [{"id": "pending"}]
     s = aggregate(samples, tmp_path, settings, fp)
     (table,) = read_csv(tmp_path / "table.csv")
@@ -310,8 +310,8 @@ def test_table_columns_follow_the_paper_and_average_datasets_equally(tmp_path):
     assert table["Average DSC"] == "55.00" and s["average"]["dsc_pct"] == pytest.approx((60 + 90 + 40 + 30) / 4)
     assert table["Hit rate (%)"] == "80.00" and table["Box IoU (%)"] == "40.00"  # 4 ok of 5 scored
     assert (table["Cases"], table["Failed"], table["Errors"]) == ("6/7", "1", "1")
-    assert s["cases_pending"] == 1 and "Partial" in (tmp_path / "table.md").read_text()
-    assert "numbers are meaningless" in (tmp_path / "table.md").read_text()
+    assert s["cases_pending"] == 1 and "Partial" in (tmp_path / "table.md").read_text(encoding="utf-8")
+    assert "numbers are meaningless" in (tmp_path / "table.md").read_text(encoding="utf-8")
 
 
 def test_a_ct_that_no_longer_matches_the_prepared_set_is_refused(sm_data, tmp_path):

@@ -53,7 +53,7 @@ def prepared(tmp_path_factory, ct_path, seg_path, ct_sm_path, seg_sm_path):
 
 def test_prepare_reports_each_bad_row_and_keeps_the_rest(prepared):
     _, out = prepared
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     reasons = {(s["case"], s.get("target")): s["reason"] for s in summary["skipped"]}
     assert reasons == {("full", "brain"): "unknown_label", ("upper", "urinary_bladder"): "unknown_label",
                        ("wrong_shape", None): "shape_mismatch", ("wrong_affine", None): "affine_mismatch",
@@ -87,14 +87,14 @@ def test_prepared_sample_holds_what_sft_and_the_rewards_need(prepared, ct_path, 
 def test_prepare_resumes_finished_cases_and_is_deterministic(prepared, tmp_path):
     manifest, out = prepared
     before = {p: p.stat().st_mtime_ns for p in (out / "cases").rglob("*.npz")}
-    index = (out / "samples.jsonl").read_text()
+    index = (out / "samples.jsonl").read_text(encoding="utf-8")
     summary = prepare(manifest, out, PrepareSettings(seed=5), workers=1, progress=False)
     assert summary["cases_resumed"] == 2
     assert {p: p.stat().st_mtime_ns for p in (out / "cases").rglob("*.npz")} == before
-    assert (out / "samples.jsonl").read_text() == index
+    assert (out / "samples.jsonl").read_text(encoding="utf-8") == index
     fresh = prepare(manifest, tmp_path / "again", PrepareSettings(seed=5), workers=1, progress=False)
     assert fresh["cases_resumed"] == 0
-    assert (tmp_path / "again" / "samples.jsonl").read_text().replace(str(tmp_path / "again"), "") == \
+    assert (tmp_path / "again" / "samples.jsonl").read_text(encoding="utf-8").replace(str(tmp_path / "again"), "") == \
         index.replace(str(out), "")
     assert not [p for p in out.rglob("*") if ".part" in p.name]  # no temporary files left
 
@@ -151,7 +151,7 @@ def test_csv_manifest_with_dataset_code(tmp_path, ct_sm_path, seg_sm_path):
     (tmp_path / "cases.csv").write_text(
         "id,volume,labels,dataset,split\n"
         f"c1,{ct_sm_path},{seg_sm_path},0003,train\n"
-        f"c2,{ct_sm_path},{seg_sm_path},9999,train\n")
+        f"c2,{ct_sm_path},{seg_sm_path},9999,train\n", encoding="utf-8")
     summary = prepare(tmp_path / "cases.csv", tmp_path / "D", workers=1, progress=False)
     ids = [s["id"] for s in load_samples(tmp_path / "D")]
     assert ids == ["c1/liver", "c1/kidney", "c1/spleen", "c1/pancreas"]
@@ -174,7 +174,7 @@ def _write_m3d(root: Path, code: str, cases: dict) -> None:
         fname = f"mask_({shape[0]}, {shape[1]}, {shape[2]}, {shape[3]}).npz"
         sparse.save_npz(d / fname, sparse.csr_matrix(channels.reshape(shape[0], -1).astype(np.uint8)))
         split[which].append({"image": f"{code}/{name}/image.npy", "label": f"{code}/{name}/{fname}"})
-    (root / code / f"{code}.json").write_text(json.dumps(split))
+    (root / code / f"{code}.json").write_text(json.dumps(split), encoding="utf-8")
 
 
 def test_m3dseg_folder_to_samples_with_relational_test_queries(tmp_path, caplog):
@@ -192,9 +192,9 @@ def test_m3dseg_folder_to_samples_with_relational_test_queries(tmp_path, caplog)
     bad.mkdir()
     np.save(bad / "image.npy", img[None])
     (bad / "mask_(3, 40, 48, 20).npz").write_bytes(b"not an npz")
-    sp = json.loads((tmp_path / "M3D_Seg" / "0004" / "0004.json").read_text())
+    sp = json.loads((tmp_path / "M3D_Seg" / "0004" / "0004.json").read_text(encoding="utf-8"))
     sp["train"].append({"image": "0004/case_00003/image.npy", "label": "0004/case_00003/mask_(3, 40, 48, 20).npz"})
-    (tmp_path / "M3D_Seg" / "0004" / "0004.json").write_text(json.dumps(sp))
+    (tmp_path / "M3D_Seg" / "0004" / "0004.json").write_text(json.dumps(sp), encoding="utf-8")
 
     assert main(["m3dseg-manifest", "--root", str(tmp_path / "M3D_Seg"), "--code", "0004", "--out",
                  str(tmp_path / "cases.jsonl")]) == 0

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 
 def test_sft_lowers_the_loss_and_logs_loss_and_lr(sft_run):
-    report = json.loads((sft_run / "training.json").read_text())
+    report = json.loads((sft_run / "training.json").read_text(encoding="utf-8"))
     steps = [h["step"] for h in report["loss_history"]]
     assert steps == [1, 2, 3, 4] and report["global_step"] == 4
     losses = [h["loss"] for h in report["loss_history"]]
@@ -45,7 +45,7 @@ def test_adapter_loads_back_through_the_grounder_and_changes_its_output(sft_run,
     from medvolcore.volume import load_volume
 
     adapter = sft_run / "adapter"
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
     assert cfg["r"] == 128 and cfg["lora_alpha"] == 256
     with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
@@ -72,12 +72,12 @@ def test_resume_continues_from_the_saved_step(sft_run, sm_data, tmp_path):
     rc = main(["sft", "--data", str(sm_data), "--output", str(run), "--preset", "tiny", "--max-steps", "5",
                "--resume", *SFT_OVERRIDES])
     assert rc == 0
-    report = json.loads((run / "training.json").read_text())
+    report = json.loads((run / "training.json").read_text(encoding="utf-8"))
     assert report["resumed_from"].endswith("checkpoint-2") and report["global_step"] == 5
-    original = json.loads((sft_run / "training.json").read_text())["loss_history"]
+    original = json.loads((sft_run / "training.json").read_text(encoding="utf-8"))["loss_history"]
     assert [h["step"] for h in report["loss_history"]] == [1, 2, 3, 4, 5]
     assert report["loss_history"][:2] == original[:2]  # steps 1-2 come from the checkpoint, not run again
-    state = json.loads((run / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
+    state = json.loads((run / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text(encoding="utf-8"))
     assert state["global_step"] == 2
 
 
@@ -87,19 +87,19 @@ def test_defaults_are_the_papers_and_the_yaml_spells_them_out():
             s.warmup_ratio, s.lr_scheduler_type, s.bf16, s.gradient_checkpointing, s.preset) == \
         (128, 2e-5, 1.0, 2, "adamw_torch", 0.1, "cosine", "auto", True, "medvol-r1")
     assert load_settings(str(REPO / "Training" / "configs" / "sft.yaml")) == s
-    data = yaml.safe_load((REPO / "Training" / "configs" / "sft.yaml").read_text())
+    data = yaml.safe_load((REPO / "Training" / "configs" / "sft.yaml").read_text(encoding="utf-8"))
     assert set(data) == set(s.to_dict())
 
 
 def test_config_layers_and_errors(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("learning_rate: 1.0e-4\nmax_steps: 10\nlora_scope: language+vision\n")
+    cfg.write_text("learning_rate: 1.0e-4\nmax_steps: 10\nlora_scope: language+vision\n", encoding="utf-8")
     s = load_settings(str(cfg), parse_overrides(["max_steps=3", "save_total_limit=null", "bf16=false"]), preset="tiny")
     assert (s.learning_rate, s.max_steps, s.lora_scope, s.preset, s.save_total_limit, s.bf16) == \
         (1e-4, 3, "language+vision", "tiny", None, False)
     with pytest.raises(ConfigError, match=r"unknown setting\(s\) lora_rank .*valid keys: preset, model_path, lora_r,"):
         load_settings(None, {"lora_rank": "8"})
-    cfg.write_text("learning_rat: 1\n")
+    cfg.write_text("learning_rat: 1\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="learning_rat in .*c.yaml; valid keys"):
         load_settings(str(cfg))
     with pytest.raises(ConfigError, match="lora_r must be int, got 'big'"):
@@ -108,7 +108,7 @@ def test_config_layers_and_errors(tmp_path):
         load_settings(None, {"lora_scope": "everything"})
     with pytest.raises(ConfigError, match="not key=value"):
         parse_overrides(["learning_rate"])
-    cfg.write_text("[1, 2\n")
+    cfg.write_text("[1, 2\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_settings(str(cfg))
 
@@ -116,7 +116,7 @@ def test_config_layers_and_errors(tmp_path):
 def test_a_base_model_that_is_not_qwen3_vl_is_refused(sm_data, tmp_path, capsys):
     folder = tmp_path / "llama"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}), encoding="utf-8")
     from medvoltrain.sft import resolve_model_dir
 
     with pytest.raises(ModelError, match="holds a llama model .*needs model_type 'qwen3_vl'"):
