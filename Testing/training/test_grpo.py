@@ -16,7 +16,7 @@ from medvoltrain.cli import main
 from medvoltrain.config import GRPOSettings, load_settings
 from medvoltrain.errors import ConfigError
 from medvoltrain.prepare import load_samples
-from medvoltrain.rewards import TERMS, ConsistencyScorer, RewardFunctions, parsed
+from medvoltrain.rewards import TERMS, ConsistencyScorer, RewardFunctions
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
