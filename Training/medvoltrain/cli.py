@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0, help="seed of the cases, queries, training and sampling (default 0)")
     sp.add_argument("--quick", action="store_true", help="a few steps on the tiny model: a smoke test, not a result")
     sp.add_argument("--overwrite", action="store_true", help="run again in a DIR that holds a benchmark")
-    sp.add_argument("--model", choices=["tiny", "bench"], help="model size: tiny (default, the tiny preset's sizes) or bench (wider and deeper)")
+    sp.add_argument("--model", choices=["tiny", "bench"],
+                    help="model size: tiny (default, the tiny preset's sizes) or bench (wider and deeper)")
     sp.add_argument("--sft-steps", type=int, help="SFT optimiser steps")
     sp.add_argument("--sft-lr", type=float, help="SFT learning rate (LoRA)")
     sp.add_argument("--grpo-steps", type=int, help="GRPO optimiser steps (one prompt, G rollouts each)")
