@@ -189,8 +189,13 @@ def _imports():
     return torch
 
 
-def build_tokenizer():
-    """The tiny byte-level BPE tokenizer as a ``PreTrainedTokenizerFast`` (deterministic)."""
+def build_tokenizer(corpus=None, vocab_size: int = BPE_VOCAB_SIZE):
+    """The tiny byte-level BPE tokenizer as a ``PreTrainedTokenizerFast`` (deterministic).
+
+    ``corpus`` (texts) and ``vocab_size`` replace the built-in training text and the 640 merges:
+    the same pre-tokenizer, byte alphabet, special tokens and chat template, a larger vocabulary
+    learnt from other text (the learning benchmark trains one on its training split).
+    """
     _imports()
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -201,9 +206,9 @@ def build_tokenizer():
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, min_frequency=2, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(list(corpus) if corpus is not None else _CORPUS * 4, trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
     hf = PreTrainedTokenizerFast(

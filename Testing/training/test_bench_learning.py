@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from medvoltrain.bench_learning import (MODELS, TERMS, TEST_BANDS, TRAIN_BANDS, BenchSettings, build_cases,
-                                        select_test_samples)
+                                        build_model, select_test_samples, tokenizer_corpus)
 from medvoltrain.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -35,6 +37,24 @@ def test_quick_run_writes_three_models_and_the_curves(tmp_path, real_dir):
     assert result["evaluation"]["constrained"] is False
     assert result["training"]["grpo"]["reward_weights"] == {"format": 1.0, "axial": 1.0, "box": 1.0}
     assert result["training"]["grpo"]["reward_failures"] == {}
+    # the SFT and GRPO adapters carry the fully trained embeddings and head beside the LoRA
+    from safetensors.torch import load_file
+
+    base = load_file(str(out / "model" / "model.safetensors"))
+    emb = [k for k in base if k.endswith("embed_tokens.weight")][0]
+    tuned = {}
+    for stage in ("sft", "grpo"):
+        cfg = json.loads((out / "runs" / stage / "adapter" / "adapter_config.json").read_text(encoding="utf-8"))
+        assert sorted(cfg["modules_to_save"]) == ["embed_tokens", "lm_head"]
+        weights = load_file(str(out / "runs" / stage / "adapter" / "adapter_model.safetensors"))
+        keys = [k for k in weights if "embed_tokens" in k]
+        assert len(keys) == 1 and any("lm_head" in k for k in weights) and any("lora_A" in k for k in weights)
+        tuned[stage] = weights[keys[0]]
+        assert tuned[stage].shape == base[emb].shape and not np.allclose(tuned[stage].numpy(), base[emb].numpy())
+    # the bench model's processor and vision tower agree on the patch (32: 16 tokens per 256 x 256 slice)
+    pre = json.loads((out / "model" / "preprocessor_config.json").read_text(encoding="utf-8"))
+    conf = json.loads((out / "model" / "config.json").read_text(encoding="utf-8"))
+    assert pre["patch_size"] == conf["vision_config"]["patch_size"] == result["settings"]["image_patch"] == 32
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     from PIL import Image
@@ -96,3 +116,21 @@ def test_held_out_z_ranges_and_descriptions_are_disjoint_from_training(tmp_path,
         assert not ({s["query"] for s in te if s["label"] == label} & {s["query"] for s in tr})
     picked = select_test_samples(te, 13)
     assert len({s["label"] for s in picked}) == 13  # round-robin: every label scored
+
+    # the benchmark's tokenizer learns its vocabulary from the training text only
+    corpus = tokenizer_corpus(tr)
+    text = "\n".join(corpus)
+    assert all(s["query"] in text for s in tr) and all(s["target"] in text for s in tr)
+    assert not any(d in text for d in test_desc)
+    tok = AutoTokenizer.from_pretrained(build_model(tmp_path / "model", "tiny", corpus, vocab_size=2048))
+    words = {w.lstrip("Ġ") for w in tok.get_vocab()}
+    assert {"liver", "kidney", "bile", "describes"} <= words  # whole words of the training text are tokens
+    unseen = [w for d in test_desc for w in re.findall(r"[a-z]{6,}", d.lower()) if w not in text.lower()]
+    assert unseen and not any(w in words for w in unseen)  # a word only a test description has is not
+    digits = tok.tokenize(" 1000")
+    assert digits == ["Ġ", "1", "0", "0", "0"]  # digits stay single tokens, as in Qwen
+    from medvolcore import tiny
+
+    base = tiny.build_tokenizer()  # the special tokens keep their names and order
+    assert [tok.convert_tokens_to_ids(t) - len(tok) for t in tiny.SPECIAL_TOKENS] == \
+        [base.convert_tokens_to_ids(t) - len(base) for t in tiny.SPECIAL_TOKENS]

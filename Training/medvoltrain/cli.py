@@ -122,7 +122,8 @@ def cmd_bench_learning(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
     knobs = {k: getattr(args, k) for k in ("model", "sft_steps", "sft_lr", "grpo_steps", "grpo_lr", "num_generations",
                                            "beta", "lambda_consistency", "delta", "samples_per_prompt",
-                                           "max_test_samples", "train_cases", "test_cases", "threads")
+                                           "max_test_samples", "train_cases", "test_cases", "threads", "vocab_size",
+                                           "image_patch")
              if getattr(args, k) is not None}
     settings = (BenchSettings.quick_settings if args.quick else BenchSettings)(seed=args.seed, **knobs)
     result = run_benchmark(args.out, real_dir=args.real_dir, settings=settings, overwrite=args.overwrite,
@@ -249,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--train-cases", type=int, help="augmented training crops")
     sp.add_argument("--test-cases", type=int, help="augmented test crops")
     sp.add_argument("--threads", type=int, help="torch threads (default 1: robust on a shared CPU; 0 = torch's choice)")
+    sp.add_argument("--vocab-size", type=int,
+                    help="BPE vocabulary learnt from the training text (default 2048; 0: the tiny preset's tokenizer)")
+    sp.add_argument("--image-patch", type=int, choices=[16, 32, 64],
+                    help="vision patch of the bench model (default 32: 16 tokens per slice; 16 as the tiny preset)")
     return p
 
 

@@ -31,6 +31,14 @@ class ModelSettings:
     lora_alpha: int = 256  # 2·r: the usual choice at this rank; keeps the update scale alpha/r = 2 at lr 2e-5
     lora_dropout: float = 0.05
     lora_scope: str = "language"  # every linear layer of the language model; "language+vision" adds the vision tower
+    # modules trained in full beside the LoRA and saved in the adapter (PEFT's modules_to_save), comma-separated,
+    # e.g. "embed_tokens,lm_head"; empty (the paper's recipe): none. Meant for small models trained from random
+    # weights (the learning benchmark): for Qwen3-VL-4B it would store 2 × 151k × 2560 weights in the adapter.
+    lora_modules_to_save: str = ""
+
+    def modules_to_save(self) -> Optional[list]:
+        names = [n.strip() for n in str(self.lora_modules_to_save or "").split(",") if n.strip()]
+        return names or None
 
 
 @dataclass

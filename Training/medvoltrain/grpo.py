@@ -178,7 +178,7 @@ def _policy(grounder, adapter, settings: GRPOSettings):
         return grounder.model, LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha,
                                           lora_dropout=settings.lora_dropout,
                                           target_modules=lora_target_modules(settings.lora_scope), bias="none",
-                                          task_type="CAUSAL_LM")
+                                          modules_to_save=settings.modules_to_save(), task_type="CAUSAL_LM")
     from medvolcore import models
 
     folder = models.check_adapter_dir(adapter)

@@ -188,7 +188,7 @@ def train_sft(data_dir, run_dir, settings: SFTSettings, resume: bool = False, ov
     collator = GrounderSFTCollator(grounder)
     peft_config = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
                              target_modules=lora_target_modules(settings.lora_scope), bias="none",
-                             task_type="CAUSAL_LM")
+                             modules_to_save=settings.modules_to_save(), task_type="CAUSAL_LM")
     run.mkdir(parents=True, exist_ok=True)
     args = _sft_config(settings, run, bf16)
     from trl import SFTTrainer
