@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from medvoltrain.bench_learning import (MODELS, TERMS, TEST_BANDS, TRAIN_BANDS, BenchSettings, build_cases,
-                                        build_model, select_test_samples, tokenizer_corpus)
+                                        build_model, label_prior_box, select_test_samples, tokenizer_corpus)
 from medvoltrain.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -61,7 +61,9 @@ def test_quick_run_writes_three_models_and_the_curves(tmp_path, real_dir):
 
     with Image.open(out / "curves.png") as im:
         assert im.size == (1100, 420)
-    assert "| grpo |" in (out / "table.md").read_text(encoding="utf-8")
+    table = (out / "table.md").read_text(encoding="utf-8")
+    assert "| grpo |" in table and "Content-blind reference" in table
+    assert 0.0 <= result["reference"]["label_prior_box"] <= 1.0
     assert seconds < 240, f"--quick took {seconds:.0f} s"  # ~60 s on an idle 2-core CPU
     # nothing is replaced without --overwrite
     assert main(["bench-learning", "--out", str(out), "--real-dir", str(real_dir), "--quick"]) == 2
@@ -134,3 +136,26 @@ def test_held_out_z_ranges_and_descriptions_are_disjoint_from_training(tmp_path,
     base = tiny.build_tokenizer()  # the special tokens keep their names and order
     assert [tok.convert_tokens_to_ids(t) - len(tok) for t in tiny.SPECIAL_TOKENS] == \
         [base.convert_tokens_to_ids(t) - len(base) for t in tiny.SPECIAL_TOKENS]
+
+
+def _sample(label, key, boxes, gt=None):
+    return {"label": label, "target_info": {"slice": key, "boxes_norm": boxes},
+            "gt_boxes_norm": {str(key): gt if gt is not None else boxes}}
+
+
+def test_label_prior_box_is_the_mean_training_box_scored_on_the_true_key_slice():
+    train = [_sample("a", 0, [[0, 0, 100, 100]]), _sample("a", 3, [[0, 0, 300, 300]]),
+             _sample("a", 1, [[0, 0, 10, 10], [500, 500, 600, 600]]),  # the rarer box count is left out
+             _sample("b", 2, [[0, 0, 100, 100], [200, 200, 300, 300]]),
+             _sample("b", 0, [[100, 100, 200, 200], [300, 300, 400, 400]])]
+    # label a's prior is [0, 0, 200, 200]; label b's [[50, 50, 150, 150], [250, 250, 350, 350]]
+    test = [_sample("a", 4, [[0, 0, 200, 200]]),  # IoU 1
+            _sample("a", 2, [[0, 0, 100, 100]]),  # IoU 0.25
+            _sample("b", 5, [[50, 50, 150, 150]]),  # one of two boxes matched: 1 / max(2, 1)
+            _sample("c", 0, [[0, 0, 10, 10]])]  # never seen in training: 0
+    assert label_prior_box(train, test) == pytest.approx((1.0 + 0.25 + 0.5 + 0.0) / 4)
+    # scored on each test sample's own key slice, not on the slice the training samples used
+    shifted = [{"label": "a", "target_info": {"slice": 7, "boxes_norm": [[0, 0, 200, 200]]},
+                "gt_boxes_norm": {"7": [[0, 0, 200, 200]], "4": [[800, 800, 900, 900]]}}]
+    assert label_prior_box(train, shifted) == pytest.approx(1.0)
+    assert label_prior_box(train, []) == 0.0
