@@ -18,10 +18,11 @@ What it does (all inside ``DIR``)
    nearest training slice, so the test asks for the same organs on slices the model has not seen
    *between* slices it has. (Two wide test bands, ``[22, 36)`` and ``[76, 92)``, were tried first:
    there the organs' shapes are ones no training slab shows, and the SFT box reward on them was
-   0.04 against 0.15 on the same model's training crops; see ``Training/README.md``.) It is held out
-   by **description** as well (:class:`~medvoltrain.queries.QueryBank`: test queries use only the
-   held-out descriptions of each label). Targets are organs present in both splits: liver, spleen, kidneys (right, left,
-   both), gallbladder, stomach, pancreas, duodenum, aorta, inferior vena cava, urinary bladder and
+   0.03–0.05 for every variant tried, against up to 0.15 on training crops; see
+   ``Training/README.md``.) It is held out by **description** as well
+   (:class:`~medvoltrain.queries.QueryBank`: test queries use only the held-out descriptions of each
+   label). Targets are organs present in both splits: liver, spleen, kidneys (right, left, both),
+   gallbladder, stomach, pancreas, duodenum, aorta, inferior vena cava, urinary bladder and
    sacrum, with TotalSegmentator ids from the shared crosswalk.
 3. ``prepare`` (``DIR/data``; Top-1 key slice), the SFT targets' reasoning shortened to one
    template (:func:`short_think_targets`) → ``train_sft`` (``DIR/runs/sft``) → ``train_grpo`` from the
