@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Create ``.venv`` at the repository root and install everything MedVol needs into it.
 
-    python3 MedVolCore/bootstrap.py [--torch auto|cpu|cuda|keep] [--no-dev] [--venv PATH]
+    python3 MedVolCore/bootstrap.py [--torch auto|cpu|cuda|keep] [--no-dev] [--no-training]
+                                    [--no-slicer-core] [--venv PATH]
 
 Steps, each skipped when already satisfied, so running it again is cheap:
 
@@ -13,7 +14,12 @@ Steps, each skipped when already satisfied, so running it again is cheap:
 4. install ``sam2==1.1.0`` the way ARCHITECTURE.md says: ``SAM2_BUILD_CUDA=0``, ``--no-deps``,
    ``--no-build-isolation`` (its metadata asks for torchvision, which we do not need);
 5. install ``medvoltrain`` (editable, from ``Training/``: TRL, PEFT, accelerate, datasets,
-   TensorBoard) unless ``--no-training`` is given.
+   TensorBoard) unless ``--no-training`` is given;
+6. install ``slicer-core`` (3D Slicer's non-Qt libraries as a wheel: MRML scene, volume,
+   segmentation and markups nodes, storage nodes, module logics; it brings its own ``vtk``) so
+   ``Testing/slicer_mrml`` runs the Slicer module's logic against real MRML, unless
+   ``--no-slicer-core`` is given. It is for the tests only: inside Slicer these libraries are
+   Slicer's own.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SAM2_SPEC = "sam2==1.1.0"
 # sam2's runtime needs (its own metadata also names torchvision, which we skip).
 SAM2_RUNTIME = ["hydra-core>=1.3.2", "iopath>=0.1.10", "pillow>=9.0", "tqdm>=4.66"]
+# Slicer's core libraries for the real-MRML test tier. PyPI has no wheel of Slicer 5.10 itself
+# (the module's minimum); 5.11 onwards keep the MRML and module-logic APIs the module uses.
+SLICER_CORE_SPEC = "slicer-core>=5.11,<6"
 
 
 def log(msg: str) -> None:
@@ -121,6 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dev", action="store_true", help="skip the test tools (pytest, psutil)")
     ap.add_argument("--no-training", action="store_true",
                     help="skip the training package (medvoltrain: TRL, accelerate, datasets, TensorBoard)")
+    ap.add_argument("--no-slicer-core", action="store_true",
+                    help="skip slicer-core (3D Slicer's MRML libraries, about 190 MB; only Testing/slicer_mrml needs it)")
     args = ap.parse_args(argv)
 
     venv = Path(args.venv)
@@ -143,8 +154,18 @@ def main(argv=None) -> int:
     if not args.no_training and (training / "pyproject.toml").exists():
         run([py, "-m", "pip", "install", "--quiet", "-e", str(training)])
 
+    if not args.no_slicer_core:
+        if sys.version_info < (3, 10):
+            log("slicer-core needs Python 3.10 or newer; skipped (Testing/slicer_mrml will be skipped)")
+        elif has_module(py, "slicer-core"):
+            log(f"slicer-core {has_module(py, 'slicer-core')} already installed")
+        else:
+            run([py, "-m", "pip", "install", "--quiet", SLICER_CORE_SPEC])
+
     # Smoke check: the engine imports and sam2 builds its config without torchvision.
     run([py, "-c", "import medvolcore, sam2.build_sam; print('medvolcore', medvolcore.__version__, 'ready')"])
+    if not args.no_slicer_core and has_module(py, "slicer-core"):
+        run([py, "-c", "import slicer; slicer.vtkMRMLScene(); print('slicer-core MRML ready')"])
     log(f"done. Activate with: source {venv}/bin/activate   (or run {py} directly)")
     return 0
 

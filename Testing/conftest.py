@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# The real-MRML tier puts Slicer's own `slicer` package and stand-ins for its Qt parts into
+# sys.modules, so it runs in a pytest process of its own: `pytest Testing/slicer_mrml`.
+collect_ignore = ["slicer_mrml"]
+
 REPO = Path(__file__).resolve().parent.parent
 REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO.parent / "shared" / "data" / "real"))
 TS = REAL / "totalsegmentator"
