@@ -5,8 +5,11 @@
     Slicer --no-main-window --python-script MedVolR1Slicer/batch.py --manifest jobs.csv --output-dir out/
 
 A manifest is CSV (header ``input,query[,output]``) or JSON Lines (``{"input", "query",
-"output"?}``); relative paths are relative to the manifest. Outputs are segmentation files
-(``.seg.nrrd``) or label maps (``.nii.gz``/``.nrrd``), never overwritten without ``--overwrite``.
+"output"?}``); relative paths are relative to the manifest. Inputs are volume files (NIfTI,
+NRRD, MetaImage…) or DICOM series folders, which only Slicer's DICOM module loads (one series
+per folder; a single DICOM file is refused rather than read as if it were the whole series).
+Outputs are segmentation files (``.seg.nrrd``) or label maps (``.nii.gz``/``.nii``/``.nrrd``),
+never overwritten without ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="Slicer --no-main-window --python-script MedVolR1Slicer/batch.py",
         description="Segment CTs from free-form queries with MedVol-R1, headless in Slicer.")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", help="a CT volume file (NIfTI, NRRD, MHA, or a DICOM series folder)")
+    src.add_argument("--input", help="a CT volume file (NIfTI, NRRD, MHA) or a folder holding one DICOM series")
     src.add_argument("--manifest", help="CSV or JSONL with input, query and optional output per row")
     ap.add_argument("--query", help="the clinical query (with --input)")
     ap.add_argument("--output", help="output file (with --input): .seg.nrrd, .nii.gz or .nrrd")
@@ -148,6 +151,45 @@ def check_outputs(jobs: Sequence[BatchJob], overwrite: bool) -> None:
     if existing:
         more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
         raise BatchError(f"{existing[0]} exists{more}; pass --overwrite to replace")
+
+
+def is_dicom_file(path: Path) -> bool:
+    """True for a DICOM Part 10 file (``DICM`` after the 128-byte preamble)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(132)
+    except OSError:
+        return False
+    return len(head) == 132 and head[128:] == b"DICM"
+
+
+def input_kind(path: Path) -> str:
+    """``"file"`` for a volume file, ``"dicom_folder"`` for a folder holding DICOM files.
+
+    Raises :class:`BatchError` for a path that does not exist, a folder with no DICOM file in
+    it, and a single DICOM file: one file is one slice, and reading it "as the series" would
+    silently pick whatever else lies in its folder; the folder is what the user must name.
+    """
+    p = Path(path)
+    if p.is_dir():
+        if any(f.is_file() and is_dicom_file(f) for f in sorted(p.iterdir())):
+            return "dicom_folder"
+        raise BatchError(f"{p} is a folder without DICOM files; give a volume file or a folder holding one DICOM series")
+    if not p.is_file():
+        raise BatchError(f"input {p} does not exist")
+    if is_dicom_file(p):
+        raise BatchError(f"{p} is a single DICOM file; give the folder that holds its series (one series per folder)")
+    return "file"
+
+
+def check_inputs(jobs: Sequence[BatchJob]) -> None:
+    """Every input exists (checked before any case runs, so a typo costs no model loading)."""
+    missing = [j for j in jobs if not j.input.exists()]
+    if missing:
+        j = missing[0]
+        where = f" (row {j.row})" if j.row else ""
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise BatchError(f"input {j.input}{where} does not exist{more}")
 
 
 def anchor_path(anchor_dir: Path, job: BatchJob) -> Path:

@@ -13,17 +13,24 @@ which the widget shows in one dialog and runs only after the user agrees. Rules:
 * ``medvolcore`` comes from the copy the extension carries (a wheel next to this Lib, or the
   ``MedVolCore`` folder of a source checkout).
 
+* the local worker needs **3D Slicer 5.10 or newer** (its Python, 3.12): transformers 5 and
+  sam2 1.1.0 do not install on the Python 3.9 of Slicer 5.8 and older, so on those the plan
+  installs nothing and offers the remote worker instead (:attr:`InstallPlan.remote_only`).
+
 Weights are separate: :func:`download_command` runs ``medvol models download`` with progress and
-:func:`import_hint` tells offline users how to import a folder instead.
+:func:`import_hint` tells offline users how to import a folder instead; :func:`wait_for_process`
+is the loop that waits for it without spinning.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 LIB_DIR = Path(__file__).resolve().parent
 MODULE_DIR = LIB_DIR.parent
@@ -79,6 +86,8 @@ class Requirement:
 class Dependencies:
     requirements: List[Requirement]
     slicer_ships: List[str]
+    python_floor: str = "3.10"  # the oldest Python the packages install on
+    slicer_floor: str = "5.10"  # the oldest Slicer we support (the first with such a Python)
 
 
 def load_dependencies(path: Path = DEPENDENCIES_JSON) -> Dependencies:
@@ -86,7 +95,7 @@ def load_dependencies(path: Path = DEPENDENCIES_JSON) -> Dependencies:
     if d.get("schema") != "medvol.slicer-deps/1":
         raise ValueError(f"{path}: schema is {d.get('schema')!r}, expected 'medvol.slicer-deps/1'")
     reqs = [Requirement(r["name"], r.get("via", "pip"), r.get("floor"), r.get("pin")) for r in d["requirements"]]
-    return Dependencies(reqs, list(d.get("slicer_ships", [])))
+    return Dependencies(reqs, list(d.get("slicer_ships", [])), str(d["python_floor"]), str(d["slicer_floor"]))
 
 
 def installed_versions(names: Sequence[str]) -> Dict[str, Optional[str]]:
@@ -137,6 +146,7 @@ class InstallPlan:
     steps: List[InstallStep]
     problems: List[str]  # what no step may fix (a shipped package too old, no bundled medvolcore)
     constraints: List[str]  # lines of the constraints file every pip step uses
+    remote_only: bool = False  # this Slicer's Python is too old for a local worker: offer the remote one
 
     @property
     def needed(self) -> bool:
@@ -152,7 +162,12 @@ class InstallPlan:
             lines.append("")
             lines.append("Install them now? It takes a few minutes and downloads about 1–3 GB (PyTorch included); "
                          "Slicer's own packages are left as they are.")
-        if self.problems:
+        if self.remote_only:
+            lines += self.problems
+            lines.append("")
+            lines.append("Use a remote worker instead? (Advanced → Worker: Remote, with the address of a machine running "
+                         "`medvol serve --http`; nothing is installed in this Slicer for that.)")
+        elif self.problems:
             lines.append("")
             lines.append("Cannot be fixed automatically:")
             lines += [f"  • {p}" for p in self.problems]
@@ -160,13 +175,25 @@ class InstallPlan:
 
 
 def plan_install(installed: Mapping[str, Optional[str]], deps: Optional[Dependencies] = None,
-                 core_source: Optional[Path] = None, constraints_path: str = "{constraints}") -> InstallPlan:
+                 core_source: Optional[Path] = None, constraints_path: str = "{constraints}",
+                 python_version: Optional[Sequence[int]] = None) -> InstallPlan:
     """The steps that bring ``installed`` (distribution name → version or None) up to ``deps``.
 
     ``constraints_path`` is the file name the pip steps pass to ``-c`` (the caller writes
-    :attr:`InstallPlan.constraints` there).
+    :attr:`InstallPlan.constraints` there). ``python_version`` (e.g. ``(3, 9, 10)``; default:
+    this Python) below ``deps.python_floor`` gives a plan with no steps, one problem naming the
+    Slicer version needed, and :attr:`InstallPlan.remote_only` set: pip would only fail there.
     """
     deps = deps or load_dependencies()
+    py = tuple(int(v) for v in (python_version if python_version is not None else sys.version_info[:3]))
+    if py < version_tuple(deps.python_floor):
+        shown = ".".join(str(v) for v in py[:2])
+        return InstallPlan(
+            missing=[], steps=[], constraints=[], remote_only=True,
+            problems=[f"This Slicer runs Python {shown}. Segmenting on this computer needs 3D Slicer "
+                      f"{deps.slicer_floor} or newer (Python {deps.python_floor} or newer: transformers 5 and "
+                      f"sam2 1.1.0 do not install on Python {shown}). Install a newer Slicer, or let a worker on "
+                      f"another machine do the work."])
     have = {canonical(k): v for k, v in installed.items()}
     ships = {canonical(n) for n in deps.slicer_ships}
     missing, problems, pip_specs, constraints = [], [], [], []
@@ -182,7 +209,7 @@ def plan_install(installed: Mapping[str, Optional[str]], deps: Optional[Dependen
         missing.append(f"{req.name} ({wanted}; " + (f"found {found})" if found else "not installed)"))
         if key in ships:
             problems.append(f"{req.name} {found or '(missing)'} comes with Slicer and is older than MedVol needs "
-                            f"({wanted}); MedVol does not replace Slicer's packages: use Slicer 5.8 or newer")
+                            f"({wanted}); MedVol does not replace Slicer's packages: use Slicer {deps.slicer_floor} or newer")
         elif req.via == "torch":
             torch_step = InstallStep("torch", [req.name], requirement=f">={req.floor}" if req.floor else "")
         elif req.via == "sam2":
@@ -245,3 +272,34 @@ def import_hint(preset: str) -> str:
     return (f"On a machine without internet: copy the weights folder there and run\n"
             f"  PythonSlicer -m medvolcore.cli models import {preset} /path/to/folder\n"
             f"(`PythonSlicer -m medvolcore.cli models import --help` shows the expected layout).")
+
+
+def wait_for_process(proc, not_running, process_events: Callable[[], None], cancelled: Callable[[], bool],
+                     step_ms: int = 200, kill_wait_ms: int = 5000) -> bool:
+    """Wait for a ``QProcess`` (or anything with ``state()``, ``waitForFinished(ms)`` and
+    ``kill()``) while keeping the GUI alive. Returns True when it ended, False when
+    ``cancelled()`` turned true and it was killed.
+
+    The loop tests the process *state*, not ``waitForFinished``'s return value: Qt returns
+    false both on a time-out and when the process is already not running, so ``while not
+    proc.waitForFinished(ms)`` never ends once the process has exited between two calls.
+    ``not_running`` is ``qt.QProcess.NotRunning``.
+    """
+    while proc.state() != not_running:
+        proc.waitForFinished(int(step_ms))
+        process_events()
+        if cancelled():
+            if proc.state() != not_running:
+                proc.kill()
+                proc.waitForFinished(int(kill_wait_ms))
+            return False
+    return True
+
+
+def qbytes_text(data) -> str:
+    """Text of what ``QProcess.readAll()`` returned. PythonQt's ``QByteArray`` is not a buffer
+    (``bytes(qba)`` raises); its ``data()`` gives the bytes. Plain bytes are accepted too."""
+    raw = data.data() if hasattr(data, "data") else bytes(data)
+    if isinstance(raw, str):
+        return raw
+    return bytes(raw).decode("utf-8", "replace")

@@ -11,8 +11,10 @@ log = logging.getLogger(__name__)
 class Signal:
     """``connect`` callables; ``emit`` calls each in order on the caller's thread.
 
-    A failing slot is logged and does not stop the others (a GUI callback that raises must not
-    leave a request looking unfinished).
+    Every slot runs even when an earlier one raises (a failing GUI callback must not keep the
+    session from going back to idle), and then the first error is raised again to the caller of
+    ``emit``, so it is never lost: a headless caller sees it as an exception, the Slicer timer
+    that polls the worker shows it in the Python console. Later errors are logged.
     """
 
     def __init__(self, name: str = "signal"):
@@ -30,11 +32,17 @@ class Signal:
             self._slots.remove(slot)
 
     def emit(self, *args) -> None:
+        first = None
         for slot in list(self._slots):
             try:
                 slot(*args)
-            except Exception:  # noqa: BLE001 - a slot's bug must not break the caller
-                log.exception("a %s slot failed", self.name)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other slots ran
+                if first is None:
+                    first = e
+                else:
+                    log.exception("a %s slot failed as well", self.name)
+        if first is not None:
+            raise first
 
     def __len__(self) -> int:
         return len(self._slots)

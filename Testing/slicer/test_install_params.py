@@ -253,3 +253,71 @@ def test_existing_outputs_are_refused_unless_overwrite(tmp_path):
     text, code = summary([(jobs[0], None), (jobs[0], "boom")])
     assert code == 1 and "1 of 2 done" in text and "boom" in text
     assert summary([(jobs[0], None)])[1] == 0
+
+
+# ---- the minimum Slicer ----------------------------------------------------------------------
+
+def test_an_old_slicer_gets_no_pip_steps_and_is_offered_the_remote_worker():
+    """Slicer 5.8 ships Python 3.9, on which transformers 5 and sam2 1.1.0 do not install: the
+    plan must not try (pip would fail half-way) and must offer the remote worker instead."""
+    slicer_only = {k: EVERYTHING[k] for k in ("numpy", "scipy", "SimpleITK", "requests")}
+    plan = install.plan_install(slicer_only, core_source=Path("/x/MedVolCore"), python_version=(3, 9, 10))
+    assert plan.remote_only and plan.needed
+    assert plan.steps == [] and plan.constraints == []
+    text = plan.message()
+    assert "Python 3.9" in text and "3D Slicer 5.10 or newer" in text
+    assert "remote worker" in text and "medvol serve --http" in text
+    assert "Install them now?" not in text
+    # the first supported Python is planned as usual
+    ok = install.plan_install(slicer_only, core_source=Path("/x/MedVolCore"), python_version=(3, 10, 0))
+    assert not ok.remote_only and [s.kind for s in ok.steps] == ["torch", "pip", "pip"]
+    assert install.plan_install(EVERYTHING, core_source=Path("/x"), python_version=(3, 12, 10)).needed is False
+
+
+def test_the_floors_are_those_of_the_packages_and_said_everywhere():
+    deps = install.load_dependencies()
+    assert (deps.slicer_floor, deps.python_floor) == ("5.10", "3.10")
+    core = (REPO / "MedVolCore" / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^requires-python = ">=3\.10"', core, re.M)
+    cmake = (REPO / "CMakeLists.txt").read_text(encoding="utf-8")
+    description = re.search(r'set\(EXTENSION_DESCRIPTION "([^"]*)"\)', cmake).group(1)
+    assert "Slicer 5.10" in description
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## In 3D Slicer", 1)[1].split("\n## ", 1)[0]
+    assert "Slicer 5.10 or newer" in section and "5.8" in section  # says what happens on 5.8
+    assert "Slicer 5.8 or newer" not in readme
+    for f in (REPO / "MedVolR1Slicer").rglob("*.py"):
+        assert "5.8 or newer" not in f.read_text(encoding="utf-8"), f
+
+
+# ---- batch inputs ----------------------------------------------------------------------------
+
+def _dicom_bytes() -> bytes:
+    return b"\0" * 128 + b"DICM" + b"\x02\x00\x00\x00UL\x04\x00" + b"\0" * 16
+
+
+def test_batch_input_kinds(tmp_path):
+    from MedVolR1SlicerLib.batchjobs import check_inputs, input_kind
+
+    nii = tmp_path / "ct.nii.gz"
+    nii.write_bytes(b"\x1f\x8b" + b"\0" * 200)
+    assert input_kind(nii) == "file"
+    series = tmp_path / "series"
+    series.mkdir()
+    (series / "DICOMDIR.txt").write_text("notes")
+    for i in range(3):
+        (series / f"IM{i}").write_bytes(_dicom_bytes())
+    assert input_kind(series) == "dicom_folder"
+    with pytest.raises(BatchError, match="single DICOM file; give the folder"):
+        input_kind(series / "IM1")  # one slice is not the series
+    empty = tmp_path / "pngs"
+    empty.mkdir()
+    (empty / "a.png").write_bytes(b"\x89PNG" + b"\0" * 200)
+    with pytest.raises(BatchError, match="folder without DICOM files"):
+        input_kind(empty)
+    with pytest.raises(BatchError, match="does not exist"):
+        input_kind(tmp_path / "nope.nii.gz")
+    csv_path = tmp_path / "jobs.csv"
+    csv_path.write_text("input,query,output\nct.nii.gz,the liver,a.seg.nrrd\nmissing.nii.gz,the liver,b.seg.nrrd\n")
+    with pytest.raises(BatchError, match=r"missing.nii.gz \(row 3\) does not exist"):
+        check_inputs(read_manifest(csv_path))
