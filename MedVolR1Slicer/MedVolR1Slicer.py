@@ -6,12 +6,20 @@ takes nodes and plain values, talks to the MedVol worker (``medvol serve``, a ch
 with Slicer's Python, or a remote one) through ``MedVolR1SlicerLib`` and updates MRML; it never
 touches the GUI. torch, transformers, sam2 and medvolcore are never imported here: the worker
 runs them in its own process, and Slicer loads this file at start-up.
+
+Needs 3D Slicer 5.10 or newer for a local worker (see ``MedVolR1SlicerLib.install``). The logic
+reaches Slicer only through ``slicer.mrmlScene``, ``slicer.modules.<name>.logic()``, MRML node
+and storage-node classes and ``slicer.util``'s array helpers, which 3D Slicer and the
+``slicer-core`` wheel both provide, so ``Testing/slicer_mrml`` runs it against real MRML.
 """
 
+import atexit
 import json
+import logging
 import os
+import shutil
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import qt
 import slicer
@@ -28,6 +36,7 @@ from slicer.util import VTKObservationMixin
 
 from MedVolR1SlicerLib import install, params
 from MedVolR1SlicerLib.client import WorkerError, python_for_worker
+from MedVolR1SlicerLib.guibinding import GuiBinding
 from MedVolR1SlicerLib.geometry import GeometryError, RoiBox, VolumeGeometry, anchor_from_rois, check_untransformed, rois_from_anchor
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options, Session
 
@@ -79,7 +88,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         VTKObservationMixin.__init__(self)
         self.logic = None
         self._parameterNode = None
-        self._parameterNodeGuiTag = None
+        self._guiBinding = GuiBinding()  # one GUI connection, also on Slicer 5.8 (no tag)
         self._timer = None
         self._history = params.QueryHistory()
         self._observedBoxes = []
@@ -133,15 +142,13 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         if self._timer is not None:
             self._timer.stop()
         if self.logic is not None:
-            self.logic.shutdown()
+            self.logic.cleanup()
 
     def enter(self):
         self.initializeParameterNode()
 
     def exit(self):
-        if self._parameterNode:
-            self._parameterNode.disconnectGui(self._parameterNodeGuiTag)
-            self._parameterNodeGuiTag = None
+        self._guiBinding.unbind()
 
     def onSceneStartClose(self, caller, event):
         self.setParameterNode(None)
@@ -159,11 +166,11 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
 
     def setParameterNode(self, inputParameterNode):
         if self._parameterNode:
-            self._parameterNode.disconnectGui(self._parameterNodeGuiTag)
+            self._guiBinding.unbind()
             self.removeObserver(self._parameterNode, vtk.vtkCommand.ModifiedEvent, self._onParameterNodeModified)
         self._parameterNode = inputParameterNode
         if self._parameterNode:
-            self._parameterNodeGuiTag = self._parameterNode.connectGui(self.ui)
+            self._guiBinding.bind(self._parameterNode, self.ui)
             self.addObserver(self._parameterNode, vtk.vtkCommand.ModifiedEvent, self._onParameterNodeModified)
             self._updateGuiFromParameterNode()
 
@@ -190,7 +197,11 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.adapterPathLineEdit.currentPath = p.adapter
         for w, b in zip(blockers, old):
             w.blockSignals(b)
-        self.ui.workerRemoteRadioButton.setChecked(p.worker == "remote")
+        # Check the radio button that should be on: in an exclusive pair, setChecked(False)
+        # on the other one does nothing, so Remote could never be switched back to Local.
+        radio = self.ui.workerRemoteRadioButton if p.worker == "remote" else self.ui.workerLocalRadioButton
+        if not radio.checked:
+            radio.setChecked(True)
         self.ui.keySliceLabel.text = str(p.keySlice) if p.keySlice >= 0 else "–"
         self.ui.reasoningEdit.setPlainText(p.reasoning)
         self._observeBoxes(p.boxes)
@@ -264,6 +275,13 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         plan = install.current_plan()
         if not plan.needed:
             return True
+        if plan.remote_only:  # Slicer older than 5.10: pip could only fail here
+            if slicer.util.confirmYesNoDisplay(plan.message(), windowTitle="MedVol-R1: this Slicer is too old"):
+                self._setParam("worker", "remote")
+                self.ui.advancedCollapsibleButton.collapsed = False
+                self.ui.remoteUrlLineEdit.setFocus()
+                self.ui.statusLabel.text = "Give the remote worker's address (and token), then click Segment."
+            return False
         if not plan.steps:
             slicer.util.errorDisplay(plan.message(), windowTitle="MedVol-R1")
             return False
@@ -316,7 +334,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         if options is None:
             return
         try:
-            notes = self.logic.startRepropagate(self._parameterNode, options, self._onJobFinished)
+            _, notes = self.logic.startRepropagate(self._parameterNode, options, self._onJobFinished)
         except (WorkerError, GeometryError, ValueError) as e:
             slicer.util.errorDisplay(str(e), windowTitle="MedVol-R1")
             return
@@ -382,7 +400,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         proc.setProcessChannelMode(qt.QProcess.MergedChannels)
 
         def onOutput():
-            text = bytes(proc.readAll()).decode("utf-8", "replace")
+            text = install.qbytes_text(proc.readAll())  # a PythonQt QByteArray: .data(), not bytes()
             for line in text.replace("\r", "\n").splitlines():
                 f = install.download_progress(line)
                 if f is not None:
@@ -393,15 +411,15 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
 
         proc.connect("readyRead()", onOutput)
         proc.start(cmd[0], cmd[1:])
-        while not proc.waitForFinished(200):
-            slicer.app.processEvents()
-            if dialog.wasCanceled:
-                proc.kill()
-                break
+        ended = install.wait_for_process(proc, qt.QProcess.NotRunning, slicer.app.processEvents,
+                                         lambda: dialog.wasCanceled)
+        onOutput()  # what arrived after the last readyRead
         dialog.close()
+        if not ended:
+            return
         if proc.exitStatus() == qt.QProcess.NormalExit and proc.exitCode() == 0:
             slicer.util.infoDisplay(f"Weights of '{preset}' are ready. Click Segment again.")
-        elif not dialog.wasCanceled:
+        else:
             slicer.util.errorDisplay(f"The download failed (exit code {proc.exitCode()}).\n\n" + install.import_hint(preset))
 
 
@@ -412,6 +430,10 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
 
         logic = slicer.util.getModuleLogic("MedVolR1Slicer")
         seg, segment_id, rois, anchor = logic.segmentBlocking(volumeNode, "the organ that secretes bile")
+
+    Files cross to the worker through MRML storage nodes (the volume out as an uncompressed
+    NIfTI with the node's own IJK grid, the mask back the same way), never through Slicer's
+    Qt I/O manager, so the same code runs in Slicer and on ``slicer-core``.
     """
 
     def __init__(self):
@@ -422,7 +444,7 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         except AttributeError:
             pass
         self.session = Session(python=python_for_worker(), env=env)
-        self._tmp = tempfile.mkdtemp(prefix="medvol-slicer-")
+        self._tmp = None  # the module's temporary folder, made on first use (see tempDir)
         self._exported = {}  # volume node ID → (MTime, path)
         self._undo = None  # (segmentation, segment ID, previous mask or None when added, volume)
 
@@ -430,6 +452,15 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return MedVolR1SlicerParameterNode(super().getParameterNode())
 
     # -- plumbing --
+    def tempDir(self) -> str:
+        """The module's temporary folder: exported volumes, the pip constraints file. Removed by
+        :meth:`cleanup` (module cleanup) and, failing that, when Python exits."""
+        if self._tmp is None or not os.path.isdir(self._tmp):
+            self._tmp = tempfile.mkdtemp(prefix="medvol-slicer-")
+            atexit.register(shutil.rmtree, self._tmp, True)
+            self._exported = {}
+        return self._tmp
+
     def poll(self):
         self.session.poll(0.0)
 
@@ -437,11 +468,20 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self.session.cancel()
 
     def shutdown(self):
+        """Stop the worker (the next request starts a new one); the temporary files stay."""
         self.session.shutdown()
+
+    def cleanup(self):
+        """Stop the worker and remove the temporary folder (the module is unloaded or Slicer exits)."""
+        self.shutdown()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp = None
+        self._exported = {}
 
     def runInstallPlan(self, plan):
         """Run the steps of an :class:`install.InstallPlan` with Slicer's pip helpers."""
-        constraints = os.path.join(self._tmp, "constraints.txt")
+        constraints = os.path.join(self.tempDir(), "constraints.txt")
         with open(constraints, "w", encoding="utf-8") as f:
             f.write("\n".join(plan.constraints) + "\n")
         for step in plan.steps:
@@ -470,15 +510,83 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         volumeNode.GetIJKToRASMatrix(m)
         return VolumeGeometry(slicer.util.arrayFromVTKMatrix(m), volumeNode.GetImageData().GetDimensions())
 
+    # -- files, through MRML storage nodes --
+    @staticmethod
+    def _storageError(storage, what: str) -> OSError:
+        messages = storage.GetUserMessages()
+        detail = messages.GetAllMessagesAsString().strip() if messages is not None else ""
+        return OSError(what + (f": {detail}" if detail else ""))
+
+    @staticmethod
+    def writeVolumeFile(volumeNode, path: str, compress: Optional[bool] = None) -> None:
+        """Write a scalar or label-map volume node to ``path`` (format from the extension:
+        ``.nii``, ``.nii.gz``, ``.nrrd``, ``.mha``…) with its own IJK grid and IJK→RAS.
+        ``compress``: default on for every format but ``.nii``. Raises OSError."""
+        path = str(path)
+        if compress is None:
+            compress = not path.lower().endswith(".nii")
+        storage = slicer.vtkMRMLVolumeArchetypeStorageNode()
+        storage.SetFileName(path)
+        storage.SetUseCompression(1 if compress else 0)
+        if not storage.WriteData(volumeNode):
+            raise MedVolR1SlicerLogic._storageError(storage, f"could not write {volumeNode.GetName()} to {path}")
+
+    @staticmethod
+    def writeSegmentationFile(segmentationNode, path: str) -> None:
+        """Write a segmentation node as a ``.seg.nrrd`` (compressed). Raises OSError."""
+        storage = slicer.vtkMRMLSegmentationStorageNode()
+        storage.SetFileName(str(path))
+        storage.SetUseCompression(1)
+        if not storage.WriteData(segmentationNode):
+            raise MedVolR1SlicerLogic._storageError(storage, f"could not write {segmentationNode.GetName()} to {path}")
+
+    @staticmethod
+    def readLabelmapFile(path: str):
+        """A ``vtkMRMLLabelMapVolumeNode`` read from ``path``, not added to the scene (nothing to
+        remove afterwards, nothing for the user to see). Raises OSError."""
+        node = slicer.vtkMRMLLabelMapVolumeNode()
+        storage = slicer.vtkMRMLVolumeArchetypeStorageNode()
+        storage.SetFileName(str(path))
+        storage.SetSingleFile(1)
+        if not os.path.isfile(str(path)) or not storage.ReadData(node) or node.GetImageData() is None:
+            raise MedVolR1SlicerLogic._storageError(storage, f"could not read the mask {path}")
+        return node
+
+    def readMask(self, path: str, volumeNode):
+        """The worker's mask as a ``(k, j, i)`` uint8 array on ``volumeNode``'s grid. A mask on any
+        other grid (another shape, spacing, origin or orientation) raises GeometryError: it would
+        be painted onto the wrong voxels."""
+        import numpy as np
+
+        label = self.readLabelmapFile(path)
+        dims = tuple(label.GetImageData().GetDimensions())
+        want = tuple(volumeNode.GetImageData().GetDimensions())
+        if dims != want:
+            raise GeometryError(f"the mask has {dims} voxels but the volume {volumeNode.GetName()} has {want}; "
+                                "was the volume changed while it was being segmented?")
+        a, b = vtk.vtkMatrix4x4(), vtk.vtkMatrix4x4()
+        label.GetIJKToRASMatrix(a)
+        volumeNode.GetIJKToRASMatrix(b)
+        a, b = slicer.util.arrayFromVTKMatrix(a), slicer.util.arrayFromVTKMatrix(b)
+        # NIfTI stores the matrix in float32: allow its rounding, nothing more
+        if not np.allclose(a, b, rtol=0, atol=1e-3 * max(1.0, float(np.abs(b).max()))):
+            raise GeometryError(f"the mask does not lie on the grid of {volumeNode.GetName()} "
+                                "(its IJK→RAS matrix differs); was the volume changed while it was being segmented?")
+        return (slicer.util.arrayFromVolume(label) > 0).astype(np.uint8)
+
     def exportVolume(self, volumeNode) -> str:
-        """The volume as a NIfTI file the worker can read (same IJK grid; re-exported when edited)."""
+        """The volume as an uncompressed NIfTI the worker reads (same IJK grid and IJK→RAS;
+        written again only when the node or its voxels changed). Uncompressed because it is
+        read once, next door: gzip would cost seconds on a large CT for nothing."""
         mtime = max(volumeNode.GetMTime(), volumeNode.GetImageData().GetMTime())
         cached = self._exported.get(volumeNode.GetID())
         if cached and cached[0] == mtime and os.path.exists(cached[1]):
             return cached[1]
-        path = os.path.join(self._tmp, f"{volumeNode.GetID()}.nii.gz")
-        if not slicer.util.exportNode(volumeNode, path, {"useCompression": 0}):
-            raise ValueError(f"could not write {volumeNode.GetName()} for the worker")
+        folder = self.tempDir()
+        path = os.path.join(folder, f"{volumeNode.GetID()}.nii")
+        part = os.path.join(folder, f"{volumeNode.GetID()}.part.nii")
+        self.writeVolumeFile(volumeNode, part, compress=False)
+        os.replace(part, path)  # the worker never sees a half-written file
         self._exported[volumeNode.GetID()] = (mtime, path)
         return path
 
@@ -499,36 +607,59 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         job.finished.connect(lambda j: self._finishSegment(p, volume, j, onFinished, replaceExisting))
         return job
 
-    def startRepropagate(self, p, options: Options, onFinished=None) -> List[str]:
+    def startRepropagate(self, p, options: Options, onFinished=None) -> Tuple[object, List[str]]:
+        """Re-run MedSAM2 on the edited boxes. Returns ``(job, notes)``: notes say which boxes
+        had to be put back on the key slice or cut to the image."""
         anchor, notes = self.anchorFromBoxes(p)
         volume = p.inputVolume
         job = self.session.propagate(self.exportVolume(volume), anchor, options)
         job.finished.connect(lambda j: self._finishPropagate(p, volume, j, notes, onFinished))
-        return notes
+        return job, notes
+
+    @staticmethod
+    def _failJob(job, error: Exception) -> None:
+        """A result that came back but could not be put in the scene fails its job, so that the
+        panel shows it and ``segmentBlocking`` raises it (instead of returning stale values)."""
+        logging.exception("MedVol-R1: applying the result failed")
+        kind = "" if isinstance(error, (GeometryError, ValueError, OSError)) else f"{type(error).__name__}: "
+        job.state = "failed"
+        job.error = WorkerError("apply_failed", f"the result could not be put in the scene: {kind}{error}")
 
     def _finishSegment(self, p, volume, job, onFinished, replaceExisting=False):
         notes = []
         if job.state == "done":
-            if replaceExisting:
-                p.segmentId = self.existingSegmentId(p)
-            notes = self.applyResult(p, volume, job.result, replaceSegment=replaceExisting)
+            try:
+                if replaceExisting:
+                    p.segmentId = self.existingSegmentId(p)
+                notes = self.applyResult(p, volume, job.result, replaceSegment=replaceExisting)
+            except Exception as e:  # noqa: BLE001 - every failure must reach the panel and the caller
+                self._failJob(job, e)
         if onFinished:
             onFinished(job, notes)
 
     def _finishPropagate(self, p, volume, job, notes, onFinished):
         if job.state == "done":
-            notes = notes + self.applyResult(p, volume, job.result, replaceSegment=True)
+            try:
+                notes = notes + self.applyResult(p, volume, job.result, replaceSegment=True)
+            except Exception as e:  # noqa: BLE001
+                self._failJob(job, e)
         if onFinished:
             onFinished(job, notes)
 
     # -- results → MRML --
     def applyResult(self, p, volumeNode, result: dict, replaceSegment: bool) -> List[str]:
         """Put the mask in a segment named after the query, the boxes on the key slice, the
-        reasoning in the parameter node, and show the key slice. Returns notes for the user."""
+        reasoning in the parameter node, and show the key slice. Returns notes for the user.
+
+        Everything that can fail on a bad result (the anchor's boxes, the mask file and its grid)
+        is checked before the scene is touched, so a failure leaves no empty segment behind."""
         anchor = result["anchor"]
         notes = list(result.get("notes") or [])
         if result.get("smoke"):
             notes.insert(0, "made with the random-weight 'tiny' preset: a smoke test, not a segmentation")
+        rois, k = rois_from_anchor(self.geometry(volumeNode), anchor)
+        mask = self.readMask(result["mask_path"], volumeNode)
+
         segNode = p.outputSegmentation
         if segNode is None:
             segNode = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", f"{volumeNode.GetName()} MedVol")
@@ -539,23 +670,19 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         if replaceSegment and p.segmentId and segmentation.GetSegment(p.segmentId):
             segmentId = p.segmentId
             previous = slicer.util.arrayFromSegmentBinaryLabelmap(segNode, segmentId, volumeNode).copy()
-            self._undo = (segNode, segmentId, previous, volumeNode)
+            undo = (segNode, segmentId, previous, volumeNode)
         else:
             existing = [segmentation.GetNthSegment(i).GetName() for i in range(segmentation.GetNumberOfSegments())]
             name = params.unique_name(params.segment_name(anchor.get("query") or p.query), existing)
             segmentId = segmentation.AddEmptySegment("", name)
-            self._undo = (segNode, segmentId, None, volumeNode)
-        labelNode = slicer.util.loadLabelVolume(result["mask_path"], {"show": False})
-        try:
-            mask = slicer.util.arrayFromVolume(labelNode)
-            slicer.util.updateSegmentBinaryLabelmapFromArray(mask, segNode, segmentId, volumeNode)
-        finally:
-            slicer.mrmlScene.RemoveNode(labelNode)
+            undo = (segNode, segmentId, None, volumeNode)
+        slicer.util.updateSegmentBinaryLabelmapFromArray(mask, segNode, segmentId, volumeNode)
+        self._undo = undo
         p.segmentId = segmentId
         p.reasoning = anchor.get("reasoning") or ""
         p.keySlice = int(anchor["slice"])
         p.anchorJson = json.dumps(anchor)
-        self.placeBoxes(p, volumeNode, anchor)
+        self._placeRois(p, rois, k)
         p.boxesEdited = False
         self.showKeySlice(volumeNode, anchor)
         return notes
@@ -580,8 +707,10 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
 
     def placeBoxes(self, p, volumeNode, anchor: dict):
         """One ``vtkMRMLMarkupsROINode`` per anchor box, flat on the key slice, from ``world``."""
-        geo = self.geometry(volumeNode)
-        rois, k = rois_from_anchor(geo, anchor)
+        rois, k = rois_from_anchor(self.geometry(volumeNode), anchor)
+        return self._placeRois(p, rois, k)
+
+    def _placeRois(self, p, rois: List[RoiBox], k: int):
         for old in p.boxes:
             if old is not None and old.GetScene() is not None:
                 slicer.mrmlScene.RemoveNode(old)
@@ -665,13 +794,13 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return p.outputSegmentation, p.segmentId, list(p.boxes), json.loads(p.anchorJson)
 
     def repropagateBlocking(self, options: Optional[Options] = None, timeout: Optional[float] = None):
+        """Re-propagate the (edited) boxes of the last result and wait; the same segment is
+        replaced. Returns what :meth:`segmentBlocking` returns; raises :class:`WorkerError`."""
         p = self.getParameterNode()
-        self.startRepropagate(p, options or Options(preset=p.preset, device=p.device))
-        job = self.session.job
-        if job is not None:
-            self.session.wait(job, timeout)
-            if job.error is not None:
-                raise job.error
+        job, _ = self.startRepropagate(p, options or Options(preset=p.preset, device=p.device))
+        self.session.wait(job, timeout)
+        if job.error is not None:
+            raise job.error
         return p.outputSegmentation, p.segmentId, list(p.boxes), json.loads(p.anchorJson)
 
 
@@ -679,7 +808,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
 
 class MedVolR1SlicerTest(ScriptedLoadableModuleTest):
     """Runs with the ``tiny`` preset (random weights, no download): load the sample CT, segment,
-    check the segment and the boxes on the key slice, move a box, re-propagate."""
+    check the segment and the boxes on the key slice, move a box, re-propagate, undo. (The same
+    steps run in CI against slicer-core: Testing/slicer_mrml/test_mrml_worker_batch.py.)"""
 
     def setUp(self):
         slicer.mrmlScene.Clear()
@@ -726,6 +856,12 @@ class MedVolR1SlicerTest(ScriptedLoadableModuleTest):
             self.assertNotEqual(anchor2["boxes"][0], anchor["boxes"][0])
             after = slicer.util.arrayFromSegmentBinaryLabelmap(seg2, segmentId2, volume)
             self.assertEqual(after.shape, before.shape)
+            self.assertEqual(seg2.GetSegmentation().GetNumberOfSegments(), 1)
+
+            self.delayDisplay("Undo")
+            self.assertTrue(logic.undoLastResult())
+            restored = slicer.util.arrayFromSegmentBinaryLabelmap(seg2, segmentId2, volume)
+            self.assertTrue(np.array_equal(restored, before))
         finally:
-            logic.shutdown()
+            logic.cleanup()
         self.delayDisplay("MedVol-R1 self-test passed")

@@ -4,14 +4,19 @@
         --input CT.nii.gz --query "the organ that secretes bile" --output liver.seg.nrrd [--preset tiny]
     Slicer --no-main-window --python-script MedVolR1Slicer/batch.py --manifest jobs.csv --output-dir out/
 
-Exits 0 when every case was segmented, 1 when one failed, 2 on bad arguments. Arguments,
-manifests and the summary live in ``MedVolR1SlicerLib.batchjobs`` (tested there); this script
-only loads volumes, runs the module's logic and saves nodes.
+Exits 0 when every case was segmented, 1 when one failed (or something unexpected went wrong),
+2 on bad arguments; it always exits, whatever happens. Arguments, manifests and the summary live
+in ``MedVolR1SlicerLib.batchjobs`` (tested there); this script only loads volumes, runs the
+module's logic and saves nodes. Files are read and written through MRML storage nodes and the
+Volumes module's logic, one fresh storage node per file, so each output is written in the format
+its own name asks for.
 """
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -20,75 +25,147 @@ if HERE not in sys.path:
 import slicer  # noqa: E402
 
 from MedVolR1SlicerLib import batchjobs, params  # noqa: E402
-from MedVolR1SlicerLib.client import WorkerError  # noqa: E402
-from MedVolR1SlicerLib.geometry import GeometryError  # noqa: E402
+
+SINGLE_FILE = 4  # vtkSlicerVolumesLogic::SingleFile: read this file only, never its neighbours
 
 
-def _save(node, path):
-    """Write a node to ``path`` through a temporary name in the same folder (never half-written)."""
+def _save(logic, node, path):
+    """Write a segmentation (``.seg.nrrd``) or label-map node to ``path`` through a temporary
+    name in the same folder (never half-written)."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(folder, exist_ok=True)
     name = os.path.basename(path)
-    tmp = os.path.join(folder, f".{name}.part-{os.getpid()}" + name[name.index("."):])
-    if not slicer.util.exportNode(node, tmp):
-        raise OSError(f"could not write {path}")
-    os.replace(tmp, path)
+    suffix = next((s for s in batchjobs.OUTPUT_SUFFIXES if name.lower().endswith(s)), os.path.splitext(name)[1])
+    tmp = os.path.join(folder, f".{name[:len(name) - len(suffix)]}.part-{os.getpid()}{suffix}")
+    try:
+        if node.IsA("vtkMRMLSegmentationNode"):
+            logic.writeSegmentationFile(node, tmp)
+        else:
+            logic.writeVolumeFile(node, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_dicom_series(folder):
+    """The one scalar volume in a DICOM series folder, loaded through Slicer's DICOM module
+    into a temporary database (the user's database is left alone). Refuses, with a message,
+    folders holding several series and Slicers without the DICOM module."""
+    try:
+        from DICOMLib import DICOMUtils
+    except ImportError:
+        raise batchjobs.BatchError(
+            f"{folder} is a DICOM folder, and loading DICOM needs Slicer's DICOM module, which is not available "
+            "here; convert the series to NIfTI or NRRD first") from None
+    scene = slicer.mrmlScene
+    dbdir = tempfile.mkdtemp(prefix="medvol-dicom-")
+    try:
+        with DICOMUtils.TemporaryDICOMDatabase(dbdir) as db:
+            DICOMUtils.importDicom(str(folder), db)
+            series = [s for pat in db.patients() for st in db.studiesForPatient(pat) for s in db.seriesForStudy(st)]
+            if not series:
+                raise batchjobs.BatchError(f"Slicer's DICOM module found no image series in {folder}")
+            if len(series) > 1:
+                raise batchjobs.BatchError(f"{folder} holds {len(series)} DICOM series; give a folder with one series")
+            nodes = [scene.GetNodeByID(i) for i in DICOMUtils.loadSeriesByUID(series)]
+    finally:
+        shutil.rmtree(dbdir, ignore_errors=True)
+    nodes = [n for n in nodes if n is not None]
+    volumes = [n for n in nodes if n.IsA("vtkMRMLScalarVolumeNode") and not n.IsA("vtkMRMLLabelMapVolumeNode")]
+    if len(volumes) != 1:
+        for n in nodes:
+            scene.RemoveNode(n)
+        raise batchjobs.BatchError(f"the DICOM series in {folder} loaded as {len(volumes)} volumes, not one")
+    for n in nodes:
+        if n is not volumes[0]:
+            scene.RemoveNode(n)
+    return volumes[0]
+
+
+def load_input(path):
+    """The input volume node: a volume file through the Volumes logic, a DICOM series folder
+    through the DICOM module. A single DICOM file or a folder without DICOM is refused."""
+    kind = batchjobs.input_kind(path)
+    if kind == "dicom_folder":
+        return load_dicom_series(path)
+    name = os.path.basename(str(path)).split(".")[0] or "CT"
+    node = slicer.modules.volumes.logic().AddArchetypeVolume(str(path), name, SINGLE_FILE)
+    if node is None or node.GetImageData() is None:
+        raise OSError(f"cannot read {path} as a volume (NIfTI, NRRD, MetaImage, … or a DICOM series folder)")
+    return node
 
 
 def run_job(logic, job, options, anchor_dir):
-    volume = slicer.util.loadVolume(str(job.input), {"show": False})
+    """Segment one case and write its output (and anchor). Removes every node it added."""
+    volume = load_input(job.input)
+    added = []
     try:
         seg, segment_id, rois, anchor = logic.segmentBlocking(volume, job.query, options)
+        added += [seg] + list(rois)
         if job.as_labelmap:
             label = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLLabelMapVolumeNode")
-            slicer.modules.segmentations.logic().ExportSegmentsToLabelmapNode(seg, [segment_id], label, volume)
-            _save(label, str(job.output))
-            slicer.mrmlScene.RemoveNode(label)
+            added.append(label)
+            if not slicer.modules.segmentations.logic().ExportSegmentsToLabelmapNode(seg, [segment_id], label, volume):
+                raise RuntimeError(f"could not turn the segment into a label map for {job.output}")
+            _save(logic, label, str(job.output))
         else:
-            _save(seg, str(job.output))
+            _save(logic, seg, str(job.output))
         if anchor_dir:
             path = batchjobs.anchor_path(anchor_dir, job)
             os.makedirs(anchor_dir, exist_ok=True)
             with open(str(path) + ".part", "w", encoding="utf-8") as f:
                 json.dump(anchor, f, indent=2)
             os.replace(str(path) + ".part", path)
-        for node in [seg] + list(rois):
-            slicer.mrmlScene.RemoveNode(node)
     finally:
-        slicer.mrmlScene.RemoveNode(volume)
+        for node in added + [volume]:
+            if node is not None and node.GetScene() is not None:
+                slicer.mrmlScene.RemoveNode(node)
 
 
-def main(argv):
+def main(argv, logic=None):
+    """Run the batch; returns the exit code (0 all done, 1 a case failed, 2 bad arguments).
+    Never raises: whatever goes wrong is one line on stderr and a code. ``logic``: a
+    ``MedVolR1SlicerLogic`` to use (and leave running); by default a new one, cleaned up here."""
     try:
         args = batchjobs.parse_args(argv)
         jobs = batchjobs.jobs_from_args(args)
+        batchjobs.check_inputs(jobs)
         batchjobs.check_outputs(jobs, args.overwrite)
         token = open(args.token_file, encoding="utf-8").read().strip() if args.token_file else ""
         options = params.options_from_panel(args.preset, args.adapter, args.device, args.window,
                                             "remote" if args.worker_url else "local", args.worker_url, token)
     except SystemExit as e:  # argparse already printed its message
-        return int(e.code or 0)
+        return 2 if e.code not in (0, None) else 0
     except (batchjobs.BatchError, ValueError, OSError) as e:
         print(f"medvol batch (Slicer): error: {e}", file=sys.stderr)
         return 2
 
-    import MedVolR1Slicer
-
-    logic = MedVolR1Slicer.MedVolR1SlicerLogic()
     results = []
     try:
-        for i, job in enumerate(jobs, 1):
-            print(f"[{i}/{len(jobs)}] {job.input.name}: {job.query}", flush=True)
-            try:
-                run_job(logic, job, options, args.anchor_dir)
-                results.append((job, None))
-            except (WorkerError, GeometryError, OSError, ValueError, RuntimeError) as e:
-                results.append((job, str(e)))
-                print(f"  failed: {e}", file=sys.stderr, flush=True)
-                if not args.keep_going:
-                    break
-    finally:
-        logic.shutdown()
+        own = logic is None
+        if own:
+            import MedVolR1Slicer
+
+            logic = MedVolR1Slicer.MedVolR1SlicerLogic()
+        try:
+            for i, job in enumerate(jobs, 1):
+                print(f"[{i}/{len(jobs)}] {job.input.name}: {job.query}", flush=True)
+                try:
+                    run_job(logic, job, options, args.anchor_dir)
+                    results.append((job, None))
+                except Exception as e:  # noqa: BLE001 - one case's failure, whatever it is, is reported
+                    known = isinstance(e, (batchjobs.BatchError, ValueError, OSError, RuntimeError))
+                    results.append((job, str(e) if known else f"{type(e).__name__}: {e}"))
+                    print(f"  failed: {results[-1][1]}", file=sys.stderr, flush=True)
+                    if not args.keep_going:
+                        break
+        finally:
+            if own:
+                logic.cleanup()
+    except Exception as e:  # noqa: BLE001 - outside any case: still one line and a code
+        print(f"medvol batch (Slicer): error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
     text, code = batchjobs.summary(results)
     if len(results) < len(jobs):
         text += f"\n  not run: {len(jobs) - len(results)} (stopped at the first failure; --keep-going goes on)"
@@ -97,5 +174,19 @@ def main(argv):
     return code
 
 
+def run_script(argv):
+    """What ``--python-script`` runs: :func:`main`, then always ``slicer.util.exit`` with its
+    code (a script that stops on an exception leaves a headless Slicer running for ever)."""
+    code = 1
+    try:
+        code = main(argv)
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: exit, never hang
+        print(f"medvol batch (Slicer): error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        slicer.util.exit(code)
+    return code
+
+
 if __name__ == "__main__":
-    slicer.util.exit(main(sys.argv[1:]))
+    run_script(sys.argv[1:])

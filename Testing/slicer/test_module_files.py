@@ -151,3 +151,86 @@ def test_extension_metadata():
         rel = meta[key].split("/main/", 1)[1]
         assert (REPO / rel).is_file(), f"{key} points at {rel}, which is not in the repository"
     assert "add_subdirectory(MedVolR1Slicer)" in text
+
+
+# ---- checks of the source for what no wheel can run here (Slicer 5.8, Qt, PythonQt) ---------
+
+def _calls(tree, owner=None):
+    """``(dotted callee, call node)`` for every call in ``tree`` (``a.b.c(...)`` → ``"a.b.c"``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            parts, f = [], node.func
+            while isinstance(f, ast.Attribute):
+                parts.append(f.attr)
+                f = f.value
+            if isinstance(f, ast.Name):
+                parts.append(f.id)
+            out.append((".".join(reversed(parts)), node))
+    return out
+
+
+def _class(tree, name):
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_logic_and_batch_do_io_through_storage_nodes_not_the_qt_io_manager():
+    """``slicer.util.exportNode(node, path)`` keeps the first call's file format in its shared
+    default dict (see Testing/slicer_mrml), and the load/save helpers need Slicer's Qt I/O
+    manager: the logic and the batch script use MRML storage nodes and module logics instead."""
+    qt_io = {"exportNode", "saveNode", "loadVolume", "loadLabelVolume", "loadNodeFromFile", "loadSegmentation"}
+    module = ast.parse((MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8"))
+    batch = ast.parse((MODULE / "batch.py").read_text(encoding="utf-8"))
+    for tree in (_class(module, "MedVolR1SlicerLogic"), batch):
+        used = {name.split(".")[-1] for name, _ in _calls(tree)}
+        assert not used & qt_io, used & qt_io
+    names = {name for name, _ in _calls(batch)}
+    assert "AddArchetypeVolume" in names and "slicer.modules.volumes.logic" in names
+    assert "DICOMUtils.loadSeriesByUID" in names and "DICOMUtils.TemporaryDICOMDatabase" in names
+
+
+def test_widget_connects_its_gui_only_through_the_binding_and_checks_the_right_radio_button():
+    widget = _class(ast.parse((MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8")), "MedVolR1SlicerWidget")
+    calls = _calls(widget)
+    assert not [n for n, _ in calls if n.endswith((".connectGui", ".disconnectGui"))]
+    assert any(n == "self._guiBinding.bind" for n, _ in calls) and any(n == "self._guiBinding.unbind" for n, _ in calls)
+    for name, call in calls:
+        if name.endswith(".setChecked"):
+            # in an exclusive radio pair only checking a button does anything
+            assert isinstance(call.args[0], ast.Constant) and call.args[0].value is True, ast.unparse(call)
+
+
+def test_weights_download_waits_on_the_process_state_and_reads_qbytearray_data():
+    source = (MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8")
+    widget = _class(ast.parse(source), "MedVolR1SlicerWidget")
+    names = {n for n, _ in _calls(widget)}
+    assert "install.wait_for_process" in names and "install.qbytes_text" in names
+    assert "bytes(proc.readAll())" not in source
+    for node in ast.walk(widget):
+        if isinstance(node, ast.While):
+            assert "waitForFinished" not in ast.unparse(node.test)
+
+
+def test_widget_offers_the_remote_worker_on_an_old_slicer():
+    widget = _class(ast.parse((MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8")), "MedVolR1SlicerWidget")
+    method = next(n for n in widget.body if isinstance(n, ast.FunctionDef) and n.name == "_ensureInstalled")
+    text = ast.unparse(method)
+    assert "plan.remote_only" in text and "'worker', 'remote'" in text
+    # the remote check comes before anything that would run pip
+    assert text.index("plan.remote_only") < text.index("runInstallPlan")
+
+
+def test_module_files_load_on_the_python_of_an_old_slicer():
+    """Slicer loads every module at start-up, 5.8 (Python 3.9) included: the files must parse
+    there and evaluate no ``X | Y`` annotation, so that the panel can say the Slicer is too old
+    (instead of a start-up traceback)."""
+    files = [MODULE / "MedVolR1Slicer.py", MODULE / "batch.py"] + sorted((MODULE / "MedVolR1SlicerLib").glob("*.py"))
+    for f in files:
+        source = f.read_text(encoding="utf-8")
+        tree = ast.parse(source, filename=str(f), feature_version=(3, 9))
+        if "from __future__ import annotations" in source:
+            continue
+        for node in ast.walk(tree):
+            ann = getattr(node, "annotation", None) or getattr(node, "returns", None)
+            if ann is not None:
+                assert not any(isinstance(n, ast.BinOp) for n in ast.walk(ann)), f"{f.name}: {ast.unparse(ann)}"
