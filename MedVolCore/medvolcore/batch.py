@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
-from .errors import InputError, MedVolError, OutputExistsError
-from .fileio import write_text_atomic
+from .errors import InputError, MedVolError, OutputError, OutputExistsError
+from .fileio import check_distinct, check_folder, is_inside, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -385,8 +385,17 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     mine = shard_cases(cases, opts.shard)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise InputError(f"--out-dir {out} is a file, not a folder")
+        raise OutputError(f"cannot use --out-dir {out}: it is a file, not a folder")
     csv_name, html_name = summary_names(opts.shard)
+    # nothing a run writes or clears may be one of its inputs: refuse before any work
+    inputs = [("--manifest", manifest)] + [(f"case {c.id} {k}", p) for c in mine for k, p in (("volume", c.volume),
+                                                                                               ("gt", c.gt))]
+    check_distinct([("the summary table", out / csv_name), ("the summary page", out / html_name)], inputs)
+    for c in mine:
+        for label, p in inputs:
+            if p is not None and label != "--manifest" and is_inside(p, out / c.id):
+                raise InputError(f"{label} {p} is inside the output folder of case {c.id} ({out / c.id}), whose "
+                                 "files a run replaces; move it out of --out-dir")
 
     from .windowing import get_window
 
@@ -415,7 +424,7 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         shown = ", ".join(occupied[:5]) + (f" and {len(occupied) - 5} more" if len(occupied) > 5 else "")
         raise OutputExistsError(f"{out} already holds outputs for {len(occupied)} case(s) ({shown}); pass --resume to "
                                 "skip finished cases and rerun the others, or --overwrite to redo them all")
-    out.mkdir(parents=True, exist_ok=True)
+    check_folder(out, "--out-dir")  # exists and writable, before the models load
 
     t_load = time.perf_counter()
     if to_run:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -21,6 +23,10 @@ from . import __version__
 from .errors import InputError, MedVolError
 
 PROG = "medvol"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a cluster's time limit, ``kill``): unwinds like Ctrl-C, so temporary files go."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,11 +104,12 @@ def cmd_info(args) -> int:
 
 def cmd_anchor(args) -> int:
     from .anchor import anchor_from_mask
-    from .fileio import check_output
+    from .fileio import check_distinct, check_output
     from .stack import AxialStack
     from .volume import label_mask, load_label_map
 
     if args.out:
+        check_distinct([("--out", args.out)], [("--mask", args.mask)])
         check_output(args.out, args.overwrite)
     labels = load_label_map(args.mask)
     stack = AxialStack(labels)
@@ -121,13 +128,15 @@ def cmd_anchor(args) -> int:
 
 def cmd_propagate(args) -> int:
     from .anchor import EvidenceAnchor
-    from .fileio import check_output
+    from .fileio import MASK_SUFFIXES, check_distinct, check_output
     from .stack import AxialStack
     from .volume import load_volume, save_mask
     from .windowing import get_window
 
     t0 = time.perf_counter()
-    check_output(args.out, args.overwrite)
+    check_distinct([("--out", args.out), ("--anchor-out", args.anchor_out)],
+                   [("--volume", args.volume), ("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)])
+    check_output(args.out, args.overwrite, suffixes=MASK_SUFFIXES, what="mask")
     if args.anchor_out:
         check_output(args.anchor_out, args.overwrite)
     if args.anchor and (args.slice is not None or args.box):
@@ -221,7 +230,7 @@ def _default_anchor_path(out) -> str:
 
 
 def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str = "") -> dict:
-    from .fileio import check_output
+    from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output
     from .pipeline import Pipeline, as_stack
     from .qc import save_qc
     from .volume import save_mask
@@ -230,8 +239,13 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     from .grounder import validate_query
 
     query = validate_query(query)
-    for path in filter(None, (out, anchor_out, qc)):
-        check_output(path, args.overwrite)
+    # every output checked before the models load: distinct files, not an input, writable, right type
+    check_distinct([("--out", out), ("--anchor-out", anchor_out), ("--qc", qc)],
+                   [("--volume", volume), ("--adapter", getattr(args, "adapter", None))])
+    check_output(out, args.overwrite, suffixes=MASK_SUFFIXES, what="mask")
+    check_output(anchor_out, args.overwrite)
+    if qc:
+        check_output(qc, args.overwrite, suffixes=PNG_SUFFIXES, what="QC picture")
     hu_window = get_window(args.ct_window)
     stack = as_stack(volume)
     pipe = Pipeline(preset, adapter=getattr(args, "adapter", None), device=args.device,
@@ -302,8 +316,9 @@ def cmd_demo(args) -> int:
     volume = resource_path("samples", sample["file"])
     query = args.query or sample["query"]
     preset, notice = models.best_available_preset(args.preset)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from .fileio import check_folder
+
+    out_dir = check_folder(Path(args.out_dir), "--out-dir")
     if notice:
         sys.stderr.write(f"{PROG} demo: {notice}\n")
     res = _run_segment(volume, query, out_dir / "demo_mask.nii.gz", out_dir / "demo.anchor.json",
@@ -445,6 +460,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not any(isinstance(h, _OneLineWarnings) for h in logger.handlers):
         logger.addHandler(_OneLineWarnings(level=logging.WARNING))
     logger.propagate = False
+    previous = _on_sigterm_unwind()
     try:
         return int(args.func(args) or 0)
     except MedVolError as e:
@@ -452,15 +468,31 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         hint = getattr(args, "interrupt_hint", "")
-        sys.stderr.write(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else "") + "\n")
-        return 130
+        how = "terminated" if isinstance(e, Terminated) else "interrupted"
+        sys.stderr.write(f"{PROG} {args.command}: {how}" + (f"; {hint}" if hint else "") + "\n")
+        return 143 if isinstance(e, Terminated) else 130
     except Exception as e:  # an unexpected failure: still one line, with a hint
         if args.debug:
             raise
         sys.stderr.write(f"{PROG} {args.command}: internal error: {type(e).__name__}: {e} (rerun with --debug for details)\n")
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _on_sigterm_unwind():
+    """Make SIGTERM raise :class:`Terminated` in the main thread (so ``finally`` blocks run and
+    temporary outputs are removed, as for Ctrl-C); returns the previous handler, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _term(signum, frame):
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, _term)
 
 
 if __name__ == "__main__":

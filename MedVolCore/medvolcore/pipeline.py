@@ -145,7 +145,7 @@ class Pipeline:
             if self.low_memory:
                 self._lvlm_to("cpu")
             anchor = g.anchor.with_world(stack)
-            notes = list(g.notes)
+            notes = list(stack.volume.notes) + list(g.notes)
             if self.smoke or getattr(grounder, "is_smoke", False):
                 self.smoke = True
                 notes.append(SMOKE_NOTE)
@@ -170,6 +170,7 @@ class Pipeline:
                 anchor = anchor.with_world(stack)
             seg = self._propagate(stack, anchor, hu_window, progress, cancel)
             seg.reasoning = anchor.reasoning
+            seg.notes = list(dict.fromkeys(list(stack.volume.notes) + list(seg.notes)))
             seg.timings["total_s"] = time.perf_counter() - t0
             return seg
 
