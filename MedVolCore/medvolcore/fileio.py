@@ -84,14 +84,19 @@ def check_output(path: PathLike, overwrite: bool = False, *, suffixes: Optional[
         except OSError as e:
             raise OutputError(f"cannot write {p}: cannot create the folder {p.parent}: {os_reason(e)}") from None
         folder = p.parent
+    _probe_write(folder, f"cannot write {p}")
+    return p
+
+
+def _probe_write(folder: Path, failure: str) -> None:
+    """Create and remove a hidden file in ``folder``; an OSError becomes ``failure: reason``."""
     try:
         fd, probe = tempfile.mkstemp(prefix=".medvol-write-test-", dir=folder)
     except OSError as e:
-        raise OutputError(f"cannot write {p}: {os_reason(e)} (in {folder})") from None
+        raise OutputError(f"{failure}: {os_reason(e)} (in {folder})") from None
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(probe)
-    return p
 
 
 def check_folder(path: PathLike, what: str = "output folder") -> Path:
@@ -105,12 +110,9 @@ def check_folder(path: PathLike, what: str = "output folder") -> Path:
         raise OutputError(f"cannot use {what} {p}: {folder} is a file, not a folder")
     try:
         p.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".medvol-write-test-", dir=p)
     except OSError as e:
-        raise OutputError(f"cannot write in {what} {p}: {os_reason(e)}") from None
-    os.close(fd)
-    with contextlib.suppress(OSError):
-        os.unlink(probe)
+        raise OutputError(f"cannot create {what} {p}: {os_reason(e)}") from None
+    _probe_write(p, f"cannot write in {what} {p}")
     return p
 
 
