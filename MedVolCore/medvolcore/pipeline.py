@@ -77,11 +77,12 @@ class Pipeline:
     (evaluation with another checkpoint, or seeded random weights). ``stop_after_empty``: the
     default K of early stop for this pipeline's propagations (see
     :meth:`~medvolcore.propagation.MedSAM2Propagator.propagate`; 0 = the whole stack, the paper's
-    behaviour); ``segment`` and ``repropagate`` may override it per call.
+    behaviour); ``segment`` and ``repropagate`` may override it per call. ``grounder_dtype``:
+    the language model's dtype (``"bfloat16"``, ``"float32"``; default fp32 on CPU, bf16 on CUDA).
     """
 
     def __init__(self, preset: str = "medvol-r1", adapter=None, device: str = "cpu", low_memory: bool = False,
-                 propagator=None, stop_after_empty: Optional[int] = None):
+                 propagator=None, stop_after_empty: Optional[int] = None, grounder_dtype: Optional[str] = None):
         from . import models
         from .propagation import DEFAULT_STOP_AFTER_EMPTY, check_stop_after_empty
 
@@ -93,6 +94,7 @@ class Pipeline:
         self.smoke = bool(self.models.smoke)
         self.device = str(resolve_device(device))
         self.low_memory = bool(low_memory)
+        self.grounder_dtype = grounder_dtype
         self._grounder = None
         self._propagator = propagator
         self._lock = threading.RLock()
@@ -108,7 +110,7 @@ class Pipeline:
                 t = time.perf_counter()
                 self._grounder = QwenVLGrounder.from_pretrained(
                     self.models.grounder_dir, adapter=self.models.adapter_dir, device=self.device,
-                    settings=self.models.settings)
+                    dtype=self.grounder_dtype, settings=self.models.settings)
                 self.load_seconds["grounder"] = time.perf_counter() - t
             return self._grounder
 

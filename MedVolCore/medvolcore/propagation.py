@@ -617,6 +617,9 @@ class MedSAM2Propagator:
         self.image_size = int(image_size)
         self.device = device
         self.source = source
+        # bfloat16 autocast on CUDA (MedSAM2's own setting); False keeps fp32 there too (the GPU
+        # check compares the two). The CPU always runs fp32.
+        self.cuda_bf16 = True
         self._lock = threading.Lock()
 
     # -- constructors ------------------------------------------------------------------------
@@ -696,7 +699,7 @@ class MedSAM2Propagator:
     def _autocast(self):
         import torch
 
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.cuda_bf16:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
