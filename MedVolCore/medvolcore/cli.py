@@ -218,7 +218,8 @@ def cmd_propagate(args) -> int:
 
 
 def _stop_text(result) -> str:
-    """', stopped early: forward at 45, backward at 9' when a direction ended before its edge."""
+    """'; stopped early (every mask empty on K slices): forward at 47, backward at 8' when a direction
+    ended before the edge of the stack (or window), else ''."""
     parts = [f"{d} at {v['last_slice']}" for d, v in (result.stops or {}).items() if v.get("stopped_early")]
     return f"; stopped early (every mask empty on {result.stop_after_empty} slices): " + ", ".join(parts) if parts else ""
 

@@ -298,10 +298,16 @@ def child_ground(args) -> dict:
     finally:
         h1.remove()
         h2.remove()
-    try:
+    from medvolcore.answer import parse_answer
+
+    try:  # the grammar's promise: the answer format, with a shown slice
+        format_ok = parse_answer(text).slice in set(shown)
+    except Exception:  # noqa: BLE001 - reported, not raised
+        format_ok = False
+    try:  # a random model decoding greedily tends to repeat a digit: boxes of zero width
         g._check_answer(text, shown)
         parsed = True
-    except Exception:  # noqa: BLE001 - reported, not raised: a random model may draw no usable box
+    except Exception:  # noqa: BLE001
         parsed = False
     decode_tokens = max(0, t["new_tokens"] - 1)  # the first token comes out of the prefill
     return {"load_s": load_s, "prompt_s": prompt_s, "prompt_tokens": int(inputs["input_ids"].shape[1]),
@@ -309,7 +315,7 @@ def child_ground(args) -> dict:
             "vision_calls": vision["calls"], "prefill_s": t["prefill_s"], "decode_s": t["decode_s"],
             "new_tokens": t["new_tokens"], "stopped": t["stopped"],
             "decode_tokens_per_s": decode_tokens / t["decode_s"] if t["decode_s"] > 0 else None,
-            "answer_parsed": parsed, "answer_head": text[:120], "cuda_peak_gb": _cuda_peak(args.device),
+            "answer_format_ok": format_ok, "answer_parsed": parsed, "answer_head": text[:160], "cuda_peak_gb": _cuda_peak(args.device),
             "dtype": str(g.dtype), "threads": torch.get_num_threads()}
 
 
@@ -369,8 +375,11 @@ def run_child(job: str, argv: list, env: dict) -> dict:
 def run_e2e(preset: str, ct: Path, device: str, env: dict, tmp: Path) -> dict:
     """The whole ``medvol segment`` command, as a user runs it."""
     out = tmp / f"e2e-{preset}-{ct.name}"
+    # --sample: greedy decoding of random weights repeats one digit (boxes of zero width, retried);
+    # sampling costs the same per token and gives usable boxes at once
     cmd = [sys.executable, "-m", "medvolcore.cli", "segment", "--volume", str(ct), "--query", QUERY,
-           "--out", str(out), "--preset", preset, "--device", device, "--json", "--no-progress", "--overwrite"]
+           "--out", str(out), "--preset", preset, "--device", device, "--json", "--no-progress", "--overwrite",
+           "--sample", "--seed", "0"]
     with tempfile.TemporaryFile() as so, tempfile.TemporaryFile() as se:
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=so, stderr=se, env=env)
@@ -385,7 +394,9 @@ def run_e2e(preset: str, ct: Path, device: str, env: dict, tmp: Path) -> dict:
         d = json.loads(text)
         tm, loads = d["timings"], d.get("model_load_s", {})
         res.update(segment_s=tm.get("total_s"), ground_s=tm.get("ground_s"), propagate_s=tm.get("propagate_s"),
-                   load_s=sum(loads.values()), slices_propagated=tm.get("slices_propagated"))
+                   load_s=sum(loads.values()), slices_propagated=tm.get("slices_propagated"),
+                   attempts=1 + sum(str(n).startswith("attempt ") for n in d.get("notes", [])),
+                   new_tokens=tm.get("ground_new_tokens"))
         res["segment_excl_load_s"] = res["segment_s"] - res["load_s"]
     else:
         res["error"] = (etext.strip().splitlines() or ["(no output)"])[-1][:300]
@@ -544,7 +555,8 @@ def print_tables(res: dict) -> None:
         print(f"{r['size']:<13}{r['dtype']:<6}{r['params_b']:>7.2f}B{r['load_s']:>8.1f}{r['vision_s']:>9.1f}"
               f"{r['prefill_s']:>10.1f}{r['new_tokens']:>7}{_f(r['decode_tokens_per_s']):>13}{r['prompt_tokens']:>11}"
               f"{r['peak_rss_gb']:>12.1f}{_f(r['cuda_peak_gb'], '{:.1f}'):>8}  "
-              f"{'parsed' if r['answer_parsed'] else 'no usable box'}")
+              f"{'format ok' if r['answer_format_ok'] else 'FORMAT BROKEN'}"
+              f"{', boxes usable' if r['answer_parsed'] else ', boxes degenerate (random weights)'}")
     if res["medsam2"]:
         print(f"\nMedSAM2 (SAM2.1 Hiera-T at 512, random weights; {dev}; one box, every slice, "
               f"{'bf16 autocast' if dev == 'cuda' else 'fp32'})")
@@ -558,13 +570,14 @@ def print_tables(res: dict) -> None:
     if res["e2e"]:
         print(f"\n`medvol segment` end to end (whole process; {dev}; default early stop; MedSAM2 at 512)")
         print(f"{'model':<13}{'slices':>6}{'wall s':>8}{'load s':>8}{'ground s':>9}{'propag. s':>10}"
-              f"{'excl. load s':>13}{'peak RSS GB':>12}")
+              f"{'excl. load s':>13}{'peak RSS GB':>12}{'attempts':>9}")
         for r in res["e2e"]:
             if r.get("error"):
                 print(f"{r['size']:<13}{r['slices']:>6}  failed: {r['error']}")
                 continue
             print(f"{r['size']:<13}{r['slices']:>6}{r['wall_s']:>8.1f}{r['load_s']:>8.1f}{r['ground_s']:>9.1f}"
-                  f"{r['propagate_s']:>10.1f}{r['segment_excl_load_s']:>13.1f}{r['peak_rss_gb']:>12.1f}")
+                  f"{r['propagate_s']:>10.1f}{r['segment_excl_load_s']:>13.1f}{r['peak_rss_gb']:>12.1f}"
+                  f"{r['attempts']:>9}")
     for line in res["skipped"]:
         print(line)
 

@@ -9,7 +9,8 @@ Checks, in order (``--only`` / ``--skip`` choose; each runs in its own process):
                both. Fails when a part fails. Target (reported, fails only with
                ``--strict-goals``): a 300-slice CT end to end, model loading excluded, < 10 s.
 ``decoding``   the grounder's constrained decoding at full size (from ``fullsize``): the answer of
-               every size parses, names a shown slice and has a box.
+               every size follows the answer format and names a shown slice (with random weights
+               greedy decoding may repeat one digit, so zero-width boxes are reported, not failed).
 ``agreement``  MedSAM2 (random weights, 512) on the 112-slice CT in bf16 autocast vs fp32 on the
                GPU: Dice on the key slice (no tracking: must be ≥ ``--min-dice``) and over the
                volume (tracking amplifies rounding; must be ≥ ``--min-volume-dice``).
@@ -142,9 +143,12 @@ def check_decoding(args, ctx) -> dict:
     rows = (ctx.get("fullsize") or {}).get("ground", [])
     if not rows:
         return {"status": "FAIL", "detail": "fullsize produced no grounder answer", "seconds": 0.0}
-    bad = [r["size"] for r in rows if r.get("error") or not r.get("answer_parsed")]
+    # the grammar's promise is the format and a shown slice; random weights decoding greedily may
+    # still draw boxes of zero width (reported, not failed)
+    bad = [r["size"] for r in rows if r.get("error") or not r.get("answer_format_ok")]
     detail = "; ".join(f"{r['size']}: {r.get('new_tokens')} tokens, {_num(r.get('decode_tokens_per_s'))} tok/s, "
-                       f"{'parsed' if r.get('answer_parsed') else 'NOT parsed'}" for r in rows)
+                       f"{'format ok' if r.get('answer_format_ok') else 'FORMAT BROKEN'}"
+                       f"{'' if r.get('answer_parsed') else ' (boxes degenerate)'}" for r in rows)
     return {"status": "FAIL" if bad else "PASS", "detail": detail, "seconds": 0.0}
 
 
