@@ -13,7 +13,9 @@ Steps, each skipped when already satisfied, so running it again is cheap:
 4. install ``sam2==1.1.0`` the way ARCHITECTURE.md says: ``SAM2_BUILD_CUDA=0``, ``--no-deps``,
    ``--no-build-isolation`` (its metadata asks for torchvision, which we do not need);
 5. install ``medvoltrain`` (editable, from ``Training/``: TRL, PEFT, accelerate, datasets,
-   TensorBoard) unless ``--no-training`` is given.
+   TensorBoard) unless ``--no-training`` is given; where an NVIDIA GPU is present, also try its
+   ``deepspeed`` extra (multi-GPU ZeRO-2, and the GPU check's ``zero2`` step); a failure there is
+   a warning, not an error, since single-GPU work does not need it.
 """
 
 from __future__ import annotations
@@ -142,6 +144,13 @@ def main(argv=None) -> int:
     training = REPO / "Training"
     if not args.no_training and (training / "pyproject.toml").exists():
         run([py, "-m", "pip", "install", "--quiet", "-e", str(training)])
+        if gpu_present() and not has_module(py, "deepspeed"):
+            # DS_BUILD_OPS=0: no CUDA extension is compiled at install time (they are built on first use)
+            env = dict(os.environ, DS_BUILD_OPS="0")
+            r = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-e", f"{training}[deepspeed]"], env=env)
+            if r.returncode != 0:
+                log("warning: could not install deepspeed (only multi-GPU ZeRO-2 needs it); "
+                    "retry with: pip install 'medvoltrain[deepspeed]'")
 
     # Smoke check: the engine imports and sam2 builds its config without torchvision.
     run([py, "-c", "import medvolcore, sam2.build_sam; print('medvolcore', medvolcore.__version__, 'ready')"])

@@ -193,6 +193,10 @@ class EvidenceAnchor:
     ``image_size`` is the slice's ``(W, H)`` in pixels. ``world`` (RAS) is filled by
     :meth:`with_world` when the stack is known. ``notes`` carries remarks a reader should see
     (e.g. that the model was an untrained smoke model, or that a box was reordered).
+    ``propagation`` records how the anchor was last propagated (written by the pipeline:
+    ``PropagationResult.stop_summary()``, i.e. early stop's K and where each direction
+    stopped); it is written to the file but never read back, since it describes a past run,
+    not an input.
     """
 
     slice: int
@@ -203,6 +207,7 @@ class EvidenceAnchor:
     source: str = "mask"
     world: Optional[dict] = None
     notes: List[str] = field(default_factory=list)
+    propagation: Optional[dict] = None
 
     def __post_init__(self):
         if isinstance(self.slice, bool) or not isinstance(self.slice, (int, np.integer)) or self.slice < 0:
@@ -287,6 +292,8 @@ class EvidenceAnchor:
         d.update(query=self.query, reasoning=self.reasoning, source=self.source)
         if self.notes:
             d["notes"] = list(self.notes)
+        if self.propagation is not None:
+            d["propagation"] = self.propagation
         return d
 
     def to_json(self) -> str:

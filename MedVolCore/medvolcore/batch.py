@@ -353,6 +353,7 @@ class BatchOptions:
     seed: Optional[int] = None
     sample: bool = False
     ct_window: Optional[str] = None
+    stop_after_empty: Optional[int] = None  # None: the pipeline's default (DEFAULT_STOP_AFTER_EMPTY)
     shard: Optional[Tuple[int, int]] = None
     resume: bool = False
     overwrite: bool = False
@@ -381,6 +382,10 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     if opts.resume and opts.overwrite:
         raise InputError("--resume and --overwrite do not go together: --resume keeps finished cases, "
                          "--overwrite redoes every case")
+    if opts.stop_after_empty is not None:
+        from .propagation import check_stop_after_empty
+
+        check_stop_after_empty(opts.stop_after_empty, "--stop-after-empty")
     cases = read_manifest(manifest)
     mine = shard_cases(cases, opts.shard)
     out = Path(out_dir)
@@ -567,7 +572,8 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
             raise InputError(f"ground truth {c.gt} has shape {labels.shape}, the CT {c.volume} has {stack.volume.shape}; "
                              "they must be on the same grid")
         target = label_mask(labels, c.label)
-    seg = pipe.segment(stack, c.query, seed=opts.seed, do_sample=opts.sample, hu_window=hu_window, progress=progress)
+    seg = pipe.segment(stack, c.query, seed=opts.seed, do_sample=opts.sample, hu_window=hu_window, progress=progress,
+                       stop_after_empty=opts.stop_after_empty)
     seg.anchor.query = c.query
     seg.anchor.reasoning = seg.reasoning
     seg.anchor.source = "grounder"
@@ -585,7 +591,7 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
         "case": fingerprint, "metrics": metrics,
         "anchor": {"slice": seg.anchor.slice, "n_boxes": len(seg.anchor.boxes), "boxes": [list(b) for b in seg.anchor.boxes]},
         "reasoning": seg.reasoning, "mask_voxels": int(seg.mask.sum()), "smoke": bool(seg.smoke),
-        "notes": list(seg.notes), "outputs": list(OUTPUTS),
+        "notes": list(seg.notes), "outputs": list(OUTPUTS), "propagation": seg.anchor.propagation,
         "timings": {k: round(v, 4) for k, v in seg.timings.items() if isinstance(v, float)},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

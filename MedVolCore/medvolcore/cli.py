@@ -148,6 +148,9 @@ def cmd_propagate(args) -> int:
                          "or --random-weights SEED for an untrained smoke test")
     if args.window is not None and args.window < 0:
         raise InputError(f"--window must be ≥ 0 slices, got {args.window}")
+    from .propagation import check_stop_after_empty
+
+    check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
     hu_window = get_window(args.ct_window)
 
     vol = load_volume(args.volume)
@@ -192,10 +195,12 @@ def cmd_propagate(args) -> int:
 
     try:
         result = propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=hu_window,
-                                      window=args.window, largest_component=args.largest_component, progress=progress)
+                                      window=args.window, largest_component=args.largest_component, progress=progress,
+                                      stop_after_empty=args.stop_after_empty)
     finally:
         if bar is not None:
             bar.close()
+    anchor.propagation = result.stop_summary()
     mask = stack.to_source(result.mask)
     save_mask(mask, vol, args.out, args.overwrite)
     if args.anchor_out:
@@ -204,6 +209,7 @@ def cmd_propagate(args) -> int:
         "out": str(args.out), "volume": str(args.volume), "anchor": anchor.to_dict(), "weights": weights,
         "device": device, "ct_window": [hu_window.center, hu_window.width],
         "slice_range": list(result.slice_range), "slices_encoded": result.slices_encoded,
+        "propagation": result.stop_summary(),
         "encoder_calls": result.encoder_calls, "mask_voxels": int(mask.sum()),
         "seconds": round(result.seconds, 3), "seconds_per_slice": round(result.seconds_per_slice, 4),
         "model_load_seconds": round(load_s, 3), "total_seconds": round(time.perf_counter() - t0, 3),
@@ -214,9 +220,25 @@ def cmd_propagate(args) -> int:
 
         res["peak_cuda_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     text = (f"wrote {args.out}: {res['mask_voxels']} voxels; slices {result.slice_range[0]}..{result.slice_range[1]} "
-            f"({result.slices_encoded} encoded, {result.seconds_per_slice:.2f} s/slice), peak memory {res['peak_memory_mb']} MB")
+            f"({result.slices_encoded} encoded, {result.seconds_per_slice:.2f} s/slice{_stop_text(result)}), "
+            f"peak memory {res['peak_memory_mb']} MB")
     _emit(res, args.json, text)
     return 0
+
+
+def _stop_text(result) -> str:
+    """'; stopped early (every mask empty on K slices): forward at 47, backward at 8' when a direction
+    ended before the edge of the stack (or window), else ''."""
+    parts = [f"{d} at {v['last_slice']}" for d, v in (result.stops or {}).items() if v.get("stopped_early")]
+    return f"; stopped early (every mask empty on {result.stop_after_empty} slices): " + ", ".join(parts) if parts else ""
+
+
+def _add_stop_option(sp) -> None:
+    from .propagation import DEFAULT_STOP_AFTER_EMPTY
+
+    sp.add_argument("--stop-after-empty", type=int, default=DEFAULT_STOP_AFTER_EMPTY, metavar="K",
+                    help="in each direction, stop once every box's mask has been empty on K consecutive slices "
+                         f"(default {DEFAULT_STOP_AFTER_EMPTY}; 0 = propagate through the whole volume, as the paper)")
 
 
 # ---- medvol segment / demo ---------------------------------------------------------------
@@ -238,7 +260,10 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
 
     from .grounder import validate_query
 
+    from .propagation import check_stop_after_empty
+
     query = validate_query(query)
+    check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
     # every output checked before the models load: distinct files, not an input, writable, right type
     check_distinct([("--out", out), ("--anchor-out", anchor_out), ("--qc", qc)],
                    [("--volume", volume), ("--adapter", getattr(args, "adapter", None))])
@@ -266,7 +291,8 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
 
     try:
         seg = pipe.segment(stack, query, constrain=not args.no_constrain, seed=args.seed,
-                           do_sample=args.sample, hu_window=hu_window, progress=progress)
+                           do_sample=args.sample, hu_window=hu_window, progress=progress,
+                           stop_after_empty=args.stop_after_empty)
     finally:
         if bar is not None:
             bar.close()
@@ -403,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W",
                     help="display window for the frames: soft_tissue (default), lung, bone, … or CENTER,WIDTH in HU")
     sp.add_argument("--largest-component", action="store_true", help="keep each box's largest 3-D connected component")
+    _add_stop_option(sp)
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="cpu (fp32) or cuda (bfloat16 autocast)")
     sp.add_argument("--anchor-out", metavar="PATH", help="also write the anchor used, with world coordinates")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -418,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-constrain", action="store_true", help="no grammar-constrained decoding (parse and retry instead)")
         sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
         sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+        _add_stop_option(sp)
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
         sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 

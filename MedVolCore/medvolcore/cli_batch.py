@@ -54,6 +54,9 @@ def add_batch_command(sub, add):
     sp.add_argument("--seed", type=int, help="random seed for --sample (reproducible sampling)")
     sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+    from .cli import _add_stop_option
+
+    _add_stop_option(sp)
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return sp
 
@@ -75,7 +78,8 @@ def cmd_batch(args) -> int:
     from .batch import BatchOptions, parse_shard, run_batch
 
     opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
-                        sample=args.sample, ct_window=args.ct_window, shard=parse_shard(args.shard),
+                        sample=args.sample, ct_window=args.ct_window, stop_after_empty=args.stop_after_empty,
+                        shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
 
     # a cluster's time limit (SIGTERM) stops the run like Ctrl-C: cli.main turns it into an

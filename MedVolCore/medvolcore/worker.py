@@ -54,19 +54,20 @@ Ops:
 ``load`` ``{preset?, adapter?, device?}``
     Loads the preset's models and keeps them (a different preset, adapter or device replaces
     the loaded one). → ``{"preset", "device", "smoke", "reloaded", "load_s"}``.
-``segment`` ``{volume | volume_b64, query, preset?, out?, overwrite?, seed?, constrain?, sample?, window?}``
+``segment`` ``{volume | volume_b64, query, preset?, out?, overwrite?, seed?, constrain?, sample?, window?, stop_after_empty?}``
     ``volume``: a path readable by the worker; over HTTP also ``volume_b64`` (base64 NIfTI bytes)
     or the request body. ``out``: where to write the mask (default: a file in the worker's
     temporary folder, removed when the worker exits). ``window``: display window, a preset name
-    (``soft_tissue``, ``lung``, …) or ``[centre, width]`` in HU.
-``propagate`` ``{volume | volume_b64, anchor, preset?, out?, overwrite?, window?}``
+    (``soft_tissue``, ``lung``, …) or ``[centre, width]`` in HU. ``stop_after_empty``: early stop's
+    K, an integer ≥ 0 (default: the command line's default; 0 = the whole volume, the paper's way).
+``propagate`` ``{volume | volume_b64, anchor, preset?, out?, overwrite?, window?, stop_after_empty?}``
     Propagates a given (e.g. edited) anchor, schema ``medvol.anchor/1`` (``boxes`` or only
     ``world``); the language model is not used.
     Results of segment and propagate: ``{"anchor", "reasoning", "timings", "smoke", "notes",
-    "preset", "shape", "mask_voxels", "mask_path"}`` over stdio, or ``"mask_b64"`` (base64
+    "preset", "shape", "mask_voxels", "propagation", "mask_path"}`` over stdio, or ``"mask_b64"`` (base64
     ``.nii.gz``) over HTTP (plus ``mask_path`` when ``out`` was given). ``timings`` include
     ``load_s`` (0 when the models were already loaded), ``models_reloaded``, ``volume_cached``
-    and ``request_s``.
+    and ``request_s``. ``propagation`` (also in ``anchor``) is K and where each direction stopped.
 ``cancel`` ``{target}``
     Cancels request ``target`` of the caller's session: a queued one is answered at once, a
     running one between slices (or between stages); either way it gets an error reply with
@@ -599,6 +600,14 @@ class Worker:
         w = field(req, "window", (str, list))
         if isinstance(w, list) and (len(w) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in w)):
             raise RequestError(f"{op}: field 'window' must be a preset name or [centre, width] in HU, got {w!r}")
+        stop_k = field(req, "stop_after_empty", int)
+        if stop_k is not None:
+            from .propagation import check_stop_after_empty
+
+            try:
+                check_stop_after_empty(stop_k)
+            except MedVolError as e:
+                raise RequestError(f"{op}: field {e}") from None
         has_b64 = field(req, "volume_b64", str) is not None or body is not None
         volume = field(req, "volume", str)
         if volume is None and not has_b64:
@@ -877,16 +886,18 @@ class Worker:
         if job.op == "segment":
             seg = pipe.segment(stack, req["query"], constrain=req.get("constrain", True), seed=req.get("seed"),
                                do_sample=bool(req.get("sample", False)), hu_window=window, progress=progress,
-                               cancel=job.cancel)
+                               cancel=job.cancel, stop_after_empty=req.get("stop_after_empty"))
         else:
-            seg = pipe.repropagate(stack, anchor, hu_window=window, progress=progress, cancel=job.cancel)
+            seg = pipe.repropagate(stack, anchor, hu_window=window, progress=progress, cancel=job.cancel,
+                                   stop_after_empty=req.get("stop_after_empty"))
         if job.cancel.is_set():
             raise CancelledError(f"request {job.id!r} cancelled")
         progress("write", 0.0, "writing the mask")
         t = time.perf_counter()
         result = {"anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "smoke": bool(seg.smoke),
                   "notes": list(seg.notes), "preset": seg.preset, "volume_sha256": digest,
-                  "shape": list(stack.volume.shape), "mask_voxels": int(seg.mask.sum())}
+                  "shape": list(stack.volume.shape), "mask_voxels": int(seg.mask.sum()),
+                  "propagation": seg.anchor.propagation}
         save_mask(seg.mask, stack.volume, out, overwrite=overwrite)
         if not cached:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing

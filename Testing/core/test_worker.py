@@ -182,6 +182,9 @@ def test_twenty_malformed_inputs_then_a_valid_request(worker, ct_sm_path, tmp_pa
         (json.dumps({"id": 22, "op": "load", "preset": "no-such-preset"}), 22, None),
         (json.dumps({"id": 23, "op": "segment", "volume": ct, "query": "   "}), 23, "bad_input"),
         (json.dumps({"id": 24, "op": "segment", "volume": ct, "query": "x", "window": [1, 2, 3]}), 24, "bad_request"),
+        (json.dumps({"id": 25, "op": "propagate", "volume": ct, "anchor": good_anchor, "stop_after_empty": -1}), 25,
+         "bad_request"),
+        (json.dumps({"id": 26, "op": "segment", "volume": ct, "query": "x", "stop_after_empty": "3"}), 26, "bad_request"),
     ]
     assert len(cases) >= 20
     for raw, rid, code in cases:
@@ -193,8 +196,10 @@ def test_twenty_malformed_inputs_then_a_valid_request(worker, ct_sm_path, tmp_pa
         if code:
             assert msg["error"]["code"] == code, (raw[:80], msg)
         assert "Traceback" not in msg["error"]["message"]
-    r = worker.call({"id": "valid", "op": "propagate", "volume": ct, "anchor": good_anchor})
+    r = worker.call({"id": "valid", "op": "propagate", "volume": ct, "anchor": good_anchor, "stop_after_empty": 0})
     assert r["ok"] is True, r
+    assert r["result"]["propagation"]["stop_after_empty"] == 0  # the field reaches the propagator
+    assert r["result"]["anchor"]["propagation"]["slice_range"] == [0, 29]
     assert r["result"]["timings"]["models_reloaded"] is False  # the failed load kept the tiny models
     assert worker.proc.poll() is None
     assert not any("Traceback" in line for line in worker.stderr)
