@@ -14,7 +14,9 @@ Steps, each skipped when already satisfied, so running it again is cheap:
 4. install ``sam2==1.1.0`` the way ARCHITECTURE.md says: ``SAM2_BUILD_CUDA=0``, ``--no-deps``,
    ``--no-build-isolation`` (its metadata asks for torchvision, which we do not need);
 5. install ``medvoltrain`` (editable, from ``Training/``: TRL, PEFT, accelerate, datasets,
-   TensorBoard) unless ``--no-training`` is given;
+   TensorBoard) unless ``--no-training`` is given; where an NVIDIA GPU is present, also try its
+   ``deepspeed`` extra (multi-GPU ZeRO-2, and the GPU check's ``zero2`` step); a failure there is
+   a warning, not an error, since single-GPU work does not need it;
 6. install ``slicer-core`` (3D Slicer's non-Qt libraries as a wheel: MRML scene, volume,
    segmentation and markups nodes, storage nodes, module logics; it brings its own ``vtk``) so
    ``Testing/slicer_mrml`` runs the Slicer module's logic against real MRML, unless
@@ -153,6 +155,13 @@ def main(argv=None) -> int:
     training = REPO / "Training"
     if not args.no_training and (training / "pyproject.toml").exists():
         run([py, "-m", "pip", "install", "--quiet", "-e", str(training)])
+        if gpu_present() and not has_module(py, "deepspeed"):
+            # DS_BUILD_OPS=0: no CUDA extension is compiled at install time (they are built on first use)
+            env = dict(os.environ, DS_BUILD_OPS="0")
+            r = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "-e", f"{training}[deepspeed]"], env=env)
+            if r.returncode != 0:
+                log("warning: could not install deepspeed (only multi-GPU ZeRO-2 needs it); "
+                    "retry with: pip install 'medvoltrain[deepspeed]'")
 
     if not args.no_slicer_core:
         if sys.version_info < (3, 10):

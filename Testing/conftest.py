@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import nibabel as nib
+import numpy as np
 import pytest
 
 # The real-MRML tier puts Slicer's own `slicer` package and stand-ins for its Qt parts into
@@ -61,3 +63,50 @@ def ct_sm_path() -> Path:
 @pytest.fixture(scope="session")
 def seg_sm_path() -> Path:
     return _require(TS / "example_seg.nii.gz")
+
+
+@pytest.fixture(scope="session")
+def small_ct(tmp_path_factory, ct_sm_path, seg_sm_path):
+    """8 slices of the real upper-abdomen CT (every voxel kept, affine shifted accordingly)."""
+    d = tmp_path_factory.mktemp("small")
+    ct, seg = nib.load(str(ct_sm_path)), nib.load(str(seg_sm_path))
+    k0 = 11
+    aff = ct.affine.copy()
+    aff[:3, 3] = ct.affine[:3, :3] @ [0, 0, k0] + ct.affine[:3, 3]
+    ct_arr = np.asarray(ct.dataobj)[:, :, k0:k0 + 8]
+    seg_arr = np.asarray(seg.dataobj)[:, :, k0:k0 + 8]
+    nib.save(nib.Nifti1Image(ct_arr, aff, ct.header), str(d / "ct.nii.gz"))
+    nib.save(nib.Nifti1Image(seg_arr, aff, seg.header), str(d / "seg.nii.gz"))
+    return d / "ct.nii.gz", d / "seg.nii.gz"
+
+
+def _write_dicom_series(sitk, img, folder, uid: str = "1.2.826.0.1.3680043.2.1125.7731"):
+    """Write a SimpleITK 3-D image as a CT DICOM series (one file per slice, names out of order)."""
+    folder.mkdir()
+    writer = sitk.ImageFileWriter()
+    writer.KeepOriginalImageUIDOn()
+    d = img.GetDirection()
+    orientation = "\\".join(str(v) for v in (d[0], d[3], d[6], d[1], d[4], d[7]))
+    for k in range(img.GetDepth()):
+        s = img[:, :, k]
+        tags = {
+            "0008|0060": "CT",
+            "0008|0016": "1.2.840.10008.5.1.4.1.1.2",
+            "0008|0018": f"{uid}.3.{k + 1}",
+            "0020|000d": f"{uid}.1",
+            "0020|000e": f"{uid}.2",
+            "0020|0037": orientation,
+            "0020|0032": "\\".join(str(v) for v in img.TransformIndexToPhysicalPoint((0, 0, k))),
+            "0020|0013": str(k + 1),
+            "0018|0050": str(img.GetSpacing()[2]),
+        }
+        for tag, val in tags.items():
+            s.SetMetaData(tag, val)
+        writer.SetFileName(str(folder / f"{(k * 7) % 11:03d}_{k}.dcm"))  # file names out of order on purpose
+        writer.Execute(s)
+
+
+@pytest.fixture(scope="session")
+def write_dicom_series():
+    """``write(sitk, image, folder, uid=...)``: a DICOM series of a SimpleITK image."""
+    return _write_dicom_series

@@ -120,8 +120,11 @@ def ras_to_box(stack, corners, what: str = "box", tol: float = 0.5):
     Points are rounded to the nearest voxel; both must lie on the same slice (within
     ``tol`` voxels) and inside the stack's depth.
     """
-    c = np.asarray(corners, dtype=np.float64)
-    if c.shape != (2, 3) or not np.all(np.isfinite(c)):
+    try:
+        c = np.asarray(corners, dtype=np.float64)
+    except (TypeError, ValueError):
+        c = None
+    if c is None or c.shape != (2, 3) or not np.all(np.isfinite(c)):
         raise AnchorError(f"{what}: world box must be two RAS points [[r, a, s], [r, a, s]], got {corners!r}")
     idx = stack.ras_to_stack(c)
     zs = idx[:, 0]
@@ -143,6 +146,46 @@ def dumps(obj) -> str:
 
 # ---- the anchor ---------------------------------------------------------------------------
 
+def _is_text(value) -> bool:
+    """A str that is valid Unicode (a lone surrogate from a JSON ``\\ud800`` escape is not)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_fields(d: dict, origin: str) -> None:
+    """Types of an anchor object's fields, so a malformed one is an AnchorError, not a crash."""
+    for name in ("query", "reasoning", "source"):
+        v = d.get(name)
+        if v is not None and not _is_text(v):
+            raise AnchorError(f"{origin}: '{name}' " + ("is not valid Unicode text (a lone surrogate)" if isinstance(v, str)
+                                                         else f"must be text, got {type(v).__name__}"))
+    notes = d.get("notes")
+    if notes is not None and not (isinstance(notes, list) and all(_is_text(n) for n in notes)):
+        raise AnchorError(f"{origin}: 'notes' must be a list of texts")
+    for name in ("boxes", "boxes_norm", "image_size"):
+        v = d.get(name)
+        if v is not None and not isinstance(v, list):
+            raise AnchorError(f"{origin}: '{name}' must be a list, got {type(v).__name__}")
+    for name in ("boxes", "boxes_norm"):
+        v = d.get(name)
+        if v is not None and len(v) > MAX_BOXES:
+            raise AnchorError(f"{origin}: {len(v)} boxes; at most {MAX_BOXES} are allowed")
+    world = d.get("world")
+    if world is not None:
+        if not isinstance(world, dict):
+            raise AnchorError(f"{origin}: 'world' must be an object with 'boxes_ras', got {type(world).__name__}")
+        boxes_ras = world.get("boxes_ras")
+        if boxes_ras is not None and not isinstance(boxes_ras, list):
+            raise AnchorError(f"{origin}: 'world.boxes_ras' must be a list of [[r, a, s], [r, a, s]] pairs")
+        if boxes_ras is not None and len(boxes_ras) > MAX_BOXES:
+            raise AnchorError(f"{origin}: {len(boxes_ras)} world boxes; at most {MAX_BOXES} are allowed")
+
+
 @dataclass
 class EvidenceAnchor:
     """A key slice (0-based ``z`` of the canonical stack) and inclusive pixel boxes on it.
@@ -150,6 +193,10 @@ class EvidenceAnchor:
     ``image_size`` is the slice's ``(W, H)`` in pixels. ``world`` (RAS) is filled by
     :meth:`with_world` when the stack is known. ``notes`` carries remarks a reader should see
     (e.g. that the model was an untrained smoke model, or that a box was reordered).
+    ``propagation`` records how the anchor was last propagated (written by the pipeline:
+    ``PropagationResult.stop_summary()``, i.e. early stop's K and where each direction
+    stopped); it is written to the file but never read back, since it describes a past run,
+    not an input.
     """
 
     slice: int
@@ -160,6 +207,7 @@ class EvidenceAnchor:
     source: str = "mask"
     world: Optional[dict] = None
     notes: List[str] = field(default_factory=list)
+    propagation: Optional[dict] = None
 
     def __post_init__(self):
         if isinstance(self.slice, bool) or not isinstance(self.slice, (int, np.integer)) or self.slice < 0:
@@ -172,6 +220,9 @@ class EvidenceAnchor:
             raise AnchorError(f"anchor source must be one of {', '.join(SOURCES)}, got {self.source!r}")
         if not self.boxes:
             raise AnchorError("an anchor needs at least one box")
+        if len(self.boxes) > MAX_BOXES:  # each box is tracked through every slice: bound the work
+            raise AnchorError(f"the anchor has {len(self.boxes)} boxes; at most {MAX_BOXES} are allowed (one per "
+                              "structure; merge or drop some)")
         w, h = self.image_size
         try:
             self.boxes = [check_box(b, w, h, f"box {i + 1}") for i, b in enumerate(self.boxes)]
@@ -241,6 +292,8 @@ class EvidenceAnchor:
         d.update(query=self.query, reasoning=self.reasoning, source=self.source)
         if self.notes:
             d["notes"] = list(self.notes)
+        if self.propagation is not None:
+            d["propagation"] = self.propagation
         return d
 
     def to_json(self) -> str:
@@ -260,6 +313,7 @@ class EvidenceAnchor:
             raise AnchorError(f"{origin}: expected a JSON object, got {type(d).__name__}")
         if d.get("schema") != SCHEMA:
             raise AnchorError(f"{origin}: schema is {d.get('schema')!r}, expected {SCHEMA!r}")
+        _check_fields(d, origin)
         kw = dict(query=str(d.get("query") or ""), reasoning=str(d.get("reasoning") or ""),
                   source=d.get("source") or "user", notes=list(d.get("notes") or []))
         world = d.get("world")

@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
-from .errors import InputError, MedVolError, OutputExistsError
-from .fileio import write_text_atomic
+from .errors import InputError, MedVolError, OutputError, OutputExistsError
+from .fileio import check_distinct, check_folder, is_inside, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +353,7 @@ class BatchOptions:
     seed: Optional[int] = None
     sample: bool = False
     ct_window: Optional[str] = None
+    stop_after_empty: Optional[int] = None  # None: the pipeline's default (DEFAULT_STOP_AFTER_EMPTY)
     shard: Optional[Tuple[int, int]] = None
     resume: bool = False
     overwrite: bool = False
@@ -381,12 +382,25 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     if opts.resume and opts.overwrite:
         raise InputError("--resume and --overwrite do not go together: --resume keeps finished cases, "
                          "--overwrite redoes every case")
+    if opts.stop_after_empty is not None:
+        from .propagation import check_stop_after_empty
+
+        check_stop_after_empty(opts.stop_after_empty, "--stop-after-empty")
     cases = read_manifest(manifest)
     mine = shard_cases(cases, opts.shard)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise InputError(f"--out-dir {out} is a file, not a folder")
+        raise OutputError(f"cannot use --out-dir {out}: it is a file, not a folder")
     csv_name, html_name = summary_names(opts.shard)
+    # nothing a run writes or clears may be one of its inputs: refuse before any work
+    inputs = [("--manifest", manifest)] + [(f"case {c.id} {k}", p) for c in mine for k, p in (("volume", c.volume),
+                                                                                               ("gt", c.gt))]
+    check_distinct([("the summary table", out / csv_name), ("the summary page", out / html_name)], inputs)
+    for c in mine:
+        for label, p in inputs:
+            if p is not None and label != "--manifest" and is_inside(p, out / c.id):
+                raise InputError(f"{label} {p} is inside the output folder of case {c.id} ({out / c.id}), whose "
+                                 "files a run replaces; move it out of --out-dir")
 
     from .windowing import get_window
 
@@ -415,7 +429,7 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         shown = ", ".join(occupied[:5]) + (f" and {len(occupied) - 5} more" if len(occupied) > 5 else "")
         raise OutputExistsError(f"{out} already holds outputs for {len(occupied)} case(s) ({shown}); pass --resume to "
                                 "skip finished cases and rerun the others, or --overwrite to redo them all")
-    out.mkdir(parents=True, exist_ok=True)
+    check_folder(out, "--out-dir")  # exists and writable, before the models load
 
     t_load = time.perf_counter()
     if to_run:
@@ -558,7 +572,8 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
             raise InputError(f"ground truth {c.gt} has shape {labels.shape}, the CT {c.volume} has {stack.volume.shape}; "
                              "they must be on the same grid")
         target = label_mask(labels, c.label)
-    seg = pipe.segment(stack, c.query, seed=opts.seed, do_sample=opts.sample, hu_window=hu_window, progress=progress)
+    seg = pipe.segment(stack, c.query, seed=opts.seed, do_sample=opts.sample, hu_window=hu_window, progress=progress,
+                       stop_after_empty=opts.stop_after_empty)
     seg.anchor.query = c.query
     seg.anchor.reasoning = seg.reasoning
     seg.anchor.source = "grounder"
@@ -576,7 +591,7 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
         "case": fingerprint, "metrics": metrics,
         "anchor": {"slice": seg.anchor.slice, "n_boxes": len(seg.anchor.boxes), "boxes": [list(b) for b in seg.anchor.boxes]},
         "reasoning": seg.reasoning, "mask_voxels": int(seg.mask.sum()), "smoke": bool(seg.smoke),
-        "notes": list(seg.notes), "outputs": list(OUTPUTS),
+        "notes": list(seg.notes), "outputs": list(OUTPUTS), "propagation": seg.anchor.propagation,
         "timings": {k: round(v, 4) for k, v in seg.timings.items() if isinstance(v, float)},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -21,6 +23,10 @@ from . import __version__
 from .errors import InputError, MedVolError
 
 PROG = "medvol"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a cluster's time limit, ``kill``): unwinds like Ctrl-C, so temporary files go."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,11 +104,12 @@ def cmd_info(args) -> int:
 
 def cmd_anchor(args) -> int:
     from .anchor import anchor_from_mask
-    from .fileio import check_output
+    from .fileio import check_distinct, check_output
     from .stack import AxialStack
     from .volume import label_mask, load_label_map
 
     if args.out:
+        check_distinct([("--out", args.out)], [("--mask", args.mask)])
         check_output(args.out, args.overwrite)
     labels = load_label_map(args.mask)
     stack = AxialStack(labels)
@@ -121,13 +128,15 @@ def cmd_anchor(args) -> int:
 
 def cmd_propagate(args) -> int:
     from .anchor import EvidenceAnchor
-    from .fileio import check_output
+    from .fileio import MASK_SUFFIXES, check_distinct, check_output
     from .stack import AxialStack
     from .volume import load_volume, save_mask
     from .windowing import get_window
 
     t0 = time.perf_counter()
-    check_output(args.out, args.overwrite)
+    check_distinct([("--out", args.out), ("--anchor-out", args.anchor_out)],
+                   [("--volume", args.volume), ("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)])
+    check_output(args.out, args.overwrite, suffixes=MASK_SUFFIXES, what="mask")
     if args.anchor_out:
         check_output(args.anchor_out, args.overwrite)
     if args.anchor and (args.slice is not None or args.box):
@@ -139,6 +148,9 @@ def cmd_propagate(args) -> int:
                          "or --random-weights SEED for an untrained smoke test")
     if args.window is not None and args.window < 0:
         raise InputError(f"--window must be ≥ 0 slices, got {args.window}")
+    from .propagation import check_stop_after_empty
+
+    check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
     hu_window = get_window(args.ct_window)
 
     vol = load_volume(args.volume)
@@ -183,10 +195,12 @@ def cmd_propagate(args) -> int:
 
     try:
         result = propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=hu_window,
-                                      window=args.window, largest_component=args.largest_component, progress=progress)
+                                      window=args.window, largest_component=args.largest_component, progress=progress,
+                                      stop_after_empty=args.stop_after_empty)
     finally:
         if bar is not None:
             bar.close()
+    anchor.propagation = result.stop_summary()
     mask = stack.to_source(result.mask)
     save_mask(mask, vol, args.out, args.overwrite)
     if args.anchor_out:
@@ -195,6 +209,7 @@ def cmd_propagate(args) -> int:
         "out": str(args.out), "volume": str(args.volume), "anchor": anchor.to_dict(), "weights": weights,
         "device": device, "ct_window": [hu_window.center, hu_window.width],
         "slice_range": list(result.slice_range), "slices_encoded": result.slices_encoded,
+        "propagation": result.stop_summary(),
         "encoder_calls": result.encoder_calls, "mask_voxels": int(mask.sum()),
         "seconds": round(result.seconds, 3), "seconds_per_slice": round(result.seconds_per_slice, 4),
         "model_load_seconds": round(load_s, 3), "total_seconds": round(time.perf_counter() - t0, 3),
@@ -205,9 +220,25 @@ def cmd_propagate(args) -> int:
 
         res["peak_cuda_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     text = (f"wrote {args.out}: {res['mask_voxels']} voxels; slices {result.slice_range[0]}..{result.slice_range[1]} "
-            f"({result.slices_encoded} encoded, {result.seconds_per_slice:.2f} s/slice), peak memory {res['peak_memory_mb']} MB")
+            f"({result.slices_encoded} encoded, {result.seconds_per_slice:.2f} s/slice{_stop_text(result)}), "
+            f"peak memory {res['peak_memory_mb']} MB")
     _emit(res, args.json, text)
     return 0
+
+
+def _stop_text(result) -> str:
+    """'; stopped early (every mask empty on K slices): forward at 47, backward at 8' when a direction
+    ended before the edge of the stack (or window), else ''."""
+    parts = [f"{d} at {v['last_slice']}" for d, v in (result.stops or {}).items() if v.get("stopped_early")]
+    return f"; stopped early (every mask empty on {result.stop_after_empty} slices): " + ", ".join(parts) if parts else ""
+
+
+def _add_stop_option(sp) -> None:
+    from .propagation import DEFAULT_STOP_AFTER_EMPTY
+
+    sp.add_argument("--stop-after-empty", type=int, default=DEFAULT_STOP_AFTER_EMPTY, metavar="K",
+                    help="in each direction, stop once every box's mask has been empty on K consecutive slices "
+                         f"(default {DEFAULT_STOP_AFTER_EMPTY}; 0 = propagate through the whole volume, as the paper)")
 
 
 # ---- medvol segment / demo ---------------------------------------------------------------
@@ -221,7 +252,7 @@ def _default_anchor_path(out) -> str:
 
 
 def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str = "") -> dict:
-    from .fileio import check_output
+    from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output
     from .pipeline import Pipeline, as_stack
     from .qc import save_qc
     from .volume import save_mask
@@ -229,9 +260,17 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
 
     from .grounder import validate_query
 
+    from .propagation import check_stop_after_empty
+
     query = validate_query(query)
-    for path in filter(None, (out, anchor_out, qc)):
-        check_output(path, args.overwrite)
+    check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
+    # every output checked before the models load: distinct files, not an input, writable, right type
+    check_distinct([("--out", out), ("--anchor-out", anchor_out), ("--qc", qc)],
+                   [("--volume", volume), ("--adapter", getattr(args, "adapter", None))])
+    check_output(out, args.overwrite, suffixes=MASK_SUFFIXES, what="mask")
+    check_output(anchor_out, args.overwrite)
+    if qc:
+        check_output(qc, args.overwrite, suffixes=PNG_SUFFIXES, what="QC picture")
     hu_window = get_window(args.ct_window)
     stack = as_stack(volume)
     pipe = Pipeline(preset, adapter=getattr(args, "adapter", None), device=args.device,
@@ -252,7 +291,8 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
 
     try:
         seg = pipe.segment(stack, query, constrain=not args.no_constrain, seed=args.seed,
-                           do_sample=args.sample, hu_window=hu_window, progress=progress)
+                           do_sample=args.sample, hu_window=hu_window, progress=progress,
+                           stop_after_empty=args.stop_after_empty)
     finally:
         if bar is not None:
             bar.close()
@@ -302,8 +342,9 @@ def cmd_demo(args) -> int:
     volume = resource_path("samples", sample["file"])
     query = args.query or sample["query"]
     preset, notice = models.best_available_preset(args.preset)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from .fileio import check_folder
+
+    out_dir = check_folder(Path(args.out_dir), "--out-dir")
     if notice:
         sys.stderr.write(f"{PROG} demo: {notice}\n")
     res = _run_segment(volume, query, out_dir / "demo_mask.nii.gz", out_dir / "demo.anchor.json",
@@ -388,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W",
                     help="display window for the frames: soft_tissue (default), lung, bone, … or CENTER,WIDTH in HU")
     sp.add_argument("--largest-component", action="store_true", help="keep each box's largest 3-D connected component")
+    _add_stop_option(sp)
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="cpu (fp32) or cuda (bfloat16 autocast)")
     sp.add_argument("--anchor-out", metavar="PATH", help="also write the anchor used, with world coordinates")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -403,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-constrain", action="store_true", help="no grammar-constrained decoding (parse and retry instead)")
         sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
         sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+        _add_stop_option(sp)
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
         sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 
@@ -445,6 +488,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not any(isinstance(h, _OneLineWarnings) for h in logger.handlers):
         logger.addHandler(_OneLineWarnings(level=logging.WARNING))
     logger.propagate = False
+    previous = _on_sigterm_unwind()
     try:
         return int(args.func(args) or 0)
     except MedVolError as e:
@@ -452,15 +496,31 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         hint = getattr(args, "interrupt_hint", "")
-        sys.stderr.write(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else "") + "\n")
-        return 130
+        how = "terminated" if isinstance(e, Terminated) else "interrupted"
+        sys.stderr.write(f"{PROG} {args.command}: {how}" + (f"; {hint}" if hint else "") + "\n")
+        return 143 if isinstance(e, Terminated) else 130
     except Exception as e:  # an unexpected failure: still one line, with a hint
         if args.debug:
             raise
         sys.stderr.write(f"{PROG} {args.command}: internal error: {type(e).__name__}: {e} (rerun with --debug for details)\n")
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _on_sigterm_unwind():
+    """Make SIGTERM raise :class:`Terminated` in the main thread (so ``finally`` blocks run and
+    temporary outputs are removed, as for Ctrl-C); returns the previous handler, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _term(signum, frame):
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, _term)
 
 
 if __name__ == "__main__":

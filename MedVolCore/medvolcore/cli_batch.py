@@ -6,14 +6,13 @@
 
 Exit codes: 0 every case done; 3 some case failed (each is in ``error.json`` and the summary);
 2 the run could not start (bad manifest, bad ``--shard``, outputs already present, a model that
-cannot load); 130 interrupted.
+cannot load); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM, e.g. a cluster's time limit).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from typing import List, Optional
 
@@ -32,7 +31,8 @@ DIR/summary.csv (id,status,error,slice,boxes,seconds,dice,iou) and DIR/summary.h
 
 --shard I/N (1-based I) takes the cases at 0-based manifest positions p with p % N == I-1.
 
-exit codes: 0 all cases done, 3 some failed, 2 the run could not start, 130 interrupted."""
+exit codes: 0 all cases done, 3 some failed, 2 the run could not start, 130 interrupted,
+143 terminated (SIGTERM)."""
 
 
 def add_batch_command(sub, add):
@@ -54,6 +54,9 @@ def add_batch_command(sub, add):
     sp.add_argument("--seed", type=int, help="random seed for --sample (reproducible sampling)")
     sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+    from .cli import _add_stop_option
+
+    _add_stop_option(sp)
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return sp
 
@@ -75,22 +78,13 @@ def cmd_batch(args) -> int:
     from .batch import BatchOptions, parse_shard, run_batch
 
     opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
-                        sample=args.sample, ct_window=args.ct_window, shard=parse_shard(args.shard),
+                        sample=args.sample, ct_window=args.ct_window, stop_after_empty=args.stop_after_empty,
+                        shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
 
-    def on_term(signum, frame):  # a cluster's time limit: stop like Ctrl-C (temporary files are removed)
-        raise KeyboardInterrupt
-
-    previous = None
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread
-        pass
-    try:
-        res = run_batch(args.manifest, args.out_dir, opts)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    # a cluster's time limit (SIGTERM) stops the run like Ctrl-C: cli.main turns it into an
+    # exception, so temporary files are removed and --resume finishes the rest
+    res = run_batch(args.manifest, args.out_dir, opts)
     if args.json:
         sys.stdout.write(json.dumps(res.info, indent=2) + "\n")
     else:

@@ -63,6 +63,26 @@ class OutputExistsError(MedVolError):
     code = "output_exists"
 
 
+class OutputError(MedVolError):
+    """An output cannot be written there (permission, a file where a folder should be, a full
+    disk, a format the writer does not know, two outputs that are one file)."""
+
+    code = "bad_output"
+
+
+class ForbiddenError(MedVolError):
+    """A remote client named a server path it may not use (outside ``--data-dir``, or any
+    path when the operator allowed none)."""
+
+    code = "forbidden"
+
+
+class LimitError(MedVolError):
+    """An input is over a limit set to protect the machine (voxels, files in a folder, boxes)."""
+
+    code = "too_large"
+
+
 class CancelledError(MedVolError):
     """The operation was cancelled by the caller."""
 

@@ -184,6 +184,10 @@ def validate_query(query) -> str:
     q = query.strip()
     if not q:
         raise InputError("the query is empty; describe what to find, e.g. 'the organ that secretes bile'")
+    try:
+        q.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError("the query is not valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
     if len(q) > MAX_QUERY_CHARS:
         raise InputError(f"the query has {len(q)} characters; at most {MAX_QUERY_CHARS} are allowed")
     return q

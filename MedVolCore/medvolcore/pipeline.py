@@ -74,18 +74,27 @@ class Pipeline:
     ``adapter``: a LoRA adapter folder overriding the preset's. ``low_memory``: on CUDA, move
     the language model off the GPU while MedSAM2 runs. ``propagator``: a loaded
     :class:`~medvolcore.propagation.MedSAM2Propagator` to use instead of the preset's MedSAM2
-    (evaluation with another checkpoint, or seeded random weights).
+    (evaluation with another checkpoint, or seeded random weights). ``stop_after_empty``: the
+    default K of early stop for this pipeline's propagations (see
+    :meth:`~medvolcore.propagation.MedSAM2Propagator.propagate`; 0 = the whole stack, the paper's
+    behaviour); ``segment`` and ``repropagate`` may override it per call. ``grounder_dtype``:
+    the language model's dtype (``"bfloat16"``, ``"float32"``; default fp32 on CPU, bf16 on CUDA).
     """
 
     def __init__(self, preset: str = "medvol-r1", adapter=None, device: str = "cpu", low_memory: bool = False,
-                 propagator=None):
+                 propagator=None, stop_after_empty: Optional[int] = None, grounder_dtype: Optional[str] = None):
         from . import models
+        from .propagation import DEFAULT_STOP_AFTER_EMPTY, check_stop_after_empty
+
+        self.stop_after_empty = check_stop_after_empty(
+            DEFAULT_STOP_AFTER_EMPTY if stop_after_empty is None else stop_after_empty)
 
         self.models = models.resolve(preset, adapter=adapter)
         self.preset = self.models.name
         self.smoke = bool(self.models.smoke)
         self.device = str(resolve_device(device))
         self.low_memory = bool(low_memory)
+        self.grounder_dtype = grounder_dtype
         self._grounder = None
         self._propagator = propagator
         self._lock = threading.RLock()
@@ -101,7 +110,7 @@ class Pipeline:
                 t = time.perf_counter()
                 self._grounder = QwenVLGrounder.from_pretrained(
                     self.models.grounder_dir, adapter=self.models.adapter_dir, device=self.device,
-                    settings=self.models.settings)
+                    dtype=self.grounder_dtype, settings=self.models.settings)
                 self.load_seconds["grounder"] = time.perf_counter() - t
             return self._grounder
 
@@ -127,11 +136,13 @@ class Pipeline:
 
     # -- the jobs --
     def segment(self, volume: VolumeLike, query: str, *, constrain: bool = True, seed: Optional[int] = None,
-                do_sample: bool = False, hu_window=None, progress: Optional[Progress] = None, cancel=None) -> Segmentation:
+                do_sample: bool = False, hu_window=None, progress: Optional[Progress] = None, cancel=None,
+                stop_after_empty: Optional[int] = None) -> Segmentation:
         """Ground ``query`` on the volume's 64 sampled slices, then propagate the anchor."""
         from .grounder import validate_query
 
         query = validate_query(query)  # before any model is loaded
+        stop_k = self._stop_k(stop_after_empty)
         with self._lock:
             t0 = time.perf_counter()
             stack = as_stack(volume)
@@ -145,12 +156,12 @@ class Pipeline:
             if self.low_memory:
                 self._lvlm_to("cpu")
             anchor = g.anchor.with_world(stack)
-            notes = list(g.notes)
+            notes = list(stack.volume.notes) + list(g.notes)
             if self.smoke or getattr(grounder, "is_smoke", False):
                 self.smoke = True
                 notes.append(SMOKE_NOTE)
             anchor.notes = list(dict.fromkeys(list(anchor.notes) + notes))
-            seg = self._propagate(stack, anchor, hu_window, progress, cancel)
+            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k)
             seg.reasoning, seg.raw_text = g.reasoning, g.raw_text
             seg.timings.update({f"ground_{k}": v for k, v in g.timings.items()})
             seg.timings["ground_s"] = t_ground
@@ -159,8 +170,10 @@ class Pipeline:
             return seg
 
     def repropagate(self, volume: VolumeLike, anchor: Union[EvidenceAnchor, dict], *, hu_window=None,
-                    progress: Optional[Progress] = None, cancel=None) -> Segmentation:
+                    progress: Optional[Progress] = None, cancel=None,
+                    stop_after_empty: Optional[int] = None) -> Segmentation:
         """Propagate a given (e.g. edited) anchor; the language model is not used."""
+        stop_k = self._stop_k(stop_after_empty)
         with self._lock:
             t0 = time.perf_counter()
             stack = as_stack(volume)
@@ -168,23 +181,31 @@ class Pipeline:
                 anchor = EvidenceAnchor.from_dict(anchor, stack)
             else:
                 anchor = anchor.with_world(stack)
-            seg = self._propagate(stack, anchor, hu_window, progress, cancel)
+            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k)
             seg.reasoning = anchor.reasoning
+            seg.notes = list(dict.fromkeys(list(stack.volume.notes) + list(seg.notes)))
             seg.timings["total_s"] = time.perf_counter() - t0
             return seg
 
     # -- internals --
-    def _propagate(self, stack, anchor, hu_window, progress, cancel) -> Segmentation:
+    def _stop_k(self, value) -> int:
+        from .propagation import check_stop_after_empty
+
+        return self.stop_after_empty if value is None else check_stop_after_empty(value)
+
+    def _propagate(self, stack, anchor, hu_window, progress, cancel, stop_k: int) -> Segmentation:
         t = time.perf_counter()
         prop = self.propagator
 
         def on_slice(done, total, message):
             _stage(progress, "propagate", done / max(total, 1), message)
 
-        r = prop.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=hu_window, progress=on_slice, cancel=cancel)
+        r = prop.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=hu_window, progress=on_slice, cancel=cancel,
+                           stop_after_empty=stop_k)
         mask = stack.to_source(r.mask)
+        anchor.propagation = r.stop_summary()
         timings = {"propagate_s": time.perf_counter() - t, "propagate_s_per_slice": r.seconds_per_slice,
-                   "slices_encoded": r.slices_encoded}
+                   "slices_encoded": r.slices_encoded, "slices_propagated": r.slices_propagated}
         return Segmentation(anchor=anchor, mask=mask, mask_stack=r.mask, stack=stack, timings=timings,
                             preset=self.preset, smoke=self.smoke, notes=list(anchor.notes), propagation=r)
 

@@ -38,17 +38,26 @@ from .windowing import WindowLike, get_window, window_to_uint8
 
 __all__ = [
     "DEFAULT_IMAGE_SIZE",
+    "DEFAULT_STOP_AFTER_EMPTY",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "MedSAM2Frames",
     "MedSAM2Propagator",
     "PropagationResult",
+    "check_stop_after_empty",
     "keep_largest_component",
     "medsam2_frame",
     "quiet_sam2_progress",
 ]
 
 DEFAULT_IMAGE_SIZE = 512
+# Early stop: each direction ends once every object's mask has been empty on this many
+# consecutive slices (0 = never: the MedVol-R1 paper's whole-volume propagation). Why 2: see
+# the README's "Early stop" section (no interior gap in any reference label at 3 mm; a mask
+# that vanishes on one slice and comes back is still followed; each extra slice costs ~2
+# slices of work per target).
+DEFAULT_STOP_AFTER_EMPTY = 2
+MAX_STOP_AFTER_EMPTY = 10000
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # Hiera's windowed positional embedding needs (image_size / 4) to be a multiple of 8.
@@ -213,9 +222,143 @@ def _predictor_class():
             # a cache hit now for our frames; sam2's stock behaviour for any other "images"
             return super()._get_image_feature(inference_state, frame_idx, batch_size)
 
+        @torch.inference_mode()
+        def track_objects(self, inference_state, start_frame_idx: int, max_frame_num_to_track: int,
+                          reverse: bool = False, stop_after_empty: int = 0, batch_objects: bool = True):
+            """sam2's ``propagate_in_video`` for one direction, with early stop and batched tracking.
+
+            Yields ``(frame_idx, obj_indices, video_res_logits)`` per frame, in sam2's processing
+            order (the same frames ``propagate_in_video`` visits for these arguments), where
+            ``obj_indices`` are the 0-based indices of the objects still tracked on that frame and
+            ``video_res_logits`` is ``(len(obj_indices), 1, H, W)`` at the video's resolution.
+
+            ``stop_after_empty = K > 0``: an object whose mask (logit > 0) has been empty on ``K``
+            consecutive frames after the start frame stops being tracked; the generator ends when
+            no object is left. ``K = 0`` tracks every object to the end (sam2's behaviour).
+            sam2 1.1 tracks objects one by one, each with its own memory; ``batch_objects`` runs
+            the still-tracked objects of a frame as one batch instead (the way sam2 1.0 tracked
+            them), on a batched view of their memories. Objects never interact either way (no
+            non-overlap constraint is applied: ``non_overlap_masks*`` are False in MedSAM2's
+            config, and batching is refused otherwise), so dropping one object leaves the
+            others' masks unchanged.
+
+            During each tracking step ``inference_state["tracking_obj_indices"]`` holds the
+            objects of that step (a list of indices, in batch order), for instrumentation.
+            """
+            self.propagate_in_video_preflight(inference_state)
+            per_obj = inference_state["output_dict_per_obj"]
+            n_obj = self._get_obj_num(inference_state)
+            num_frames = inference_state["num_frames"]
+            if reverse:
+                end = max(start_frame_idx - max_frame_num_to_track, 0)
+                # sam2 skips reverse tracking that starts at frame 0
+                order = range(start_frame_idx, end - 1, -1) if start_frame_idx > 0 else range(0)
+            else:
+                end = min(start_frame_idx + max_frame_num_to_track, num_frames - 1)
+                order = range(start_frame_idx, end + 1)
+            if batch_objects and (self.non_overlap_masks or self.non_overlap_masks_for_mem_enc):
+                batch_objects = False  # objects interact there: keep sam2's one-by-one tracking
+            active = list(range(n_obj))
+            empty_run = [0] * n_obj
+            batched = None  # output dict of the active objects, batched along dim 0
+            for frame_idx in order:
+                preds = {}
+                todo = []
+                for i in active:
+                    cond = per_obj[i]["cond_frame_outputs"]
+                    if frame_idx in cond:  # the prompted frame: its output is already there
+                        preds[i] = cond[frame_idx]["pred_masks"].to(inference_state["device"], non_blocking=True)
+                        if self.clear_non_cond_mem_around_input:
+                            self._clear_obj_non_cond_mem_around_input(inference_state, frame_idx, i)
+                    else:
+                        todo.append(i)
+                if todo and batch_objects and len(todo) > 1:
+                    if batched is None or batched["objects"] != todo:
+                        batched = _batched_outputs(per_obj, todo, batched)
+                    inference_state["tracking_obj_indices"] = list(todo)
+                    out, masks = self._run_single_frame_inference(
+                        inference_state=inference_state, output_dict=batched, frame_idx=frame_idx,
+                        batch_size=len(todo), is_init_cond_frame=False, point_inputs=None, mask_inputs=None,
+                        reverse=reverse, run_mem_encoder=True)
+                    batched["non_cond_frame_outputs"][frame_idx] = out
+                    for row, i in enumerate(todo):
+                        preds[i] = masks[row:row + 1]
+                else:
+                    for i in todo:
+                        if batched is not None:  # back to one by one: hand the batched memory back
+                            _unbatch_outputs(per_obj, batched)
+                            batched = None
+                        inference_state["tracking_obj_indices"] = [i]
+                        out, masks = self._run_single_frame_inference(
+                            inference_state=inference_state, output_dict=per_obj[i], frame_idx=frame_idx,
+                            batch_size=1, is_init_cond_frame=False, point_inputs=None, mask_inputs=None,
+                            reverse=reverse, run_mem_encoder=True)
+                        per_obj[i]["non_cond_frame_outputs"][frame_idx] = out
+                        preds[i] = masks
+                inference_state.pop("tracking_obj_indices", None)
+                for i in active:
+                    inference_state["frames_tracked_per_obj"][i][frame_idx] = {"reverse": reverse}
+                objs = list(active)
+                all_masks = torch.cat([preds[i] for i in objs], dim=0) if len(objs) > 1 else preds[objs[0]]
+                _, video_res = self._get_orig_video_res_output(inference_state, all_masks)
+                yield frame_idx, objs, video_res
+                if stop_after_empty > 0 and frame_idx != start_frame_idx:
+                    nonempty = (video_res[:, 0] > 0).flatten(1).any(dim=1).tolist()
+                    for i, ne in zip(objs, nonempty):
+                        empty_run[i] = 0 if ne else empty_run[i] + 1
+                    active = [i for i in objs if empty_run[i] < stop_after_empty]
+                    if not active:
+                        return
+            if batched is not None:
+                _unbatch_outputs(per_obj, batched)
+
     _MedSAM2VideoPredictor.__module__ = __name__
     _MedSAM2VideoPredictor.__qualname__ = "_MedSAM2VideoPredictor"
     return _MedSAM2VideoPredictor
+
+
+def _stack_outputs(outs: list) -> dict:
+    """sam2 per-frame outputs of single objects → one output with the objects along dim 0."""
+    import torch
+
+    first = outs[0]
+    merged = {}
+    for key, value in first.items():
+        if value is None:
+            merged[key] = None
+        elif key == "maskmem_pos_enc":  # the same for every object (sam2 stores one expanded copy)
+            merged[key] = [x[:1].expand(len(outs), *x.shape[1:]) for x in value]
+        else:
+            merged[key] = torch.cat([o[key] for o in outs], dim=0)
+    return merged
+
+
+def _row_output(out: dict, row: int) -> dict:
+    return {key: (None if v is None else [x[row:row + 1] for x in v] if isinstance(v, list) else v[row:row + 1])
+            for key, v in out.items()}
+
+
+def _batched_outputs(per_obj: dict, objects: list, previous: Optional[dict]) -> dict:
+    """A sam2 output dict for ``objects`` tracked as one batch (rows in the order of ``objects``).
+
+    ``previous`` (a batched dict of an earlier object set) is handed back to the per-object dicts
+    first, so every object's memory is complete before the new batch is built.
+    """
+    if previous is not None:
+        _unbatch_outputs(per_obj, previous)
+    batched = {"objects": list(objects), "cond_frame_outputs": {}, "non_cond_frame_outputs": {}}
+    for key in ("cond_frame_outputs", "non_cond_frame_outputs"):
+        frames = per_obj[objects[0]][key].keys()
+        for t in frames:
+            batched[key][t] = _stack_outputs([per_obj[i][key][t] for i in objects])
+    return batched
+
+
+def _unbatch_outputs(per_obj: dict, batched: dict) -> None:
+    """Write the frames tracked in a batch back to each object's own output dict (as row views)."""
+    for t, out in batched["non_cond_frame_outputs"].items():
+        for row, i in enumerate(batched["objects"]):
+            per_obj[i]["non_cond_frame_outputs"][t] = _row_output(out, row)
 
 
 def __getattr__(name):
@@ -317,8 +460,14 @@ class PropagationResult:
     """What :meth:`MedSAM2Propagator.propagate` returns.
 
     ``mask`` is (D, H, W) uint8 0/1 on the stack; ``object_masks`` (N, D, H, W) bool, one per
-    box, when requested. ``slice_range`` is the inclusive range of propagated slices;
-    ``encoded_slices`` the slice indices the image encoder ran on, in order.
+    box, when requested. ``slice_range`` is the inclusive range of slices actually propagated
+    (visited); ``window_range`` the range that was allowed (the whole stack, or ``[k-W, k+W]``);
+    they differ when propagation stopped early. ``encoded_slices`` are the slice indices the image
+    encoder ran on, in order. ``stops`` says, per direction (``"forward"``: increasing ``z``,
+    towards the feet; ``"backward"``), where propagation went: ``{"last_slice": z, "slices":
+    n visited after the key slice, "stopped_early": bool, "objects_stopped": [[object, z], …]}``
+    (``objects_stopped``: each object that ended, 0-based in box order, with its last visited
+    slice). ``stop_after_empty`` is the K it ran with (0: never stop).
     """
 
     mask: np.ndarray
@@ -331,10 +480,21 @@ class PropagationResult:
     num_objects: int = 1
     encoded_slices: Tuple[int, ...] = ()
     object_masks: Optional[np.ndarray] = None
+    window_range: Optional[Tuple[int, int]] = None
+    stop_after_empty: int = 0
+    stops: Optional[dict] = None
+    batched: bool = False
 
     @property
     def slices_propagated(self) -> int:
         return self.slice_range[1] - self.slice_range[0] + 1
+
+    def stop_summary(self) -> dict:
+        """The early-stop facts as plain JSON (what the anchor file and the worker carry)."""
+        return {"stop_after_empty": int(self.stop_after_empty), "key_slice": int(self.key_slice),
+                "slice_range": [int(v) for v in self.slice_range],
+                "window_range": [int(v) for v in (self.window_range or self.slice_range)],
+                "directions": {d: dict(v) for d, v in (self.stops or {}).items()}}
 
 
 def keep_largest_component(mask: np.ndarray) -> np.ndarray:
@@ -420,6 +580,15 @@ def _check_boxes(boxes, width: int, height: int) -> list:
     return out
 
 
+def check_stop_after_empty(value, what: str = "stop_after_empty") -> int:
+    """``value`` as an integer K ≥ 0 (0: never stop early); :class:`InputError` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or int(value) < 0:
+        raise InputError(f"{what} must be an integer number of slices ≥ 0 (0 = never stop early), got {value!r}")
+    if int(value) > MAX_STOP_AFTER_EMPTY:
+        raise InputError(f"{what} {int(value)} is too large: use 0 (never stop) or at most {MAX_STOP_AFTER_EMPTY}")
+    return int(value)
+
+
 def _check_window_span(window) -> Optional[int]:
     if window is None:
         return None
@@ -448,6 +617,9 @@ class MedSAM2Propagator:
         self.image_size = int(image_size)
         self.device = device
         self.source = source
+        # bfloat16 autocast on CUDA (MedSAM2's own setting); False keeps fp32 there too (the GPU
+        # check compares the two). The CPU always runs fp32.
+        self.cuda_bf16 = True
         self._lock = threading.Lock()
 
     # -- constructors ------------------------------------------------------------------------
@@ -527,7 +699,7 @@ class MedSAM2Propagator:
     def _autocast(self):
         import torch
 
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.cuda_bf16:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -539,6 +711,8 @@ class MedSAM2Propagator:
         hu_window: WindowLike = None,
         window: Optional[int] = None,
         largest_component: bool = False,
+        stop_after_empty: int = 0,
+        batch_objects: bool = True,
     ) -> List[PropagationResult]:
         """Propagate several independent prompts ``(key_slice, boxes)`` over one stack.
 
@@ -546,12 +720,15 @@ class MedSAM2Propagator:
         shared between them, so every slice is encoded at most once for the whole list (the
         rollouts of one GRPO group, say, which all look at the same volume). The features of
         every slice touched stay in memory until the call returns: keep ``window`` small.
+        ``stop_after_empty`` defaults to 0 here (every slice of the window), the consistency
+        reward's semantics; see :meth:`propagate`.
         """
         stack = _check_stack(stack_hu)
         win = get_window(hu_window)
         frames = MedSAM2Frames(stack, self.image_size, win, share_features=True)
         return [self.propagate(stack, k, boxes, hu_window=win, window=window, largest_component=largest_component,
-                               _frames=frames) for k, boxes in prompts]
+                               stop_after_empty=stop_after_empty, batch_objects=batch_objects, _frames=frames)
+                for k, boxes in prompts]
 
     def propagate(
         self,
@@ -565,6 +742,8 @@ class MedSAM2Propagator:
         progress: Optional[ProgressFn] = None,
         cancel: CancelLike = None,
         return_object_masks: bool = False,
+        stop_after_empty: int = 0,
+        batch_objects: bool = True,
         _frames: Optional[MedSAM2Frames] = None,
     ) -> PropagationResult:
         """Propagate the boxes on ``key_slice`` through the stack; returns a :class:`PropagationResult`.
@@ -574,9 +753,19 @@ class MedSAM2Propagator:
         :func:`get_window` accepts (default soft tissue 40/400). ``window``: propagate only
         slices ``[k-window, k+window]`` (others stay 0 and are never encoded).
         ``largest_component``: keep each object's largest 3-D (26-connected) component
-        before the union. ``progress(done, total, message)`` is called after each slice;
+        before the union. ``progress(done, total, message)`` is called after each slice (and
+        once for the slices an early stop skipped, so ``done`` reaches ``total``);
         ``cancel`` (an Event or a callable) is checked between slices and raises
         :class:`CancelledError`.
+
+        ``stop_after_empty = K``: in each direction, an object stops being tracked once its
+        mask has been empty on ``K`` consecutive slices after the key slice, and the direction
+        ends when no object is left; skipped slices stay 0 and are never encoded. Tracking is
+        causal and objects are independent, so every slice that is visited gets exactly the
+        mask of a full run (``K = 0``, the default here: never stop, the paper's behaviour);
+        only a target that reappears after ``K`` empty slices is lost. ``result.stops`` says
+        where each direction ended. ``batch_objects``: track all objects of a slice as one
+        batch (same masks as one by one; see ``track_objects``).
         """
         stack = _check_stack(stack_hu)
         depth, height, width = (int(s) for s in stack.shape)
@@ -584,6 +773,7 @@ class MedSAM2Propagator:
         box_list = _check_boxes(boxes, width, height)
         win = get_window(hu_window)
         span = _check_window_span(window)
+        stop_k = check_stop_after_empty(stop_after_empty)
         lo, hi = (0, depth - 1) if span is None else (max(0, k - span), min(depth - 1, k + span))
         is_cancelled = _cancel_checker(cancel)
         if progress is not None and not callable(progress):
@@ -609,41 +799,64 @@ class MedSAM2Propagator:
             obj_masks = np.zeros((n_obj, depth, height, width), dtype=bool) if keep_objects else None
             mask = np.zeros((depth, height, width), dtype=np.uint8)
             done = set()
+            progressed = [0]  # what progress() was last told (visited + skipped slices)
+            stops = {}
             if is_cancelled():
                 hook.remove()
                 raise CancelledError(f"propagation cancelled after 0 of {total} slices")
             try:
                 with torch.inference_mode(), self._autocast(), quiet_sam2_progress():
                     state = pred.init_state_from_frames(frames, height, width)
-                    passes = [("forward", False, hi - k)]
+                    passes = [("forward", False, hi - k, hi)]
                     if k > lo:  # sam2 also skips reverse tracking that starts at frame 0
-                        passes.append(("backward", True, k - lo))
-                    for p_i, (direction, reverse, n_track) in enumerate(passes):
+                        passes.append(("backward", True, k - lo, lo))
+                    for p_i, (direction, reverse, n_track, edge) in enumerate(passes):
                         if p_i:
                             pred.reset_state(state)
                         for obj_i, box in enumerate(box_list):
                             pred.add_new_points_or_box(
                                 state, frame_idx=k, obj_id=obj_i + 1, box=np.asarray(box, dtype=np.float32)
                             )
-                        gen = pred.propagate_in_video(
-                            state, start_frame_idx=k, max_frame_num_to_track=n_track, reverse=reverse
-                        )
+                        gen = pred.track_objects(state, start_frame_idx=k, max_frame_num_to_track=n_track,
+                                                 reverse=reverse, stop_after_empty=stop_k,
+                                                 batch_objects=batch_objects)
+                        last = k
+                        alive = list(range(n_obj))
+                        ended = []
                         try:
-                            for frame_idx, _obj_ids, logits in gen:
+                            for frame_idx, objs, logits in gen:
+                                last = frame_idx
+                                for i in alive:
+                                    if i not in objs:
+                                        ended.append([i, int(frame_idx - (1 if not reverse else -1))])
+                                alive = list(objs)
                                 m = (logits[:, 0] > 0).cpu().numpy()
                                 if keep_objects:
-                                    obj_masks[:, frame_idx] |= m
+                                    obj_masks[objs, frame_idx] |= m
                                 else:
                                     mask[frame_idx] |= m.any(axis=0)
                                 if frame_idx in done:
                                     continue
                                 done.add(frame_idx)
+                                progressed[0] += 1
                                 if progress is not None:
-                                    progress(len(done), total, f"slice {frame_idx} ({direction})")
+                                    progress(progressed[0], total, f"slice {frame_idx} ({direction})")
                                 if len(done) < total and is_cancelled():
                                     raise CancelledError(f"propagation cancelled after {len(done)} of {total} slices")
                         finally:
                             gen.close()
+                        early = last != edge
+                        if early:
+                            ended += [[i, int(last)] for i in alive]
+                            skipped = abs(edge - last)
+                            progressed[0] += skipped
+                            if progress is not None:
+                                a, b = sorted((last + (1 if not reverse else -1), edge))
+                                progress(progressed[0], total,
+                                         f"slices {a}..{b} skipped ({direction}): every mask empty on {stop_k} slices")
+                        stops[direction] = {"last_slice": int(last), "slices": int(abs(last - k)),
+                                            "stopped_early": bool(early),
+                                            "objects_stopped": sorted(ended) if stop_k else []}
                     pred.reset_state(state)
                     state["cached_features"] = {}
             finally:
@@ -653,16 +866,23 @@ class MedSAM2Propagator:
                     for i in range(n_obj):
                         obj_masks[i] = keep_largest_component(obj_masks[i])
                 mask = obj_masks.any(axis=0).astype(np.uint8)
+            if "backward" not in stops:  # the key slice is the lower edge: nothing to go back to
+                stops["backward"] = {"last_slice": k, "slices": 0, "stopped_early": False, "objects_stopped": []}
+            visited = (stops["backward"]["last_slice"], stops["forward"]["last_slice"])
             seconds = time.perf_counter() - t0
             return PropagationResult(
                 mask=mask,
                 key_slice=k,
-                slice_range=(lo, hi),
+                slice_range=visited,
                 slices_encoded=len(set(frames.encoded[n_encoded_before:])),
                 encoder_calls=calls[0],
                 seconds=seconds,
-                seconds_per_slice=seconds / total,
+                seconds_per_slice=seconds / (visited[1] - visited[0] + 1),
                 num_objects=n_obj,
                 encoded_slices=tuple(frames.encoded[n_encoded_before:]),
                 object_masks=obj_masks if return_object_masks else None,
+                window_range=(lo, hi),
+                stop_after_empty=stop_k,
+                stops=stops,
+                batched=bool(batch_objects and n_obj > 1),
             )

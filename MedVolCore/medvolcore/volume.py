@@ -8,26 +8,38 @@ back to this grid exactly.
 NIfTI (``.nii``, ``.nii.gz``) is read with nibabel. NRRD (``.nrrd``, ``.nhdr``), MetaImage
 (``.mha``, ``.mhd``) and DICOM series folders need SimpleITK (``pip install
 'medvolcore[itk]'``); their LPS geometry is converted to RAS.
+
+Reading is bounded: only regular files and folders are opened (never a device, FIFO or
+socket, which could block for ever); the voxel count declared in a header is checked against
+``max_voxels`` before any voxel is decompressed; a DICOM folder is refused above
+``MAX_DICOM_FILES`` files, when it holds several series, or when its slice positions are not
+evenly spaced (a missing or duplicated slice would otherwise be read with an averaged
+spacing: silently wrong geometry); and a ``cancel`` event is honoured between slabs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 
-from .errors import DependencyError, OutputExistsError, VolumeError
-from .fileio import atomic_path, check_output
+from .errors import CancelledError, DependencyError, LimitError, OutputExistsError, VolumeError
+from .fileio import MASK_SUFFIXES, atomic_path, check_output
 
 log = logging.getLogger(__name__)
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 ITK_SUFFIXES = (".nrrd", ".nhdr", ".mha", ".mhd")
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
+MAX_DICOM_FILES = 10000  # a CT series rarely has more than 2000 slices; a bigger folder is a mistake (or a probe)
+_SLAB_BYTES = 32 << 20   # NIfTI voxels are read this much at a time, checking for a cancel between slabs
+# NIfTI header fields that are free text, where scanners and converters put patient names or ids.
+_FREE_TEXT_FIELDS = ("descrip", "aux_file", "intent_name", "db_name")
 
 
 @dataclass
@@ -46,6 +58,7 @@ class CTVolume:
     header: Any = None
     path: Optional[str] = None
     source_format: str = "array"
+    notes: list = field(default_factory=list)  # remarks a reader of the result should see (e.g. voxels replaced)
 
     def __post_init__(self):
         self.affine = np.asarray(self.affine, dtype=np.float64)
@@ -83,32 +96,173 @@ def _require_sitk(what: str):
     return sitk
 
 
-def _read_nifti(path: Path):
+def _check_cancel(cancel, path) -> None:
+    if cancel is not None and cancel.is_set():
+        raise CancelledError(f"reading {Path(path).name} was cancelled")
+
+
+def _check_voxels(path, shape, max_voxels) -> None:
+    n = int(np.prod([int(v) for v in shape], dtype=object))
+    if max_voxels is not None and n > max_voxels:
+        raise LimitError(f"{Path(path).name} declares {'×'.join(str(int(v)) for v in shape)} = {n:,} voxels, over the "
+                         f"limit of {int(max_voxels):,} (--max-voxels); refused before reading it")
+
+
+def _read_nifti(path: Path, max_voxels=None, cancel=None, dtype=None):
+    """Header first (shape checked against ``max_voxels`` before any voxel is decompressed),
+    then the voxels in slabs along the third axis, checking ``cancel`` between slabs."""
     import nibabel as nib
 
     try:
-        img = nib.load(str(path))
-        data = np.asanyarray(img.dataobj)
+        img = nib.load(str(path), keep_file_open=True)
+        shape = tuple(int(v) for v in img.shape)
     except Exception as exc:  # nibabel raises many types for corrupt files
         raise VolumeError(f"cannot read {path} as NIfTI: {exc}") from None
+    if len(shape) == 4 and shape[3] == 1:
+        shape = shape[:3]
+    if len(shape) != 3:
+        raise VolumeError(f"{path}: expected a 3-D image, got {len(shape)}-D with shape {tuple(img.shape)}")
+    _check_voxels(path, shape, max_voxels)
+    stored = img.get_data_dtype()
+    if not (np.issubdtype(stored, np.integer) or np.issubdtype(stored, np.floating) or stored == bool):
+        raise VolumeError(f"{path}: voxels are {stored}, not numbers")
+    try:
+        proxy = img.dataobj
+        if min(shape) < 1:
+            data = np.asanyarray(proxy)
+        else:
+            step = max(1, _SLAB_BYTES // max(1, shape[0] * shape[1] * img.get_data_dtype().itemsize))
+            data = None
+            for k in range(0, shape[2], step):
+                _check_cancel(cancel, path)
+                slab = np.asanyarray(proxy[:, :, k:k + step] if len(img.shape) == 3 else proxy[:, :, k:k + step, 0])
+                if data is None:
+                    data = np.empty(shape, dtype=dtype or slab.dtype)
+                data[:, :, k:k + step] = slab
+    except (CancelledError, MemoryError):
+        raise
+    except Exception as exc:
+        raise VolumeError(f"cannot read {path} as NIfTI: {exc}") from None
+    finally:
+        _close_nifti(img)
     return data, np.asarray(img.affine, dtype=np.float64), img.header
 
 
-def _read_itk(path: Path):
+def _close_nifti(img) -> None:
+    """Close the file nibabel keeps open for ``keep_file_open=True`` (not needed once read)."""
+    opener = getattr(getattr(img, "dataobj", None), "_opener", None)
+    if opener is not None:
+        try:
+            opener.close_if_mine()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+def _dicom_files(path: Path) -> None:
+    """Refuse a folder with more than MAX_DICOM_FILES entries before anything reads it."""
+    n = 0
+    with os.scandir(path) as it:
+        for _ in it:
+            n += 1
+            if n > MAX_DICOM_FILES:
+                raise LimitError(f"{path} holds more than {MAX_DICOM_FILES} files; a DICOM series folder should hold "
+                                 "one series (give the folder of that series)")
+
+
+def _tag_floats(reader, tag) -> Optional[np.ndarray]:
+    if not reader.HasMetaDataKey(tag):
+        return None
+    try:
+        return np.array([float(v) for v in reader.GetMetaData(tag).strip().split("\\")], dtype=np.float64)
+    except ValueError:
+        return None
+
+
+def check_dicom_positions(files, sitk) -> None:
+    """Refuse a series whose slices are not one evenly spaced stack.
+
+    Reads ImageOrientationPatient (0020,0037) and ImagePositionPatient (0020,0032) of every file
+    (headers only): all orientations must agree, and the positions along the slice normal must
+    step by the same spacing (within 10 % or 0.01 mm); a gap (missing slice) or a duplicate is
+    named. Files without these tags are not checked (a warning says so).
+    """
+    reader = sitk.ImageFileReader()
+    orients, positions = [], []
+    for f in files:
+        reader.SetFileName(str(f))
+        try:
+            reader.ReadImageInformation()
+        except Exception as exc:  # noqa: BLE001 - SimpleITK raises RuntimeError subclasses
+            raise VolumeError(f"cannot read the DICOM header of {Path(f).name}: {str(exc).strip().splitlines()[-1]}") from None
+        o, p = _tag_floats(reader, "0020|0037"), _tag_floats(reader, "0020|0032")
+        if o is None or p is None or o.size != 6 or p.size != 3:
+            log.warning("%s: no usable slice position/orientation tags; slice spacing not checked", Path(f).name)
+            return
+        orients.append(o)
+        positions.append(p)
+    if len(files) < 2:
+        return
+    ref = orients[0]
+    for f, o in zip(files, orients):
+        if not np.allclose(o, ref, atol=1e-4):
+            raise VolumeError(f"the DICOM series mixes slice orientations ({Path(files[0]).name}: "
+                              f"{np.round(ref, 4).tolist()}, {Path(f).name}: {np.round(o, 4).tolist()}); "
+                              "it is not one stack of parallel slices")
+    normal = np.cross(ref[:3], ref[3:])
+    z = np.array([float(np.dot(normal, p)) for p in positions])
+    order = np.argsort(z, kind="stable")
+    zs = z[order]
+    steps = np.diff(zs)
+    names = [Path(files[i]).name for i in order]
+    for i, d in enumerate(steps):
+        if d < 1e-3:
+            raise VolumeError(f"two DICOM slices are at the same position {zs[i]:.2f} mm ({names[i]} and {names[i + 1]}): "
+                              "duplicated slices or two series in one folder")
+    spacing = float(np.median(steps))
+    bad = np.flatnonzero(np.abs(steps - spacing) > max(0.01, 0.1 * spacing))
+    if bad.size:
+        i = int(bad[0])
+        missing = round(steps[i] / spacing) - 1
+        what = f"about {missing} slice{'s' if missing != 1 else ''} missing" if missing >= 1 else "uneven spacing"
+        raise VolumeError(
+            f"the DICOM series is not evenly spaced: slice positions jump from {zs[i]:.2f} to {zs[i + 1]:.2f} mm "
+            f"({steps[i]:.2f} mm, where the other slices are {spacing:.2f} mm apart; {what} between {names[i]} and "
+            f"{names[i + 1]})" + (f" and {bad.size - 1} more place(s)" if bad.size > 1 else "")
+            + "; reading it would give wrong geometry. Export the complete series again")
+
+
+def _read_itk(path: Path, max_voxels=None, cancel=None):
     sitk = _require_sitk("DICOM" if path.is_dir() else path.suffix.upper().lstrip(".") + " files")
     try:
         if path.is_dir():
+            _dicom_files(path)
             reader = sitk.ImageSeriesReader()
             series = reader.GetGDCMSeriesIDs(str(path))
             if not series:
                 raise VolumeError(f"{path} is a folder without a DICOM series")
             if len(series) > 1:
-                log.warning("%s holds %d DICOM series; reading the first (%s)", path, len(series), series[0])
-            reader.SetFileNames(reader.GetGDCMSeriesFileNames(str(path), series[0]))
+                raise VolumeError(f"{path} holds {len(series)} DICOM series ({', '.join(series[:4])}"
+                                  f"{' …' if len(series) > 4 else ''}); put each series in its own folder")
+            files = reader.GetGDCMSeriesFileNames(str(path), series[0])
+            info = sitk.ImageFileReader()
+            info.SetFileName(files[0])
+            info.ReadImageInformation()
+            size = info.GetSize()
+            _check_voxels(path, (size[0], size[1], len(files)), max_voxels)
+            _check_cancel(cancel, path)
+            check_dicom_positions(files, sitk)
+            _check_cancel(cancel, path)
+            reader.SetFileNames(files)
             image = reader.Execute()
         else:
+            info = sitk.ImageFileReader()
+            info.SetFileName(str(path))
+            info.ReadImageInformation()
+            if info.GetDimension() == 3:
+                _check_voxels(path, info.GetSize(), max_voxels)
+            _check_cancel(cancel, path)
             image = sitk.ReadImage(str(path))
-    except VolumeError:
+    except (VolumeError, LimitError, CancelledError):
         raise
     except Exception as exc:
         raise VolumeError(f"cannot read {path}: {str(exc).strip().splitlines()[-1]}") from None
@@ -124,18 +278,24 @@ def _read_itk(path: Path):
     return data, _LPS_TO_RAS @ lps, None
 
 
-def _read_any(path) -> tuple:
+def _read_any(path, max_voxels=None, cancel=None, dtype=None) -> tuple:
     p = Path(path)
-    if not p.exists():
-        raise VolumeError(f"{p} does not exist")
-    if p.is_dir():
-        data, affine, header = _read_itk(p)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise VolumeError(f"{p} does not exist") from None
+    except OSError as e:
+        raise VolumeError(f"{p} cannot be read: {e.strerror or e}") from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise VolumeError(f"{p} is not a regular file or folder (a device, FIFO or socket); give a CT file or a DICOM folder")
+    if stat.S_ISDIR(st.st_mode):
+        data, affine, header = _read_itk(p, max_voxels, cancel)
         fmt = "dicom"
     elif _is_nifti(p):
-        data, affine, header = _read_nifti(p)
+        data, affine, header = _read_nifti(p, max_voxels, cancel, dtype)
         fmt = "nifti"
     elif p.name.lower().endswith(ITK_SUFFIXES):
-        data, affine, header = _read_itk(p)
+        data, affine, header = _read_itk(p, max_voxels, cancel)
         fmt = p.suffix.lower().lstrip(".")
     else:
         raise VolumeError(
@@ -154,24 +314,33 @@ def _read_any(path) -> tuple:
     return data, affine, header, fmt
 
 
-def load_volume(path) -> CTVolume:
-    """Read a CT (values in HU) as float32 on its source grid."""
-    data, affine, header, fmt = _read_any(path)
+def load_volume(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVolume:
+    """Read a CT (values in HU) as float32 on its source grid.
+
+    ``max_voxels``: refuse (:class:`LimitError`) a volume declaring more voxels, before reading
+    them. ``cancel``: a ``threading.Event``; reading stops with :class:`CancelledError` when set.
+    Non-finite voxels are set to the lowest finite value, and ``notes`` says so.
+    """
+    data, affine, header, fmt = _read_any(path, max_voxels, cancel, dtype=np.float32)
     hu = np.asarray(data, dtype=np.float32)
-    if hu.dtype.kind == "f":
-        finite = np.isfinite(hu)
-        if not finite.any():
-            raise VolumeError(f"{path}: every voxel is NaN or infinite")
-        if not finite.all():
-            fill = float(hu[finite].min())
-            log.warning("%s: %d non-finite voxels set to %.0f HU", path, int((~finite).sum()), fill)
-            hu = np.where(finite, hu, np.float32(fill))
-    return CTVolume(hu, affine, header=header, path=str(path), source_format=fmt)
+    del data
+    notes = []
+    finite = np.isfinite(hu)
+    if not finite.any():
+        raise VolumeError(f"{Path(path).name}: every voxel is NaN or infinite")
+    if not finite.all():
+        fill = float(hu[finite].min())
+        bad = int((~finite).sum())
+        notes.append(f"the volume had {bad} NaN or infinite voxel(s); they were set to {fill:.0f} HU, the lowest value")
+        log.warning("%s: %d non-finite voxels set to %.0f HU", path, bad, fill)
+        np.copyto(hu, np.float32(fill), where=~finite)
+    del finite
+    return CTVolume(hu, affine, header=header, path=str(path), source_format=fmt, notes=notes)
 
 
-def load_label_map(path) -> CTVolume:
+def load_label_map(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVolume:
     """Read a label map (integer ids, 0 = background) on its source grid."""
-    data, affine, header, fmt = _read_any(path)
+    data, affine, header, fmt = _read_any(path, max_voxels, cancel)
     if data.dtype.kind == "f":
         if not np.all(np.isfinite(data)):
             raise VolumeError(f"{path}: label map contains NaN or infinite values")
@@ -215,7 +384,7 @@ def save_mask(mask: np.ndarray, like: CTVolume, path, overwrite: bool = False) -
     if mask.shape != like.shape:
         raise VolumeError(f"mask shape {mask.shape} does not match the volume grid {like.shape}")
     out = Path(path)
-    check_output(out, overwrite)
+    check_output(out, overwrite, suffixes=MASK_SUFFIXES, what="mask")
     data = mask.astype(np.uint8) if mask.max(initial=0) <= 255 else mask.astype(np.uint16)
     name = out.name.lower()
     if name.endswith(NIFTI_SUFFIXES):
@@ -223,6 +392,7 @@ def save_mask(mask: np.ndarray, like: CTVolume, path, overwrite: bool = False) -
 
         header = like.header.copy() if like.header is not None and hasattr(like.header, "set_data_dtype") else None
         img = nib.Nifti1Image(data, like.affine, header=header)
+        _clear_free_text(img.header)
         img.set_data_dtype(data.dtype)
         img.header.set_slope_inter(1.0, 0.0)
         img.header["cal_min"], img.header["cal_max"] = 0, float(data.max(initial=0))
@@ -239,9 +409,17 @@ def save_mask(mask: np.ndarray, like: CTVolume, path, overwrite: bool = False) -
         image.SetOrigin(tuple(float(v) for v in lps[:3, 3]))
         with atomic_path(out, overwrite) as tmp:
             sitk.WriteImage(image, str(tmp), True)
-    else:
-        raise VolumeError(f"{out}: unsupported output type; use .nii.gz, .nii, .nrrd or .mha")
     return out
+
+
+def _clear_free_text(header) -> None:
+    """Blank the header's free-text fields and drop its extensions (they may carry patient
+    names or ids copied from the source scan); the geometry fields are kept."""
+    for name in _FREE_TEXT_FIELDS:
+        if name in header:
+            header[name] = b""
+    if hasattr(header, "extensions"):
+        del header.extensions[:]
 
 
 __all__ = ["CTVolume", "load_volume", "load_label_map", "label_mask", "save_mask", "OutputExistsError"]

@@ -38,6 +38,7 @@ from typing import Dict, List, Optional, Sequence
 from .signals import Signal
 
 PROTOCOL = 1
+SESSION_HEADER = "X-MedVol-Session"  # the remote worker scopes status and cancel to it
 STAGES = ("load", "read", "ground", "propagate", "write")
 
 
@@ -367,7 +368,9 @@ class RemoteWorker(_BaseWorker):
 
     Segment and propagate requests send the local volume file as the request body and write the
     returned mask to a local temporary file, so callers see ``mask_path`` as with a local worker.
-    Progress comes from polling ``GET /status``.
+    Progress comes from polling ``GET /status``. The server scopes ``status`` and ``cancel`` to
+    a session: the first reply carries a session id (``X-MedVol-Session``), sent back on every
+    later request, so this client sees and cancels its own requests only.
     """
 
     def __init__(self, url: str, token: Optional[str] = None, timeout_s: float = 3600.0,
@@ -381,6 +384,8 @@ class RemoteWorker(_BaseWorker):
         self.timeout_s = timeout_s
         self.status_interval_s = status_interval_s
         self.tmp_dir = Path(tmp_dir or tempfile.mkdtemp(prefix="medvol-remote-"))
+        self.session: Optional[str] = None
+        self._session_lock = threading.Lock()
 
     @property
     def running(self) -> bool:
@@ -390,7 +395,20 @@ class RemoteWorker(_BaseWorker):
         h = {"Content-Type": content_type}
         if self.token:
             h["Authorization"] = f"Bearer {self.token}"
+        if self.session:
+            h[SESSION_HEADER] = self.session
         return h
+
+    def _ensure_session(self) -> None:
+        """Get a session id before the first long request, so status polls share it."""
+        with self._session_lock:
+            if self.session is None:
+                self._http("POST", "/rpc", json.dumps({"id": "session", "op": "hello"}).encode("utf-8"), timeout=30)
+
+    def _keep_session(self, headers) -> None:
+        sid = headers.get(SESSION_HEADER) if headers is not None else None
+        if sid:
+            self.session = sid
 
     def _http(self, method: str, path: str, data: Optional[bytes] = None, headers: Optional[dict] = None,
               timeout: Optional[float] = None) -> dict:
@@ -398,8 +416,10 @@ class RemoteWorker(_BaseWorker):
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as r:
                 body = r.read()
+                self._keep_session(r.headers)
         except urllib.error.HTTPError as e:
             body = e.read()
+            self._keep_session(e.headers)
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise WorkerError("connection", f"cannot reach the MedVol worker at {self.url}: {reason}") from None
@@ -418,6 +438,7 @@ class RemoteWorker(_BaseWorker):
         req = dict(job.request)
         stop = threading.Event()
         try:
+            self._ensure_session()
             volume = req.get("volume")
             if volume is not None and job.op in ("segment", "propagate"):
                 del req["volume"]

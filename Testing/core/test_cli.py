@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -34,19 +32,6 @@ def assert_one_line_error(code, err, *needles):
         assert n in lines[0], lines[0]
 
 
-@pytest.fixture(scope="module")
-def small_ct(tmp_path_factory, ct_sm_path, seg_sm_path):
-    """8 slices of the real upper-abdomen CT (every voxel kept, affine shifted accordingly)."""
-    d = tmp_path_factory.mktemp("small")
-    ct, seg = nib.load(str(ct_sm_path)), nib.load(str(seg_sm_path))
-    k0 = 11
-    aff = ct.affine.copy()
-    aff[:3, 3] = ct.affine[:3, :3] @ [0, 0, k0] + ct.affine[:3, 3]
-    ct_arr = np.asarray(ct.dataobj)[:, :, k0:k0 + 8]
-    seg_arr = np.asarray(seg.dataobj)[:, :, k0:k0 + 8]
-    nib.save(nib.Nifti1Image(ct_arr, aff, ct.header), str(d / "ct.nii.gz"))
-    nib.save(nib.Nifti1Image(seg_arr, aff, seg.header), str(d / "seg.nii.gz"))
-    return d / "ct.nii.gz", d / "seg.nii.gz"
 
 
 # ---- medvol anchor ------------------------------------------------------------------------

@@ -407,3 +407,161 @@ def test_propagate_many_shares_features_and_matches_single_runs(prop, case):
     assert sum(r.encoder_calls for r in group) == len(union)
     assert sum(r.encoder_calls for r in singles) == sum(r.slices_propagated for r in singles) == 12
     assert group[3].encoder_calls == 0  # the last prompt's window was already encoded
+
+
+# ---------------------------------------------------------------------------------------------
+# early stop (stop_after_empty) and objects tracked as one batch
+# ---------------------------------------------------------------------------------------------
+
+KIDNEY_RIGHT, KIDNEY_LEFT = 2, 3
+
+
+def _controlled():
+    path = REPO / "Testing" / "benchmarks" / "controlled_masks.py"
+    spec = importlib.util.spec_from_file_location("controlled_masks", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.controlled_masks
+
+
+@pytest.fixture(scope="module")
+def kidneys(ct_path, seg_path):
+    """The upper 50 slices of the 112-slice CT (every 2nd row/column), the kidney labels, key slice 30.
+
+    Right kidney: slices 10..44, left kidney: 7..39 (so they end at different slices both ways)."""
+    ct = np.ascontiguousarray(_canonical(ct_path, np.float32)[:50, ::2, ::2])
+    seg = np.ascontiguousarray(_canonical(seg_path, np.int16)[:50, ::2, ::2])
+    k = 30
+    labels = np.stack([seg == KIDNEY_RIGHT, seg == KIDNEY_LEFT])
+    boxes = [_bbox(labels[0, k]), _bbox(labels[1, k])]
+    return ct, k, boxes, labels
+
+
+@pytest.fixture(scope="module")
+def kidneys_full(prop, kidneys):
+    """Full propagation (K = 0) with the tracked masks made to follow the kidney labels."""
+    ct, k, boxes, labels = kidneys
+    with _controlled()(prop.predictor, list(labels)) as steps:
+        r = prop.propagate(ct, k, boxes, return_object_masks=True)
+    return r, steps
+
+
+def _expected_stop(nonempty: np.ndarray, k: int, step: int, edge: int, K: int) -> int:
+    """The last slice an object visits in one direction: after K empty slices past the key slice."""
+    run, z = 0, k
+    while z != edge:
+        z += step
+        run = 0 if nonempty[z] else run + 1
+        if run == K:
+            return z
+    return edge
+
+
+def test_controlled_masks_follow_the_labels(kidneys, kidneys_full):
+    ct, k, _, labels = kidneys
+    r, _ = kidneys_full
+    got = r.object_masks.any(axis=(2, 3))
+    want = labels.any(axis=(2, 3))
+    want[:, k] = got[:, k]  # the key slice is sam2's own answer to the box
+    assert np.array_equal(got, want)
+    assert r.slice_range == r.window_range == (0, ct.shape[0] - 1) and r.stop_after_empty == 0
+    assert not r.stops["forward"]["stopped_early"] and not r.stops["backward"]["stopped_early"]
+
+
+@pytest.mark.parametrize("K, batch", [(1, True), (3, False)])
+def test_early_stop_visits_target_plus_k_and_keeps_the_masks(prop, kidneys, kidneys_full, K, batch):
+    ct, k, boxes, labels = kidneys
+    full, _ = kidneys_full
+    d = ct.shape[0]
+    nonempty = full.object_masks.any(axis=(2, 3))
+    ends = {"forward": [_expected_stop(nonempty[i], k, +1, d - 1, K) for i in range(2)],
+            "backward": [_expected_stop(nonempty[i], k, -1, 0, K) for i in range(2)]}
+    assert ends == {"forward": [44 + K, 39 + K], "backward": [10 - K, 7 - K]}  # label ends ± K
+    calls = []
+    with _controlled()(prop.predictor, list(labels)) as steps:
+        r = prop.propagate(ct, k, boxes, return_object_masks=True, stop_after_empty=K, batch_objects=batch,
+                           progress=lambda dn, t, m: calls.append((dn, t, m)))
+    lo, hi = min(ends["backward"]), max(ends["forward"])
+    assert r.slice_range == (lo, hi) and r.window_range == (0, d - 1) and r.stop_after_empty == K
+    assert r.stops["forward"] == {"last_slice": hi, "slices": hi - k, "stopped_early": True,
+                                  "objects_stopped": sorted([[0, ends["forward"][0]], [1, ends["forward"][1]]])}
+    assert r.stops["backward"] == {"last_slice": lo, "slices": k - lo, "stopped_early": True,
+                                   "objects_stopped": sorted([[0, ends["backward"][0]], [1, ends["backward"][1]]])}
+    # each object is tracked exactly up to its own end; the other one goes on without it
+    for i in range(2):
+        tracked = sorted(z for z, objs in steps if i in objs)
+        assert tracked == [z for z in range(ends["backward"][i], ends["forward"][i] + 1) if z != k]
+    if batch:  # two objects share a step while both are tracked, then one goes on alone
+        assert {len(objs) for _, objs in steps} == {1, 2}
+    else:
+        assert {len(objs) for _, objs in steps} == {1}
+    # visited slices are encoded once, the rest never
+    assert sorted(r.encoded_slices) == list(range(lo, hi + 1)) and r.encoder_calls == hi - lo + 1
+    # the masks are the full run's wherever this run went, and empty elsewhere
+    for i in range(2):
+        a, b = ends["backward"][i], ends["forward"][i]
+        assert np.array_equal(r.object_masks[i, a:b + 1], full.object_masks[i, a:b + 1])
+        assert not r.object_masks[i, :a].any() and not r.object_masks[i, b + 1:].any()
+    assert np.array_equal(r.mask[lo:hi + 1], full.mask[lo:hi + 1])
+    # the target did end there, so nothing was lost against the full run
+    assert np.array_equal(r.mask, full.mask)
+    # progress: one call per visited slice, one per skipped run, and it ends at the total
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls) and calls[-1][:2] == (d, d)
+    assert sum("skipped" in c[2] for c in calls) == 2
+
+
+def test_early_stop_never_cuts_a_non_empty_run_or_the_key_slice(prop, kidneys):
+    """A target with a gap of 2 empty slices: K=2 stops at the gap, K=3 follows it past the gap."""
+    ct, k, boxes, labels = kidneys
+    gappy = labels[:1].copy()
+    gappy[0, 36:38] = False  # slices 36, 37 empty, 38..44 non-empty again
+    key_empty = labels[:1].copy()
+    key_empty[0, k:] = False  # nothing after the key slice, except that the key slice keeps its box
+    with _controlled()(prop.predictor, [gappy[0]]):
+        r2 = prop.propagate(ct, k, boxes[:1], stop_after_empty=2, return_object_masks=True)
+        r3 = prop.propagate(ct, k, boxes[:1], stop_after_empty=3, return_object_masks=True)
+        r0 = prop.propagate(ct, k, boxes[:1], return_object_masks=True)
+    assert r2.stops["forward"]["last_slice"] == 37 and not r2.mask[38:].any()
+    assert r3.stops["forward"]["last_slice"] == 44 + 3
+    assert np.array_equal(r3.mask, r0.mask) and r0.mask[38:45].any(axis=(1, 2)).all()
+    with _controlled()(prop.predictor, [key_empty[0]]):
+        r = prop.propagate(ct, k, boxes[:1], stop_after_empty=1)
+    assert r.mask[k].any()  # the key slice is sam2's answer to the box, never dropped
+    assert r.stops["forward"]["last_slice"] == k + 1 and r.stops["forward"]["stopped_early"]
+
+
+def test_early_stop_within_a_window(prop, kidneys):
+    ct, k, boxes, labels = kidneys
+    with _controlled()(prop.predictor, list(labels)):
+        r = prop.propagate(ct, k, boxes, window=5, stop_after_empty=1)
+    assert r.window_range == (25, 35) and r.slice_range == (25, 35)  # the kidneys fill the window
+    assert not r.stops["forward"]["stopped_early"] and r.stops["forward"]["objects_stopped"] == []
+
+
+def test_dropping_an_object_does_not_change_the_others(prop, kidneys):
+    """Object 0 follows the label and ends; object 1 keeps sam2's own (random-weight) masks."""
+    ct, k, boxes, labels = kidneys
+    with _controlled()(prop.predictor, [labels[0], None]):
+        full = prop.propagate(ct, k, boxes, return_object_masks=True)
+        early = prop.propagate(ct, k, boxes, return_object_masks=True, stop_after_empty=1)
+        one_by_one = prop.propagate(ct, k, boxes, return_object_masks=True, stop_after_empty=1, batch_objects=False)
+    assert early.slice_range == (0, ct.shape[0] - 1)  # object 1 never ends with random weights
+    assert early.stops["forward"]["objects_stopped"] == [[0, 45]]
+    assert np.array_equal(early.object_masks[1], full.object_masks[1])
+    assert np.array_equal(early.object_masks[0, 9:46], full.object_masks[0, 9:46])
+    assert np.array_equal(one_by_one.object_masks, early.object_masks)
+
+
+def test_batched_tracking_gives_the_same_masks(prop, case):
+    stack, k, boxes = case
+    batched = prop.propagate(stack, k, boxes, return_object_masks=True)
+    single = prop.propagate(stack, k, boxes, return_object_masks=True, batch_objects=False)
+    assert batched.batched and not single.batched
+    assert np.array_equal(batched.object_masks, single.object_masks)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None, 10**6])
+def test_stop_after_empty_is_validated(prop, case, bad):
+    stack, k, boxes = case
+    with pytest.raises(InputError, match="stop_after_empty"):
+        prop.propagate(stack, k, boxes[:1], stop_after_empty=bad)

@@ -15,7 +15,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from medvolcore.errors import InputError, OutputExistsError, VolumeError
+from medvolcore.errors import InputError, OutputError, OutputExistsError, VolumeError
 from medvolcore.stack import AxialStack, LVLM_SLICE_COUNT, axis_codes, sample_slice_indices
 from medvolcore.volume import CTVolume, label_mask, load_label_map, load_volume, save_mask
 from medvolcore.windowing import Window, get_window, window_presets, window_to_uint8
@@ -345,8 +345,9 @@ def test_save_mask_nrrd_round_trip(tmp_path, seg):
 def test_save_mask_rejects_wrong_shape_and_suffix(tmp_path, ct):
     with pytest.raises(VolumeError):
         save_mask(np.zeros((2, 2, 2), np.uint8), ct, tmp_path / "x.nii.gz")
-    with pytest.raises(VolumeError):
+    with pytest.raises(OutputError, match="unsupported mask type"):  # refused before anything is written
         save_mask(np.zeros(CT_SHAPE, np.uint8), ct, tmp_path / "x.png")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("suffix", [".nii.gz", ".nii", ".nrrd", ".mha"])
@@ -372,7 +373,7 @@ def test_save_mask_refuses_detached_header_formats(tmp_path, suffix):
     a = np.zeros((4, 5, 6), np.uint8)
     a[1:3, 2:4, 1:5] = 1
     # detached-header formats write two files, which one atomic rename cannot move: refused
-    with pytest.raises(VolumeError, match="unsupported output type"):
+    with pytest.raises(OutputError, match="unsupported mask type"):
         save_mask(a, like, tmp_path / f"mask{suffix}")
     assert list(tmp_path.iterdir()) == []
 
@@ -649,36 +650,10 @@ def _expected_ras_affine(img):
     return a
 
 
-def _write_dicom_series(sitk, img, folder):
-    folder.mkdir()
-    writer = sitk.ImageFileWriter()
-    writer.KeepOriginalImageUIDOn()
-    uid = "1.2.826.0.1.3680043.2.1125.7731"
-    d = img.GetDirection()
-    orientation = "\\".join(str(v) for v in (d[0], d[3], d[6], d[1], d[4], d[7]))
-    for k in range(img.GetDepth()):
-        s = img[:, :, k]
-        tags = {
-            "0008|0060": "CT",
-            "0008|0016": "1.2.840.10008.5.1.4.1.1.2",
-            "0008|0018": f"{uid}.3.{k + 1}",
-            "0020|000d": f"{uid}.1",
-            "0020|000e": f"{uid}.2",
-            "0020|0037": orientation,
-            "0020|0032": "\\".join(str(v) for v in img.TransformIndexToPhysicalPoint((0, 0, k))),
-            "0020|0013": str(k + 1),
-            "0018|0050": str(img.GetSpacing()[2]),
-        }
-        for tag, val in tags.items():
-            s.SetMetaData(tag, val)
-        writer.SetFileName(str(folder / f"{(k * 7) % 11:03d}_{k}.dcm"))  # file names out of order on purpose
-        writer.Execute(s)
-
-
-def test_dicom_series_geometry_matches_nifti(tmp_path):
+def test_dicom_series_geometry_matches_nifti(tmp_path, write_dicom_series):
     sitk = pytest.importorskip("SimpleITK")
     img, arr = _sitk_image(sitk)
-    _write_dicom_series(sitk, img, tmp_path / "series")
+    write_dicom_series(sitk, img, tmp_path / "series")
     sitk.WriteImage(img, str(tmp_path / "same.nii.gz"))
     dcm = load_volume(tmp_path / "series")
     nii = load_volume(tmp_path / "same.nii.gz")  # read by nibabel

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import nibabel as nib
@@ -27,78 +22,7 @@ import pytest
 from medvolcore.pipeline import as_stack
 from medvolcore.stack import sample_slice_indices
 
-SERVE = [sys.executable, "-m", "medvolcore.cli_serve"]
-TIMEOUT = 120
-
-
-
-def _reap(proc, timeout: float = 30) -> None:
-    """Wait for a worker process to exit; kill it if it does not within ``timeout``."""
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-class StdioClient:
-    """A JSON-lines client of ``medvol serve --stdio`` running as a child process."""
-
-    def __init__(self, *args):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(SERVE + ["--stdio", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env)
-        self.lines: "queue.Queue" = queue.Queue()
-        self.stderr: list = []
-        self.raw_stdout: list = []
-        threading.Thread(target=self._read_out, daemon=True).start()
-        threading.Thread(target=self._read_err, daemon=True).start()
-
-    def _read_out(self):
-        for line in self.proc.stdout:
-            self.raw_stdout.append(line)
-            self.lines.put(json.loads(line))  # every stdout line must be JSON: fails loudly otherwise
-        self.lines.put(None)
-
-    def _read_err(self):
-        for line in self.proc.stderr:
-            self.stderr.append(line.decode("utf-8", "replace"))
-
-    def send_raw(self, data: bytes) -> None:
-        self.proc.stdin.write(data if data.endswith(b"\n") else data + b"\n")
-        self.proc.stdin.flush()
-
-    def send(self, obj) -> None:
-        self.send_raw(json.dumps(obj).encode("utf-8"))
-
-    def next(self, timeout=TIMEOUT):
-        msg = self.lines.get(timeout=timeout)
-        assert msg is not None, "the worker closed stdout; stderr:\n" + "".join(self.stderr[-20:])
-        return msg
-
-    def reply(self, rid, timeout=TIMEOUT, events=None):
-        """Messages until the final reply of ``rid`` (other replies are kept in order in ``self.other``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            msg = self.next(max(0.1, deadline - time.monotonic()))
-            if msg.get("id") == rid and "event" in msg:
-                if events is not None:
-                    events.append(msg)
-                continue
-            if "event" not in msg:
-                assert msg.get("id") == rid, f"expected the reply to {rid!r}, got {msg}"
-                return msg
-
-    def call(self, obj, **kw):
-        self.send(obj)
-        return self.reply(obj.get("id"), **kw)
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-            _reap(self.proc)
+from worker_clients import SERVE, TIMEOUT, HttpServer, StdioClient
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +182,9 @@ def test_twenty_malformed_inputs_then_a_valid_request(worker, ct_sm_path, tmp_pa
         (json.dumps({"id": 22, "op": "load", "preset": "no-such-preset"}), 22, None),
         (json.dumps({"id": 23, "op": "segment", "volume": ct, "query": "   "}), 23, "bad_input"),
         (json.dumps({"id": 24, "op": "segment", "volume": ct, "query": "x", "window": [1, 2, 3]}), 24, "bad_request"),
+        (json.dumps({"id": 25, "op": "propagate", "volume": ct, "anchor": good_anchor, "stop_after_empty": -1}), 25,
+         "bad_request"),
+        (json.dumps({"id": 26, "op": "segment", "volume": ct, "query": "x", "stop_after_empty": "3"}), 26, "bad_request"),
     ]
     assert len(cases) >= 20
     for raw, rid, code in cases:
@@ -269,8 +196,10 @@ def test_twenty_malformed_inputs_then_a_valid_request(worker, ct_sm_path, tmp_pa
         if code:
             assert msg["error"]["code"] == code, (raw[:80], msg)
         assert "Traceback" not in msg["error"]["message"]
-    r = worker.call({"id": "valid", "op": "propagate", "volume": ct, "anchor": good_anchor})
+    r = worker.call({"id": "valid", "op": "propagate", "volume": ct, "anchor": good_anchor, "stop_after_empty": 0})
     assert r["ok"] is True, r
+    assert r["result"]["propagation"]["stop_after_empty"] == 0  # the field reaches the propagator
+    assert r["result"]["anchor"]["propagation"]["slice_range"] == [0, 29]
     assert r["result"]["timings"]["models_reloaded"] is False  # the failed load kept the tiny models
     assert worker.proc.poll() is None
     assert not any("Traceback" in line for line in worker.stderr)
@@ -312,41 +241,6 @@ def test_end_of_input_and_signal_stop_cleanly(how):
 
 # ---- HTTP -------------------------------------------------------------------------------------
 
-class HttpServer:
-    def __init__(self, *args):
-        self.proc = subprocess.Popen(SERVE + ["--http", "--host", "127.0.0.1", "--port", "0", *args],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self.port = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline().decode()
-            if not line:
-                break
-            if "ready (protocol 1) on http://127.0.0.1:" in line:
-                self.port = int(line.split("http://127.0.0.1:")[1].split()[0].rstrip("/"))
-                break
-        assert self.port, "no ready line from medvol serve --http"
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
-
-    def request(self, method, path, obj=None, token=None, timeout=TIMEOUT):
-        data = None if obj is None else json.dumps(obj).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            _reap(self.proc)
-
-
 @pytest.fixture(scope="module")
 def http_server():
     s = HttpServer("--device", "cpu", "--preset", "tiny")
@@ -368,7 +262,7 @@ def test_http_hello_status_segment(http_server, ct_sm_path, tmp_path):
     while th.is_alive() and time.monotonic() < deadline:
         st, s = http_server.request("GET", "/status", timeout=10)
         assert st == 200 and s["ok"]
-        if s["result"]["busy"] and s["result"]["current"]["id"] == "seg":
+        if s["result"]["busy"] and (s["result"]["current"] or {}).get("id") == "seg":
             busy = s["result"]
             break
         time.sleep(0.05)

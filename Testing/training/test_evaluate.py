@@ -242,7 +242,7 @@ def test_case_errors_are_excluded_and_retried(crop_data, tmp_path, monkeypatch):
             FakePropagator.calls += 1
             if FakePropagator.calls == 2:
                 raise RuntimeError("CUDA out of memory (simulated)")
-            return type("R", (), {"mask": self.gt, "slices_encoded": 0})()
+            return type("R", (), {"mask": self.gt, "slices_encoded": 0, "stop_summary": lambda r: {}})()
 
     fake = FakePropagator()
     fake.gt = ev.load_mask(ev.load_samples(crop_data, "test")[0])  # the liver: DSC 100 for case 1
@@ -331,3 +331,32 @@ def test_a_ct_that_no_longer_matches_the_prepared_set_is_refused(sm_data, tmp_pa
     (sample,) = load_samples(data, "test")
     with pytest.raises(DataError, match="no longer looks like the prepared picture"):
         load_stack(sample)
+
+
+def test_stop_after_empty_is_a_setting(oracle_crop, crop_data, tmp_path, capsys):
+    """The default is the product's early stop (in the settings, the label and each case); 0 is the
+    paper's whole-volume protocol, whose fingerprint is the one evaluations had before the option."""
+    from dataclasses import asdict
+
+    from medvolcore.propagation import DEFAULT_STOP_AFTER_EMPTY
+    from medvoltrain.evaluate import EvalSettings
+
+    settings = json.loads((oracle_crop / "settings.json").read_text(encoding="utf-8"))
+    assert settings["settings"]["stop_after_empty"] == DEFAULT_STOP_AFTER_EMPTY
+    assert f"early stop K={DEFAULT_STOP_AFTER_EMPTY}" in settings["method"]
+    case = json.loads(next((oracle_crop / "cases").glob("*.json")).read_text(encoding="utf-8"))
+    assert case["details"]["propagation"]["stop_after_empty"] == DEFAULT_STOP_AFTER_EMPTY
+
+    out = tmp_path / "EVAL0"
+    rc, _, err = run_cli(["--data", crop_data, "--out", out, *ORACLE, "--stop-after-empty", 0], capsys)
+    assert rc == 0, err
+    s0 = json.loads((out / "settings.json").read_text(encoding="utf-8"))
+    assert s0["settings"]["stop_after_empty"] == 0 and "early stop" not in s0["method"]
+    old = {k: v for k, v in s0["settings"].items() if k != "stop_after_empty"}  # a settings.json from before
+    assert EvalSettings(**old).fingerprint() == s0["fingerprint"]
+    import hashlib
+
+    assert s0["fingerprint"] == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    assert asdict(EvalSettings(**old))["stop_after_empty"] == 0
+    rc, _, err = run_cli(["--data", crop_data, "--out", tmp_path / "bad", *ORACLE, "--stop-after-empty", -1], capsys)
+    assert rc != 0 and "--stop-after-empty" in err and len(err.strip().splitlines()) == 1

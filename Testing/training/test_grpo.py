@@ -45,6 +45,14 @@ def test_ablation_switches_and_bad_settings():
         load_settings(None, {"num_generations": "1"}, cls=GRPOSettings)
     with pytest.raises(ConfigError, match="delta must be ≥ 0"):
         load_settings(None, {"delta": "-1"}, cls=GRPOSettings)
+    assert GRPOSettings().consistency_stop_after_empty == 0  # the paper's reward: every window slice
+    with pytest.raises(ConfigError, match="consistency_stop_after_empty must be ≥ 0"):
+        load_settings(None, {"consistency_stop_after_empty": "-1"}, cls=GRPOSettings)
+    from medvoltrain.grpo import make_scorer
+
+    s = load_settings(None, {"consistency_stop_after_empty": "3", "delta": "2"}, cls=GRPOSettings)
+    scorer = make_scorer(s, random_weights=0)
+    assert (scorer.stop_after_empty, scorer.delta) == (3, 2)
 
 
 def _answer(z, boxes):

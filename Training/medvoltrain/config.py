@@ -128,6 +128,10 @@ class GRPOSettings(TrainSettings):
     lambda_box: float = 1.0
     lambda_consistency: float = 1.0
     delta: int = 5
+    # early stop inside the consistency window (0 = every window slice, the paper's reward; K > 0
+    # skips the rest of a direction once the masks have been empty on K slices, which then count
+    # as predicted empty: the Dice is still taken over the whole window)
+    consistency_stop_after_empty: int = 0
     # -- shared settings with other defaults here (lr and epochs are the paper's) --
     learning_rate: float = 2e-6
     num_train_epochs: float = 3.0
@@ -154,6 +158,9 @@ class GRPOSettings(TrainSettings):
             raise ConfigError(f"top_p must be in (0, 1] and top_k ≥ 0, got top_p={self.top_p}, top_k={self.top_k}")
         if self.delta < 0:
             raise ConfigError(f"delta must be ≥ 0 (the paper's ablation uses {', '.join(map(str, DELTAS))}), got {self.delta}")
+        if self.consistency_stop_after_empty < 0:
+            raise ConfigError("consistency_stop_after_empty must be ≥ 0 (0 = propagate the whole window, the paper's "
+                              f"reward), got {self.consistency_stop_after_empty}")
         weights = self.reward_weights
         if any(w < 0 for w in weights.values()) or not any(w > 0 for w in weights.values()):
             raise ConfigError(f"reward weights must be ≥ 0 with at least one > 0, got {weights}")

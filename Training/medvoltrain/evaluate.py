@@ -12,6 +12,11 @@ Per sample of the split (``medvol.train.samples/1``, :mod:`medvoltrain.prepare`)
   components) goes straight to MedSAM2; no language model is loaded. This is the propagation's
   upper bound: grounder DSC against oracle DSC says how much is lost in grounding.
 
+Both modes propagate with early stop (``--stop-after-empty K``, default the product's: each
+direction ends once every mask has been empty on K slices), as ``medvol segment`` does; ``K = 0``
+propagates through the whole volume, the paper's protocol for Table 1. K is part of the
+settings (and so of the fingerprint) and of the method label when it is not 0.
+
 Everything is on the canonical axial stack (ARCHITECTURE.md): the prepared mask, the predicted
 mask (``Segmentation.mask_stack``), slice indices and boxes.
 
@@ -100,9 +105,15 @@ class EvalSettings:
     sam: str = "preset"  # "preset", "checkpoint:<path>" or "random:<seed>:<image size>"
     constrain: bool = True
     version: int = EVAL_VERSION
+    # 0 here (not the product default) so that a settings.json written before early stop existed
+    # reads back as what it was: whole-volume propagation; evaluate() passes the product default
+    stop_after_empty: int = 0
 
     def fingerprint(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if d["stop_after_empty"] == 0:  # the fingerprint of every evaluation made before the field existed
+            del d["stop_after_empty"]
+        blob = json.dumps(d, sort_keys=True)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
@@ -184,9 +195,13 @@ def _read_json(path: Path) -> Optional[dict]:
 # ---- models ---------------------------------------------------------------------------------
 
 def _resolve_settings(data_dir: Path, split: str, oracle: bool, preset: Optional[str], adapter, sam_checkpoint,
-                      random_weights: Optional[int], sam_image_size: Optional[int], constrain: bool) -> EvalSettings:
+                      random_weights: Optional[int], sam_image_size: Optional[int], constrain: bool,
+                      stop_after_empty: int = 0) -> EvalSettings:
     """Check the model options and return the :class:`EvalSettings`; nothing is loaded here."""
     from medvolcore import models
+    from medvolcore.propagation import check_stop_after_empty
+
+    stop_after_empty = check_stop_after_empty(stop_after_empty, "--stop-after-empty")
 
     if sam_checkpoint is not None and random_weights is not None:
         raise InputError("give either --sam-checkpoint or --random-weights, not both")
@@ -225,7 +240,8 @@ def _resolve_settings(data_dir: Path, split: str, oracle: bool, preset: Optional
         data=str(data_dir), split=split, oracle=bool(oracle),
         # the oracle with its own MedSAM2 weights uses nothing of the preset
         preset=None if (oracle and sam != "preset") else preset_name,
-        adapter=str(adapter_path) if adapter_path else None, sam=sam, constrain=bool(constrain))
+        adapter=str(adapter_path) if adapter_path else None, sam=sam, constrain=bool(constrain),
+        stop_after_empty=stop_after_empty)
 
 
 def _sam_description(settings: EvalSettings) -> Tuple[str, bool]:
@@ -248,6 +264,8 @@ def method_label(settings: EvalSettings) -> Tuple[str, bool]:
     from medvolcore import models
 
     sam_text, sam_random = _sam_description(settings)
+    if settings.stop_after_empty:
+        sam_text += f", early stop K={settings.stop_after_empty}"
     if settings.oracle:
         return f"Oracle anchor → MedSAM2 ({sam_text})", sam_random
     p = models.get_preset(settings.preset)
@@ -373,13 +391,14 @@ def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[d
     if engine.settings.oracle:
         anchor = gt_anchor
         # what Pipeline.repropagate does, without a language model (nor its weights) behind it
-        r = engine.propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=window)
+        r = engine.propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=window,
+                                        stop_after_empty=engine.settings.stop_after_empty)
         pred_mask, boxes_norm = r.mask, anchor.boxes_norm
-        details.update(anchor=anchor.to_dict(), slices_encoded=r.slices_encoded)
+        details.update(anchor=anchor.to_dict(), slices_encoded=r.slices_encoded, propagation=r.stop_summary())
     else:
         try:
             seg = engine.pipeline.segment(stack, sample["query"], constrain=engine.settings.constrain,
-                                          hu_window=window)
+                                          hu_window=window, stop_after_empty=engine.settings.stop_after_empty)
         except GenerationError as e:
             details.update(raw_text=getattr(e, "raw_text", ""), failures=getattr(e, "failures", []),
                            error=f"GenerationError: {e}")
@@ -593,9 +612,10 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
              sam_checkpoint=None, random_weights: Optional[int] = None, sam_image_size: Optional[int] = None,
              device: str = "auto", shard=None, limit: Optional[int] = None, constrain: bool = True,
              overwrite: bool = False, retry_failed: bool = False, save_masks: bool = True, progress: bool = True,
-             aggregate_only: bool = False) -> dict:
+             aggregate_only: bool = False, stop_after_empty: Optional[int] = None) -> dict:
     """Evaluate the pipeline (or the oracle anchor) on a prepared split and write the tables (see the
     module docstring); returns the summary, with ``summary["run"]`` saying what this call did.
+    ``stop_after_empty``: early stop's K (None: the product default; 0: the whole volume, the paper's).
 
     ``aggregate_only``: rebuild the tables of ``out`` from its case files and settings (the other
     arguments are not used)."""
@@ -623,8 +643,12 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
 
     resolve_device(device)  # a device that is not there is refused now, not when the first case needs it
     data_dir = Path(data).expanduser().resolve()
+    if stop_after_empty is None:
+        from medvolcore.propagation import DEFAULT_STOP_AFTER_EMPTY
+
+        stop_after_empty = DEFAULT_STOP_AFTER_EMPTY
     settings = _resolve_settings(data_dir, split, oracle, preset, adapter, sam_checkpoint, random_weights,
-                                 sam_image_size, constrain)
+                                 sam_image_size, constrain, stop_after_empty)
     samples = _split_samples(data_dir, split, limit)
     fingerprint = settings.fingerprint()
     _check_out_dir(out_dir, settings, fingerprint, overwrite)

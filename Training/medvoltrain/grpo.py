@@ -165,7 +165,7 @@ def make_scorer(settings: GRPOSettings, sam_checkpoint=None, random_weights: Opt
         else:
             seed, size = m.sam_random
             prop = MedSAM2Propagator.from_random(seed, image_size=size, device=device)
-    return ConsistencyScorer(prop, delta=settings.delta)
+    return ConsistencyScorer(prop, delta=settings.delta, stop_after_empty=settings.consistency_stop_after_empty)
 
 
 def _policy(grounder, adapter, settings: GRPOSettings):

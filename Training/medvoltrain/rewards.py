@@ -13,7 +13,12 @@
   boxes and the ground truth, over the slices ``[k̂ − Δ, k̂ + Δ]`` clipped to the stack; 1 when
   both are empty there. :class:`ConsistencyScorer` runs the (frozen) MedSAM2 on the window only
   and shares image features between the rollouts of one group (one volume), so a group of G
-  encodes each window slice once instead of G times.
+  encodes each window slice once instead of G times. Early stop (``stop_after_empty = K > 0``,
+  off by default) keeps the paper's window semantics: the Dice is still taken over the whole
+  window ``[k̂ − Δ, k̂ + Δ]``, and the window slices a direction skipped after its masks had been
+  empty on K slices count as predicted empty (exactly what the full run gives there unless the
+  target reappears after K empty slices). The default 0 is the paper's reward: with Δ = 5 the
+  window is 11 slices, so early stop can save little here, and the reward is what GRPO learns from.
 
 "Matched predicted boxes": the predicted boxes that the Hungarian assignment pairs with a
 ground-truth box of the predicted slice (all of them when ``N ≤ N*``; the ``N − N*`` left over
@@ -125,14 +130,18 @@ class ConsistencyScorer:
     with image features shared across the group.
 
     ``propagator``: a :class:`medvolcore.propagation.MedSAM2Propagator` (a checkpoint, or seeded
-    random weights in tests and the CPU benchmark).
+    random weights in tests and the CPU benchmark). ``stop_after_empty``: early stop's K inside
+    the window (0, the default: every window slice; see the module docstring).
     """
 
-    def __init__(self, propagator, delta: int = DEFAULT_DELTA, hu_window=None):
+    def __init__(self, propagator, delta: int = DEFAULT_DELTA, hu_window=None, stop_after_empty: int = 0):
         if isinstance(delta, bool) or not isinstance(delta, (int, np.integer)) or delta < 0:
             raise RewardError(f"delta must be an integer ≥ 0, got {delta!r}")
+        if isinstance(stop_after_empty, bool) or not isinstance(stop_after_empty, (int, np.integer)) or stop_after_empty < 0:
+            raise RewardError(f"stop_after_empty must be an integer ≥ 0, got {stop_after_empty!r}")
         self.propagator = propagator
         self.delta = int(delta)
+        self.stop_after_empty = int(stop_after_empty)
         self.hu_window = hu_window
         self.last_encoder_calls = 0
 
@@ -173,7 +182,8 @@ class ConsistencyScorer:
         try:
             win = hu_window if hu_window is not None else self.hu_window
             results = self.propagator.propagate_many(stack_hu, [p for _, p in todo], hu_window=win,
-                                                     window=self.delta) if todo else []
+                                                     window=self.delta, stop_after_empty=self.stop_after_empty
+                                                     ) if todo else []
         except MedVolError as e:
             raise RewardError(f"MedSAM2 failed on the consistency window: {e}") from None
         self.last_encoder_calls = sum(r.encoder_calls for r in results)

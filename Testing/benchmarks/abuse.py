@@ -1,0 +1,92 @@
+"""Replay every hostile-input probe of issue 13 and print probe → outcome, with the figures.
+
+    .venv/bin/python Testing/benchmarks/abuse.py [--quick] [--json-out FILE] [-- PYTEST ARGS]
+
+Runs ``Testing/core/test_hardening.py`` (each test is one probe, tagged with the issue's item
+number by ``@pytest.mark.probe``) including the heavy probes the test suite skips (200 slow
+clients; a decompression bomb under the default ``--max-voxels``, cancelled), and prints one row
+per probe: item, what was sent, outcome (refused/handled as required = PASS), seconds of the
+probe itself, and the figures it recorded (memory, connections held, seconds to refuse). Every
+server it starts listens on 127.0.0.1 only. ``--quick`` leaves the heavy probes out. Exit code 0
+when every probe passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "core" / "test_hardening.py"
+
+
+class ProbeTable:
+    """A pytest plugin that keeps, per probe test, its item, text, outcome, duration and figures."""
+
+    def __init__(self):
+        self.rows = {}
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        mark = item.get_closest_marker("probe")
+        if mark is None:
+            return
+        row = self.rows.setdefault(item.nodeid, {
+            "item": mark.args[0], "probe": mark.args[1], "test": item.name, "outcome": "?", "seconds": 0.0,
+            "figures": {}})
+        if report.when == "call":
+            row["seconds"] = round(report.duration, 2)
+            row["outcome"] = "PASS" if report.passed else "FAIL"
+            row["figures"].update({k: v for k, v in report.user_properties})
+            if report.failed:
+                row["detail"] = str(report.longrepr).strip().splitlines()[-1][:160]
+        elif report.skipped and row["outcome"] == "?":
+            row["outcome"] = "skip"
+        elif report.failed:  # setup or teardown
+            row["outcome"] = "ERROR"
+            row["detail"] = str(report.longrepr).strip().splitlines()[-1][:160]
+
+
+def _item_key(row):
+    return (int(row["item"]), row["test"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="leave out the heavy probes (200 clients, 1 GB bomb)")
+    ap.add_argument("--json-out", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = ap.parse_args(argv)
+    if not args.quick:
+        os.environ["MEDVOL_HEAVY_PROBES"] = "1"
+    table = ProbeTable()
+    code = pytest.main([str(TESTS), "-q", "-p", "no:cacheprovider",
+                        "-c", str(HERE.parent / "pytest.ini"), *args.pytest_args], plugins=[table])
+    rows = sorted(table.rows.values(), key=_item_key)
+    print()
+    print(f"{'item':>4}  {'outcome':7} {'s':>6}  probe / figures")
+    for r in rows:
+        figs = "; ".join(f"{k} {v}" for k, v in r["figures"].items())
+        name = r["probe"] + (f" [{r['test'].split('[', 1)[1]}" if "[" in r["test"] else "")
+        print(f"{r['item']:>4}  {r['outcome']:7} {r['seconds']:6.2f}  {name}")
+        if figs:
+            print(f"{'':21}{figs}")
+        if r.get("detail"):
+            print(f"{'':21}{r['detail']}")
+    n_pass = sum(r["outcome"] == "PASS" for r in rows)
+    print(f"\n{n_pass} of {len(rows)} probes passed" + (" (heavy probes left out)" if args.quick else ""))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+    return 0 if code == 0 and n_pass == len([r for r in rows if r["outcome"] != "skip"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
