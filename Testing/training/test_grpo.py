@@ -120,6 +120,7 @@ def test_two_grpo_steps_from_the_sft_adapter_log_every_term(grpo_run):
     assert b"rewards/consistency/mean" in blob and b"kl" in blob
     meta = json.loads((grpo_run / "adapter" / "medvol_adapter.json").read_text(encoding="utf-8"))
     assert meta["stage"] == "grpo"
+    assert not (grpo_run / "adapter" / "ref").exists()  # TRL's frozen reference copy is not the product
     assert {p.name for p in (grpo_run / "checkpoints").glob("checkpoint-*")} == {"checkpoint-1", "checkpoint-2"}
 
 
