@@ -15,7 +15,7 @@ from medvolcore.answer import format_answer
 from medvoltrain.cli import main
 from medvoltrain.config import GRPOSettings, load_settings
 from medvoltrain.errors import ConfigError
-from medvoltrain.prepare import load_samples
+from medvoltrain.prepare import load_samples, load_slices
 from medvoltrain.rewards import TERMS, ConsistencyScorer, RewardFunctions
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,6 +128,7 @@ def test_two_grpo_steps_from_the_sft_adapter_log_every_term(grpo_run):
     assert b"rewards/consistency/mean" in blob and b"kl" in blob
     meta = json.loads((grpo_run / "adapter" / "medvol_adapter.json").read_text(encoding="utf-8"))
     assert meta["stage"] == "grpo"
+    assert not (grpo_run / "adapter" / "ref").exists()  # TRL's frozen reference copy is not the product
     assert {p.name for p in (grpo_run / "checkpoints").glob("checkpoint-*")} == {"checkpoint-1", "checkpoint-2"}
 
 
@@ -139,8 +140,19 @@ def test_grpo_adapter_loads_in_the_grounder(grpo_run):
     assert any("LoRA adapter" in n for n in tuned.notes)
 
 
-def test_scoring_forward_pass_gets_each_rows_images(sm_data, sft_run):
-    """Completion log-probs computed by the trainer's hook equal a direct forward with the images."""
+def _twin_sample(sample: dict, folder: Path) -> dict:
+    """Another volume asked the same question: same query, depth and shown slices (so the same prompt
+    token ids), different pixels (the slices inverted)."""
+    images = np.stack([im[..., 0] for im in load_slices(sample)])
+    np.savez(folder / "twin.npz", images=(255 - images).astype(np.uint8), shown=np.asarray(sample["shown"]))
+    return {**sample, "id": sample["id"] + "_twin", "data_dir": str(folder), "slices_file": "twin.npz"}
+
+
+def test_two_volumes_with_one_prompt_text_keep_their_own_images(sm_data, sft_run, tmp_path):
+    """Issue 15: a generation batch holding two volumes with the same prompt text (here two prompts
+    per step, two accumulation steps). Every scoring pass — the reference pass inside generation and
+    the loss pass on the batch TRL returns — must see each row's own volume, equal to a direct
+    forward with that volume's images. Images cached by prompt ids gave both rows the last volume."""
     import torch
     from peft import PeftModel
     from trl import GRPOConfig
@@ -149,38 +161,68 @@ def test_scoring_forward_pass_gets_each_rows_images(sm_data, sft_run):
     from medvoltrain.grpo import _trainer_class, grpo_dataset
     from medvoltrain.sft import load_grounder
 
-    samples = load_samples(sm_data, "train")[:2]
+    a = load_samples(sm_data, "train")[0]
+    b = _twin_sample(a, tmp_path)
     grounder = load_grounder(models.resolve("tiny").grounder_dir, bf16=False)
+    own = {s["id"]: grounder.inputs_from_images(load_slices(s), s["shown"], int(s["depth"]), s["query"])
+           for s in (a, b)}
+    assert own[a["id"]]["input_ids"].tolist() == own[b["id"]]["input_ids"].tolist()  # one prompt text
+    assert not torch.equal(own[a["id"]]["pixel_values"], own[b["id"]]["pixel_values"])
     model = PeftModel.from_pretrained(grounder.model, str(sft_run / "adapter"), is_trainable=True)
-    args = GRPOConfig(output_dir=str(sm_data.parent / "unused"), per_device_train_batch_size=2, num_generations=2,
-                      use_cpu=True, report_to=[], max_completion_length=8, remove_unused_columns=False)
+    args = GRPOConfig(output_dir=str(tmp_path / "unused"), per_device_train_batch_size=2, num_generations=2,
+                      gradient_accumulation_steps=2, beta=0.01, use_cpu=True, report_to=[], max_completion_length=6,
+                      remove_unused_columns=False)
     trainer = _trainer_class()(model=model, reward_funcs=[lambda prompts, completions, **k: [0.0] * len(prompts)],
-                               args=args, train_dataset=grpo_dataset(samples), processing_class=grounder.tokenizer,
-                               grounder=grounder, samples=samples)
-    ids, _, fields = trainer._tokenize_prompts([s["id"] for s in samples])
-    completion = grounder.tokenizer("<think>x</think>", add_special_tokens=False)["input_ids"]
-    width = max(len(i) for i in ids)
-    rows = torch.tensor([[0] * (width - len(i)) + i + completion for i in ids])
-    mask = torch.tensor([[0] * (width - len(i)) + [1] * (len(i) + len(completion)) for i in ids])
-    model.eval()
+                               args=args, train_dataset=grpo_dataset([a, b]), processing_class=grounder.tokenizer,
+                               grounder=grounder, samples=[a, b])
+    for m in model.modules():  # deterministic passes in train mode (the trainer added a "ref" adapter copy)
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    rows = [a["id"], a["id"], b["id"], b["id"]]  # TRL's sampler repeats each prompt G times
+    out = trainer._generate_and_score_completions([{"prompt": r, "sample_id": r} for r in rows])
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    n = out["completion_ids"].size(1)
+
+    def direct(r, sid):
+        """Row r's completion log-probs from one unbatched forward with sample sid's images."""
+        keep = mask[r].bool()
+        one = ids[r][keep][None]
+        x = own[sid]
+        mm = torch.cat([x["mm_token_type_ids"], torch.zeros((1, one.size(1) - x["input_ids"].size(1)), dtype=torch.int32)], 1)
+        with torch.no_grad():
+            logits = model(input_ids=one, pixel_values=x["pixel_values"], image_grid_thw=x["image_grid_thw"],
+                           mm_token_type_ids=mm).logits
+        k = int(out["completion_mask"][r].sum())
+        logp = torch.log_softmax(logits[0, -k - 1:-1].float(), -1)
+        return logp.gather(-1, one[0, -k:, None])[:, 0]
+
+    def check(logps):
+        for r, sid in enumerate(rows):
+            k = int(out["completion_mask"][r].sum())
+            want, other = direct(r, sid), direct(r, b["id"] if sid == a["id"] else a["id"])
+            got = logps[r, :k]
+            assert torch.allclose(got, want, atol=5e-3), (r, sid)  # left padding and batching: float noise only
+            assert (other - want).abs().max() > 10 * (got - want).abs().max()
+
+    # the reference pass inside generation. TRL's reference for a loaded adapter is a frozen copy of it
+    # ("ref"): before any update it equals the policy.
+    check(out["ref_per_token_logps"])
+    # the batch TRL shuffles and splits into accumulation steps carries each row's own pixels ...
+    assert out["num_images"] == [len(a["shown"])] * 4
+    per_row = torch.split(out["pixel_values"], [int(g.prod(-1).sum()) for g in
+                                                torch.split(out["image_grid_thw"], out["num_images"])])
+    for r, sid in enumerate(rows):
+        assert torch.equal(per_row[r], own[sid]["pixel_values"])
+    # ... and the loss pass (what _compute_loss passes) scores each row with them
     with torch.no_grad():
-        got, _, _ = trainer._get_per_token_logps_and_entropies(model, rows, mask, len(completion))
-        for r, s in enumerate(samples):
-            one = torch.tensor([ids[r] + completion])
-            n_img = len(s["shown"])
-            start = sum(len(x["shown"]) for x in samples[:r])
-            grid = fields["image_grid_thw"][start:start + n_img]
-            rows_before = int(fields["image_grid_thw"][:start].prod(-1).sum())
-            pv = fields["pixel_values"][rows_before:rows_before + int(grid.prod(-1).sum())]
-            mm = torch.tensor([fields["mm_token_type_ids"][r] + [0] * len(completion)], dtype=torch.int32)
-            logits = model(input_ids=one, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=mm).logits
-            logp = torch.log_softmax(logits[0, -len(completion) - 1:-1].float(), -1)
-            want = logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
-            assert torch.allclose(got[r], want, atol=2e-3)  # left padding and batching: float noise only
-            blind = model(input_ids=one).logits  # the same text without its images
-            blind = torch.log_softmax(blind[0, -len(completion) - 1:-1].float(), -1)
-            blind = blind.gather(-1, torch.tensor(completion)[:, None])[:, 0]
-            assert (blind - want).abs().max() > 10 * (got[r] - want).abs().max()
+        loss_pass, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, n, pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+            num_images=out["num_images"], mm_token_type_ids=out["mm_token_type_ids"])
+    check(loss_pass)
+    # a scoring pass outside a generation batch has no images to give: refused, never run blind
+    with pytest.raises(RuntimeError, match="without its images"):
+        trainer._get_per_token_logps_and_entropies(model, ids, mask, n)
 
 
 def test_resume_continues_from_the_saved_step(grpo_run, sft_run, sm_data, tmp_path):

@@ -115,7 +115,7 @@ class GRPOSettings(TrainSettings):
 
     # -- GRPO (paper) --
     num_generations: int = 4
-    beta: float = 0.01  # KL to the frozen reference = the base with the adapter disabled
+    beta: float = 0.01  # KL to the frozen reference = TRL's frozen copy of the SFT adapter
     max_completion_length: int = 256
     temperature: float = 1.0
     top_p: float = 1.0  # rollout nucleus sampling (1.0 = off, TRL's default)

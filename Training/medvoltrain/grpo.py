@@ -6,16 +6,20 @@ What is ours and what is TRL's
 * **The prompt** is the grounder's own (:meth:`QwenVLGrounder.inputs_from_images`), as in SFT and
   at inference. TRL builds VLM prompts with a processor chat template, which our grounder does not
   use (it needs no torchvision and no video processor), so :class:`GrounderGRPOTrainer` overrides
-  two hooks: ``_tokenize_prompts`` returns our prompt ids and image inputs for generation, and
-  ``_get_per_token_logps_and_entropies`` adds the same image inputs to every forward pass that
-  scores completions (policy, old policy and reference), finding each row's images from its
-  prompt ids. Everything else — sampling G rollouts per prompt, group-normalised advantages, the
-  clipped objective with the KL term, LoRA via PEFT, checkpoints, resume, logging, ``accelerate
-  launch`` — is TRL's.
+  three hooks: ``_tokenize_prompts`` returns our prompt ids and image inputs for generation;
+  ``_get_per_token_logps_and_entropies`` adds the same image inputs to the forward passes that
+  score completions inside generation (old policy, reference); ``_generate_and_score_completions``
+  attaches each row's images to the batch it returns, so TRL's shuffling, accumulation split and
+  loss pass keep every row with its own pixels. Images belong to the *sample* a row was generated
+  for: the prompt text alone cannot tell two volumes apart. Everything else — sampling G rollouts
+  per prompt, group-normalised advantages, the clipped objective with the KL term, LoRA via PEFT,
+  checkpoints, resume, logging, ``accelerate launch`` — is TRL's.
 * **Rollouts sample the policy itself** (temperature 1, no constrained decoding: a grammar would
   hide the format errors the format reward is there to teach away).
-* **The reference** for the KL term (β = 0.01) is the base model with the adapter disabled
-  (TRL's behaviour for a PEFT model).
+* **The reference** for the KL term (β = 0.01) is the SFT model: TRL adds a frozen copy of the
+  loaded adapter (named ``ref``) and scores the reference with it; a new LoRA (no ``--adapter``)
+  is scored against the base model with the adapter disabled. Only the trained adapter
+  (``default``) is saved.
 * **Rewards** are :class:`medvoltrain.rewards.RewardFunctions`: one TRL reward function per term,
   weighted by ``lambda_*`` (0 switches a term off), consistency on MedSAM2 with features shared
   across the group.
@@ -41,7 +45,6 @@ from .sft import load_grounder, lora_target_modules, resolve_model_dir, use_bf16
 log = logging.getLogger(__name__)
 
 COLUMNS = ("sample_id", "slice_areas", "gt_boxes_norm")
-_MM_CACHE_SIZE = 256
 
 
 def grpo_dataset(samples):
@@ -59,54 +62,81 @@ def _trainer_class():
     from trl import GRPOTrainer
 
     class GrounderGRPOTrainer(GRPOTrainer):
-        """TRL's GRPOTrainer with the grounder's own multimodal prompts (see the module docstring)."""
+        """TRL's GRPOTrainer with the grounder's own multimodal prompts (see the module docstring).
+
+        Images are tied to **samples**, never to prompt text: two volumes asked the same question
+        have the same prompt token ids (the image slots are identical placeholders), so a row's
+        images can only be found from the sample it was generated for. While TRL generates and
+        scores a batch, ``_batch_rows`` holds each row's sample id; the batch TRL returns carries
+        every row's own images (``pixel_values``, ``image_grid_thw``, ``num_images``,
+        ``mm_token_type_ids``, as TRL's processor-based VLM path does), so its shuffling, splitting
+        into accumulation steps and loss pass keep each row with its pixels."""
 
         def __init__(self, *args, grounder=None, samples=None, **kwargs):
             self.grounder = grounder
             self.samples_by_id = {s["id"]: s for s in samples}
-            self._mm = {}  # prompt ids → (pixel_values, image_grid_thw, mm_token_type_ids)
+            # sample id → (prompt ids, pixel_values, image_grid_thw, mm_token_type_ids); one generation batch only
+            self._batch_inputs = {}
+            self._batch_rows = None  # the sample id of each row while TRL generates and scores a batch
             super().__init__(*args, **kwargs)
 
-        def _prompt_inputs(self, sample_id: str):
-            sample = self.samples_by_id[sample_id]
-            inputs = self.grounder.inputs_from_images(load_slices(sample), sample["shown"], int(sample["depth"]),
-                                                      sample["query"], sample.get("prompt_window"))
-            ids = inputs["input_ids"][0].tolist()
-            self._mm[tuple(ids)] = (inputs["pixel_values"], inputs["image_grid_thw"], inputs["mm_token_type_ids"][0])
-            while len(self._mm) > _MM_CACHE_SIZE:
-                self._mm.pop(next(iter(self._mm)))
-            return ids
+        def _sample_inputs(self, sample_id: str):
+            if sample_id not in self._batch_inputs:
+                sample = self.samples_by_id[sample_id]
+                inputs = self.grounder.inputs_from_images(load_slices(sample), sample["shown"], int(sample["depth"]),
+                                                          sample["query"], sample.get("prompt_window"))
+                self._batch_inputs[sample_id] = (inputs["input_ids"][0].tolist(), inputs["pixel_values"],
+                                                 inputs["image_grid_thw"], inputs["mm_token_type_ids"][0])
+            return self._batch_inputs[sample_id]
 
         def _tokenize_prompts(self, prompts):
-            prompt_ids = [self._prompt_inputs(p) for p in prompts]
-            pv, grid, mm = zip(*(self._mm[tuple(ids)] for ids in prompt_ids))
+            # TRL's prompt column holds the sample id (grpo_dataset); one entry per row
+            entries = [self._sample_inputs(p) for p in prompts]
+            ids, pv, grid, mm = zip(*entries)
             fields = {"pixel_values": torch.cat(pv), "image_grid_thw": torch.cat(grid),
                       "mm_token_type_ids": [m.tolist() for m in mm]}
-            return prompt_ids, None, fields
+            return list(ids), None, fields
+
+        def _generate_and_score_completions(self, inputs):
+            self._batch_inputs = {}
+            self._batch_rows = [x["prompt"] for x in inputs]
+            try:
+                output = super()._generate_and_score_completions(inputs)
+                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+                mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+                pv, grid, counts, mm = self._row_images(ids, mask, output["completion_ids"].size(1))
+                output.update(pixel_values=pv, image_grid_thw=grid, num_images=counts, mm_token_type_ids=mm)
+            finally:
+                self._batch_rows = None
+                self._batch_inputs = {}  # the returned batch carries the pixels from here on
+            return output
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                                batch_size=None, compute_entropy=False, compute_aux_loss=False,
                                                pixel_values=None, image_grid_thw=None, num_images=None,
                                                mm_token_type_ids=None, **kwargs):
-            if pixel_values is None:
-                pixel_values, image_grid_thw, num_images, mm_token_type_ids = self._images_for(
+            if pixel_values is None:  # TRL's passes inside generation: the batch does not carry images yet
+                pixel_values, image_grid_thw, num_images, mm_token_type_ids = self._row_images(
                     input_ids, attention_mask, logits_to_keep)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, pixel_values=pixel_values,
                 image_grid_thw=image_grid_thw, num_images=num_images, mm_token_type_ids=mm_token_type_ids, **kwargs)
 
-        def _images_for(self, input_ids, attention_mask, logits_to_keep):
-            """Image inputs of rows ``[left-padded prompt | completion]``, found from each row's prompt ids."""
+        def _row_images(self, input_ids, attention_mask, logits_to_keep):
+            """Image inputs of rows ``[left-padded prompt | completion]`` of the batch being generated, row r
+            from sample ``_batch_rows[r]``; refuses rows whose prompt is not that sample's."""
+            rows = self._batch_rows
+            if rows is None or len(rows) != input_ids.size(0):
+                raise RuntimeError("GRPO: a scoring pass without its images (rows do not match the generation batch)")
             width = input_ids.size(1) - logits_to_keep
             pv, grids, counts = [], [], []
             mm = torch.zeros_like(input_ids, dtype=torch.int32)
-            for r in range(input_ids.size(0)):
+            for r, sample_id in enumerate(rows):
+                ids, p, g, m = self._sample_inputs(sample_id)
                 keep = attention_mask[r, :width].bool()
-                key = tuple(input_ids[r, :width][keep].tolist())
-                if key not in self._mm:
-                    raise RuntimeError("GRPO: a completion's prompt is not one this trainer built; its images are unknown")
-                p, g, m = self._mm[key]
+                if input_ids[r, :width][keep].tolist() != ids:
+                    raise RuntimeError(f"GRPO: row {r}'s prompt is not the one built for {sample_id}")
                 pv.append(p)
                 grids.append(g)
                 counts.append(int(g.shape[0]))

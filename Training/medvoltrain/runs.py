@@ -78,7 +78,9 @@ def save_adapter(trainer, run: Path, meta: dict) -> Path:
         return adapter
     tmp = Path(run) / f".adapter.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        trainer.model.save_pretrained(str(tmp))
+        # only the trained adapter: GRPO's TRL also holds a frozen "ref" copy of the SFT adapter
+        names = getattr(trainer.model, "peft_config", {})
+        trainer.model.save_pretrained(str(tmp), **({"selected_adapters": ["default"]} if "ref" in names else {}))
         (tmp / "medvol_adapter.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         if adapter.exists():
             shutil.rmtree(adapter)
