@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import nibabel as nib
@@ -29,6 +30,11 @@ def isolated_medvol_home(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MEDVOL_HOME", str(home))
     mp.setenv("HF_HUB_OFFLINE", "1")
+    # temp folders of this process and of the workers it starts (some are killed on purpose) stay
+    # inside pytest's own temp tree, which pytest prunes, never in the system's /tmp
+    scratch = tmp_path_factory.mktemp("tmp")
+    mp.setenv("TMPDIR", str(scratch))
+    mp.setattr(tempfile, "tempdir", str(scratch))
     yield home
     mp.undo()
 

@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -383,6 +384,9 @@ class RemoteWorker(_BaseWorker):
         self.token = token or None
         self.timeout_s = timeout_s
         self.status_interval_s = status_interval_s
+        # masks the server sends back land here; a folder this client made is removed by stop()
+        # (they are patient data and must not pile up in the system's temp folder)
+        self._owns_tmp = tmp_dir is None
         self.tmp_dir = Path(tmp_dir or tempfile.mkdtemp(prefix="medvol-remote-"))
         self.session: Optional[str] = None
         self._session_lock = threading.Lock()
@@ -502,6 +506,8 @@ class RemoteWorker(_BaseWorker):
         for j in self.pending:
             j._finish(error=WorkerError("cancelled", "the connection was closed"))
         self._jobs.clear()
+        if self._owns_tmp:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
 def python_for_worker() -> str:

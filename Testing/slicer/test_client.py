@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -200,13 +201,21 @@ def test_remote_worker_over_http(ct_sm_path, tmp_path):
         mask = nib.load(job.result["mask_path"])  # written locally from the reply
         assert mask.shape == nib.load(str(ct_sm_path)).shape
         assert int(np.count_nonzero(np.asanyarray(mask.dataobj))) == job.result["mask_voxels"]
+        masks = Path(job.result["mask_path"]).parent
         s.shutdown()
+        assert not masks.exists()  # the client's own folder of returned masks (patient data) is gone
         with pytest.raises(WorkerError, match="http://"):
             RemoteWorker("ftp://example")
         gone = RemoteWorker("http://127.0.0.1:9")  # nothing listens there
         with pytest.raises(WorkerError) as e:
             gone.call("hello", 30)
         assert e.value.code == "connection"
+        gone.stop()
+        kept = tmp_path / "kept"
+        kept.mkdir()
+        mine = RemoteWorker("http://127.0.0.1:9", tmp_dir=str(kept))
+        mine.stop()
+        assert kept.is_dir()  # a folder the caller gave is the caller's
     finally:
         proc.terminate()
         proc.wait(30)
