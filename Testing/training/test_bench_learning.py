@@ -64,6 +64,19 @@ def test_quick_run_writes_three_models_and_the_curves(tmp_path, real_dir):
     table = (out / "table.md").read_text(encoding="utf-8")
     assert "| grpo |" in table and "Content-blind reference" in table
     assert 0.0 <= result["reference"]["label_prior_box"] <= 1.0
+    # the trained models are also scored with their slices blacked out and swapped for another test band's
+    for stage in ("sft", "grpo"):
+        abl = result["ablations"][stage]
+        assert set(abl) == {"own", "black", "swapped", "own_minus"}
+        assert abl["own"]["total"][0] == pytest.approx(result[stage]["total"], abs=2e-4)
+        for cond in ("black", "swapped"):
+            for term in ("format", "axial", "box", "total"):
+                mean, se = abl[cond][term]
+                assert math.isfinite(mean) and math.isfinite(se) and se >= 0
+                diff = abl["own_minus"][cond][term]
+                assert diff[0] == pytest.approx(abl["own"][term][0] - mean, abs=2e-4)
+        assert 0.0 <= result["reference"]["label_prior_box_on_model_slice"][stage] <= 1.0
+    assert "| sft, black slices |" in table and "| grpo: own − swapped |" in table
     assert seconds < 240, f"--quick took {seconds:.0f} s"  # ~60 s on an idle 2-core CPU
     # nothing is replaced without --overwrite
     assert main(["bench-learning", "--out", str(out), "--real-dir", str(real_dir), "--quick"]) == 2

@@ -38,7 +38,13 @@ What it does (all inside ``DIR``)
    random weights in a few CPU minutes keeps a long flat tail over its 660 tokens, and at
    temperature 1 with no truncation nearly every completion leaves the format at some token
    (measured: 0 % well-formed after 1200 SFT steps, against 98 % with the ``real`` settings).
-5. ``DIR/result.json`` (``{"untrained": {...}, "sft": {...}, "grpo": {...}}`` plus ``settings``,
+   The SFT and GRPO adapters are scored again with their slices **ablated** — blacked out, and
+   swapped for another test band's crop (same prompts, same seeds) — so the images' contribution is
+   a number with a standard error (``ablations``); and the content-blind boxes are scored on the
+   slices the models chose as well as on the true key slice (``reference``), so the box column has a
+   like-for-like reference. Whether the image path works at all is the vision stage's question
+   (:mod:`medvoltrain.bench_vision`, ``medvol-train bench-vision``).
+5. ``DIR/result.json`` (``{"untrained": {...}, "sft": {...}, "grpo": {...}}`` plus ``ablations``, ``settings``,
    ``timings_s``, ``data``, ``model``, ``evaluation``, ``training``, ``notes``), ``DIR/curves.png`` (SFT
    loss, GRPO reward terms per step) and ``DIR/table.md``.
 
@@ -121,6 +127,21 @@ MODEL_SIZES = {
                            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                             "mrope_section": [8, 4, 4], "mrope_interleaved": True}),
               "vision": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128)},
+    # The model of the vision sanity stage (medvoltrain.bench_vision), chosen because it learns from pixels
+    # in CPU minutes where "tiny" and "bench" did not (Training/README.md, "Does the model read the images?"):
+    # * head_dim 32 and rope_theta 10 000 (tiny: 16 and 5e6): with 5e6 the rotary step between neighbouring
+    #   image-grid cells is 0.02–0.15 rad in the fastest row and column pairs, so attention barely tells one
+    #   image position from the next; here it is 0.56 (rows) and 0.32 rad (columns), nearer Qwen3-VL-4B's 0.6–0.8;
+    # * three layers of width 128: room for a slice-comparing circuit, still ≈ 1.3 M parameters;
+    # * "pos_sincos": the vision tower's learnt position table starts as a 2-D sine/cosine code instead of
+    #   N(0, 0.02), which next to patch features of unit size says almost nothing about where a patch is.
+    # The recipe trains the vision tower and the q/k norms in full beside the LoRA (bench_vision).
+    "seeing": {"text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "mrope_section": [8, 4, 4], "mrope_interleaved": True}),
+               "vision": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128),
+               "pos_sincos": True},
 }
 BENCH_MODEL_SEED = 20240614
 HEAD_STD = 2.0  # output head init: std HEAD_STD / sqrt(hidden) (see build_model)
@@ -459,6 +480,8 @@ def build_model(folder, size: str, corpus: Optional[Sequence[str]] = None, vocab
     tokenizer = tiny.build_tokenizer(corpus, vocab_size) if vocab_size else tiny.build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
     sizes = MODEL_SIZES[size]
+    if sizes.get("pos_sincos"):
+        marker += "/pos-sincos"
     config = Qwen3VLConfig(
         text_config=dict(tiny.TEXT_CONFIG, **sizes["text"], vocab_size=len(tokenizer), pad_token_id=ids["<|endoftext|>"]),
         vision_config=dict(tiny.VISION_CONFIG, **sizes["vision"], patch_size=int(patch_size)),
@@ -471,6 +494,9 @@ def build_model(folder, size: str, corpus: Optional[Sequence[str]] = None, vocab
         head = model.get_output_embeddings().weight
         with torch.no_grad():
             head.normal_(0.0, HEAD_STD / math.sqrt(head.shape[1]))
+            if sizes.get("pos_sincos"):
+                table = model.model.visual.pos_embed.weight
+                table.copy_(torch.from_numpy(sincos_positions(*table.shape)).to(table.dtype))
     model.generation_config = GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                                                pad_token_id=ids["<|endoftext|>"], do_sample=False)
     model.save_pretrained(folder)
@@ -483,6 +509,26 @@ def build_model(folder, size: str, corpus: Optional[Sequence[str]] = None, vocab
         "parameters": n_params}, indent=2) + "\n", encoding="utf-8")
     (folder / tiny.MARKER).write_text(marker + "\n", encoding="utf-8")
     return folder
+
+
+def sincos_positions(n: int, dim: int) -> np.ndarray:
+    """A 2-D sine/cosine position code for a vision tower's learnt position table of ``n`` entries
+    (a √n × √n grid, row-major, as Qwen3-VL interpolates it) and width ``dim``: a quarter of the
+    channels each for sin(row·ω), cos(row·ω), sin(col·ω), cos(col·ω), with ω from 1 down to 0.01
+    radians per grid step (any leftover channels zero). Unit-size entries, like the patch features."""
+    side = int(round(math.sqrt(n)))
+    if side * side != n:
+        raise InputError(f"a position table of {n} entries is not a square grid")
+    rows, cols = np.meshgrid(np.arange(side), np.arange(side), indexing="ij")
+    q = dim // 4
+    omega = 1.0 / (100.0 ** (np.arange(q) / max(1, q - 1)))
+    parts = []
+    for c in (rows.reshape(-1), cols.reshape(-1)):
+        a = c[:, None] * omega[None, :]
+        parts += [np.sin(a), np.cos(a)]
+    code = np.zeros((n, dim), np.float32)
+    code[:, :4 * q] = np.concatenate(parts, axis=1)
+    return code
 
 
 def count_parameters(model_dir) -> int:
@@ -499,10 +545,11 @@ def count_parameters(model_dir) -> int:
 # ---- evaluation ----------------------------------------------------------------------------
 
 def sample_completions(grounder, sample: dict, n: int, seed: int, max_new_tokens: int,
-                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> List[str]:
+                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, images=None) -> List[str]:
     """``n`` completions of one prepared sample, sampled from the model itself (no grammar), with
     a fixed seed; cut at the end-of-turn token as the GRPO reward functions cut them. Vision
-    placeholder tokens are never sampled (as in the GRPO rollouts)."""
+    placeholder tokens are never sampled (as in the GRPO rollouts). ``images``: the slices to show
+    instead of the sample's own (the image ablations)."""
     import torch
     from transformers import GenerationConfig
 
@@ -510,8 +557,8 @@ def sample_completions(grounder, sample: dict, n: int, seed: int, max_new_tokens
     from .prepare import load_slices
 
     tok = grounder.tokenizer
-    inputs = grounder.inputs_from_images(load_slices(sample), sample["shown"], int(sample["depth"]), sample["query"],
-                                         sample.get("prompt_window"))
+    inputs = grounder.inputs_from_images(load_slices(sample) if images is None else images, sample["shown"],
+                                         int(sample["depth"]), sample["query"], sample.get("prompt_window"))
     stops = [int(tok.convert_tokens_to_ids(t)) for t in ("<|im_end|>", "<|endoftext|>")]
     config = GenerationConfig(max_new_tokens=int(max_new_tokens), do_sample=True, temperature=float(temperature),
                               top_p=float(top_p), top_k=int(top_k), num_beams=1, num_return_sequences=int(n), eos_token_id=stops,
@@ -532,24 +579,41 @@ def sample_completions(grounder, sample: dict, n: int, seed: int, max_new_tokens
 
 
 def evaluate_model(model_dir, adapter, samples: List[dict], settings: BenchSettings, scorer,
-                   label: str = "") -> dict:
-    """Mean rewards of one model over ``samples`` (each sampled ``samples_per_prompt`` times)."""
+                   label: str = "", images: str = "own", partners: Optional[List[int]] = None,
+                   prior: Optional[Dict[str, list]] = None) -> dict:
+    """Mean rewards of one model over ``samples`` (each sampled ``samples_per_prompt`` times).
+
+    ``images``: ``own``, or an ablation (``swapped``: another test crop's slices, see ``partners``;
+    ``black``), with the same prompts and sampling seeds. ``prior`` (label → boxes, see
+    :func:`prior_boxes`): also score the content-blind boxes on the slice each completion chose
+    (``box_prior_same_slice``), so the model's box column has a like-for-like reference.
+    ``means`` also holds each term's standard error over completions (``<term>_se``).
+    """
     from medvolcore.grounder import QwenVLGrounder
 
-    from .rewards import RewardFunctions
+    from .bench_vision import ablated_images
+    from .rewards import RewardFunctions, box_reward, parsed
 
     grounder = QwenVLGrounder.from_pretrained(model_dir, adapter=adapter)
     grounder.model.eval()
     rewards = RewardFunctions(scorer=scorer, samples={s["id"]: s for s in samples})
     scores = {t: [] for t in TERMS}
+    prior_same_slice: List[float] = []
     per_label: Dict[str, List[float]] = {}
     examples = []
     lengths = []
     for j, s in enumerate(samples):
         seed = int(seeded_rng(settings.seed, "bench-eval", s["id"]).integers(2 ** 31))
         texts = sample_completions(grounder, s, settings.samples_per_prompt, seed, settings.max_completion_length,
-                                   settings.temperature, settings.top_p, settings.top_k)
+                                   settings.temperature, settings.top_p, settings.top_k,
+                                   images=None if images == "own" else ablated_images(samples, j, images, partners))
         n = len(texts)
+        if prior is not None:
+            gt = {str(z): b for z, b in s["gt_boxes_norm"].items()}
+            for t in texts:
+                a = parsed(t)
+                prior_same_slice.append(0.0 if a is None or s["label"] not in prior
+                                        else box_reward(prior[s["label"]], gt.get(str(a.slice), [])))
         cols = {"slice_areas": [s["slice_areas"]] * n, "gt_boxes_norm": [json.dumps(s["gt_boxes_norm"])] * n,
                 "sample_id": [s["id"]] * n}
         got = {"format": rewards.format(None, texts, **cols), "axial": rewards.axial(None, texts, **cols),
@@ -571,9 +635,29 @@ def evaluate_model(model_dir, adapter, samples: List[dict], settings: BenchSetti
         sys.stderr.write("\n")
     means = {t: float(np.mean(scores[t])) for t in TERMS}
     means["total"] = means["format"] + means["axial"] + means["box"]
-    return {"means": means, "per_label_total": {k: round(float(np.mean(v)), 4) for k, v in sorted(per_label.items())},
+    totals = np.asarray(scores["format"]) + np.asarray(scores["axial"]) + np.asarray(scores["box"])
+    for t, v in [*((t, scores[t]) for t in TERMS), ("total", totals)]:
+        v = np.asarray(v, dtype=float)
+        means[f"{t}_se"] = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 and np.isfinite(v).all() else float("nan")
+    if prior is not None:
+        means["box_prior_same_slice"] = float(np.mean(prior_same_slice))
+    return {"means": means, "images": images, "per_label_total": {k: round(float(np.mean(v)), 4) for k, v in sorted(per_label.items())},
             "completions": len(scores["format"]), "mean_completion_tokens": float(np.mean(lengths)),
             "examples": examples}
+
+
+def prior_boxes(train_samples: Sequence[dict]) -> Dict[str, list]:
+    """Each label's content-blind boxes: the training samples' key-slice boxes averaged coordinate
+    by coordinate, over the samples with the most frequent number of boxes (the fewer on a tie)."""
+    by_label: Dict[str, Dict[int, List[List[List[float]]]]] = {}
+    for s in train_samples:
+        boxes = s["target_info"]["boxes_norm"]
+        by_label.setdefault(s["label"], {}).setdefault(len(boxes), []).append(boxes)
+    prior = {}
+    for label, groups in by_label.items():
+        n = max(sorted(groups), key=lambda k: len(groups[k]))
+        prior[label] = np.mean(np.asarray(groups[n], dtype=float), axis=0).tolist()
+    return prior
 
 
 def label_prior_box(train_samples: Sequence[dict], test_samples: Sequence[dict]) -> float:
@@ -587,14 +671,7 @@ def label_prior_box(train_samples: Sequence[dict], test_samples: Sequence[dict])
     """
     from .rewards import box_reward
 
-    by_label: Dict[str, Dict[int, List[List[List[float]]]]] = {}
-    for s in train_samples:
-        boxes = s["target_info"]["boxes_norm"]
-        by_label.setdefault(s["label"], {}).setdefault(len(boxes), []).append(boxes)
-    prior = {}
-    for label, groups in by_label.items():
-        n = max(sorted(groups), key=lambda k: len(groups[k]))
-        prior[label] = np.mean(np.asarray(groups[n], dtype=float), axis=0).tolist()
+    prior = prior_boxes(train_samples)
     scores = []
     for s in test_samples:
         k = int(s["target_info"]["slice"])
@@ -685,12 +762,40 @@ def plot_curves(path, sft_history: List[dict], grpo_history: List[dict], title: 
 _OWNED = ("cases", "cases.jsonl", "data", "model", "runs", RESULT, "curves.png", "table.md")
 
 
+ABLATIONS = ("black", "swapped")
+
+
+def _ablation_table(ablations: Dict[str, Dict[str, dict]]) -> dict:
+    """Per trained model and image condition, each term's mean and standard error, and the image
+    contribution (own − ablated) with its standard error (the two conditions' errors combined as if
+    independent: conservative, since both use the same prompts and seeds)."""
+    out: Dict[str, dict] = {}
+    for name, conds in ablations.items():
+        out[name] = {c: {t: [round(m[t], 4), round(m[f"{t}_se"], 4)] for t in (*TERMS, "total")}
+                     for c, m in conds.items()}
+        own = conds["own"]
+        out[name]["own_minus"] = {
+            c: {t: [round(own[t] - conds[c][t], 4), round(math.hypot(own[f"{t}_se"], conds[c][f"{t}_se"]), 4)]
+                for t in (*TERMS, "total")} for c in conds if c != "own"}
+    return out
+
+
 def format_table(result: dict) -> str:
     head = f"| model | {' | '.join(TERMS)} | total (f+a+b) |"
     rows = [head, "|" + "---|" * (len(TERMS) + 2)]
     for m in MODELS:
         r = result[m]
         rows.append(f"| {m} | " + " | ".join(f"{r[t]:.3f}" for t in TERMS) + f" | {r['total']:.3f} |")
+    for m, conds in result.get("ablations", {}).items():
+        for c in ABLATIONS:
+            if c in conds:
+                r = conds[c]
+                rows.append(f"| {m}, {c} slices | " + " | ".join(f"{r[t][0]:.3f}" for t in TERMS)
+                            + f" | {r['total'][0]:.3f} |")
+    for m, conds in result.get("ablations", {}).items():
+        for c, d in conds.get("own_minus", {}).items():
+            rows.append(f"| {m}: own − {c} | " + " | ".join(f"{d[t][0]:+.3f} ± {d[t][1]:.3f}" for t in TERMS)
+                        + f" | {d['total'][0]:+.3f} ± {d['total'][1]:.3f} |")
     return "\n".join(rows)
 
 
@@ -788,7 +893,20 @@ def _run(out: Path, real_dir: Path, settings: BenchSettings, echo) -> dict:
              f"{sum(r['split'] == 'test' for r in rows)} test); {len(train)} train samples, {len(test)} of "
              f"{summary['samples_by_split']['test']} test samples scored, {len({s['label'] for s in train})} labels")
         prior_box = label_prior_box(train, test)
+        prior = prior_boxes(train)
         echo(f"  content-blind reference (each label's mean training box, on the true key slice): box {prior_box:.3f}")
+        # the swapped-slices ablation shows each test crop another test band's crop (other organs' levels)
+        band_of = {r["id"]: next((i for i, (a, b) in enumerate(TEST_BANDS) if a <= r["patient_z"][0] < b), -1)
+                   for r in rows if r["split"] == "test"}
+        from .bench_vision import swap_partners
+
+        group = lambda smp: band_of.get(smp["case_id"])  # noqa: E731
+        if len({group(smp) for smp in test}) < 2:  # a small run may score one band only: another crop then
+            group = lambda smp: smp["case_id"]  # noqa: E731
+        ablation_kinds = ABLATIONS if len({group(smp) for smp in test}) > 1 else ("black",)
+        partners = swap_partners(test, group=group) if "swapped" in ablation_kinds else None
+        if "swapped" not in ablation_kinds:
+            echo("  every scored test sample shows the same crop: the swapped-slices ablation is skipped")
     with phase("model"):
         model_dir = build_model(out / "model", settings.model, corpus=tokenizer_corpus(train),
                                 vocab_size=settings.vocab_size, patch_size=settings.image_patch)
@@ -814,16 +932,34 @@ def _run(out: Path, real_dir: Path, settings: BenchSettings, echo) -> dict:
     evals = {}
     for name in MODELS:
         with phase(f"eval_{name}"):
-            evals[name] = evaluate_model(model_dir, adapters[name], test, settings, scorer, label=name)
+            evals[name] = evaluate_model(model_dir, adapters[name], test, settings, scorer, label=name,
+                                         prior=prior if name != "untrained" else None)
             m = evals[name]["means"]
             echo("  " + ", ".join(f"{t} {m[t]:.3f}" for t in (*TERMS, "total")))
+    # image ablations of the trained models: the same prompts and seeds, the slices blacked out or swapped
+    ablations: Dict[str, Dict[str, dict]] = {}
+    for name in ("sft", "grpo"):
+        ablations[name] = {"own": evals[name]["means"]}
+        for images in ablation_kinds:
+            with phase(f"eval_{name}_{images}"):
+                ev = evaluate_model(model_dir, adapters[name], test, settings, scorer, label=f"{name} {images}",
+                                    images=images, partners=partners, prior=prior)
+                ablations[name][images] = ev["means"]
+                echo("  " + ", ".join(f"{t} {ev['means'][t]:.3f}" for t in (*TERMS, "total")))
     timings["total"] = round(time.perf_counter() - t_all, 1)
 
-    result = {name: {k: round(v, 4) for k, v in evals[name]["means"].items()} for name in MODELS}
+    result = {name: {k: round(v, 4) for k, v in evals[name]["means"].items()
+                     if k in (*TERMS, "total")} for name in MODELS}
     result.update({
         "reference": {"label_prior_box": round(prior_box, 4),
                       "what": "box reward of each label's mean training key-slice boxes against the test "
-                              "samples' boxes on their true key slice: a model that never looks at the image"},
+                              "samples' boxes on their true key slice: a model that never looks at the image",
+                      "label_prior_box_on_model_slice": {n: round(evals[n]["means"]["box_prior_same_slice"], 4)
+                                                         for n in ("sft", "grpo")},
+                      "what_on_model_slice": "the same content-blind boxes scored on the slice each of the model's "
+                                             "completions chose (0 where the completion does not parse): the model's "
+                                             "box column with the slice choice held equal"},
+        "ablations": _ablation_table(ablations),
         "settings": asdict(settings),
         "timings_s": timings,
         "data": {"cases": rows, "train_samples": len(train), "test_samples_scored": [s["id"] for s in test],
@@ -860,8 +996,10 @@ def _run(out: Path, real_dir: Path, settings: BenchSettings, echo) -> dict:
          else [])
     from medvolcore.fileio import write_text_atomic
 
+    same = result["reference"]["label_prior_box_on_model_slice"]
     table = format_table(result) + (f"\n\nContent-blind reference: each label's mean training box on the true key "
-                                    f"slice scores box {prior_box:.3f}.")
+                                    f"slice scores box {prior_box:.3f}; on the slices the models chose, "
+                                    f"{same['sft']:.3f} (SFT's) and {same['grpo']:.3f} (GRPO's).")
     write_text_atomic(out / "table.md", table + "\n", overwrite=True)
     plot_curves(out / "curves.png", sft["loss_history"], grpo["history"],
                 title=f"MedVol-R1 learning benchmark ({settings.model} model, seed {settings.seed})")
@@ -886,4 +1024,4 @@ def _json_default(o):
 
 __all__ = ["BenchSettings", "run_benchmark", "build_cases", "build_model", "evaluate_model", "sample_completions",
            "select_test_samples", "plot_curves", "format_table", "default_real_dir", "TRAIN_BANDS", "TEST_BANDS",
-           "MODEL_SIZES", "RESULT"]
+           "MODEL_SIZES", "RESULT", "prior_boxes", "sincos_positions", "ABLATIONS"]

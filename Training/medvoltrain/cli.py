@@ -114,6 +114,22 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_bench_vision(args) -> int:
+    import os
+
+    from .bench_vision import VisionBenchSettings, run_vision_benchmark
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
+    knobs = {k: getattr(args, k) for k in ("steps", "lr", "train_cases", "test_cases", "threads")
+             if getattr(args, k) is not None}
+    settings = (VisionBenchSettings.quick_settings if args.quick else VisionBenchSettings)(seed=args.seed, **knobs)
+    result = run_vision_benchmark(args.out, settings=settings, overwrite=args.overwrite,
+                                  echo=(lambda line: None) if args.json else None)
+    if args.json:
+        sys.stdout.write(json.dumps({k: result[k] for k in ("scores", "chance", "goals", "timings_s")}, indent=1) + "\n")
+    return 0
+
+
 def cmd_bench_learning(args) -> int:
     import os
 
@@ -123,7 +139,7 @@ def cmd_bench_learning(args) -> int:
     knobs = {k: getattr(args, k) for k in ("model", "sft_steps", "sft_lr", "grpo_steps", "grpo_lr", "num_generations",
                                            "beta", "lambda_consistency", "delta", "samples_per_prompt",
                                            "max_test_samples", "train_cases", "test_cases", "threads", "vocab_size",
-                                           "image_patch")
+                                           "image_patch", "lora_modules_to_save")
              if getattr(args, k) is not None}
     settings = (BenchSettings.quick_settings if args.quick else BenchSettings)(seed=args.seed, **knobs)
     result = run_benchmark(args.out, real_dir=args.real_dir, settings=settings, overwrite=args.overwrite,
@@ -227,6 +243,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only rebuild DIR's tables from its finished cases (e.g. after all shards ran)")
     sp.add_argument("--no-masks", action="store_true", help="do not save the predicted masks (DIR/masks/)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp = add("bench-vision", "Vision sanity check on a CPU: synthetic volumes with a bright square at held-out "
+                             "positions, SFT through the product's data path, and the model scored with its own "
+                             "slices, another volume's and black ones (DIR/result.json, table.md). A model that does "
+                             "not read its images scores the same in all three.", cmd_bench_vision)
+    sp.add_argument("--out", required=True, help="output folder DIR (cases, prepared data, model, run, results)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the volumes and the training (default 0)")
+    sp.add_argument("--quick", action="store_true",
+                    help="the test suite's variant (4 slices, one with the square; 150 training volumes; ≈ 2 min)")
+    sp.add_argument("--overwrite", action="store_true", help="run again in a DIR that holds a vision benchmark")
+    sp.add_argument("--steps", type=int, help="SFT optimiser steps (default 600)")
+    sp.add_argument("--lr", type=float, help="SFT learning rate (default 1e-3)")
+    sp.add_argument("--train-cases", type=int, help="training volumes (default 300; --quick 150)")
+    sp.add_argument("--test-cases", type=int, help="held-out volumes (default 40; --quick 24)")
+    sp.add_argument("--threads", type=int, help="torch threads (default 1; 0 = torch's choice)")
     sp = add("bench-learning", "Learning benchmark on a CPU: a small grounding task from the shared real CTs, SFT then "
                                "GRPO on a small local Qwen3-VL, and the untrained, SFT and GRPO models scored on a "
                                "held-out split with the same rewards (DIR/result.json, table.md, curves.png).",
@@ -237,8 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0, help="seed of the cases, queries, training and sampling (default 0)")
     sp.add_argument("--quick", action="store_true", help="a few steps on the tiny model: a smoke test, not a result")
     sp.add_argument("--overwrite", action="store_true", help="run again in a DIR that holds a benchmark")
-    sp.add_argument("--model", choices=["tiny", "bench"],
-                    help="model size: tiny (default, the tiny preset's sizes) or bench (wider and deeper)")
+    sp.add_argument("--model", choices=["tiny", "bench", "seeing"],
+                    help="model size: tiny (default, the tiny preset's sizes), bench (wider and deeper) or seeing "
+                         "(the vision stage's model: head_dim 32, rope_theta 10 000, sine/cosine vision positions)")
+    sp.add_argument("--lora-modules-to-save",
+                    help="modules trained in full beside the LoRA (default embed_tokens,lm_head; the vision stage "
+                         "uses embed_tokens,lm_head,visual,q_norm,k_norm)")
     sp.add_argument("--sft-steps", type=int, help="SFT optimiser steps")
     sp.add_argument("--sft-lr", type=float, help="SFT learning rate (LoRA)")
     sp.add_argument("--grpo-steps", type=int, help="GRPO optimiser steps (one prompt, G rollouts each)")
