@@ -825,13 +825,15 @@ def _grpo_settings(settings: BenchSettings, model_dir: Path):
                         dataloader_num_workers=0, bf16=False).validate()
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
+def _prepare_out(out: Path, overwrite: bool, owned: Sequence[str] = _OWNED, what: str = "a benchmark") -> None:
+    """Make ``out``, or empty the entries of it a benchmark writes (``owned``) when ``overwrite``;
+    anything else in it is left alone."""
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} exists and is not a folder")
     if out.is_dir():
-        present = [n for n in _OWNED if (out / n).exists()]
+        present = [n for n in owned if (out / n).exists()]
         if present and not overwrite:
-            raise OutputExistsError(f"{out} already holds a benchmark ({', '.join(present)}); pass --overwrite to "
+            raise OutputExistsError(f"{out} already holds {what} ({', '.join(present)}); pass --overwrite to "
                                     "run it again there")
         for n in present:
             p = out / n

@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -55,7 +54,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from medvolcore.errors import InputError, OutputExistsError
+from medvolcore.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -305,20 +304,6 @@ def goals(result: dict) -> Dict[str, bool]:
 _OWNED = ("cases", "cases.jsonl", "data", "model", "runs", RESULT, "table.md")
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out} exists and is not a folder")
-    if out.is_dir():
-        present = [n for n in _OWNED if (out / n).exists()]
-        if present and not overwrite:
-            raise OutputExistsError(f"{out} already holds a vision benchmark ({', '.join(present)}); pass "
-                                    "--overwrite to run it again there")
-        for n in present:
-            p = out / n
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def sft_settings(settings: VisionBenchSettings, model_dir: Path):
     from .config import SFTSettings
 
@@ -337,7 +322,9 @@ def run_vision_benchmark(out_dir, settings: Optional[VisionBenchSettings] = None
     settings = (settings or VisionBenchSettings()).validate()
     echo = echo or (lambda line: (sys.stdout.write(line + "\n"), sys.stdout.flush()))
     out = Path(out_dir).expanduser().resolve()
-    _prepare_out(out, overwrite)
+    from .bench_learning import _prepare_out
+
+    _prepare_out(out, overwrite, _OWNED, "a vision benchmark")
     import torch
 
     saved = torch.get_num_threads()
