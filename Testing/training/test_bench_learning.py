@@ -45,10 +45,11 @@ def test_quick_run_writes_three_models_and_the_curves(tmp_path, real_dir):
     tuned = {}
     for stage in ("sft", "grpo"):
         cfg = json.loads((out / "runs" / stage / "adapter" / "adapter_config.json").read_text(encoding="utf-8"))
-        assert sorted(cfg["modules_to_save"]) == ["embed_tokens", "lm_head"]
+        assert sorted(cfg["modules_to_save"]) == ["embed_tokens", "k_norm", "lm_head", "q_norm", "visual"]
         weights = load_file(str(out / "runs" / stage / "adapter" / "adapter_model.safetensors"))
         keys = [k for k in weights if "embed_tokens" in k]
         assert len(keys) == 1 and any("lm_head" in k for k in weights) and any("lora_A" in k for k in weights)
+        assert any(".visual." in k and "patch_embed" in k for k in weights)  # the vision tower, trained in full
         tuned[stage] = weights[keys[0]]
         assert tuned[stage].shape == base[emb].shape and not np.allclose(tuned[stage].numpy(), base[emb].numpy())
     # the bench model's processor and vision tower agree on the patch (32: 16 tokens per 256 x 256 slice)

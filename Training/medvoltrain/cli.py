@@ -268,11 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quick", action="store_true", help="a few steps on the tiny model: a smoke test, not a result")
     sp.add_argument("--overwrite", action="store_true", help="run again in a DIR that holds a benchmark")
     sp.add_argument("--model", choices=["tiny", "bench", "seeing"],
-                    help="model size: tiny (default, the tiny preset's sizes), bench (wider and deeper) or seeing "
-                         "(the vision stage's model: head_dim 32, rope_theta 10 000, sine/cosine vision positions)")
+                    help="model size: seeing (default; the vision stage's model: head_dim 32, rope_theta 10 000, "
+                         "sine/cosine vision positions), tiny (the tiny preset's sizes) or bench (wider and deeper)")
     sp.add_argument("--lora-modules-to-save",
-                    help="modules trained in full beside the LoRA (default embed_tokens,lm_head; the vision stage "
-                         "uses embed_tokens,lm_head,visual,q_norm,k_norm)")
+                    help="modules trained in full beside the LoRA (default embed_tokens,lm_head,visual,q_norm,k_norm)")
     sp.add_argument("--sft-steps", type=int, help="SFT optimiser steps")
     sp.add_argument("--sft-lr", type=float, help="SFT learning rate (LoRA)")
     sp.add_argument("--grpo-steps", type=int, help="GRPO optimiser steps (one prompt, G rollouts each)")
