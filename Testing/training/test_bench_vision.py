@@ -13,7 +13,8 @@ import pytest
 from medvolcore.errors import InputError
 from medvoltrain.bench_learning import MODEL_SIZES, sincos_positions
 from medvoltrain.bench_vision import (CONDITIONS, METRICS, VisionBenchSettings, ablated_images, build_cases,
-                                      goals, held_out)
+                                      goals, held_out, swap_partners)
+from medvoltrain.errors import DataError
 from medvoltrain.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -86,6 +87,15 @@ def test_ablated_images_swap_another_volume_or_black_out(tmp_path):
     assert all(b.shape == a.shape and not b.any() for a, b in zip(own, black))
     with pytest.raises(InputError, match="unknown image condition"):
         ablated_images(test, 0, "grey")
+
+
+def test_swap_partners_take_the_next_sample_of_another_group():
+    samples = [{"case_id": c} for c in ("a", "a", "b", "c")]
+    assert swap_partners(samples) == [2, 2, 3, 0]
+    bands = {"a": 0, "b": 0, "c": 1}  # bench-learning groups by test band: b shares a's band
+    assert swap_partners(samples, group=lambda s: bands[s["case_id"]]) == [3, 3, 3, 0]
+    with pytest.raises(DataError, match="same volume"):
+        swap_partners([{"case_id": "a"}, {"case_id": "a"}])
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -56,6 +56,8 @@ import numpy as np
 
 from medvolcore.errors import InputError
 
+from .errors import DataError
+
 log = logging.getLogger(__name__)
 
 RESULT = "result.json"
@@ -212,8 +214,6 @@ def swap_partners(samples: List[dict], group: Callable[[dict], object] = lambda 
         g = group(samples[j])
         k = next(((j + d) % n for d in range(1, n) if group(samples[(j + d) % n]) != g), None)
         if k is None:
-            from .errors import DataError
-
             raise DataError("every scored sample shows the same volume: there is no other one to swap slices with")
         out.append(k)
     return out
@@ -353,14 +353,10 @@ def _run(out: Path, settings: VisionBenchSettings, echo) -> dict:
     short_think_targets(out / "data")
     train, test = load_samples(out / "data", "train"), load_samples(out / "data", "test")
     if len(test) < 2 or not train:
-        from .errors import DataError
-
         raise DataError(f"the synthetic task gave {len(train)} train and {len(test)} test samples; need ≥ 1 and ≥ 2")
     truth = {r["id"]: r["square"]["key_slice"] for r in rows}
     wrong = [s["id"] for s in train + test if int(s["target_info"]["slice"]) != truth[s["case_id"]]]
     if wrong:  # prepare's Top-1 key slice must be the square's middle slice, or the task is not the one described
-        from .errors import DataError
-
         raise DataError(f"prepare chose another key slice than the square's largest for {', '.join(wrong[:5])}")
     timings["data"] = round(time.perf_counter() - t, 1)
     echo(f"[data] {len(train)} train, {len(test)} test volumes ({settings.depth} × {settings.size} × {settings.size}, "
