@@ -173,3 +173,9 @@ def test_label_prior_box_is_the_mean_training_box_scored_on_the_true_key_slice()
                 "gt_boxes_norm": {"7": [[0, 0, 200, 200]], "4": [[800, 800, 900, 900]]}}]
     assert label_prior_box(train, shifted) == pytest.approx(1.0)
     assert label_prior_box(train, []) == 0.0
+
+
+def test_negative_thread_count_is_one_clear_line(tmp_path, capsys):
+    assert main(["bench-learning", "--out", str(tmp_path / "B"), "--quick", "--threads", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "threads must be ≥ 0" in err and "internal error" not in err and "Traceback" not in err

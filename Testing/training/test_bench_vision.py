@@ -103,6 +103,7 @@ def test_swap_partners_take_the_next_sample_of_another_group():
     (dict(side_max=30, size=20), "side_max"),
     (dict(object_slices=9, depth=8), "object_slices"),
     (dict(model="huge"), "model must be"),
+    (dict(threads=-1), "threads must be"),
 ])
 def test_settings_are_checked(kw, message):
     with pytest.raises(InputError, match=message):

@@ -236,6 +236,8 @@ class BenchSettings:
             raise InputError(f"crop_max ({self.crop_max}) < crop_min ({self.crop_min})")
         if self.lambda_consistency < 0:
             raise InputError(f"lambda_consistency must be ≥ 0, got {self.lambda_consistency}")
+        if self.threads is not None and self.threads < 0:
+            raise InputError(f"threads must be ≥ 0 (0: torch's choice), got {self.threads}")
         return self
 
 

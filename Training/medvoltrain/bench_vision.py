@@ -132,6 +132,8 @@ class VisionBenchSettings:
             raise InputError(f"image_patch must be 16, 32 or 64, got {self.image_patch}")
         if self.lr <= 0:
             raise InputError(f"lr must be > 0, got {self.lr}")
+        if self.threads is not None and self.threads < 0:
+            raise InputError(f"threads must be ≥ 0 (0: torch's choice), got {self.threads}")
         return self
 
 
