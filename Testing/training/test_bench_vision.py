@@ -20,19 +20,32 @@ from medvoltrain.cli import main
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 
-def test_cases_are_canonical_stacks_with_the_key_slice_in_the_middle_and_positions_held_out(tmp_path):
+@pytest.mark.parametrize("placement, hold_out", [("free", "positions"), ("grid", "volumes"), ("grid", "positions")])
+def test_cases_are_canonical_stacks_with_the_square_where_the_split_says(tmp_path, placement, hold_out):
     from medvolcore.stack import AxialStack
     from medvolcore.volume import load_label_map, load_volume
 
-    s = VisionBenchSettings(train_cases=30, test_cases=12).validate()
+    s = VisionBenchSettings(placement=placement, hold_out=hold_out, depth=8, object_slices=3, train_cases=30,
+                            test_cases=12).validate()
     rows = build_cases(tmp_path, s)
     assert [r["split"] for r in rows].count("test") == 12
     train_corners = {(r["square"]["x0"], r["square"]["y0"]) for r in rows if r["split"] == "train"}
+    token = s.size // 4  # the bench model's patch 32: 4 x 4 image tokens on a 256-pixel slice
+    assert s.tokens_per_side == 4 and s.checker_cell == (token if placement == "grid" else s.cell)
     for r in rows:
         sq = r["square"]
-        assert held_out(sq["x0"], sq["y0"], s.cell) == (r["split"] == "test")
-        if r["split"] == "test":
-            assert (sq["x0"], sq["y0"]) not in train_corners
+        if hold_out == "positions":
+            assert held_out(sq["x0"], sq["y0"], s.checker_cell) == (r["split"] == "test")
+            if r["split"] == "test":
+                assert (sq["x0"], sq["y0"]) not in train_corners
+        if placement == "grid":  # exactly one image token
+            assert sq["side"] == token and sq["x0"] % token == 0 and sq["y0"] % token == 0
+        else:
+            assert s.side_min <= sq["side"] <= s.side_max
+    if hold_out == "volumes":  # test volumes reuse the grid's positions, and the split does not look at them
+        test_corners = {(r["square"]["x0"], r["square"]["y0"]) for r in rows if r["split"] == "test"}
+        assert test_corners & train_corners
+        assert any(held_out(x, y, token) for x, y in train_corners)
     for r in rows[:3] + rows[-3:]:
         sq = r["square"]
         stack = AxialStack.from_volume(load_volume(r["volume"])).data
@@ -100,7 +113,10 @@ def test_swap_partners_take_the_next_sample_of_another_group():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(test_cases=1), "swapped-slices control"),
-    (dict(side_max=30, size=20), "side_max"),
+    (dict(placement="free", side_max=30, size=20), "side_max"),
+    (dict(placement="grid", size=30), "multiple of the 4 image tokens"),
+    (dict(placement="random"), "placement must be"),
+    (dict(hold_out="cases"), "hold_out must be"),
     (dict(object_slices=9, depth=8), "object_slices"),
     (dict(model="huge"), "model must be"),
     (dict(threads=-1), "threads must be"),
@@ -108,6 +124,18 @@ def test_swap_partners_take_the_next_sample_of_another_group():
 def test_settings_are_checked(kw, message):
     with pytest.raises(InputError, match=message):
         VisionBenchSettings(**kw).validate()
+
+
+def test_cli_passes_placement_and_hold_out_and_quick_keeps_its_own(tmp_path, monkeypatch):
+    import medvoltrain.bench_vision as bv
+
+    seen = []
+    monkeypatch.setattr(bv, "run_vision_benchmark", lambda out, settings, **kw: seen.append(settings) or {})
+    assert main(["bench-vision", "--out", str(tmp_path / "a"), "--placement", "free", "--hold-out", "positions"]) == 0
+    assert main(["bench-vision", "--out", str(tmp_path / "b")]) == 0
+    assert main(["bench-vision", "--out", str(tmp_path / "c"), "--quick"]) == 0
+    assert [(s.placement, s.hold_out, s.steps) for s in seen] == [("free", "positions", 2400), ("grid", "volumes", 2400),
+                                                                 ("free", "positions", 600)]
 
 
 def test_goals_compare_against_chance():
@@ -140,7 +168,8 @@ def test_quick_stage_learns_the_key_slice_from_pixels(tmp_path, capsys):
         assert sc["own"]["key"]["mean"] - sc[cond]["key"]["mean"] >= 0.4, cond
     assert sc["own"]["box"]["mean"] > sc["swapped"]["box"]["mean"]
     assert all(math.isfinite(sc[c][m]["se"]) for c in CONDITIONS for m in METRICS)
-    assert (out / "table.md").read_text(encoding="utf-8").startswith("| images |")
+    table = (out / "table.md").read_text(encoding="utf-8")
+    assert table.startswith("| images |") and "Held out: positions" in table
     # a second run in the same folder is refused without --overwrite, with one line
     capsys.readouterr()
     assert main(["bench-vision", "--out", str(out), "--quick"]) != 0

@@ -120,7 +120,8 @@ def cmd_bench_vision(args) -> int:
     from .bench_vision import VisionBenchSettings, run_vision_benchmark
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
-    knobs = {k: getattr(args, k) for k in ("steps", "lr", "train_cases", "test_cases", "threads")
+    knobs = {k: getattr(args, k)
+             for k in ("steps", "lr", "train_cases", "test_cases", "threads", "placement", "hold_out")
              if getattr(args, k) is not None}
     settings = (VisionBenchSettings.quick_settings if args.quick else VisionBenchSettings)(seed=args.seed, **knobs)
     result = run_vision_benchmark(args.out, settings=settings, overwrite=args.overwrite,
@@ -243,18 +244,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only rebuild DIR's tables from its finished cases (e.g. after all shards ran)")
     sp.add_argument("--no-masks", action="store_true", help="do not save the predicted masks (DIR/masks/)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sp = add("bench-vision", "Vision sanity check on a CPU: synthetic volumes with a bright square at held-out "
-                             "positions, SFT through the product's data path, and the model scored with its own "
-                             "slices, another volume's and black ones (DIR/result.json, table.md). A model that does "
-                             "not read its images scores the same in all three.", cmd_bench_vision)
+    sp = add("bench-vision", "Vision sanity check on a CPU: synthetic volumes with a bright square, SFT through the "
+                             "product's data path, and the model scored on held-out volumes with their own slices, "
+                             "another volume's and black ones (DIR/result.json, table.md). A model that does not read "
+                             "its images scores the same in all three.", cmd_bench_vision)
     sp.add_argument("--out", required=True, help="output folder DIR (cases, prepared data, model, run, results)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the volumes and the training (default 0)")
     sp.add_argument("--quick", action="store_true",
                     help="the test suite's variant (4 slices, one with the square; 150 training volumes; ≈ 2 min)")
     sp.add_argument("--overwrite", action="store_true", help="run again in a DIR that holds a vision benchmark")
-    sp.add_argument("--steps", type=int, help="SFT optimiser steps (default 600)")
+    sp.add_argument("--placement", choices=("grid", "free"),
+                    help="grid: the square is exactly one image token (default); free: any pixel, 16-32 px (--quick)")
+    sp.add_argument("--hold-out", choices=("volumes", "positions"),
+                    help="volumes: test volumes are new, their positions from the same grid (default); positions: "
+                         "test squares start on the black cells of a checkerboard, never seen in training (--quick)")
+    sp.add_argument("--steps", type=int, help="SFT optimiser steps (default 2400; --quick 600)")
     sp.add_argument("--lr", type=float, help="SFT learning rate (default 1e-3)")
-    sp.add_argument("--train-cases", type=int, help="training volumes (default 300; --quick 150)")
+    sp.add_argument("--train-cases", type=int, help="training volumes (default 2400; --quick 150)")
     sp.add_argument("--test-cases", type=int, help="held-out volumes (default 40; --quick 24)")
     sp.add_argument("--threads", type=int, help="torch threads (default 1; 0 = torch's choice)")
     sp = add("bench-learning", "Learning benchmark on a CPU: a small grounding task from the shared real CTs, SFT then "
