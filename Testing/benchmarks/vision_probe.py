@@ -110,8 +110,10 @@ def lm_attention(grounder, samples):
         # the box list opens with "[[" (its own token, or two "[" tokens): the query position of the
         # token just before the first digit after the completion's first "[["
         text = [tok.decode([int(t)]) for t in ids]
-        q = next(i for i in range(completion, len(ids) - 1) if text[i + 1][:1].isdigit()
-                 and "".join(text[completion:i + 1]).rstrip().endswith("[["))
+        q = next((i for i in range(completion, len(ids) - 1) if text[i + 1][:1].isdigit()
+                  and "".join(text[completion:i + 1]).rstrip().endswith("[[")), None)
+        if q is None:
+            raise ValueError(f"{s['id']}: its target has no box list to read the attention at")
         rows.append([(float(a[0, :, q, obj].max()), float(a[0, :, q, key_slice].sum(-1).max()))
                      for a in out.attentions])
     return np.asarray(rows)  # samples × layers × 2
@@ -156,7 +158,11 @@ def main(argv=None) -> int:
         for lam in (1.0, 10.0, 100.0):
             print(f"  {readout:<10} ridge λ={lam:<5g} {np.round(ridge_mae(xtr, ytr, xte, yte, lam), 1)}")
     if args.lm_attention > 0:
-        rows = lm_attention(g, test[:args.lm_attention])
+        try:
+            rows = lm_attention(g, test[:args.lm_attention])
+        except ValueError as e:
+            sys.stderr.write(f"error: {e}\n")
+            return 2
         print(f"language-model attention at the first box digit, {len(rows)} held-out volumes (mean ± SD):")
         for layer in range(rows.shape[1]):
             obj, key = rows[:, layer, 0], rows[:, layer, 1]
