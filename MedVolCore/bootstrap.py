@@ -11,7 +11,7 @@ Steps, each skipped when already satisfied, so running it again is cheap:
    ``cpu`` never pulls CUDA wheels: it uses a CPU build offered to pip (for example the local
    ``torch==2.13.0+cpu`` wheel on our CI machines) and otherwise PyTorch's CPU index;
 3. install ``medvolcore`` (editable, with the SimpleITK and test extras);
-4. install ``sam2==1.1.0`` the way ARCHITECTURE.md says: ``SAM2_BUILD_CUDA=0``, ``--no-deps``,
+4. install ``sam2==1.1.0`` the way docs/architecture.md says: ``SAM2_BUILD_CUDA=0``, ``--no-deps``,
    ``--no-build-isolation`` (its metadata asks for torchvision, which we do not need);
 5. install ``medvoltrain`` (editable, from ``Training/``: TRL, PEFT, accelerate, datasets,
    TensorBoard) unless ``--no-training`` is given; where an NVIDIA GPU is present, also try its

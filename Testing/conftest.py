@@ -30,6 +30,7 @@ def isolated_medvol_home(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MEDVOL_HOME", str(home))
     mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.delenv("MEDVOL_MODELS_JSON", raising=False)  # the shipped preset manifest, whatever the shell has set
     # temp folders of this process and of the workers it starts (some are killed on purpose) stay
     # inside pytest's own temp tree, which pytest prunes, never in the system's /tmp
     scratch = tmp_path_factory.mktemp("tmp")

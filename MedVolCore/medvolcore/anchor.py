@@ -1,4 +1,4 @@
-"""Evidence anchors: one key axial slice and 2-D boxes on it (ARCHITECTURE.md).
+"""Evidence anchors: one key axial slice and 2-D boxes on it (docs/architecture.md, "Evidence anchor file").
 
 Geometry, on the canonical slice of width ``W`` and height ``H``:
 
@@ -374,7 +374,7 @@ def slice_areas(mask: np.ndarray) -> np.ndarray:
 
 
 def boxes_from_slice_mask(mask2d: np.ndarray) -> List[Box]:
-    """Boxes of the 2-D 8-connected components of one slice's mask, per ARCHITECTURE.md.
+    """Boxes of the 2-D 8-connected components of one slice's mask, per docs/architecture.md ("Targets from a mask").
 
     Components under 10 pixels or under 5 % of the largest are dropped (the largest is kept
     even when it is under 10 pixels, so a non-empty slice always yields a box); at most the 8

@@ -1,6 +1,6 @@
 """The grounder's answer text: parse it strictly, write it canonically.
 
-Format (MedVol-R1, ARCHITECTURE.md "Answer format")::
+Format (MedVol-R1, docs/architecture.md, "Answer format")::
 
     <think>REASONING</think><answer>[{"slice": z, "bbox_2d_list": [[x0, y0, x1, y1], ...]}]</answer>
 

@@ -67,7 +67,6 @@ OPTIONAL_FIELDS = ("gt", "label")
 MAX_ID_CHARS = 128
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _WINDOWS_RESERVED = {"con", "prn", "aux", "nul"} | {f"com{i}" for i in range(1, 10)} | {f"lpt{i}" for i in range(1, 10)}
-SMOKE_BANNER = "UNTRAINED SMOKE MODEL: meaningless output"
 
 
 class ManifestError(InputError):
@@ -347,7 +346,7 @@ def _one_line(text: str) -> str:
 
 @dataclass
 class BatchOptions:
-    preset: str = "medvol-r1"
+    preset: Optional[str] = None  # None: the manifest's default preset (models.default_preset())
     adapter: Optional[str] = None
     device: str = "auto"
     seed: Optional[int] = None
@@ -559,10 +558,9 @@ def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress
 
 
 def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress, fingerprint, t0) -> dict:
-    from .metrics import overlap
+    from .jobs import SegmentOutputs, SegmentRequest, run_segment_job
     from .pipeline import as_stack
-    from .qc import save_qc
-    from .volume import label_mask, load_label_map, save_mask
+    from .volume import label_mask, load_label_map
 
     stack = as_stack(c.volume)
     target = None
@@ -572,27 +570,20 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
             raise InputError(f"ground truth {c.gt} has shape {labels.shape}, the CT {c.volume} has {stack.volume.shape}; "
                              "they must be on the same grid")
         target = label_mask(labels, c.label)
-    seg = pipe.segment(stack, c.query, seed=opts.seed, do_sample=opts.sample, hu_window=hu_window, progress=progress,
-                       stop_after_empty=opts.stop_after_empty)
-    seg.anchor.query = c.query
-    seg.anchor.reasoning = seg.reasoning
-    seg.anchor.source = "grounder"
-    save_mask(seg.mask, stack.volume, cdir / "mask.nii.gz", overwrite=True)
-    seg.anchor.save(cdir / "anchor.json", overwrite=True)
-    save_qc(cdir / "qc.png", stack, seg.anchor, seg.mask_stack, overwrite=True, title=f"{c.id} · query: {c.query}",
-            reasoning=seg.reasoning, banner=SMOKE_BANNER if seg.smoke else "", window=hu_window)
-    metrics = None
-    if target is not None:
-        m = overlap(seg.mask, target)
-        metrics = {"dice": round(m["dice"], 6), "iou": round(m["iou"], 6), "pred_voxels": m["pred_voxels"],
-                   "gt_voxels": m["gt_voxels"]}
+    request = SegmentRequest(query=c.query, hu_window=hu_window, stop_after_empty=opts.stop_after_empty,
+                             sample=opts.sample, seed=opts.seed, reference=target, qc_title=f"{c.id} · query: {c.query}")
+    outputs = SegmentOutputs(cdir / OUTPUTS[0], anchor=cdir / OUTPUTS[1], qc=cdir / OUTPUTS[2], overwrite=True,
+                             names=OUTPUTS)
+    res = run_segment_job(pipe, stack, request, outputs, inputs=[("volume", c.volume), ("gt", c.gt)],
+                          progress=progress)
+    a = res["anchor"]
     rec = {
         "schema": CASE_SCHEMA, "id": c.id, "status": "done", "seconds": round(time.perf_counter() - t0, 3),
-        "case": fingerprint, "metrics": metrics,
-        "anchor": {"slice": seg.anchor.slice, "n_boxes": len(seg.anchor.boxes), "boxes": [list(b) for b in seg.anchor.boxes]},
-        "reasoning": seg.reasoning, "mask_voxels": int(seg.mask.sum()), "smoke": bool(seg.smoke),
-        "notes": list(seg.notes), "outputs": list(OUTPUTS), "propagation": seg.anchor.propagation,
-        "timings": {k: round(v, 4) for k, v in seg.timings.items() if isinstance(v, float)},
+        "case": fingerprint, "metrics": res["metrics"],
+        "anchor": {"slice": a["slice"], "n_boxes": len(a["boxes"]), "boxes": [list(b) for b in a["boxes"]]},
+        "reasoning": res["reasoning"], "mask_voxels": res["mask_voxels"], "smoke": res["smoke"],
+        "notes": res["notes"], "outputs": list(OUTPUTS), "propagation": res["propagation"],
+        "timings": {k: v for k, v in res["timings"].items() if isinstance(v, float)},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     write_text_atomic(cdir / DONE, json.dumps(rec, indent=2) + "\n", overwrite=True)  # last: marks the case complete

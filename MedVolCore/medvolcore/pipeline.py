@@ -70,7 +70,8 @@ def as_stack(volume: VolumeLike) -> AxialStack:
 class Pipeline:
     """Grounder + propagator for one model preset, loaded lazily and kept loaded.
 
-    ``preset``: a name from ``Resources/models.json`` (``medvol-r1``, ``qwen3-vl-2b``, ``tiny``).
+    ``preset``: a name from ``Resources/models.json`` (``medvol-r1``, ``qwen3-vl-2b``, ``tiny``); None
+    (the default) is the manifest's default preset (:func:`medvolcore.models.default_preset`).
     ``adapter``: a LoRA adapter folder overriding the preset's. ``low_memory``: on CUDA, move
     the language model off the GPU while MedSAM2 runs. ``propagator``: a loaded
     :class:`~medvolcore.propagation.MedSAM2Propagator` to use instead of the preset's MedSAM2
@@ -81,17 +82,29 @@ class Pipeline:
     the language model's dtype (``"bfloat16"``, ``"float32"``; default fp32 on CPU, bf16 on CUDA).
     """
 
-    def __init__(self, preset: str = "medvol-r1", adapter=None, device: str = "cpu", low_memory: bool = False,
+    def __init__(self, preset: Optional[str] = None, adapter=None, device: str = "cpu", low_memory: bool = False,
                  propagator=None, stop_after_empty: Optional[int] = None, grounder_dtype: Optional[str] = None):
         from . import models
+
+        self._setup(models.resolve(preset, adapter=adapter), device, low_memory, propagator, stop_after_empty,
+                    grounder_dtype)
+
+    @classmethod
+    def with_propagator(cls, propagator, stop_after_empty: Optional[int] = None) -> "Pipeline":
+        """A pipeline of a loaded MedSAM2 alone (``medvol propagate --sam-checkpoint``): it propagates
+        given anchors (:meth:`repropagate`) and has no grounder, so no model preset is needed."""
+        pipe = cls.__new__(cls)
+        pipe._setup(None, str(propagator.device), False, propagator, stop_after_empty, None)
+        return pipe
+
+    def _setup(self, resolved, device, low_memory, propagator, stop_after_empty, grounder_dtype) -> None:
         from .propagation import DEFAULT_STOP_AFTER_EMPTY, check_stop_after_empty
 
         self.stop_after_empty = check_stop_after_empty(
             DEFAULT_STOP_AFTER_EMPTY if stop_after_empty is None else stop_after_empty)
-
-        self.models = models.resolve(preset, adapter=adapter)
-        self.preset = self.models.name
-        self.smoke = bool(self.models.smoke)
+        self.models = resolved
+        self.preset = resolved.name if resolved is not None else ""
+        self.smoke = bool(resolved.smoke) if resolved is not None else False
         self.device = str(resolve_device(device))
         self.low_memory = bool(low_memory)
         self.grounder_dtype = grounder_dtype
@@ -105,6 +118,9 @@ class Pipeline:
     def grounder(self):
         with self._lock:
             if self._grounder is None:
+                if self.models is None:
+                    raise InputError("this pipeline has MedSAM2 only (no model preset): it propagates given anchors "
+                                     "and cannot answer a query")
                 from .grounder import QwenVLGrounder
 
                 t = time.perf_counter()
@@ -131,7 +147,9 @@ class Pipeline:
 
     def load(self) -> "Pipeline":
         """Load both models now (otherwise they load on first use)."""
-        self.grounder, self.propagator  # noqa: B018
+        if self.models is not None:
+            self.grounder  # noqa: B018
+        self.propagator  # noqa: B018
         return self
 
     # -- the jobs --
@@ -170,9 +188,13 @@ class Pipeline:
             return seg
 
     def repropagate(self, volume: VolumeLike, anchor: Union[EvidenceAnchor, dict], *, hu_window=None,
-                    progress: Optional[Progress] = None, cancel=None,
-                    stop_after_empty: Optional[int] = None) -> Segmentation:
-        """Propagate a given (e.g. edited) anchor; the language model is not used."""
+                    progress: Optional[Progress] = None, cancel=None, stop_after_empty: Optional[int] = None,
+                    span: Optional[int] = None, largest_component: bool = False) -> Segmentation:
+        """Propagate a given (e.g. edited) anchor; the language model is not used.
+
+        ``span``: propagate only slices ``[k - span, k + span]``; ``largest_component``: keep each
+        box's largest 3-D component (see :meth:`~medvolcore.propagation.MedSAM2Propagator.propagate`).
+        """
         stop_k = self._stop_k(stop_after_empty)
         with self._lock:
             t0 = time.perf_counter()
@@ -181,7 +203,7 @@ class Pipeline:
                 anchor = EvidenceAnchor.from_dict(anchor, stack)
             else:
                 anchor = anchor.with_world(stack)
-            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k)
+            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, span, largest_component)
             seg.reasoning = anchor.reasoning
             seg.notes = list(dict.fromkeys(list(stack.volume.notes) + list(seg.notes)))
             seg.timings["total_s"] = time.perf_counter() - t0
@@ -193,7 +215,8 @@ class Pipeline:
 
         return self.stop_after_empty if value is None else check_stop_after_empty(value)
 
-    def _propagate(self, stack, anchor, hu_window, progress, cancel, stop_k: int) -> Segmentation:
+    def _propagate(self, stack, anchor, hu_window, progress, cancel, stop_k: int, span: Optional[int] = None,
+                   largest_component: bool = False) -> Segmentation:
         t = time.perf_counter()
         prop = self.propagator
 
@@ -201,11 +224,12 @@ class Pipeline:
             _stage(progress, "propagate", done / max(total, 1), message)
 
         r = prop.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=hu_window, progress=on_slice, cancel=cancel,
-                           stop_after_empty=stop_k)
+                           stop_after_empty=stop_k, window=span, largest_component=largest_component)
         mask = stack.to_source(r.mask)
         anchor.propagation = r.stop_summary()
         timings = {"propagate_s": time.perf_counter() - t, "propagate_s_per_slice": r.seconds_per_slice,
-                   "slices_encoded": r.slices_encoded, "slices_propagated": r.slices_propagated}
+                   "slices_encoded": r.slices_encoded, "slices_propagated": r.slices_propagated,
+                   "encoder_calls": r.encoder_calls}
         return Segmentation(anchor=anchor, mask=mask, mask_stack=r.mask, stack=stack, timings=timings,
                             preset=self.preset, smoke=self.smoke, notes=list(anchor.notes), propagation=r)
 

@@ -1,5 +1,5 @@
 """CT display windows (centre/width in HU) and the HU → uint8 mapping shared by the LVLM
-images and the MedSAM2 frames (ARCHITECTURE.md "Windowing", "MedSAM2 frames")."""
+images and the MedSAM2 frames (docs/architecture.md, "Windowing" and "MedSAM2 frames")."""
 
 from __future__ import annotations
 

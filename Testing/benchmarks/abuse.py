@@ -1,9 +1,10 @@
-"""Replay every hostile-input probe of issue 13 and print probe → outcome, with the figures.
+"""Replay every hostile-input probe and print probe → outcome, with the figures.
 
     .venv/bin/python Testing/benchmarks/abuse.py [--quick] [--json-out FILE] [-- PYTEST ARGS]
 
-Runs ``Testing/core/test_hardening.py`` (each test is one probe, tagged with the issue's item
-number by ``@pytest.mark.probe``) including the heavy probes the test suite skips (200 slow
+Runs every test of ``Testing/core`` marked ``@pytest.mark.probe(item, text)`` (each is one probe,
+tagged with its hardening item's number; ``test_serve_hardening.py``, ``test_volume_hardening.py``,
+``test_cli_outputs.py``, …) including the heavy probes the test suite skips (200 slow
 clients; a decompression bomb under the default ``--max-voxels``, cancelled), and prints one row
 per probe: item, what was sent, outcome (refused/handled as required = PASS), seconds of the
 probe itself, and the figures it recorded (memory, connections held, seconds to refuse). Every
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "core" / "test_hardening.py"
+TESTS = HERE.parent / "core"
 
 
 class ProbeTable:
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     if not args.quick:
         os.environ["MEDVOL_HEAVY_PROBES"] = "1"
     table = ProbeTable()
-    code = pytest.main([str(TESTS), "-q", "-p", "no:cacheprovider",
+    code = pytest.main([str(TESTS), "-m", "probe", "-q", "-p", "no:cacheprovider",
                         "-c", str(HERE.parent / "pytest.ini"), *args.pytest_args], plugins=[table])
     rows = sorted(table.rows.values(), key=_item_key)
     print()

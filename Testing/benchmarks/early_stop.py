@@ -83,11 +83,11 @@ def child_propagate(args) -> int:
 
     torch.set_num_threads(args.threads)
     from medvolcore.cli import main
-    from medvolcore.propagation import _predictor_class
+    from medvolcore.propagation._sam2_predictor import MedSAM2VideoPredictor
 
     anchor = json.loads(Path(args.anchor).read_text())
     targets = _object_targets(anchor, _ids(args.target))
-    with mod.controlled_masks(_predictor_class(), targets):
+    with mod.controlled_masks(MedSAM2VideoPredictor, targets):
         return main(["propagate", "--volume", str(CT), "--anchor", args.anchor, "--out", args.out,
                      "--random-weights", "0", "--image-size", str(args.image_size), "--json", "--no-progress",
                      "--stop-after-empty", str(args.k)])

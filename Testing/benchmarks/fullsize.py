@@ -87,7 +87,7 @@ def published(name: str) -> dict:
 def build_config(name: str, tokenizer):
     from transformers import Qwen3VLConfig
 
-    from medvolcore.tiny import SPECIAL_TOKENS
+    from medvolcore.models.tiny import SPECIAL_TOKENS
 
     spec = published(name)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -103,7 +103,7 @@ def count_parameters(name: str) -> dict:
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
-    from medvolcore.tiny import build_tokenizer
+    from medvolcore.models.tiny import build_tokenizer
 
     config = build_config(name, build_tokenizer())
     with torch.device("meta"):
@@ -167,7 +167,7 @@ def build_checkpoint(name: str, folder: Path) -> float:
     from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from medvolcore.tiny import IMAGE_PROCESSOR, build_tokenizer
+    from medvolcore.models.tiny import IMAGE_PROCESSOR, build_tokenizer
 
     t0 = time.perf_counter()
     tmp = folder.with_name(folder.name + ".building")
@@ -462,7 +462,7 @@ def main(argv=None) -> int:
     bad = [d for d in set(args.stacks) | set(args.e2e) if not 2 <= d <= 2000]
     if bad:
         p.error(f"slice counts must be between 2 and 2000, got {bad}")
-    from medvolcore.tiny import medvol_home
+    from medvolcore.models.tiny import medvol_home
 
     model_dir = Path(args.model_dir).expanduser() if args.model_dir else medvol_home() / "bench"
     jobs = plan(args)

@@ -565,3 +565,12 @@ def test_boxes_norm_written_by_to_dict_read_back(liver_anchor):
     d = _liver_dict(liver_anchor)
     del d["boxes"], d["world"]
     assert EvidenceAnchor.from_dict(d).boxes == liver_anchor.boxes
+
+
+@pytest.mark.probe("9", "EvidenceAnchor with 9 boxes")
+def test_anchor_box_cap():
+    from medvolcore.anchor import MAX_BOXES, EvidenceAnchor
+
+    EvidenceAnchor(0, [[0, 0, 1, 1]] * MAX_BOXES, [10, 10])
+    with pytest.raises(AnchorError, match="at most 8"):
+        EvidenceAnchor(0, [[0, 0, 1, 1]] * (MAX_BOXES + 1), [10, 10])

@@ -19,7 +19,8 @@ import pytest
 from medvolcore.cli import main
 from medvolcore.errors import InputError
 from medvolcore.pipeline import Pipeline
-from medvolcore.propagation import DEFAULT_STOP_AFTER_EMPTY, _predictor_class
+from medvolcore.propagation import DEFAULT_STOP_AFTER_EMPTY
+from medvolcore.propagation._sam2_predictor import MedSAM2VideoPredictor
 from medvolcore.stack import AxialStack
 from medvolcore.volume import label_mask, load_label_map, load_volume
 
@@ -59,7 +60,7 @@ def test_cli_propagate_stops_where_the_target_ends(capsys, tmp_path, ct_sm_path,
     stack, target, box = kidney
     common = ["propagate", "--volume", ct_sm_path, "--slice", KEY, "--box", *box, "--random-weights", 0,
               "--image-size", 64, "--json", "--no-progress"]
-    with _controlled()(_predictor_class(), [target]):
+    with _controlled()(MedSAM2VideoPredictor, [target]):
         code, out, err = run_cli(capsys, *common, "--out", tmp_path / "early.nii.gz", "--stop-after-empty", 1,
                                  "--anchor-out", tmp_path / "early.anchor.json")
         assert code == 0, err

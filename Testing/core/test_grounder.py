@@ -26,7 +26,7 @@ from medvolcore.errors import GenerationError, InputError, ModelError, ModelNotF
 from medvolcore.grounder import (QwenVLGrounder, answer_grammar, answer_tokens, clean_boxes,  # noqa: E402
                                  plan_budget, validate_query)
 from medvolcore.stack import AxialStack  # noqa: E402
-from medvolcore.tiny import (BUILD_VERSION, MARKER, SMOKE_NOTE, build_tokenizer, ensure_tiny_model,  # noqa: E402
+from medvolcore.models.tiny import (BUILD_VERSION, MARKER, SMOKE_NOTE, build_tokenizer, ensure_tiny_model,  # noqa: E402
                              is_complete)
 from medvolcore.volume import CTVolume, load_volume  # noqa: E402
 
@@ -551,7 +551,7 @@ def test_adapter_for_another_base_is_a_model_error(tiny_dir, tmp_path):
 
 
 def test_importing_the_grounder_is_light():
-    code = ("import sys, medvolcore.grounder, medvolcore.tiny; "
+    code = ("import sys, medvolcore.grounder, medvolcore.models.tiny; "
             "bad = [m for m in ('torch', 'transformers', 'xgrammar', 'peft') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

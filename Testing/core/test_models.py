@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from medvolcore import models
+from medvolcore.models import fetch
 from medvolcore.cli import main
 from medvolcore.errors import InputError, ModelError, ModelNotFoundError
 
@@ -84,7 +85,7 @@ def one_error_line(err):
 # ---- import cost -------------------------------------------------------------------------
 
 def test_importing_models_loads_nothing_heavy():
-    code = ("import sys, medvolcore.models, medvolcore.cli_models; "
+    code = ("import sys, medvolcore.models, medvolcore.cli.models; "
             "heavy = [m for m in ('torch', 'transformers', 'huggingface_hub', 'peft') if m in sys.modules]; "
             "print(heavy); sys.exit(1 if heavy else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -147,7 +148,7 @@ def test_tiny_is_built_on_first_use(monkeypatch, home):
         calls.append(Path(root))
         return make_grounder(Path(root))
 
-    monkeypatch.setitem(sys.modules, "medvolcore.tiny", types.SimpleNamespace(ensure_tiny_model=ensure_tiny_model))
+    monkeypatch.setitem(sys.modules, "medvolcore.models.tiny", types.SimpleNamespace(ensure_tiny_model=ensure_tiny_model))
     assert models.preset_status("tiny")["available"] and not models.preset_status("tiny")["present"]
     r = models.resolve("tiny")
     assert calls == [home / "models" / "tiny" / "grounder"]
@@ -285,8 +286,8 @@ def test_hub_metadata_parsing_gives_lfs_sha256():
         {"rfilename": "MedSAM2_latest.pt", "size": 3, "blobId": "a" * 40,
          "lfs": {"size": 3, "sha256": SAM_SHA, "pointerSize": 134}},
         {"rfilename": "README.md", "size": 2, "blobId": "b" * 40}])
-    assert models._lfs_sha256(info.siblings[0]) == SAM_SHA
-    assert models._lfs_sha256(info.siblings[1]) is None
+    assert fetch._lfs_sha256(info.siblings[0]) == SAM_SHA
+    assert fetch._lfs_sha256(info.siblings[1]) is None
 
 
 # ---- import ------------------------------------------------------------------------------

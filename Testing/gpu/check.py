@@ -290,7 +290,7 @@ def main(argv=None) -> int:
             print("  " + line)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    from medvolcore.tiny import medvol_home
+    from medvolcore.models.tiny import medvol_home
 
     ctx = {"model_dir": os.environ.get("MEDVOL_BENCH_DIR") or str(medvol_home() / "bench")}
     name = torch.cuda.get_device_name(0)

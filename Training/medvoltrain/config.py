@@ -24,7 +24,9 @@ class ModelSettings:
     """The base model and the LoRA both stages use."""
 
     # -- model: a preset of Resources/models.json, or a Qwen3-VL folder (model_path wins) --
-    preset: str = "medvol-r1"  # Qwen3-VL-4B-Instruct, the paper's base model
+    # None: the manifest's default preset (medvol-r1 = Qwen3-VL-4B-Instruct, the paper's base model),
+    # resolved by load_settings so that a run's recorded settings name it
+    preset: Optional[str] = None
     model_path: Optional[str] = None
     # -- LoRA (paper: rank 128, all linear layers); GRPO uses it only when it starts without an SFT adapter --
     lora_r: int = 128
@@ -35,6 +37,12 @@ class ModelSettings:
     # e.g. "embed_tokens,lm_head"; empty (the paper's recipe): none. Meant for small models trained from random
     # weights (the learning benchmark): for Qwen3-VL-4B it would store 2 × 151k × 2560 weights in the adapter.
     lora_modules_to_save: str = ""
+
+    def preset_name(self) -> str:
+        """``preset``, or the manifest's default preset when it is None."""
+        from medvolcore.models import default_preset
+
+        return self.preset or default_preset()
 
     def modules_to_save(self) -> Optional[list]:
         names = [n.strip() for n in str(self.lora_modules_to_save or "").split(",") if n.strip()]
@@ -254,6 +262,8 @@ def load_settings(config: Optional[str] = None, overrides: Optional[dict] = None
         s = apply(s, data, str(path))
     s = apply(s, {k: v for k, v in named.items() if v is not None}, "the command line")
     s = apply(s, dict(overrides or {}), "the overrides")
+    if s.preset is None:
+        s = dataclasses.replace(s, preset=s.preset_name())
     return s.validate()
 
 

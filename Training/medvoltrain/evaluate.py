@@ -17,7 +17,7 @@ direction ends once every mask has been empty on K slices), as ``medvol segment`
 propagates through the whole volume, the paper's protocol for Table 1. K is part of the
 settings (and so of the fingerprint) and of the method label when it is not 0.
 
-Everything is on the canonical axial stack (ARCHITECTURE.md): the prepared mask, the predicted
+Everything is on the canonical axial stack (docs/architecture.md): the prepared mask, the predicted
 mask (``Segmentation.mask_stack``), slice indices and boxes.
 
 Per case (``DIR/cases.csv``): ``dsc_pct`` / ``iou_pct`` (3-D, in %), ``hit`` (1 when the predicted
@@ -100,7 +100,7 @@ class EvalSettings:
     data: str
     split: str = "test"
     oracle: bool = False
-    preset: Optional[str] = "medvol-r1"  # None in oracle mode with explicit MedSAM2 weights
+    preset: Optional[str] = None  # the preset's name; None in oracle mode with explicit MedSAM2 weights
     adapter: Optional[str] = None
     sam: str = "preset"  # "preset", "checkpoint:<path>" or "random:<seed>:<image size>"
     constrain: bool = True
@@ -213,7 +213,7 @@ def _resolve_settings(data_dir: Path, split: str, oracle: bool, preset: Optional
         raise InputError("--adapter has no effect with --oracle (no language model runs); drop one of them")
     if oracle and not constrain:
         raise InputError("--unconstrained has no effect with --oracle (no language model runs); drop one of them")
-    preset_name = preset or "medvol-r1"
+    preset_name = preset or models.default_preset()
     p = models.get_preset(preset_name)  # an unknown preset is one line, before anything loads
     adapter_path = None
     if adapter is not None:
@@ -227,12 +227,12 @@ def _resolve_settings(data_dir: Path, split: str, oracle: bool, preset: Optional
             raise InputError(f"--sam-checkpoint {sam_checkpoint} does not exist (or is not a file)")
         sam = f"checkpoint:{ckpt}"
     elif random_weights is not None:
-        from medvolcore.propagation import _check_image_size
+        from medvolcore.propagation import check_image_size
 
         size = sam_image_size
         if size is None:  # the preset's own random size (tiny: 64 px), else MedSAM2's 512
             size = int(p.medsam2["image_size"]) if p.medsam2_kind == "random" else 512
-        size = _check_image_size(size)
+        size = check_image_size(size)
         sam = f"random:{int(random_weights)}:{int(size)}"
     else:
         sam = "preset"

@@ -259,7 +259,7 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     seconds = time.perf_counter() - t0
     out_adapter = save_adapter(trainer, run, {
-        "base_model": str(model_dir), "preset": settings.preset if not settings.model_path else None,
+        "base_model": str(model_dir), "preset": settings.preset_name() if not settings.model_path else None,
         "stage": "grpo", "started_from": str(adapter) if adapter else None, "settings": settings.to_dict(),
         "data": str(Path(data_dir).resolve())})
     history = [h for h in trainer.state.log_history if "loss" in h]

@@ -200,7 +200,7 @@ def train_sft(data_dir, run_dir, settings: SFTSettings, resume: bool = False, ov
         result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     seconds = time.perf_counter() - t0
     adapter = save_adapter(trainer, run, {
-        "base_model": str(model_dir), "preset": settings.preset if not settings.model_path else None,
+        "base_model": str(model_dir), "preset": settings.preset_name() if not settings.model_path else None,
         "stage": "sft", "settings": settings.to_dict(), "data": str(Path(data_dir).resolve())})
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary = {"adapter": str(adapter), "base_model": str(model_dir), "samples": len(dataset),

@@ -3,9 +3,9 @@
 Everything here is in the frame of :class:`medvolcore.stack.AxialStack`: masks are ``(D, H, W)``
 stack arrays, ``z`` is the stack slice index, boxes are inclusive pixel boxes ``[x0, y0, x1, y1]``
 on the slice's own grid (``W × H``) and their 0–1000 normalised form as
-:func:`medvolcore.anchor.box_to_norm` gives it (ARCHITECTURE.md "Pixel and box geometry").
+:func:`medvolcore.anchor.box_to_norm` gives it (docs/architecture.md, "Pixel and box geometry").
 
-The target follows ARCHITECTURE.md "Targets from a mask": the key slice is drawn from the
+The target follows docs/architecture.md, "Targets from a mask": the key slice is drawn from the
 ``top_k`` largest-area slices **among the shown slices** (the model can only name a shown tag),
 boxes are the slice's 8-connected components (small ones dropped, at most 8, ordered by ``x0``).
 The completion is ``<think>{sentence}</think><answer>[{"slice": z, "bbox_2d_list": [[…]]}]</answer>``

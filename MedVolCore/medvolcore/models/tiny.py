@@ -43,7 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Optional, Union
 
-from .errors import DependencyError, MedVolError
+from ..errors import DependencyError, MedVolError
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,17 @@
 """MedSAM2 propagation: an evidence anchor (key slice + boxes) → a 3-D mask on the axial stack.
 
 Built on the real ``sam2`` package (SAM2.1 Hiera-T, configured with the overrides in
-``Resources/medsam2/medsam2_512.yaml``). What this module adds to sam2's video predictor
-(ARCHITECTURE.md, "MedSAM2 frames"):
+``Resources/medsam2/medsam2_512.yaml``). What :class:`MedSAM2Propagator` adds to sam2's video
+predictor (``docs/architecture.md``, "MedSAM2 frames" and "Propagation"):
 
-* frames come from the in-memory HU stack and are preprocessed lazily, one at a time, exactly
-  as MedSAM2's scripts do (window → uint8 → RGB → PIL bicubic resize → /255 → ImageNet
-  mean/std); nothing is written to disk;
+* frames come from the in-memory HU stack and are preprocessed lazily, one at a time
+  (:mod:`.frames`); nothing is written to disk;
 * all boxes are seeded as separate objects of one inference state, tracked forward from the
   key slice, reset, re-seeded and tracked backward; objects and directions are ORed;
 * each slice's image features are computed at most once per request: the key slice's
   features are pinned in the state's feature cache so they survive ``reset_state``, and the
-  most recent frame's features are shared by all objects (sam2 tracks objects one by one).
+  most recent frame's features are shared by all objects (:mod:`._sam2_predictor`);
+* early stop (``stop_after_empty``) and batched tracking of several objects.
 
 Importing this module is cheap: torch and sam2 are imported by the functions that use them.
 """
@@ -19,38 +19,33 @@ Importing this module is cheap: torch and sam2 are imported by the functions tha
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import numbers
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .devices import resolve_device
-from .errors import CancelledError, CheckpointError, DependencyError, InputError
-from .resources import resource_path
-from .windowing import WindowLike, get_window, window_to_uint8
+from ..devices import resolve_device
+from ..errors import CancelledError, CheckpointError, DependencyError, InputError
+from ..resources import resource_path
+from ..windowing import WindowLike, get_window
+from .frames import DEFAULT_IMAGE_SIZE, MedSAM2Frames
 
 __all__ = [
-    "DEFAULT_IMAGE_SIZE",
     "DEFAULT_STOP_AFTER_EMPTY",
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "MedSAM2Frames",
+    "MAX_STOP_AFTER_EMPTY",
     "MedSAM2Propagator",
     "PropagationResult",
+    "check_image_size",
     "check_stop_after_empty",
     "keep_largest_component",
-    "medsam2_frame",
     "quiet_sam2_progress",
 ]
 
-DEFAULT_IMAGE_SIZE = 512
 # Early stop: each direction ends once every object's mask has been empty on this many
 # consecutive slices (0 = never: the MedVol-R1 paper's whole-volume propagation). Why 2: see
 # the README's "Early stop" section (no interior gap in any reference label at 3 mm; a mask
@@ -58,11 +53,12 @@ DEFAULT_IMAGE_SIZE = 512
 # slices of work per target).
 DEFAULT_STOP_AFTER_EMPTY = 2
 MAX_STOP_AFTER_EMPTY = 10000
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 # Hiera's windowed positional embedding needs (image_size / 4) to be a multiple of 8.
 _IMAGE_SIZE_MULTIPLE = 32
 _IMAGE_SIZE_MIN, _IMAGE_SIZE_MAX = 32, 2048
+
+# what hydra instantiates (a module-level class in a module only predictor builders import)
+PREDICTOR_TARGET = "medvolcore.propagation._sam2_predictor.MedSAM2VideoPredictor"
 
 _SAM2_HINT = (
     "run `python3 MedVolCore/bootstrap.py`, or install it with "
@@ -72,78 +68,6 @@ _SAM2_HINT = (
 
 ProgressFn = Callable[[int, int, str], None]
 CancelLike = Union[threading.Event, Callable[[], bool], None]
-
-
-# --------------------------------------------------------------------------------------------
-# Frames
-# --------------------------------------------------------------------------------------------
-
-
-def medsam2_frame(slice_hu: np.ndarray, image_size: int = DEFAULT_IMAGE_SIZE, window: WindowLike = None) -> np.ndarray:
-    """One axial slice (H, W) in HU → MedSAM2's model input, a (3, S, S) float32 array.
-
-    window → uint8 → RGB → PIL bicubic resize to S×S → /255 → ImageNet mean/std. The
-    arithmetic after the resize is done in float64 and rounded once to float32, which is
-    what MedSAM2's scripts get (a float64 array normalised with float32 constants, cast to
-    float32 by the predictor).
-    """
-    from PIL import Image
-
-    u8 = window_to_uint8(slice_hu, window)
-    rgb = Image.fromarray(u8).convert("RGB").resize((image_size, image_size), Image.BICUBIC)
-    x = np.asarray(rgb, dtype=np.float64).transpose(2, 0, 1) / 255.0
-    mean = np.asarray(IMAGENET_MEAN, dtype=np.float32).astype(np.float64)[:, None, None]
-    std = np.asarray(IMAGENET_STD, dtype=np.float32).astype(np.float64)[:, None, None]
-    return ((x - mean) / std).astype(np.float32)
-
-
-class MedSAM2Frames:
-    """A lazy sequence of MedSAM2 frames over an HU stack, used as an inference state's "images".
-
-    ``frames[z]`` preprocesses slice ``z`` on demand (see :func:`medsam2_frame`) and returns a
-    (3, S, S) float32 CPU tensor; nothing is cached here (the predictor caches features).
-    It also carries the per-request bookkeeping of the feature cache: ``pinned`` (frame
-    indices whose features must survive cache eviction and ``reset_state``), ``loaded`` and
-    ``encoded`` (frame indices in the order they were preprocessed / encoded). With
-    ``share_features`` the image features of every encoded slice are also kept in
-    ``feature_store`` and reused by later propagations over the same frames (several box
-    prompts on one volume, e.g. the rollouts of one GRPO group): each slice is encoded once.
-    """
-
-    def __init__(self, stack_hu: np.ndarray, image_size: int, window: WindowLike = None, share_features: bool = False):
-        self.stack = stack_hu
-        self.image_size = int(image_size)
-        self.window = get_window(window)
-        self.pinned: set = set()
-        self.loaded: list = []
-        self.encoded: list = []
-        self.feature_store: Optional[dict] = {} if share_features else None
-
-    def __len__(self) -> int:
-        return int(self.stack.shape[0])
-
-    @property
-    def video_height(self) -> int:
-        return int(self.stack.shape[1])
-
-    @property
-    def video_width(self) -> int:
-        return int(self.stack.shape[2])
-
-    def __getitem__(self, index):
-        import torch
-
-        if not isinstance(index, (int, np.integer)):
-            raise TypeError(f"frame index must be an int, got {type(index).__name__}")
-        n = len(self)
-        z = int(index) + n if index < 0 else int(index)
-        if not 0 <= z < n:
-            raise IndexError(f"frame {index} out of range for {n} frames")
-        self.loaded.append(z)
-        return torch.from_numpy(medsam2_frame(self.stack[z], self.image_size, self.window))
-
-    def __repr__(self) -> str:
-        return f"MedSAM2Frames({len(self)} frames {self.video_height}x{self.video_width} → {self.image_size}, window={self.window})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,214 +83,6 @@ def _require_sam2():
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise DependencyError(f"MedSAM2 propagation needs torch and sam2 ({e}); {_SAM2_HINT}") from e
 
-
-@functools.lru_cache(maxsize=None)
-def _predictor_class():
-    """The sam2 video predictor subclass (defined on first use so importing us stays cheap)."""
-    _require_sam2()
-    import torch
-    from sam2.sam2_video_predictor import SAM2VideoPredictor
-
-    class _MedSAM2VideoPredictor(SAM2VideoPredictor):
-        """sam2's video predictor with in-memory lazy frames and a pinned feature cache."""
-
-        @torch.inference_mode()
-        def init_state_from_frames(self, frames, video_height: int, video_width: int, warm_up: bool = False) -> dict:
-            """An inference state over ``frames`` (any sequence of (3, S, S) tensors).
-
-            Same keys as sam2 1.1.0's ``init_state``, which only accepts a path. Unlike it,
-            there is no warm-up encode of frame 0 unless ``warm_up`` is true.
-            """
-            device = self.device
-            state = {}
-            state["images"] = frames
-            state["num_frames"] = len(frames)
-            state["offload_video_to_cpu"] = False
-            state["offload_state_to_cpu"] = False
-            state["video_height"] = int(video_height)
-            state["video_width"] = int(video_width)
-            state["device"] = device
-            state["storage_device"] = device
-            state["point_inputs_per_obj"] = {}
-            state["mask_inputs_per_obj"] = {}
-            state["cached_features"] = {}
-            state["constants"] = {}
-            state["obj_id_to_idx"] = OrderedDict()
-            state["obj_idx_to_id"] = OrderedDict()
-            state["obj_ids"] = []
-            state["output_dict_per_obj"] = {}
-            state["temp_output_dict_per_obj"] = {}
-            state["frames_tracked_per_obj"] = {}
-            if warm_up:
-                self._get_image_feature(state, frame_idx=0, batch_size=1)
-            return state
-
-        def _get_image_feature(self, inference_state, frame_idx, batch_size):
-            frames = inference_state["images"]
-            if isinstance(frames, MedSAM2Frames):
-                cache = inference_state["cached_features"]
-                store = frames.feature_store
-                if frame_idx not in cache:
-                    if store is not None and frame_idx in store:
-                        entry = store[frame_idx]
-                    else:
-                        image = frames[frame_idx].to(inference_state["device"]).float().unsqueeze(0)
-                        entry = (image, self.forward_image(image))
-                        frames.encoded.append(int(frame_idx))
-                        if store is not None:
-                            store[frame_idx] = entry
-                    # keep the pinned frames (the key slice) and the most recent one
-                    kept = {k: v for k, v in cache.items() if k in frames.pinned}
-                    kept[frame_idx] = entry
-                    inference_state["cached_features"] = kept
-            # a cache hit now for our frames; sam2's stock behaviour for any other "images"
-            return super()._get_image_feature(inference_state, frame_idx, batch_size)
-
-        @torch.inference_mode()
-        def track_objects(self, inference_state, start_frame_idx: int, max_frame_num_to_track: int,
-                          reverse: bool = False, stop_after_empty: int = 0, batch_objects: bool = True):
-            """sam2's ``propagate_in_video`` for one direction, with early stop and batched tracking.
-
-            Yields ``(frame_idx, obj_indices, video_res_logits)`` per frame, in sam2's processing
-            order (the same frames ``propagate_in_video`` visits for these arguments), where
-            ``obj_indices`` are the 0-based indices of the objects still tracked on that frame and
-            ``video_res_logits`` is ``(len(obj_indices), 1, H, W)`` at the video's resolution.
-
-            ``stop_after_empty = K > 0``: an object whose mask (logit > 0) has been empty on ``K``
-            consecutive frames after the start frame stops being tracked; the generator ends when
-            no object is left. ``K = 0`` tracks every object to the end (sam2's behaviour).
-            sam2 1.1 tracks objects one by one, each with its own memory; ``batch_objects`` runs
-            the still-tracked objects of a frame as one batch instead (the way sam2 1.0 tracked
-            them), on a batched view of their memories. Objects never interact either way (no
-            non-overlap constraint is applied: ``non_overlap_masks*`` are False in MedSAM2's
-            config, and batching is refused otherwise), so dropping one object leaves the
-            others' masks unchanged.
-
-            During each tracking step ``inference_state["tracking_obj_indices"]`` holds the
-            objects of that step (a list of indices, in batch order), for instrumentation.
-            """
-            self.propagate_in_video_preflight(inference_state)
-            per_obj = inference_state["output_dict_per_obj"]
-            n_obj = self._get_obj_num(inference_state)
-            num_frames = inference_state["num_frames"]
-            if reverse:
-                end = max(start_frame_idx - max_frame_num_to_track, 0)
-                # sam2 skips reverse tracking that starts at frame 0
-                order = range(start_frame_idx, end - 1, -1) if start_frame_idx > 0 else range(0)
-            else:
-                end = min(start_frame_idx + max_frame_num_to_track, num_frames - 1)
-                order = range(start_frame_idx, end + 1)
-            if batch_objects and (self.non_overlap_masks or self.non_overlap_masks_for_mem_enc):
-                batch_objects = False  # objects interact there: keep sam2's one-by-one tracking
-            active = list(range(n_obj))
-            empty_run = [0] * n_obj
-            batched = None  # output dict of the active objects, batched along dim 0
-            for frame_idx in order:
-                preds = {}
-                todo = []
-                for i in active:
-                    cond = per_obj[i]["cond_frame_outputs"]
-                    if frame_idx in cond:  # the prompted frame: its output is already there
-                        preds[i] = cond[frame_idx]["pred_masks"].to(inference_state["device"], non_blocking=True)
-                        if self.clear_non_cond_mem_around_input:
-                            self._clear_obj_non_cond_mem_around_input(inference_state, frame_idx, i)
-                    else:
-                        todo.append(i)
-                if todo and batch_objects and len(todo) > 1:
-                    if batched is None or batched["objects"] != todo:
-                        batched = _batched_outputs(per_obj, todo, batched)
-                    inference_state["tracking_obj_indices"] = list(todo)
-                    out, masks = self._run_single_frame_inference(
-                        inference_state=inference_state, output_dict=batched, frame_idx=frame_idx,
-                        batch_size=len(todo), is_init_cond_frame=False, point_inputs=None, mask_inputs=None,
-                        reverse=reverse, run_mem_encoder=True)
-                    batched["non_cond_frame_outputs"][frame_idx] = out
-                    for row, i in enumerate(todo):
-                        preds[i] = masks[row:row + 1]
-                else:
-                    for i in todo:
-                        if batched is not None:  # back to one by one: hand the batched memory back
-                            _unbatch_outputs(per_obj, batched)
-                            batched = None
-                        inference_state["tracking_obj_indices"] = [i]
-                        out, masks = self._run_single_frame_inference(
-                            inference_state=inference_state, output_dict=per_obj[i], frame_idx=frame_idx,
-                            batch_size=1, is_init_cond_frame=False, point_inputs=None, mask_inputs=None,
-                            reverse=reverse, run_mem_encoder=True)
-                        per_obj[i]["non_cond_frame_outputs"][frame_idx] = out
-                        preds[i] = masks
-                inference_state.pop("tracking_obj_indices", None)
-                for i in active:
-                    inference_state["frames_tracked_per_obj"][i][frame_idx] = {"reverse": reverse}
-                objs = list(active)
-                all_masks = torch.cat([preds[i] for i in objs], dim=0) if len(objs) > 1 else preds[objs[0]]
-                _, video_res = self._get_orig_video_res_output(inference_state, all_masks)
-                yield frame_idx, objs, video_res
-                if stop_after_empty > 0 and frame_idx != start_frame_idx:
-                    nonempty = (video_res[:, 0] > 0).flatten(1).any(dim=1).tolist()
-                    for i, ne in zip(objs, nonempty):
-                        empty_run[i] = 0 if ne else empty_run[i] + 1
-                    active = [i for i in objs if empty_run[i] < stop_after_empty]
-                    if not active:
-                        return
-            if batched is not None:
-                _unbatch_outputs(per_obj, batched)
-
-    _MedSAM2VideoPredictor.__module__ = __name__
-    _MedSAM2VideoPredictor.__qualname__ = "_MedSAM2VideoPredictor"
-    return _MedSAM2VideoPredictor
-
-
-def _stack_outputs(outs: list) -> dict:
-    """sam2 per-frame outputs of single objects → one output with the objects along dim 0."""
-    import torch
-
-    first = outs[0]
-    merged = {}
-    for key, value in first.items():
-        if value is None:
-            merged[key] = None
-        elif key == "maskmem_pos_enc":  # the same for every object (sam2 stores one expanded copy)
-            merged[key] = [x[:1].expand(len(outs), *x.shape[1:]) for x in value]
-        else:
-            merged[key] = torch.cat([o[key] for o in outs], dim=0)
-    return merged
-
-
-def _row_output(out: dict, row: int) -> dict:
-    return {key: (None if v is None else [x[row:row + 1] for x in v] if isinstance(v, list) else v[row:row + 1])
-            for key, v in out.items()}
-
-
-def _batched_outputs(per_obj: dict, objects: list, previous: Optional[dict]) -> dict:
-    """A sam2 output dict for ``objects`` tracked as one batch (rows in the order of ``objects``).
-
-    ``previous`` (a batched dict of an earlier object set) is handed back to the per-object dicts
-    first, so every object's memory is complete before the new batch is built.
-    """
-    if previous is not None:
-        _unbatch_outputs(per_obj, previous)
-    batched = {"objects": list(objects), "cond_frame_outputs": {}, "non_cond_frame_outputs": {}}
-    for key in ("cond_frame_outputs", "non_cond_frame_outputs"):
-        frames = per_obj[objects[0]][key].keys()
-        for t in frames:
-            batched[key][t] = _stack_outputs([per_obj[i][key][t] for i in objects])
-    return batched
-
-
-def _unbatch_outputs(per_obj: dict, batched: dict) -> None:
-    """Write the frames tracked in a batch back to each object's own output dict (as row views)."""
-    for t, out in batched["non_cond_frame_outputs"].items():
-        for row, i in enumerate(batched["objects"]):
-            per_obj[i]["non_cond_frame_outputs"][t] = _row_output(out, row)
-
-
-def __getattr__(name):
-    # lets hydra locate "medvolcore.propagation._MedSAM2VideoPredictor" without importing
-    # sam2 when this module is imported
-    if name == "_MedSAM2VideoPredictor":
-        return _predictor_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _TQDM_LOCK = threading.Lock()
@@ -399,7 +115,8 @@ def quiet_sam2_progress():
                 _TQDM_SAVED = None
 
 
-def _check_image_size(image_size) -> int:
+def check_image_size(image_size) -> int:
+    """``image_size`` as a model input size sam2's Hiera accepts; :class:`InputError` otherwise."""
     if isinstance(image_size, bool) or not isinstance(image_size, numbers.Integral):
         raise InputError(f"image_size must be an integer, got {image_size!r}")
     s = int(image_size)
@@ -425,7 +142,7 @@ def _build_predictor(image_size: int):
     from sam2.build_sam import build_sam2_video_predictor
 
     overrides, base_config = _hydra_overrides(image_size)
-    overrides = [f"++model._target_={__name__}._MedSAM2VideoPredictor"] + overrides
+    overrides = [f"++model._target_={PREDICTOR_TARGET}"] + overrides
     # sam2's builder adds its postprocessing defaults after ours (dynamic multimask,
     # binarised click masks for memory, fill_hole_area=8); hole filling needs sam2's CUDA
     # extension and makes CPU and GPU disagree, so it is switched off again below.
@@ -439,7 +156,9 @@ def _build_predictor(image_size: int):
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is sam2 1.1.0 installed? {_SAM2_HINT}"
         ) from e
     model.fill_hole_area = 0
-    if not isinstance(model, _predictor_class()):  # pragma: no cover - defensive
+    from ._sam2_predictor import MedSAM2VideoPredictor
+
+    if not isinstance(model, MedSAM2VideoPredictor):  # pragma: no cover - defensive
         raise DependencyError(f"sam2 built {type(model).__name__}, not MedVol's predictor; {_SAM2_HINT}")
     return model
 
@@ -629,7 +348,7 @@ class MedSAM2Propagator:
         """Seeded random weights: the same seed gives the same weights; the caller's RNG is untouched."""
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise InputError(f"seed must be an integer, got {seed!r}")
-        size = _check_image_size(image_size)
+        size = check_image_size(image_size)
         _require_sam2()
         import torch
 
@@ -643,7 +362,7 @@ class MedSAM2Propagator:
     @classmethod
     def from_checkpoint(cls, path, device="cpu", image_size: int = DEFAULT_IMAGE_SIZE) -> "MedSAM2Propagator":
         """MedSAM2 weights from a sam2-style checkpoint: ``torch.load(path)["model"]``, loaded strictly."""
-        size = _check_image_size(image_size)
+        size = check_image_size(image_size)
         _require_sam2()
         import torch
 

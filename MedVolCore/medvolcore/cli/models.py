@@ -1,22 +1,17 @@
 """``medvol models``: list presets, download or import their weights, print their paths.
 
-``cli.build_parser`` wires it in with ``add_models_command(sub, add)``. Every action accepts
+:func:`~medvolcore.cli.app.build_parser` wires it in with ``add_models_command(sub, add)``. Every action accepts
 ``--json`` and ``--debug`` after its own arguments as well as before the action name.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-from .errors import InputError
+from ..errors import InputError
+from .common import emit
 
 ACTIONS = "list, download NAME, import NAME FOLDER, path NAME"
-
-
-def _emit(result, as_json: bool, text: str) -> None:
-    sys.stdout.write((json.dumps(result, indent=2) if as_json else text) + "\n")
 
 
 def _gpu_text(row) -> str:
@@ -27,7 +22,7 @@ def _gpu_text(row) -> str:
 
 
 def cmd_list(args) -> int:
-    from . import models
+    from .. import models
 
     rows = models.list_status()
     header = ("NAME", "STATUS", "GPU MEMORY", "SMOKE", "DESCRIPTION")
@@ -37,34 +32,34 @@ def cmd_list(args) -> int:
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in [header] + table]
     lines.append(f"* default preset. Weights folder: {models.medvol_home() / 'models'}. "
                  "GPU memory figures are estimates, not measurements.")
-    _emit({"home": str(models.medvol_home()), "presets": rows}, args.json, "\n".join(lines))
+    emit({"home": str(models.medvol_home()), "presets": rows}, args.json, "\n".join(lines))
     return 0
 
 
 def cmd_download(args) -> int:
-    from . import models
+    from .. import models
 
     res = models.download(args.name, progress=not args.no_progress)
     built = models.get_preset(args.name).grounder_kind == "builder"
-    _emit(res, args.json, _paths_text(res, f"{args.name}: built locally, nothing to download" if built
+    emit(res, args.json, _paths_text(res, f"{args.name}: built locally, nothing to download" if built
                                       else f"downloaded {args.name} (sha256 checked)"))
     return 0
 
 
 def cmd_import(args) -> int:
-    from . import models
+    from .. import models
 
     res = models.import_weights(args.name, args.folder, link=args.link, progress=not args.no_progress)
     how = "registered in place (--link: keep the folder where it is)" if args.link else "copied"
-    _emit(res, args.json, _paths_text(res, f"imported {args.name} from {args.folder}, {how}"))
+    emit(res, args.json, _paths_text(res, f"imported {args.name} from {args.folder}, {how}"))
     return 0
 
 
 def cmd_path(args) -> int:
-    from . import models
+    from .. import models
 
     res = models.path(args.name, adapter=args.adapter)
-    _emit(res, args.json, _paths_text(res, None))
+    emit(res, args.json, _paths_text(res, None))
     return 0
 
 
@@ -91,9 +86,9 @@ def _dispatch(args) -> int:
 
 
 def add_models_command(sub, add) -> argparse.ArgumentParser:
-    """Add ``medvol models {list,download,import,path}`` to ``cli.build_parser``'s subparsers.
+    """Add ``medvol models {list,download,import,path}`` to :func:`~.app.build_parser`'s subparsers.
 
-    ``add(name, help, func)`` is cli.py's helper (it adds --json/--debug). The action parsers
+    ``add(name, help, func)`` is :func:`~.app.build_parser`'s helper (it adds --json/--debug). The action parsers
     add --json/--debug with ``default=SUPPRESS`` so a flag given before the action survives,
     and record the action in ``models_func`` (``func`` stays the dispatcher).
     """
@@ -115,7 +110,7 @@ def add_models_command(sub, add) -> argparse.ArgumentParser:
     a.add_argument("name", metavar="NAME", help="preset name (see `medvol models list`)")
     a.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    from .models import import_layout
+    from ..models import import_layout
 
     a = action("import", "Register weights copied by hand (machines without internet). Layout: "
                + import_layout() + " (for medvol-r1; other presets use their own repo name).", cmd_import)

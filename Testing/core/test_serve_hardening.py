@@ -1,87 +1,32 @@
-"""The worker and the command line under hostile or broken input (issue 13).
+"""The worker (``medvol serve``, :mod:`medvolcore.serve`) under hostile or broken input.
 
-Each test replays one probe a hostile client (or an unlucky user) could send and checks the
-outcome: refused with a clear error and the worker still serving, nothing read or written
-outside what the operator allowed, nothing half-written left behind. Servers run on loopback
-only, with the ``tiny`` preset; every probe is bounded in count and time.
-
-``@pytest.mark.probe(item, text)`` ties a test to the issue's numbered item; figures a reviewer
-wants (memory, connections held, seconds to refuse) are recorded with ``record_property``.
-``Testing/benchmarks/abuse.py`` runs this file, with the heavy probes (``heavy_probe``: 200 slow
-clients, a decompression bomb under the default voxel limit), and prints probe → outcome.
+Each test replays one probe a hostile client could send and checks the outcome: refused with a
+clear error and the worker still serving, nothing read or written outside what the operator
+allowed. Servers run on loopback only, with the ``tiny`` preset; every probe is bounded in count
+and time. ``@pytest.mark.probe(item, text)`` ties a test to the hardening item it replays; figures
+a reviewer wants (memory, connections held, seconds to refuse) are recorded with
+``record_property``. ``Testing/benchmarks/abuse.py`` runs every probe, with the heavy ones
+(``heavy``: 200 slow clients, a decompression bomb under the default voxel limit), and prints
+probe → outcome.
 """
 
 from __future__ import annotations
 
 import base64
-import errno
-import gzip
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 import pytest
 
-from medvolcore.cli import main as cli_main
-from medvolcore.errors import AnchorError, CancelledError, LimitError, OutputError, VolumeError
-from medvolcore.volume import load_volume, save_mask
 
+from probes import (ANCHOR, LONG_ANCHOR, assert_no_patient_text, b64, bomb, ct_with_patient_text, heavy, proc_status, rss_mb)
 from worker_clients import HttpServer, StdioClient
-
-ANCHOR = {"schema": "medvol.anchor/1", "slice": 12, "boxes": [[30, 30, 90, 80]], "source": "user"}
-LONG_ANCHOR = {"schema": "medvol.anchor/1", "slice": 56, "boxes": [[30, 30, 90, 80]], "source": "user"}
-
-
-def _b64(path: Path) -> str:
-    return base64.b64encode(Path(path).read_bytes()).decode()
-
-
-def _bomb(shape=(2048, 2048, 1000), complete: bool = False) -> bytes:
-    """A small .nii.gz whose header declares ``shape`` int16 voxels of value 0.
-
-    ``complete``: the gzip stream holds every declared voxel (zeros compress about 1000:1, so
-    512×512×1000 is about 0.5 MB), else only the first MB (enough for a header check).
-    """
-    hdr = nib.Nifti1Header()
-    hdr.set_data_shape(shape)
-    hdr.set_data_dtype(np.int16)
-    hdr["vox_offset"] = 352
-    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip container
-    parts = [z.compress(hdr.binaryblock + b"\0" * 4)]
-    left = 2 * int(np.prod(shape)) if complete else 1 << 20
-    zeros = b"\0" * (16 << 20)
-    while left > 0:
-        parts.append(z.compress(zeros[:min(left, len(zeros))]))
-        left -= len(zeros)
-    parts.append(z.flush())
-    return b"".join(parts)
-
-
-def _proc_status(pid: int, key: str) -> float:
-    """A field of /proc/PID/status: memory fields in MB (VmRSS, VmHWM), counts as they are (Threads)."""
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                v = float(line.split()[1])
-                return v / 1024 if key.startswith("Vm") else v
-    return float("nan")
-
-
-def _rss_mb(pid: int) -> float:
-    return _proc_status(pid, "VmRSS")
-
-
-heavy = pytest.mark.skipif(os.environ.get("MEDVOL_HEAVY_PROBES") != "1",
-                           reason="heavy probe: run Testing/benchmarks/abuse.py (or set MEDVOL_HEAVY_PROBES=1)")
 
 
 # ---- a guarded HTTP server: no data folder, small limits ------------------------------------------
@@ -105,6 +50,8 @@ def _wait_idle(server, seconds=30):
     return False
 
 
+
+
 # 1. no server paths over HTTP without --data-dir ---------------------------------------------------
 
 @pytest.mark.probe("1", "HTTP volume/out/adapter path without --data-dir")
@@ -119,7 +66,7 @@ def test_http_refuses_server_paths_without_data_dir(server, tmp_path, ct_sm_path
     # the refusal says nothing about which server files exist
     assert replies[0]["error"]["message"] == replies[1]["error"]["message"]
     out = tmp_path / "sub" / "written.nii.gz"
-    st, r = server.request("POST", "/rpc", {"id": 2, "op": "propagate", "volume_b64": _b64(ct_sm_path),
+    st, r = server.request("POST", "/rpc", {"id": 2, "op": "propagate", "volume_b64": b64(ct_sm_path),
                                             "anchor": ANCHOR, "out": str(out), "overwrite": True})
     assert r["ok"] is False and r["error"]["code"] == "forbidden"
     assert not out.parent.exists()  # no folder created on the way
@@ -173,35 +120,10 @@ def test_stdio_refuses_device_and_fifo_at_once(tmp_path, ct_sm_path, record_prop
         c.close()
 
 
-@pytest.mark.probe("3", "folder of 10,001 files as a volume")
-def test_folder_with_too_many_files_is_refused_before_reading(tmp_path):
-    from medvolcore.volume import MAX_DICOM_FILES
-
-    big = tmp_path / "big"
-    big.mkdir()
-    for i in range(MAX_DICOM_FILES + 1):
-        (big / f"{i}.dcm").touch()
-    t = time.perf_counter()
-    with pytest.raises(LimitError, match="more than"):
-        load_volume(big)
-    from medvolcore.worker import file_sha256
-
-    with pytest.raises(LimitError):
-        file_sha256(big)
-    assert time.perf_counter() - t < 10
-
-
-@pytest.mark.probe("3", "cancel while reading a volume")
-def test_reading_honours_cancel(ct_path):
-    ev = threading.Event()
-    ev.set()
-    with pytest.raises(CancelledError):
-        load_volume(ct_path, cancel=ev)
-
 
 @pytest.mark.probe("3", "client disconnects during a 112-slice propagation")
 def test_http_client_disconnect_cancels_its_request(server, ct_path, record_property):
-    body = json.dumps({"id": "gone", "op": "propagate", "volume_b64": _b64(ct_path), "anchor": LONG_ANCHOR}).encode()
+    body = json.dumps({"id": "gone", "op": "propagate", "volume_b64": b64(ct_path), "anchor": LONG_ANCHOR}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\nX-MedVol-Session: {server.session}\r\n\r\n".encode() + body)
@@ -225,15 +147,15 @@ def test_http_client_disconnect_cancels_its_request(server, ct_path, record_prop
 
 @pytest.mark.probe("4", "1 MB .nii.gz declaring 2048×2048×1000 voxels")
 def test_http_bomb_refused_from_its_header(server, record_property):
-    before = _rss_mb(server.proc.pid)
+    before = rss_mb(server.proc.pid)
     t = time.perf_counter()
-    st, r = server.request("POST", "/rpc", data=_bomb(), headers={
+    st, r = server.request("POST", "/rpc", data=bomb(), headers={
         "Content-Type": "application/octet-stream",
         "X-MedVol-Request": json.dumps({"id": "bomb", "op": "propagate", "anchor": ANCHOR})})
     assert r["ok"] is False and r["error"]["code"] == "too_large", r
     assert "4,194,304,000 voxels" in r["error"]["message"] and "--max-voxels" in r["error"]["message"]
     refuse_s = time.perf_counter() - t
-    growth = _rss_mb(server.proc.pid) - before
+    growth = rss_mb(server.proc.pid) - before
     record_property("refused in s", round(refuse_s, 3))
     record_property("RSS growth MB", round(growth, 1))
     assert refuse_s < 5
@@ -246,7 +168,7 @@ def test_http_bomb_refused_from_its_header(server, record_property):
 def test_failed_request_does_not_cache_its_volume(server, ct_sm_path):
     _, s0 = server.request("GET", "/status")
     bad_anchor = dict(ANCHOR, slice=999)  # fails after the volume was read
-    st, r = server.request("POST", "/rpc", {"id": "f", "op": "propagate", "volume_b64": _b64(ct_sm_path),
+    st, r = server.request("POST", "/rpc", {"id": "f", "op": "propagate", "volume_b64": b64(ct_sm_path),
                                             "anchor": bad_anchor})
     assert r["ok"] is False and r["error"]["code"] == "bad_anchor"
     _, s1 = server.request("GET", "/status")
@@ -310,7 +232,7 @@ def test_sessions_scope_status_and_cancel(server, ct_path):
 
     done = {}
     th = threading.Thread(target=lambda: done.update(r=server.request(
-        "POST", "/rpc", {"id": "mine", "op": "propagate", "volume_b64": _b64(ct_path), "anchor": LONG_ANCHOR})))
+        "POST", "/rpc", {"id": "mine", "op": "propagate", "volume_b64": b64(ct_path), "anchor": LONG_ANCHOR})))
     th.start()
     try:
         deadline = time.monotonic() + 60
@@ -361,7 +283,7 @@ def test_http_errors_carry_no_server_paths(server):
 
 @pytest.mark.probe("7", "internal error: reference only, detail in log")
 def test_internal_error_reply_has_a_reference_not_the_exception(caplog):
-    from medvolcore.worker import Worker
+    from medvolcore.serve import Worker
 
     w = Worker(transport="http")
     try:
@@ -464,43 +386,16 @@ def test_nan_voxels_are_reported_in_notes(stdio, tmp_path, ct_sm_path):
     assert any("7 NaN or infinite voxel(s)" in n for n in r["result"]["notes"])
 
 
+
 # 10. no patient text in the masks written ---------------------------------------------------------
-
-def _ct_with_patient_text(src: Path, dst: Path) -> Path:
-    img = nib.load(str(src))
-    hdr = img.header.copy()
-    hdr["descrip"] = b"DOE^JOHN 1970-01-01"
-    hdr["aux_file"] = b"MRN 123456"
-    hdr["intent_name"] = b"John"
-    hdr["db_name"] = b"Hospital X"
-    hdr.extensions.append(nib.nifti1.Nifti1Extension(2, b"DICOM header with PatientName DOE^JOHN"))
-    nib.save(nib.Nifti1Image(np.asarray(img.dataobj), img.affine, header=hdr), str(dst))
-    return dst
-
-
-def _assert_no_patient_text(mask_path: Path) -> None:
-    h = nib.load(str(mask_path)).header
-    for name in ("descrip", "aux_file", "intent_name", "db_name"):
-        assert bytes(h[name].item()).strip(b"\0") == b"", name
-    assert len(h.extensions) == 0
-    raw = gzip.decompress(Path(mask_path).read_bytes()) if str(mask_path).endswith(".gz") else Path(mask_path).read_bytes()
-    assert b"DOE" not in raw and b"123456" not in raw
-
 
 @pytest.mark.probe("10", "worker mask of a CT with patient text in its header")
 def test_worker_mask_has_no_patient_text(stdio, tmp_path, ct_sm_path):
-    ct = _ct_with_patient_text(ct_sm_path, tmp_path / "named.nii.gz")
+    ct = ct_with_patient_text(ct_sm_path, tmp_path / "named.nii.gz")
     r = stdio.call({"id": "p", "op": "propagate", "volume": str(ct), "anchor": ANCHOR})
     assert r["ok"] is True, r
-    _assert_no_patient_text(Path(r["result"]["mask_path"]))
+    assert_no_patient_text(Path(r["result"]["mask_path"]))
 
-
-@pytest.mark.probe("10", "save_mask clears descrip/aux_file/intent_name/db_name")
-def test_save_mask_clears_free_text_but_keeps_geometry(tmp_path, ct_sm_path):
-    ct = load_volume(_ct_with_patient_text(ct_sm_path, tmp_path / "named.nii.gz"))
-    out = save_mask(np.zeros(ct.shape, np.uint8), ct, tmp_path / "m.nii.gz")
-    _assert_no_patient_text(out)
-    assert np.allclose(nib.load(str(out)).affine, ct.affine)
 
 
 # ---- --data-dir: paths inside one folder only ------------------------------------------------------
@@ -539,7 +434,7 @@ def test_data_dir_allows_paths_inside_only(sandboxed, data_dir):
                 "linkdir/private.nii.gz", "/etc/passwd"):
         st, r = sandboxed.request("POST", "/rpc", {"id": 3, "op": "propagate", "volume": vol, "anchor": ANCHOR})
         assert r["ok"] is False and r["error"]["code"] == "forbidden", (vol, r)
-    st, r = sandboxed.request("POST", "/rpc", {"id": 4, "op": "propagate", "volume_b64": _b64(root / "ct.nii.gz"),
+    st, r = sandboxed.request("POST", "/rpc", {"id": 4, "op": "propagate", "volume_b64": b64(root / "ct.nii.gz"),
                                                "anchor": ANCHOR, "out": "linkdir/evil.nii.gz"})
     assert r["ok"] is False and r["error"]["code"] == "forbidden"
     assert not (outside / "evil.nii.gz").exists()
@@ -574,170 +469,6 @@ def test_twenty_simultaneous_clients_are_all_answered(sandboxed):
     assert results == [200] * 20
 
 
-# ---- command line: outputs --------------------------------------------------------------------------
-
-def _run(capsys, *argv):
-    code = cli_main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _one_line(code, err, *needles):
-    assert code == 2, err
-    lines = [line for line in err.strip().splitlines() if ": warning:" not in line]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in lines[0], lines[0]
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fail the test if a command gets as far as loading models (the checks must come first)."""
-    from medvolcore import pipeline
-
-    def refuse(*a, **k):
-        raise AssertionError("models were loaded before the outputs were checked")
-
-    monkeypatch.setattr(pipeline.Pipeline, "__init__", refuse)
-
-
-@pytest.mark.probe("11", "segment --out m --anchor-out m / --qc m")
-@pytest.mark.parametrize("other", ["--anchor-out", "--qc"])
-def test_segment_refuses_two_outputs_in_one_file(capsys, tmp_path, ct_sm_path, no_model_load, other):
-    m = tmp_path / "m.nii.gz"
-    code, _, err = _run(capsys, "segment", "--volume", ct_sm_path, "--query", "liver", "--preset", "tiny",
-                        "--out", m, other, m, "--overwrite")
-    _one_line(code, err, "same file")
-    assert not m.exists()
-
-
-@pytest.mark.probe("11", "segment --out = --volume (same path, symlink, ..)")
-def test_segment_refuses_output_equal_to_input(capsys, tmp_path, ct_sm_path, no_model_load):
-    ct = tmp_path / "ct.nii.gz"
-    ct.write_bytes(ct_sm_path.read_bytes())
-    link = tmp_path / "alias.nii.gz"
-    link.symlink_to(ct)
-    for out in (ct, link, tmp_path / "x" / ".." / "ct.nii.gz"):
-        (tmp_path / "x").mkdir(exist_ok=True)
-        code, _, err = _run(capsys, "segment", "--volume", ct, "--query", "liver", "--preset", "tiny",
-                            "--out", out, "--overwrite")
-        _one_line(code, err, "is the input --volume")
-    assert ct.read_bytes() == ct_sm_path.read_bytes()
-
-
-@pytest.mark.probe("11", "propagate --anchor-out = --anchor")
-def test_propagate_refuses_anchor_out_over_anchor(capsys, tmp_path, ct_sm_path):
-    a = tmp_path / "a.anchor.json"
-    a.write_text(json.dumps(ANCHOR))
-    code, _, err = _run(capsys, "propagate", "--volume", ct_sm_path, "--anchor", a, "--random-weights", "0",
-                        "--out", tmp_path / "m.nii.gz", "--anchor-out", a, "--overwrite")
-    _one_line(code, err, "is the input --anchor")
-    assert json.loads(a.read_text()) == ANCHOR
-
-
-@pytest.mark.probe("12", "parent is a file; .txt mask; .jpg QC")
-def test_output_problems_found_before_the_work(capsys, tmp_path, ct_sm_path, no_model_load):
-    afile = tmp_path / "afile"
-    afile.write_text("x")
-    code, _, err = _run(capsys, "segment", "--volume", ct_sm_path, "--query", "liver", "--preset", "tiny",
-                        "--out", afile / "m.nii.gz")
-    _one_line(code, err, "cannot write", "is a file, not a folder")
-    code, _, err = _run(capsys, "segment", "--volume", ct_sm_path, "--query", "liver", "--preset", "tiny",
-                        "--out", tmp_path / "new" / "deeper" / "m.txt")
-    _one_line(code, err, "unsupported mask type")
-    assert not (tmp_path / "new").exists()  # refused before any folder was made
-    code, _, err = _run(capsys, "segment", "--volume", ct_sm_path, "--query", "liver", "--preset", "tiny",
-                        "--out", tmp_path / "m.nii.gz", "--qc", tmp_path / "qc.jpg")
-    _one_line(code, err, "unsupported QC picture type")
-
-
-@pytest.mark.probe("12", "permission denied (simulated EACCES)")
-def test_permission_denied_is_one_clear_line(capsys, tmp_path, ct_sm_path, monkeypatch, no_model_load):
-    import tempfile as tempfile_mod
-
-    from medvolcore import fileio
-
-    real = tempfile_mod.mkstemp
-
-    def denied(*a, dir=None, **k):
-        if dir is not None and Path(dir) == tmp_path / "ro":
-            raise PermissionError(errno.EACCES, "Permission denied")
-        return real(*a, dir=dir, **k)
-
-    (tmp_path / "ro").mkdir()
-    monkeypatch.setattr(fileio.tempfile, "mkstemp", denied)
-    code, _, err = _run(capsys, "segment", "--volume", ct_sm_path, "--query", "liver", "--preset", "tiny",
-                        "--out", tmp_path / "ro" / "m.nii.gz")
-    _one_line(code, err, f"cannot write {tmp_path / 'ro' / 'm.nii.gz'}: permission denied")
-
-
-@pytest.fixture
-def read_only_dir(tmp_path):
-    d = tmp_path / "ro"
-    d.mkdir()
-    if os.geteuid() != 0:
-        d.chmod(0o555)
-        yield d
-        d.chmod(0o755)
-        return
-    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:  # root ignores modes
-        pytest.skip("cannot make a folder read-only for root here (no chattr +i)")
-    yield d
-    subprocess.run(["chattr", "-i", str(d)], capture_output=True)
-
-
-@pytest.mark.probe("12", "read-only folder (chattr +i / chmod 555)")
-def test_real_read_only_folder(capsys, read_only_dir, ct_sm_path, no_model_load):
-    code, _, err = _run(capsys, "segment", "--volume", ct_sm_path, "--query", "liver", "--preset", "tiny",
-                        "--out", read_only_dir / "m.nii.gz")
-    _one_line(code, err, "cannot write", "m.nii.gz")
-    assert os.listdir(read_only_dir) == []
-
-
-@pytest.mark.probe("12", "disk full while writing (simulated ENOSPC)")
-def test_disk_full_leaves_no_partial_file(capsys, tmp_path, small_ct, monkeypatch):
-    import nibabel
-
-    def full(img, path):
-        Path(path).write_bytes(b"\x1f\x8b partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(nibabel, "save", full)
-    code, _, err = _run(capsys, "propagate", "--volume", small_ct[0], "--slice", "3", "--box", "30", "30", "90", "80",
-                        "--random-weights", "0", "--image-size", "64", "--out", tmp_path / "m.nii.gz", "--no-progress")
-    _one_line(code, err, f"cannot write {tmp_path / 'm.nii.gz'}: no space left on device")
-    assert os.listdir(tmp_path) == []
-
-
-@pytest.mark.probe("12", "SIGTERM during the atomic rename")
-def test_sigterm_during_the_write_removes_the_temporary(tmp_path, seg_sm_path):
-    """SIGTERM at the moment an output is renamed into place: no hidden .part file may stay behind."""
-    script = f"""
-import os, sys, time
-from pathlib import Path
-from medvolcore import fileio
-def slow_replace(src, dst):
-    Path({str(tmp_path / 'writing')!r}).write_text("x")
-    time.sleep(60)
-fileio.os.replace = slow_replace
-from medvolcore.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", script, "anchor", "--mask", str(seg_sm_path), "--label", "5",
-                             "--out", str(out / "liver.anchor.json")], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "writing").exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert (tmp_path / "writing").exists(), proc.stderr.read() if proc.poll() is not None else "no write"
-    assert any(p.name.startswith(".liver.anchor.json.") for p in out.iterdir())  # the temporary exists now
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 143
-    assert "terminated" in proc.stderr.read()
-    assert os.listdir(out) == []
-
 
 # ---- heavy probes (Testing/benchmarks/abuse.py) -------------------------------------------------------
 
@@ -746,7 +477,7 @@ sys.exit(main(sys.argv[1:]))
 def test_two_hundred_slow_clients(record_property):
     s = HttpServer("--device", "cpu")
     try:
-        base = _proc_status(s.proc.pid, "Threads")
+        base = proc_status(s.proc.pid, "Threads")
         t_attack = time.perf_counter()
         socks = []
         for _ in range(200):
@@ -754,7 +485,7 @@ def test_two_hundred_slow_clients(record_property):
             c.sendall(b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             socks.append(c)
         time.sleep(1.0)
-        held = _proc_status(s.proc.pid, "Threads") - base
+        held = proc_status(s.proc.pid, "Threads") - base
         t = time.perf_counter()
         st, r = s.request("GET", "/status", timeout=10)
         busy_s = time.perf_counter() - t
@@ -767,7 +498,7 @@ def test_two_hundred_slow_clients(record_property):
             except OSError:
                 pass
         deadline = time.monotonic() + 40
-        while _proc_status(s.proc.pid, "Threads") > base and time.monotonic() < deadline:
+        while proc_status(s.proc.pid, "Threads") > base and time.monotonic() < deadline:
             time.sleep(0.2)
         dropped_s = time.perf_counter() - t_attack
         for c in socks:
@@ -789,8 +520,8 @@ def test_bomb_under_the_default_limit_keeps_no_memory(ct_path, record_property):
     try:
         s.request("POST", "/rpc", {"id": "h", "op": "hello"})
         _wait_idle(s, 120)
-        before = _rss_mb(s.proc.pid)
-        data = _bomb((512, 512, 1000), complete=True)
+        before = rss_mb(s.proc.pid)
+        data = bomb((512, 512, 1000), complete=True)
         hdr = {"Content-Type": "application/octet-stream",
                "X-MedVol-Request": json.dumps({"id": "bomb", "op": "propagate",
                                               "anchor": dict(ANCHOR, slice=500)})}
@@ -800,7 +531,7 @@ def test_bomb_under_the_default_limit_keeps_no_memory(ct_path, record_property):
         peak = before
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            peak = max(peak, _rss_mb(s.proc.pid))
+            peak = max(peak, rss_mb(s.proc.pid))
             _, st = s.request("GET", "/status")
             cur = st["result"]["current"]
             if cur and cur["stage"] == "propagate":
@@ -812,7 +543,7 @@ def test_bomb_under_the_default_limit_keeps_no_memory(ct_path, record_property):
         th.join(120)
         _wait_idle(s, 60)
         time.sleep(1.0)
-        after = _rss_mb(s.proc.pid)
+        after = rss_mb(s.proc.pid)
         _, st = s.request("GET", "/status")
         record_property("upload bytes", len(data))
         record_property("RSS before / peak / after cancel MB", f"{before:.0f} / {peak:.0f} / {after:.0f}")
@@ -821,115 +552,3 @@ def test_bomb_under_the_default_limit_keeps_no_memory(ct_path, record_property):
         assert after - before < 300  # the 1 GB volume was not kept
     finally:
         s.stop()
-
-
-# ---- DICOM series that are not one evenly spaced stack ---------------------------------------------
-
-@pytest.fixture
-def dicom_series(tmp_path, ct_sm_path, write_dicom_series):
-    sitk = pytest.importorskip("SimpleITK")
-    img = sitk.ReadImage(str(ct_sm_path))
-    folder = tmp_path / "series"
-    write_dicom_series(sitk, sitk.Cast(img, sitk.sitkInt16), folder)
-    return sitk, img, folder
-
-
-def _by_position(folder):
-    import SimpleITK as sitk
-
-    r = sitk.ImageFileReader()
-    pos = []
-    for f in sorted(folder.iterdir()):
-        r.SetFileName(str(f))
-        r.ReadImageInformation()
-        pos.append((float(r.GetMetaData("0020|0032").split("\\")[2]), f))
-    return [f for _, f in sorted(pos)]
-
-
-@pytest.mark.probe("13", "complete DICOM series: 3.000 mm")
-def test_dicom_series_reads_with_its_real_spacing(dicom_series):
-    _, img, folder = dicom_series
-    v = load_volume(folder)
-    assert v.shape == (122, 101, 30)
-    assert v.spacing == pytest.approx((3.0, 3.0, 3.0), abs=1e-3)
-
-
-@pytest.mark.probe("13", "DICOM series with one slice missing")
-def test_dicom_gap_is_refused_and_named(dicom_series):
-    _, _, folder = dicom_series
-    files = _by_position(folder)
-    files[14].unlink()
-    with pytest.raises(VolumeError, match=r"not evenly spaced.*6\.00 mm.*3\.00 mm apart; about 1 slice missing"):
-        load_volume(folder)
-    from medvolcore.pipeline import as_stack
-
-    with pytest.raises(VolumeError):
-        as_stack(folder)
-
-
-@pytest.mark.probe("13", "DICOM series with a duplicated position")
-def test_dicom_duplicate_position_is_refused(dicom_series, write_dicom_series):
-    sitk, img, folder = dicom_series
-    files = _by_position(folder)
-    r = sitk.ImageFileReader()
-    r.SetFileName(str(files[3]))
-    r.LoadPrivateTagsOn()
-    one = r.Execute()
-    r.SetFileName(str(files[4]))
-    r.ReadImageInformation()
-    one.SetMetaData("0020|0032", r.GetMetaData("0020|0032"))   # slice 3 now claims slice 4's position
-    one.SetMetaData("0008|0018", "1.2.826.0.1.3680043.2.1125.7731.9.9")
-    w = sitk.ImageFileWriter()
-    w.KeepOriginalImageUIDOn()
-    w.SetFileName(str(files[3]))
-    w.Execute(one)
-    with pytest.raises(VolumeError, match="same position"):
-        load_volume(folder)
-
-
-@pytest.mark.probe("13", "two DICOM series in one folder")
-def test_dicom_two_series_in_one_folder_is_refused(tmp_path, dicom_series, write_dicom_series):
-    sitk, img, folder = dicom_series
-    write_dicom_series(sitk, sitk.Cast(img, sitk.sitkInt16)[:, :, :5], tmp_path / "other", uid="1.2.826.0.1.3680043.2.1125.99")
-    for f in (tmp_path / "other").iterdir():
-        f.rename(folder / ("b_" + f.name))
-    with pytest.raises(VolumeError, match="2 DICOM series"):
-        load_volume(folder)
-
-
-@pytest.mark.probe("13", "medvol info on a gapped series")
-def test_cli_dicom_gap_is_one_line(capsys, dicom_series):
-    _, _, folder = dicom_series
-    _by_position(folder)[20].unlink()
-    code, _, err = _run(capsys, "info", folder)
-    _one_line(code, err, "not evenly spaced", "slice missing")
-
-
-# ---- unit-level limits --------------------------------------------------------------------------------
-
-@pytest.mark.probe("4", "load_volume of the bomb with the default limit")
-def test_voxel_limit_checked_in_the_header(tmp_path):
-    p = tmp_path / "bomb.nii.gz"
-    p.write_bytes(_bomb())
-    t = time.perf_counter()
-    with pytest.raises(LimitError, match="over the limit"):
-        load_volume(p, max_voxels=1024 * 1024 * 2000)
-    assert time.perf_counter() - t < 1
-
-
-@pytest.mark.probe("9", "EvidenceAnchor with 9 boxes")
-def test_anchor_box_cap():
-    from medvolcore.anchor import MAX_BOXES, EvidenceAnchor
-
-    EvidenceAnchor(0, [[0, 0, 1, 1]] * MAX_BOXES, [10, 10])
-    with pytest.raises(AnchorError, match="at most 8"):
-        EvidenceAnchor(0, [[0, 0, 1, 1]] * (MAX_BOXES + 1), [10, 10])
-
-
-@pytest.mark.probe("12", "output path that is a folder")
-def test_output_error_type_for_folder_collisions(tmp_path):
-    from medvolcore.fileio import check_output
-
-    (tmp_path / "d.nii.gz").mkdir()
-    with pytest.raises(OutputError, match="is a folder"):
-        check_output(tmp_path / "d.nii.gz")

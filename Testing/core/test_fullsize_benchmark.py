@@ -1,9 +1,8 @@
-"""The one-command GPU check (Testing/gpu/run.sh) and the full-size benchmark's planning, on CPU.
+"""The full-size cost benchmark's planning (``Testing/benchmarks/fullsize.py``), on a CPU.
 
-This machine has no GPU: the check must say so and exit 0 after checking its arguments; bad
-arguments are one line and exit 2 everywhere. The full-size benchmark's dry run must count the
-published models' parameters (2.13 B and 4.44 B, the sizes Qwen publishes) and compute the memory
-each run needs, and a run that does not fit must be skipped with one line giving both numbers.
+Its dry run must count the published models' parameters (2.13 B and 4.44 B, the sizes Qwen
+publishes) and compute the memory each run needs, and a run that does not fit must be skipped
+with one line giving both numbers.
 """
 
 from __future__ import annotations
@@ -17,12 +16,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RUN = REPO / "Testing" / "gpu" / "run.sh"
-
-
-def _sh(*args, env=None):
-    return subprocess.run(["bash", str(RUN), *map(str, args)], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=300)
 
 
 def _fullsize():
@@ -30,36 +23,6 @@ def _fullsize():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def test_gpu_check_on_a_cpu_machine_says_so_and_exits_0(tmp_path):
-    r = _sh("--out", tmp_path / "out", "--sizes", "2b", "--skip", "zero2")
-    assert r.returncode == 0, r.stderr
-    assert "no CUDA GPU here" in r.stdout and "nothing was run" in r.stdout
-    assert "checks: fullsize, decoding, agreement, sft, grpo" in r.stdout  # zero2 skipped, order kept
-    assert "300 slices end to end < 10 s" in r.stdout
-    assert not (tmp_path / "out").exists()  # a dry run writes nothing
-
-
-@pytest.mark.parametrize("args, needle", [
-    (["--sizes", "7b"], "unknown size(s) 7b"),
-    (["--only", "fullsize", "bogus"], "unknown check(s) bogus"),
-    (["--skip", "fullsize"], "decoding check reads the fullsize"),
-    (["--only", "grpo"], "grpo check starts from the sft"),
-    (["--min-dice", "1.5"], "--min-dice must be between 0 and 1"),
-    (["--only", "sft", "--skip", "sft"], "no check left"),
-    (["--frobnicate"], "unrecognized arguments"),
-])
-def test_gpu_check_bad_arguments_are_one_line(args, needle):
-    r = _sh(*args)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
-
-
-def test_gpu_check_without_the_venv_says_how_to_make_it(tmp_path):
-    r = _sh(env={"MEDVOL_PYTHON": str(tmp_path / "no-python"), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 2 and "bootstrap.py" in r.stderr
 
 
 def test_fullsize_dry_run_counts_the_published_sizes():

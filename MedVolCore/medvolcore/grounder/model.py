@@ -1,4 +1,4 @@
-"""The grounder: Qwen3-VL looks at 64 axial slices and answers with an evidence anchor.
+"""The grounder model: Qwen3-VL looks at 64 axial slices and answers with an evidence anchor.
 
 Public API
 ----------
@@ -6,7 +6,7 @@ Public API
     loads a Qwen3-VL checkpoint folder (tokenizer, the PIL image processor, the model; fp32 on
     CPU, bfloat16 on CUDA) and optionally a PEFT LoRA adapter.
 ``grounder.build_inputs(stack, query, window=None) -> (inputs, shown_slices)``
-    the model inputs for one request (see "Prompt" below).
+    the model inputs for one request (see "Image tokens" below).
 ``grounder.build_batch_inputs([(stack, query), ...], window=None) -> (inputs, [shown_slices, ...])``
     the same for several requests, left-padded.
 ``grounder.inputs_from_images(images, shown, depth, query, window=None) -> inputs``
@@ -14,22 +14,14 @@ Public API
 ``grounder.ground(stack, query, *, constrain=True, do_sample=False, seed=None, max_new_tokens=None,
 retries=2, window=None) -> GroundingResult``
     one answer as an :class:`~medvolcore.anchor.EvidenceAnchor` (source ``"grounder"``).
-:func:`answer_grammar`, :func:`plan_budget`, :func:`validate_query`, :func:`load_prompts`
+:mod:`medvolcore.grounder.prompt` (:func:`answer_grammar`, :func:`plan_budget`, :func:`validate_query`, …)
     the pure pieces, for training code and tests.
 
-Prompt (ours; no ``Qwen3VLProcessor``, no torchvision, no video processor)
--------------------------------------------------------------------------
-Qwen's chat layout, written by us rather than by the checkpoint's chat template (a thinking
-model's template would otherwise open ``<think>`` itself)::
-
-    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n<|im_start|>assistant\\n
-
-``system`` and ``user`` come from ``Resources/prompts/grounder.json``. Inside the user turn the
-``{slices}`` placeholder becomes, for every shown slice ``z`` (``stack.sample_indices(64)``:
-all slices when the stack has fewer than 64)::
-
-    <slice z><|vision_start|><|image_pad|>×N<|vision_end|>\\n
-
+Image tokens (ours; no ``Qwen3VLProcessor``, no torchvision, no video processor)
+------------------------------------------------------------------------------
+The chat layout and the per-slice tag are :mod:`medvolcore.grounder.prompt`'s. The shown slices are
+``stack.sample_indices(64)`` (all slices when the stack has fewer than 64); each is preceded by its
+tag ``<slice z>`` and wrapped as ``<|vision_start|><|image_pad|>×N<|vision_end|>``.
 Each slice is rendered 256×256 RGB with the request's window and goes through Qwen2-VL's
 image processor (PIL backend). With patch 16 and merge 2 a 256×256 image is a 1×16×16 patch
 grid, so ``N = t·h·w / merge² = 64`` tokens per image and 4096 image tokens for 64 slices (the
@@ -42,27 +34,10 @@ image tokens. Besides ``input_ids`` and ``attention_mask`` the model gets ``pixe
 
 Constrained decoding
 --------------------
-By default the answer is forced by a grammar built per request from the shown tags::
-
-    <think>TEXT</think><answer>[{"slice": TAG, "bbox_2d_list": [[X, Y, X, Y], ...]}]</answer><stop>
-
-``TAG`` is one of the shown tags, each coordinate an integer 0..1000 (no leading zeros), 1 to
-``max_boxes`` boxes, with the exact separators of :func:`~medvolcore.answer.format_answer` (the
-canonical text the SFT targets use). ``TEXT`` has no ``<`` and at most ``think_max_chars``
-characters. When the grammar is complete only stop tokens (``<|im_end|>``) are allowed, so
-generation stops there.
-
-Think budget: the answer after the reasoning costs at most one token per byte (byte-level
-BPE, the worst case, which the tiny tokenizer can hit), i.e.
-``answer_tokens(B) = 27 + len(longest tag) + 19 + 24·B + 2·(B−1) + 12 + 1`` tokens for ``B``
-boxes. :func:`plan_budget` lowers ``B`` (from ``max_boxes``, 8) until ``max_new_tokens`` leaves
-``7 + min_think_tokens + 3`` more tokens, and a budget guard in the logits processor forces
-``</think>`` once only ``answer_tokens(B) + 3`` tokens remain (the 3 lets a multi-byte character
-finish). So the whole answer always fits in ``max_new_tokens`` whatever the tokenizer or the
-language of the reasoning, and a character cap (``think_max_chars``, per preset in
-grounder.json: 2000 for real models, 24 for the tiny smoke model so smoke runs stay short)
-still bounds the reasoning. With the preset defaults (256 new tokens, the MedVol-R1 paper's
-limit; 48 reserved for reasoning) real models may give up to 5 boxes and the tiny model up to 6.
+By default the answer is forced by the grammar of :func:`~medvolcore.grounder.prompt.answer_grammar`,
+with the bounds of :func:`~medvolcore.grounder.prompt.plan_budget`, through the logits processor of
+:mod:`medvolcore.grounder._logits`. When the grammar is complete only stop tokens (``<|im_end|>``)
+are allowed, so generation stops there.
 
 Why xgrammar: it compiles a context-free grammar (EBNF with bounded repetition, which the tag
 alternatives and the think/box bounds need) against the tokenizer's vocabulary, precomputing
@@ -91,11 +66,8 @@ Importing this module does not import torch or transformers.
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
 import logging
-import math
 import re
 import time
 import warnings
@@ -103,169 +75,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from .anchor import MAX_BOXES, EvidenceAnchor
-from .answer import parse_answer
-from .errors import (AnchorError, AnswerFormatError, DependencyError, GenerationError, InputError, MedVolError,
-                     ModelError, ModelNotFoundError)
-from .devices import resolve_device
-from .models import folder_listing
-from .resources import load_json
+from ..anchor import MAX_BOXES, EvidenceAnchor
+from ..answer import parse_answer
+from ..devices import resolve_device
+from ..errors import (AnchorError, AnswerFormatError, DependencyError, GenerationError, InputError, ModelError,
+                      ModelNotFoundError)
+from ..models import folder_listing
+from .prompt import (THINK_CLOSE, answer_grammar, describe_window, fill_template, load_prompts, plan_budget,
+                     resolve_settings, validate_query)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("medvolcore.grounder")
 
-__all__ = [
-    "QwenVLGrounder", "GroundingResult", "answer_grammar", "answer_tokens", "plan_budget", "validate_query",
-    "load_prompts", "resolve_settings", "describe_window", "clean_boxes", "MAX_QUERY_CHARS",
-]
-
-PROMPTS_FILE = ("prompts", "grounder.json")
-MAX_QUERY_CHARS = 2000
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_ANSWER_HEAD = '</think><answer>[{"slice": '
-_ANSWER_MID = ', "bbox_2d_list": ['
-_ANSWER_TAIL = "]}]</answer>"
-_BOX_WORST = "[1000, 1000, 1000, 1000]"
-_BOX_SEP = ", "
-_UTF8_SLACK = 3  # continuation bytes a multi-byte character may still need before "</think>" fits
-_PLACEHOLDER = re.compile(r"\{(query|window|num_shown|depth)\}")
-_SETTING_KEYS = ("max_new_tokens", "think_max_chars", "min_think_tokens", "max_boxes", "temperature", "top_p",
-                 "top_k")
-
-
-# ---- prompt resources and settings ---------------------------------------------------------
-
-def load_prompts() -> dict:
-    """``Resources/prompts/grounder.json`` (a private copy), checked."""
-    try:
-        cfg = copy.deepcopy(load_json(*PROMPTS_FILE))
-    except (OSError, ValueError) as e:
-        raise MedVolError(f"cannot read the grounder prompts (Resources/prompts/grounder.json): {e}") from None
-    for key in ("system", "user", "slice_tag", "presets"):
-        if key not in cfg:
-            raise MedVolError(f"Resources/prompts/grounder.json has no {key!r}")
-    for ph in ("{slices}", "{query}"):
-        if cfg["user"].count(ph) != 1:
-            raise MedVolError(f"the grounder's user template must contain {ph} exactly once")
-    if "{z}" not in cfg["slice_tag"]:
-        raise MedVolError("the grounder's slice_tag must contain {z}")
-    return cfg
-
-
-def resolve_settings(preset: str = "real", overrides: Optional[dict] = None) -> dict:
-    """Decoding settings: a preset of grounder.json (``"real"`` or ``"tiny"``) with ``overrides``.
-
-    ``overrides`` may name the preset as ``preset`` or ``think_budget`` (the key the model
-    manifest, ``Resources/models.json``, uses); other keys override single settings.
-    """
-    presets = load_prompts()["presets"]
-    overrides = dict(overrides or {})
-    named = {overrides.pop(k) for k in ("preset", "think_budget") if k in overrides}
-    if len(named) > 1:
-        raise InputError(f"grounder settings name two presets: {', '.join(sorted(map(str, named)))}")
-    preset = named.pop() if named else preset
-    if preset not in presets:
-        raise InputError(f"unknown grounder preset {preset!r}; choose one of {', '.join(sorted(presets))}")
-    unknown = sorted(set(overrides) - set(_SETTING_KEYS))
-    if unknown:
-        raise InputError(f"unknown grounder setting(s) {', '.join(unknown)}; known: {', '.join(_SETTING_KEYS)}")
-    out = dict(presets[preset], **overrides, preset=preset)
-    for key in ("max_new_tokens", "think_max_chars", "min_think_tokens", "max_boxes"):
-        v = out.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key in ("max_new_tokens", "max_boxes") else 0):
-            raise InputError(f"grounder setting {key} must be a whole number ≥ 0 (≥ 1 for {key}), got {v!r}")
-    out["max_boxes"] = min(out["max_boxes"], MAX_BOXES)
-    return out
-
-
-def validate_query(query) -> str:
-    """The query, stripped. Empty or longer than 2000 characters → :class:`InputError`."""
-    if not isinstance(query, str):
-        raise InputError(f"the query must be text, got {type(query).__name__}")
-    q = query.strip()
-    if not q:
-        raise InputError("the query is empty; describe what to find, e.g. 'the organ that secretes bile'")
-    try:
-        q.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InputError("the query is not valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
-    if len(q) > MAX_QUERY_CHARS:
-        raise InputError(f"the query has {len(q)} characters; at most {MAX_QUERY_CHARS} are allowed")
-    return q
-
-
-def describe_window(window) -> str:
-    from .windowing import get_window
-
-    w = get_window(window)
-    name = "custom" if w.name == "custom" else w.name.replace("_", " ")
-    return f"{name} window (centre {w.center:g} HU, width {w.width:g} HU)"
-
-
-# ---- grammar and budget -------------------------------------------------------------------
-
-def _tag_texts(tags: Sequence[int]) -> List[str]:
-    out = []
-    for t in tags:
-        if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__") or int(t) < 0:
-            raise InputError(f"slice tags must be non-negative integers, got {t!r}")
-        out.append(str(int(t)))
-    if not out:
-        raise InputError("no slice tags to choose from")
-    return out
-
-
-def answer_tokens(tags: Sequence[int], boxes: int) -> int:
-    """Worst-case tokens from ``</think>`` through the stop token, one token per byte."""
-    longest = max(len(t) for t in _tag_texts(tags))
-    return (len(_ANSWER_HEAD) + longest + len(_ANSWER_MID) + boxes * len(_BOX_WORST)
-            + (boxes - 1) * len(_BOX_SEP) + len(_ANSWER_TAIL) + 1)
-
-
-def plan_budget(tags: Sequence[int], max_new_tokens: int, settings: dict) -> dict:
-    """Grammar bounds for a request: ``think_chars``, ``max_boxes`` and ``force_close_at``.
-
-    ``max_boxes`` is lowered from the setting until the worst-case answer leaves
-    ``min_think_tokens`` for the reasoning (never below 1; too small a budget is an
-    :class:`InputError`). ``think_chars`` is the setting's character cap; it is not derived from
-    the token budget (a token may hold many characters): the budget guard enforces the fit —
-    when ``force_close_at`` tokens or fewer remain and the reasoning is still open, it forces
-    ``</think>``.
-    """
-    min_think = int(settings.get("min_think_tokens", 0))
-    boxes = int(settings.get("max_boxes", MAX_BOXES))
-    overhead = len(THINK_OPEN) + min_think + _UTF8_SLACK
-    while boxes > 1 and answer_tokens(tags, boxes) + overhead > max_new_tokens:
-        boxes -= 1
-    need = answer_tokens(tags, 1) + len(THINK_OPEN) + _UTF8_SLACK
-    if answer_tokens(tags, boxes) + len(THINK_OPEN) + _UTF8_SLACK > max_new_tokens:
-        raise InputError(f"max_new_tokens={max_new_tokens} is too small for a constrained answer; "
-                         f"give at least {need} (more leaves room for the reasoning)")
-    return {"think_chars": max(0, int(settings.get("think_max_chars", 0))),
-            "max_boxes": boxes,
-            "force_close_at": answer_tokens(tags, boxes) + _UTF8_SLACK}
-
-
-def _ebnf_literal(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def answer_grammar(tags: Sequence[int], think_chars: int, max_boxes: int) -> str:
-    """EBNF (xgrammar / GBNF dialect) of the answer format for the given shown tags."""
-    tag_texts = _tag_texts(tags)
-    if not 1 <= max_boxes <= MAX_BOXES:
-        raise InputError(f"max_boxes must be 1..{MAX_BOXES}, got {max_boxes}")
-    think = f" think {_ebnf_literal(_ANSWER_HEAD)}" if think_chars > 0 else f" {_ebnf_literal(_ANSWER_HEAD)}"
-    more = f" ({_ebnf_literal(_BOX_SEP)} box){{0,{max_boxes - 1}}}" if max_boxes > 1 else ""
-    lines = [
-        f"root ::= {_ebnf_literal(THINK_OPEN)}{think} tag {_ebnf_literal(_ANSWER_MID)} box{more} "
-        f"{_ebnf_literal(_ANSWER_TAIL)}",
-        "tag ::= " + " | ".join(_ebnf_literal(t) for t in dict.fromkeys(tag_texts)),
-        'box ::= "[" num ", " num ", " num ", " num "]"',
-        'num ::= "0" | [1-9] [0-9]{0,2} | "1000"',
-    ]
-    if think_chars > 0:
-        lines.append(f"think ::= [^<]{{0,{think_chars}}}")
-    return "\n".join(lines) + "\n"
+__all__ = ["QwenVLGrounder", "GroundingResult", "clean_boxes"]
 
 
 # ---- answers → anchors --------------------------------------------------------------------
@@ -352,91 +173,6 @@ def _xgrammar():
     return xgrammar
 
 
-@functools.lru_cache(maxsize=None)
-def _step_processor_class():
-    """A transformers ``LogitsProcessor``: times the first call and applies an optional guide."""
-    from transformers import LogitsProcessor
-
-    class _StepProcessor(LogitsProcessor):
-        def __init__(self, guide=None):
-            self.guide = guide
-            self.first_call = None
-
-        def __call__(self, input_ids, scores):
-            if self.first_call is None:
-                if scores.is_cuda:  # the prefill is asynchronous on a GPU: wait for it
-                    import torch
-
-                    torch.cuda.synchronize(scores.device)
-                self.first_call = time.perf_counter()
-            return scores if self.guide is None else self.guide(input_ids, scores)
-
-    return _StepProcessor
-
-
-class _GrammarGuide:
-    """Per-generate grammar state: xgrammar matchers per row, token bitmask, and the budget guard."""
-
-    def __init__(self, xgr, torch, compiled, batch_size: int, vocab_bytes, close_ids: dict, max_new_tokens: int,
-                 force_close_at: int):
-        self.xgr, self.torch = xgr, torch
-        self.matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch_size)]
-        self.bitmask = xgr.allocate_token_bitmask(batch_size, compiled.tokenizer_info.vocab_size)
-        self.vocab_bytes = vocab_bytes
-        self.close_ids = close_ids
-        self.max_new_tokens = max_new_tokens
-        self.force_close_at = force_close_at
-        self.text = [bytearray() for _ in range(batch_size)]
-        self.closed = [False] * batch_size
-        self.step = 0
-        self.forced = 0
-
-    def _close_rest(self, i: int) -> bytes:
-        close, buf = THINK_CLOSE.encode(), self.text[i]
-        for k in range(len(close) - 1, 0, -1):
-            if buf.endswith(close[:k]):
-                return close[k:]
-        return close
-
-    def __call__(self, input_ids, scores):
-        torch = self.torch
-        if self.step > 0:
-            for i, m in enumerate(self.matchers):
-                if m.is_terminated():
-                    continue
-                tok = int(input_ids[i, -1])
-                if not m.accept_token(tok):
-                    raise GenerationError(f"internal error: the grammar rejected token {tok} that it allowed")
-                if not self.closed[i]:
-                    self.text[i] += self.vocab_bytes[tok] if tok < len(self.vocab_bytes) else b""
-                    self.closed[i] = THINK_CLOSE.encode() in self.text[i]
-        remaining = self.max_new_tokens - self.step
-        self.step += 1
-        for i, m in enumerate(self.matchers):
-            if m.is_terminated():
-                self.bitmask[i].fill_(-1)  # finished row: generate pads it anyway
-            else:
-                m.fill_next_token_bitmask(self.bitmask, i)
-        device = scores.device
-        work = scores if device.type in ("cpu", "cuda") else scores.to("cpu")
-        self.xgr.apply_token_bitmask_inplace(work, self.bitmask.to(work.device))
-        if remaining <= self.force_close_at:
-            for i, m in enumerate(self.matchers):
-                if self.closed[i] or m.is_terminated():
-                    continue
-                allowed = self.close_ids.get(self._close_rest(i))
-                if allowed is None or allowed.numel() == 0:
-                    continue
-                allowed = allowed.to(work.device)
-                keep = work[i, allowed]
-                if torch.isfinite(keep).any():  # else: mid-character; the slack covers a few steps
-                    row = torch.full_like(work[i], -math.inf)
-                    row[allowed] = keep
-                    work[i] = row
-                    self.forced += 1
-        return work if work is scores else work.to(device)
-
-
 # ---- the grounder ---------------------------------------------------------------------------
 
 def _read_json(path: Path):
@@ -448,7 +184,7 @@ def _read_json(path: Path):
 
 def _check_qwen3_vl_folder(model_dir: Path) -> dict:
     """The folder's config; one clear error when it is not a complete Qwen3-VL checkpoint."""
-    from .models import check_grounder_dir
+    from ..models import check_grounder_dir
 
     if not model_dir.exists():
         raise ModelNotFoundError(f"model folder {model_dir} does not exist; install the model or check the path")
@@ -671,7 +407,7 @@ class QwenVLGrounder:
 
     # -- prompt ---------------------------------------------------------------------------------
     def _fill(self, template: str, values: dict) -> str:
-        return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+        return fill_template(template, values)
 
     def _encode_text(self, text: str) -> List[int]:
         if not text:
@@ -808,6 +544,8 @@ class QwenVLGrounder:
                        seed: Optional[int], max_new_tokens: int):
         """One ``generate`` call → ``(text, timings)``; the seam tests replace with canned texts."""
         torch = _torch()
+        _transformers()  # one clear DependencyError when transformers is missing
+        from ._logits import GrammarGuide, StepProcessor  # imports transformers
         dev = self.device
         model_inputs = {k: v.to(dev) for k, v in inputs.items()}
         model_inputs["pixel_values"] = model_inputs["pixel_values"].to(self.dtype)
@@ -817,9 +555,9 @@ class QwenVLGrounder:
             xgr, _, _, vocab, close_ids = self._xgr()
             plan = plan_budget(shown, max_new_tokens, self.settings)
             compiled = self._compile(answer_grammar(shown, plan["think_chars"], plan["max_boxes"]))
-            guide = _GrammarGuide(xgr, torch, compiled, batch, vocab, close_ids, max_new_tokens,
+            guide = GrammarGuide(xgr, torch, compiled, batch, vocab, close_ids, max_new_tokens,
                                   plan["force_close_at"])
-        step = _step_processor_class()(guide)
+        step = StepProcessor(guide)
         config = self._generation_config(do_sample, max_new_tokens)
         devices = [dev] if dev.type == "cuda" else []
         # generate() fills every unset field from model.generation_config (a checkpoint's may set

@@ -1,409 +1,65 @@
-"""A long-lived worker that keeps the models loaded: ``medvol serve`` (protocol 1).
+"""The worker behind ``medvol serve``: one queue of requests served in arrival order by one thread.
 
-Slicer starts ``medvol serve --stdio`` as a child process; ``medvol serve --http`` serves the
-same protocol to remote clients. Models load once and stay loaded; volumes already seen (same
-content sha256) are not read again.
-
-Protocol 1
-----------
-
-Transport. ``--stdio``: one JSON object per line on stdin, one per line on stdout (UTF-8, each
-line flushed; stdout carries nothing but protocol lines, logs go to stderr). ``--http``: ``POST
-/rpc`` with one JSON request as the body returns its final reply as the body (progress events
-are not streamed; ``GET /status`` shows the running request's stage and fraction, ``GET
-/hello`` the hello result). A segment request may also send the NIfTI bytes as the body (any
-content type other than JSON) with the request object in the ``X-MedVol-Request`` header.
-When the server has a token (``--token-file``) every HTTP request must carry ``Authorization:
-Bearer TOKEN`` (else 401 with an error envelope). HTTP status is 200 for every reply envelope,
-401/403/404/405/411/413/415/503 for transport-level refusals (the body is still an error envelope).
-
-HTTP sessions. Every HTTP reply carries an ``X-MedVol-Session`` header: the session id the
-server issued to this client (a new one when the request carried none, or one the server does
-not know). A client sends it back on later requests; ``cancel`` and ``status`` only see the
-requests of the caller's own session (a client cannot cancel, or see, another's work).
-``hello`` also returns it as ``session``.
-
-Trust boundary. Over stdio the worker serves its parent (Slicer) and takes server paths
-(``volume``, ``out``). Over HTTP a client sends the volume in the request and gets the mask in
-the reply; server paths are refused (code ``forbidden``) unless the operator started the server
-with ``--data-dir DIR``, and then only paths that resolve (symbolic links followed) inside DIR,
-relative paths being relative to DIR. Replies over HTTP carry no absolute server path. Every
-input is bounded before work starts: request size (``--max-request-mb``), declared voxels
-(``--max-voxels``, checked in the header before decompressing), boxes per anchor (8), files in
-a DICOM folder; only regular files and folders are read; reading and propagation honour
-cancel; an HTTP request whose client disconnected is cancelled.
-
-Request: ``{"id": ID, "op": OP, ...fields}``. ``ID`` is a string or integer chosen by the client
-(optional, echoed back). Every request gets exactly one final reply::
-
-    {"id": ID, "ok": true,  "result": {...}}
-    {"id": ID, "ok": false, "error": {"code": CODE, "message": TEXT}}
-
-``id`` is null when the request had none or could not be read. A long request may send events
-before its reply (stdio only)::
-
-    {"id": ID, "event": "progress", "stage": STAGE, "fraction": 0..1, "message": TEXT}
-
-with ``stage`` one of ``load``, ``read``, ``ground``, ``propagate``, ``write``.
-
-Ops:
-
-``hello``
-    → ``{"protocol": 1, "medvolcore": VERSION, "ops": [...], "transport": "stdio"|"http"}``
-    (plus ``"session"`` over HTTP).
-``load`` ``{preset?, adapter?, device?}``
-    Loads the preset's models and keeps them (a different preset, adapter or device replaces
-    the loaded one). → ``{"preset", "device", "smoke", "reloaded", "load_s"}``.
-``segment`` ``{volume | volume_b64, query, preset?, out?, overwrite?, seed?, constrain?, sample?, window?, stop_after_empty?}``
-    ``volume``: a path readable by the worker; over HTTP also ``volume_b64`` (base64 NIfTI bytes)
-    or the request body. ``out``: where to write the mask (default: a file in the worker's
-    temporary folder, removed when the worker exits). ``window``: display window, a preset name
-    (``soft_tissue``, ``lung``, …) or ``[centre, width]`` in HU. ``stop_after_empty``: early stop's
-    K, an integer ≥ 0 (default: the command line's default; 0 = the whole volume, the paper's way).
-``propagate`` ``{volume | volume_b64, anchor, preset?, out?, overwrite?, window?, stop_after_empty?}``
-    Propagates a given (e.g. edited) anchor, schema ``medvol.anchor/1`` (``boxes`` or only
-    ``world``); the language model is not used.
-    Results of segment and propagate: ``{"anchor", "reasoning", "timings", "smoke", "notes",
-    "preset", "shape", "mask_voxels", "propagation", "mask_path"}`` over stdio, or ``"mask_b64"`` (base64
-    ``.nii.gz``) over HTTP (plus ``mask_path`` when ``out`` was given). ``timings`` include
-    ``load_s`` (0 when the models were already loaded), ``models_reloaded``, ``volume_cached``
-    and ``request_s``. ``propagation`` (also in ``anchor``) is K and where each direction stopped.
-``cancel`` ``{target}``
-    Cancels request ``target`` of the caller's session: a queued one is answered at once, a
-    running one between slices (or between stages); either way it gets an error reply with
-    code ``cancelled``. The cancel request's own reply is ``{"target", "found", "state":
-    "running"|"queued"|"not_found"}`` (another session's request is ``not_found``).
-``status``
-    Answered at once, even while a request runs: ``{"protocol", "busy", "current": {id, op,
-    stage, fraction, message, elapsed_s} | null, "queued": [ids], "queue_length", "preset",
-    "device", "smoke", "uptime_s", "cached_volumes", "requests_done", "threads"}``; ``current``
-    and ``queued`` show only the caller's own requests (``busy`` and ``queue_length`` count
-    everyone's). Over stdio also ``"cache"`` (content hashes and shapes), ``"tmp_dir"`` and ``"pid"``.
-``shutdown``
-    Cancels the running and queued requests, replies ``{"stopping": true}`` and exits 0.
-
-Requests other than ``hello``, ``status``, ``cancel`` and ``shutdown`` run one at a time in
-arrival order on one worker thread; the reader keeps reading meanwhile.
-
-Error codes: ``bad_json`` (not JSON), ``bad_request`` (not an object, missing or mistyped
-field), ``unknown_op``, ``too_large`` (line or body over ``--max-request-mb``, volume over
-``--max-voxels``, too many boxes or files), ``unauthorized``, ``forbidden`` (a server path over
-HTTP, a foreign ``Origin`` or ``Host``), ``not_found`` (HTTP path), ``cancelled``,
-``shutting_down``, the engine's codes (``bad_volume``, ``bad_anchor``, ``bad_input``,
-``bad_output``, ``model_not_found``, ``output_exists``, ``generation_failed``, …) and
-``internal`` for an unexpected failure: its reply says only ``internal error (ref R)``, the
-details go to the worker's log under that reference, and the worker keeps serving.
-
-The worker stops only on ``shutdown``, end of input (after finishing the queued requests) or
-SIGINT/SIGTERM (cancelling them), and removes its temporary folder.
+:class:`Worker` answers ``hello``, ``status``, ``cancel`` and ``shutdown`` at once and queues
+``load``, ``segment`` and ``propagate``; a volume request runs
+:func:`medvolcore.jobs.run_segment_job` with the worker's loaded pipeline and cached volumes.
+It owns the trust boundary of ``docs/protocol.md``: server paths only over stdio or inside
+``--data-dir``, replies over HTTP without server paths or exception text. Transports
+(:mod:`.stdio`, :mod:`.http`) hand it raw request lines and deliver its replies.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
-import hashlib
-import json
 import logging
-import math
 import os
 import re
-import secrets
 import shutil
-import stat
 import tempfile
 import threading
 import time
-import traceback
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-from . import __version__
-from .errors import CancelledError, ForbiddenError, LimitError, MedVolError, VolumeError
+from .. import __version__
+from ..errors import CancelledError, ForbiddenError, MedVolError
+from .cache import DEFAULT_CACHE_SIZE, DEFAULT_MAX_VOXELS, StackCache
+from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
+                       ok_reply, parse_request, valid_id)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("medvolcore.serve")
 
-PROTOCOL = 1
-OPS = ("hello", "load", "segment", "propagate", "cancel", "status", "shutdown")
-IMMEDIATE_OPS = ("hello", "status", "cancel", "shutdown")
-QUEUED_OPS = ("load", "segment", "propagate")
-DEFAULT_MAX_REQUEST_MB = 64
-DEFAULT_CACHE_SIZE = 4
-DEFAULT_MAX_VOXELS = 1024 * 1024 * 2000  # a 1024×1024 CT of 2000 slices (8 GB as float32)
+__all__ = ["Worker", "WorkerSettings", "SHUTDOWN_WAIT_S"]
+
 SHUTDOWN_WAIT_S = 15.0
-MAX_ID_CHARS = 256
-MAX_ID_INT = 2 ** 63  # request ids are echoed back: keep them small and printable
 
 
-class RequestError(MedVolError):
-    """The request itself is malformed (missing or mistyped field, unknown op, …)."""
+@dataclass
+class WorkerSettings:
+    """How ``medvol serve`` runs its worker, whatever the transport.
 
-    code = "bad_request"
-
-    def __init__(self, message: str, code: Optional[str] = None):
-        super().__init__(message)
-        if code:
-            self.code = code
-
-
-# ---- JSON helpers ------------------------------------------------------------------------
-
-def _jsonable(obj: Any) -> Any:
-    """Plain JSON types only: numpy scalars/arrays converted, non-finite floats → null."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return obj
-    if isinstance(obj, int):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if hasattr(obj, "tolist"):  # numpy scalar or array
-        return _jsonable(obj.tolist())
-    if isinstance(obj, Path):
-        return str(obj)
-    return str(obj)
-
-
-def dumps_line(obj: dict) -> str:
-    return json.dumps(_jsonable(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-
-
-def _valid_unicode(obj: Any) -> Any:
-    """``obj`` with every string made encodable (a lone surrogate becomes U+FFFD)."""
-    if isinstance(obj, str):
-        return obj.encode("utf-8", "replace").decode("utf-8")
-    if isinstance(obj, dict):
-        return {_valid_unicode(k): _valid_unicode(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_valid_unicode(v) for v in obj]
-    return obj
-
-
-def encode_line(obj: dict) -> bytes:
-    """One protocol line as UTF-8 bytes (with the newline); never fails on a lone surrogate."""
-    try:
-        return (dumps_line(obj) + "\n").encode("utf-8")
-    except UnicodeEncodeError:
-        return (dumps_line(_valid_unicode(_jsonable(obj))) + "\n").encode("utf-8")
-
-
-def error_reply(req_id, code: str, message: str) -> dict:
-    return {"id": req_id, "ok": False, "error": {"code": code, "message": message}}
-
-
-def ok_reply(req_id, result: dict) -> dict:
-    return {"id": req_id, "ok": True, "result": result}
-
-
-def _valid_id(value) -> bool:
-    if value is None:
-        return True
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return -MAX_ID_INT < value < MAX_ID_INT
-    return isinstance(value, str) and len(value) <= MAX_ID_CHARS and _is_unicode(value)
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _describe_bad_id(value) -> str:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"'id' must be an integer of at most 63 bits or a string, got an integer of {len(str(abs(value)))} digits"
-    if isinstance(value, str):
-        return (f"'id' must be at most {MAX_ID_CHARS} characters, got {len(value)}" if len(value) > MAX_ID_CHARS
-                else "'id' is not valid Unicode text (a lone surrogate)")
-    return f"'id' must be a string or an integer, got {type(value).__name__}"
-
-
-def parse_request(raw) -> dict:
-    """bytes/str → request dict (``id`` checked); raises RequestError with the right code."""
-    if isinstance(raw, (bytes, bytearray)):
-        try:
-            raw = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RequestError(f"request is not UTF-8 text: {e}", "bad_json") from None
-    try:
-        req = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, or an integer over Python's digit limit
-        raise RequestError(f"request is not valid JSON: {str(e)[:200]}", "bad_json") from None
-    if not isinstance(req, dict):
-        raise RequestError(f"a request must be a JSON object {{\"id\": …, \"op\": …}}, got {type(req).__name__}")
-    if not _valid_id(req.get("id")):
-        raise RequestError(_describe_bad_id(req.get("id")))
-    return req
-
-
-_MISSING = object()
-
-
-def field(req: dict, name: str, types, *, required: bool = False, default=None, what: str = ""):
-    """A request field, type-checked (bool is never accepted as a number)."""
-    value = req.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        if required:
-            raise RequestError(f"{req.get('op')}: missing field '{name}'{what}")
-        return default
-    types = types if isinstance(types, tuple) else (types,)
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-    if not ok:
-        names = " or ".join({"str": "a string", "int": "an integer", "bool": "true/false", "dict": "an object",
-                             "list": "a list", "float": "a number"}[t.__name__] for t in types)
-        raise RequestError(f"{req.get('op')}: field '{name}' must be {names}, got {type(value).__name__}")
-    if isinstance(value, str) and not _is_unicode(value):
-        raise RequestError(f"{req.get('op')}: field '{name}' is not valid Unicode text (a lone surrogate)", "bad_input")
-    if isinstance(value, int) and not isinstance(value, bool) and not -MAX_ID_INT < value < MAX_ID_INT:
-        raise RequestError(f"{req.get('op')}: field '{name}' is out of range")
-    return value
-
-
-# ---- volumes --------------------------------------------------------------------------------
-
-def _hash_file(path: Path, h, cancel=None) -> None:
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            if cancel is not None and cancel.is_set():
-                raise CancelledError(f"reading {path.name} was cancelled")
-            h.update(chunk)
-
-
-def file_sha256(path: Path, cancel=None) -> str:
-    """sha256 of a regular file's bytes, or of a folder's own regular files (name + bytes, sorted).
-
-    Only regular files are read (never a device or FIFO, which could block for ever); a folder
-    is not walked recursively (a DICOM series is one folder) and holds at most
-    ``volume.MAX_DICOM_FILES`` entries. ``cancel`` is checked between 1 MB chunks.
-    """
-    from .volume import MAX_DICOM_FILES
-
-    h = hashlib.sha256()
-    st = path.stat()
-    if stat.S_ISDIR(st.st_mode):
-        names = []
-        with os.scandir(path) as it:
-            for entry in it:
-                names.append(entry.name)
-                if len(names) > MAX_DICOM_FILES:
-                    raise LimitError(f"{path.name} holds more than {MAX_DICOM_FILES} files; give the folder of one "
-                                     "DICOM series")
-        for name in sorted(names):
-            f = path / name
-            if f.is_file() and not f.is_symlink():
-                h.update(name.encode("utf-8", "surrogateescape") + b"\0")
-                _hash_file(f, h, cancel)
-        return h.hexdigest()
-    if not stat.S_ISREG(st.st_mode):
-        raise VolumeError(f"{path} is not a regular file or folder (a device, FIFO or socket); give a CT file or "
-                          "a DICOM folder")
-    _hash_file(path, h, cancel)
-    return h.hexdigest()
-
-
-class StackCache:
-    """A small LRU of AxialStacks keyed by the content sha256 of the volume file.
-
-    ``get_path`` / ``get_bytes`` return a stack without keeping it; the caller adds it with
-    :meth:`put` once its request succeeded, so a volume from a failed or cancelled request (say, a
-    decompression bomb) is never held in memory.
+    ``preset``/``adapter``: loaded at start and used when a request names none (None: the
+    manifest's default preset, loaded on the first request). ``max_request_mb``: the largest
+    request line or HTTP body. ``threads``: CPU threads for the models (None: torch's default).
+    ``max_voxels``: the largest volume, checked in its header before it is read. ``data_dir``:
+    the one folder HTTP clients may name files in (None: none).
     """
 
-    def __init__(self, size: int = DEFAULT_CACHE_SIZE, max_voxels: Optional[int] = DEFAULT_MAX_VOXELS):
-        self.size = max(0, int(size))
-        self.max_voxels = max_voxels
-        self._items: "collections.OrderedDict[str, Any]" = collections.OrderedDict()
-        self._stat_hash: dict = {}  # (path, size, mtime_ns) -> sha256, so a known file is not hashed again
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+    preset: Optional[str] = None
+    adapter: Optional[str] = None
+    device: str = "auto"
+    cache_size: int = DEFAULT_CACHE_SIZE
+    max_request_mb: float = DEFAULT_MAX_REQUEST_MB
+    threads: Optional[int] = None
+    max_voxels: int = DEFAULT_MAX_VOXELS
+    data_dir: Optional[Path] = None
+    debug: bool = False
 
-    def _key_for_path(self, path: Path, cancel=None) -> str:
-        try:
-            st = path.stat()
-        except OSError as e:
-            raise VolumeError(f"{path} cannot be read: {e.strerror or e}") from None
-        memo = (str(path.resolve()), st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
-        if memo is not None and memo in self._stat_hash:
-            return self._stat_hash[memo]
-        try:
-            digest = file_sha256(path, cancel)
-        except OSError as e:
-            raise VolumeError(f"{path} cannot be read: {e.strerror or e}") from None
-        if memo is not None:
-            if len(self._stat_hash) > 256:
-                self._stat_hash.clear()
-            self._stat_hash[memo] = digest
-        return digest
-
-    def _cached(self, digest: str):
-        with self._lock:
-            if digest in self._items:
-                self._items.move_to_end(digest)
-                self.hits += 1
-                return self._items[digest]
-        return None
-
-    def get_path(self, path, cancel=None) -> tuple:
-        """``(stack, sha256, cached)`` for a volume path (not added to the cache: see :meth:`put`)."""
-        from .stack import AxialStack
-        from .volume import load_volume
-
-        path = Path(path)
-        digest = self._key_for_path(path, cancel)
-        stack = self._cached(digest)
-        if stack is not None:
-            return stack, digest, True
-        self.misses += 1
-        return AxialStack(load_volume(path, max_voxels=self.max_voxels, cancel=cancel)), digest, False
-
-    def get_bytes(self, data: bytes, tmp_dir: Path, cancel=None) -> tuple:
-        """``(stack, sha256, cached)`` for uploaded NIfTI bytes (written to ``tmp_dir`` only to be read)."""
-        from .stack import AxialStack
-        from .volume import load_volume
-
-        digest = hashlib.sha256(data).hexdigest()
-        stack = self._cached(digest)
-        if stack is not None:
-            return stack, digest, True
-        if len(data) < 348:
-            raise VolumeError(f"uploaded volume is {len(data)} bytes: too short to be a NIfTI file")
-        self.misses += 1
-        suffix = ".nii.gz" if data[:2] == b"\x1f\x8b" else ".nii"
-        fd, tmp = tempfile.mkstemp(prefix="upload-", suffix=suffix, dir=tmp_dir)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            stack = AxialStack(load_volume(tmp, max_voxels=self.max_voxels, cancel=cancel))
-        finally:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        return stack, digest, False
-
-    def put(self, digest: str, stack) -> None:
-        with self._lock:
-            if self.size == 0:
-                return
-            self._items[digest] = stack
-            self._items.move_to_end(digest)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-
-    def describe(self) -> list:
-        with self._lock:
-            return [{"sha256": k, "shape_zyx": list(v.shape)} for k, v in self._items.items()]
-
-    def __len__(self) -> int:
-        return len(self._items)
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * (1 << 20))
 
 
 def _release_memory() -> None:
@@ -476,6 +132,17 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="medvol-worker", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def from_settings(cls, settings: WorkerSettings, transport: str, emit: Optional[Callable[[dict], None]] = None,
+                      preload: bool = True) -> "Worker":
+        """A worker for ``settings``; with ``preload`` its preset (if any) starts loading at once."""
+        worker = cls(emit, default_preset=settings.preset, device=settings.device, cache_size=settings.cache_size,
+                     transport=transport, max_request_bytes=settings.max_request_bytes, threads=settings.threads,
+                     data_dir=settings.data_dir, max_voxels=settings.max_voxels)
+        if preload and settings.preset:
+            worker.preload(settings.preset, settings.adapter)
+        return worker
+
     # -- entry points ------------------------------------------------------------------------
     def handle_line(self, raw, reply: Optional[Callable[[dict], None]] = None, body: Optional[bytes] = None,
                     transport: Optional[str] = None, session: Optional[str] = None) -> Optional[_Job]:
@@ -520,7 +187,7 @@ class Worker:
                 target = req.get("target", _MISSING)
                 if target is _MISSING:
                     raise RequestError("cancel: missing field 'target' (the id of the request to cancel)")
-                if target is None or not _valid_id(target):
+                if target is None or not valid_id(target):
                     raise RequestError(f"cancel: field 'target' must be a string or an integer, got {type(target).__name__}")
                 reply(ok_reply(rid, self.cancel(target, session)))
             elif op == "shutdown":
@@ -545,10 +212,7 @@ class Worker:
 
     @staticmethod
     def _internal_reply(rid, what: str) -> dict:
-        """The reply to an unexpected failure: a reference, no exception text (that goes to the log)."""
-        ref = secrets.token_hex(4)
-        log.error("internal error (ref %s) in %s:\n%s", ref, what, traceback.format_exc())
-        return error_reply(rid, "internal", f"internal error (ref {ref}); the worker's log has the details")
+        return internal_reply(rid, what)
 
     def public_message(self, text: str, transport: Optional[str] = None) -> str:
         """An error message fit for the client: over HTTP, no absolute server path.
@@ -602,7 +266,7 @@ class Worker:
             raise RequestError(f"{op}: field 'window' must be a preset name or [centre, width] in HU, got {w!r}")
         stop_k = field(req, "stop_after_empty", int)
         if stop_k is not None:
-            from .propagation import check_stop_after_empty
+            from ..propagation import check_stop_after_empty
 
             try:
                 check_stop_after_empty(stop_k)
@@ -617,7 +281,7 @@ class Worker:
         vol_path = self.client_path(volume, transport, "volume") if volume is not None else None
         out_path = self.client_path(out, transport, "out") if out is not None else None
         if out_path is not None:
-            from .fileio import MASK_SUFFIXES, check_distinct
+            from ..fileio import MASK_SUFFIXES, check_distinct
 
             if not out_path.name.lower().endswith(MASK_SUFFIXES):
                 raise RequestError(f"{op}: 'out' must end in {', '.join(MASK_SUFFIXES)}", "bad_output")
@@ -794,13 +458,13 @@ class Worker:
 
     def _ensure_pipeline(self, preset, adapter, device, progress, explicit=False) -> bool:
         """Make sure a pipeline is loaded for ``preset``; True when models were (re)loaded now."""
-        from .pipeline import Pipeline
+        from ..pipeline import Pipeline
 
         if preset is None and not explicit and self.pipeline is not None:
             return False
         preset = preset or (self.pipeline.preset if self.pipeline is not None else None) or self.default_preset
         if preset is None:
-            from .models import default_preset
+            from ..models import default_preset
 
             preset = default_preset()
         if not explicit and self.pipeline is not None and preset == self.pipeline.preset:
@@ -854,53 +518,38 @@ class Worker:
         return self.tmp_dir / f"{job.op}-{self._counter:04d}-{safe}.nii.gz", False, True
 
     def _run_volume_job(self, job: _Job, progress) -> dict:
-        from .volume import save_mask
+        """A ``segment`` or ``propagate`` request: :func:`~medvolcore.jobs.run_segment_job` on the
+        cached volume, with the models loaded only once the inputs are known good."""
+        from ..jobs import SegmentOutputs, SegmentRequest, run_segment_job
 
         req = job.req
         t0 = time.perf_counter()
-        # the inputs first (volume, anchor, output, window): a bad one is refused without loading models
         stack, digest, cached = self._stack_for(job, progress)
         read_s = time.perf_counter() - t0
         progress("read", 1.0, "volume from cache" if cached else "volume read")
-        anchor = None
-        if job.op == "propagate":
-            from .anchor import EvidenceAnchor
-
-            anchor = EvidenceAnchor.from_dict(req["anchor"], stack)
         out, overwrite, is_temp = self._out_path(job)
-        if not is_temp:
-            from .fileio import MASK_SUFFIXES, check_output
-
-            # before the long work; over HTTP no folder is created for a client
-            check_output(out, overwrite, suffixes=MASK_SUFFIXES, what="mask", create_folder=job.transport != "http")
         window = req.get("window")
-        if isinstance(window, list):
-            window = tuple(window)
-        from .windowing import get_window
+        request = SegmentRequest(
+            query=req["query"] if job.op == "segment" else None, anchor=req.get("anchor") if job.op == "propagate" else None,
+            hu_window=tuple(window) if isinstance(window, list) else window, stop_after_empty=req.get("stop_after_empty"),
+            constrain=req.get("constrain", True), sample=bool(req.get("sample", False)), seed=req.get("seed"))
+        # over HTTP no folder is created for a client
+        outputs = SegmentOutputs(out, overwrite=overwrite, create_folders=job.transport != "http",
+                                 names=("out", "anchor_out", "qc"))
+        load = {"reloaded": False, "load_s": 0.0}
 
-        get_window(window)
-        t = time.perf_counter()
-        reloaded = self._ensure_pipeline(req.get("preset"), None, None, progress)
-        load_s = time.perf_counter() - t if reloaded else 0.0
-        pipe = self.pipeline
-        if job.op == "segment":
-            seg = pipe.segment(stack, req["query"], constrain=req.get("constrain", True), seed=req.get("seed"),
-                               do_sample=bool(req.get("sample", False)), hu_window=window, progress=progress,
-                               cancel=job.cancel, stop_after_empty=req.get("stop_after_empty"))
-        else:
-            seg = pipe.repropagate(stack, anchor, hu_window=window, progress=progress, cancel=job.cancel,
-                                   stop_after_empty=req.get("stop_after_empty"))
-        if job.cancel.is_set():
-            raise CancelledError(f"request {job.id!r} cancelled")
-        progress("write", 0.0, "writing the mask")
-        t = time.perf_counter()
-        result = {"anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "smoke": bool(seg.smoke),
-                  "notes": list(seg.notes), "preset": seg.preset, "volume_sha256": digest,
-                  "shape": list(stack.volume.shape), "mask_voxels": int(seg.mask.sum()),
-                  "propagation": seg.anchor.propagation}
-        save_mask(seg.mask, stack.volume, out, overwrite=overwrite)
+        def pipeline():
+            t = time.perf_counter()
+            load["reloaded"] = self._ensure_pipeline(req.get("preset"), None, None, progress)
+            load["load_s"] = time.perf_counter() - t if load["reloaded"] else 0.0
+            return self.pipeline
+
+        res = run_segment_job(pipeline, stack, request, outputs, progress=progress, cancel=job.cancel)
         if not cached:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
+        result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "notes", "preset")}
+        result.update(volume_sha256=digest, shape=res["shape"], mask_voxels=res["mask_voxels"],
+                      propagation=res["propagation"])
         if job.transport == "http":
             result["mask_b64"] = base64.b64encode(out.read_bytes()).decode("ascii")
             if is_temp:
@@ -909,10 +558,8 @@ class Worker:
                 result["mask_path"] = os.path.relpath(out, self.data_dir)  # as the client named it, never absolute
         else:
             result["mask_path"] = str(out)
-        timings = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in seg.timings.items()}
-        timings.update(load_s=round(load_s, 4), models_reloaded=reloaded, volume_cached=cached,
-                       volume_read_s=round(read_s, 4), write_s=round(time.perf_counter() - t, 4),
-                       request_s=round(time.perf_counter() - t0, 4))
+        timings = dict(res["timings"])
+        timings.update(load_s=round(load["load_s"], 4), models_reloaded=load["reloaded"], volume_cached=cached,
+                       volume_read_s=round(read_s, 4), request_s=round(time.perf_counter() - t0, 4))
         result["timings"] = timings
-        progress("write", 1.0, "done")
         return result

@@ -1,0 +1,13 @@
+"""The ``medvol`` command line (entry point :func:`main`).
+
+- :mod:`.app` — the parser and :func:`main` (one-line errors, exit codes, SIGTERM);
+- :mod:`.common` — what every command shares (``--json`` output, shared options);
+- :mod:`.volume` — ``info``, ``anchor``, ``propagate``, ``segment``, ``demo``, ``metrics``;
+- :mod:`.batch`, :mod:`.models`, :mod:`.serve` — ``medvol batch``, ``models``, ``serve``.
+
+``python -m medvolcore.cli ARGS`` is ``medvol ARGS``.
+"""
+
+from .app import PROG, Terminated, build_parser, main, main_batch, main_command, main_serve
+
+__all__ = ["PROG", "Terminated", "build_parser", "main", "main_batch", "main_command", "main_serve"]

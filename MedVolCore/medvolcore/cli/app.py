@@ -1,0 +1,125 @@
+"""The ``medvol`` command line: the parser, and ``main`` that turns every failure into one line.
+
+Every command has ``--help``. Errors are one line on stderr and a non-zero exit code
+(``--debug`` shows the traceback). Long work shows a progress bar on stderr; ``--json``
+prints a machine-readable result on stdout. The commands live in one module per group
+(:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`), each of which imports only
+:mod:`.common` of this package; heavy libraries are imported by the command that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import List, Optional
+
+from .. import __version__
+from ..errors import MedVolError
+from .batch import add_batch_command
+from .common import PROG
+from .models import add_models_command
+from .serve import add_serve_command
+from .volume import add_metrics_command, add_volume_commands
+
+__all__ = ["PROG", "Terminated", "build_parser", "main", "main_command"]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a cluster's time limit, ``kill``): unwinds like Ctrl-C, so temporary files go."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump)."""
+
+    def error(self, message):  # noqa: D401
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _OneLineWarnings(logging.Handler):
+    def emit(self, record):
+        sys.stderr.write(f"{PROG}: warning: {record.getMessage()}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="MedVol-R1 engine: CT → evidence anchor → MedSAM2 3-D mask.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def add(name, help_, func):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(func=func)
+        sp.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+        sp.add_argument("--debug", action="store_true", help="show tracebacks")
+        return sp
+
+    add_volume_commands(add)
+    add_models_command(sub, add)
+    add_serve_command(sub, add)
+    add_batch_command(sub, add)
+    add_metrics_command(add)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    logger = logging.getLogger("medvolcore")
+    if not any(isinstance(h, _OneLineWarnings) for h in logger.handlers):
+        logger.addHandler(_OneLineWarnings(level=logging.WARNING))
+    logger.propagate = False
+    previous = _on_sigterm_unwind()
+    try:
+        return int(args.func(args) or 0)
+    except MedVolError as e:
+        if args.debug:
+            raise
+        sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt as e:
+        hint = getattr(args, "interrupt_hint", "")
+        how = "terminated" if isinstance(e, Terminated) else "interrupted"
+        sys.stderr.write(f"{PROG} {args.command}: {how}" + (f"; {hint}" if hint else "") + "\n")
+        return 143 if isinstance(e, Terminated) else 130
+    except Exception as e:  # an unexpected failure: still one line, with a hint
+        if args.debug:
+            raise
+        sys.stderr.write(f"{PROG} {args.command}: internal error: {type(e).__name__}: {e} (rerun with --debug for details)\n")
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def main_command(command: str, argv: Optional[List[str]] = None) -> int:
+    """``medvol COMMAND ARGV…`` in process (``argv`` None: ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return main([command] + [str(a) for a in argv])
+
+
+def main_batch(argv: Optional[List[str]] = None) -> int:
+    """``medvol batch ARGV…`` in process; returns the exit code (errors: one line on stderr)."""
+    return main_command("batch", argv)
+
+
+def main_serve(argv: Optional[List[str]] = None) -> int:
+    """``medvol serve ARGV…`` (``python -m medvolcore.cli_serve ARGS``, how Slicer starts the worker)."""
+    return main_command("serve", argv)
+
+
+def _on_sigterm_unwind():
+    """Make SIGTERM raise :class:`Terminated` in the main thread (so ``finally`` blocks run and
+    temporary outputs are removed, as for Ctrl-C); returns the previous handler, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _term(signum, frame):
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, _term)

@@ -1,0 +1,91 @@
+"""``medvol batch``: segment every case of a manifest, resumably, optionally one shard of it.
+
+:func:`~medvolcore.cli.app.build_parser` wires it in with ``add_batch_command(sub, add)``; the work
+is :func:`medvolcore.batch.run_batch`. ``python -m medvolcore.cli_batch --manifest CASES.csv
+--out-dir DIR …`` is the same as ``medvol batch …``.
+
+Exit codes: 0 every case done; 3 some case failed (each is in ``error.json`` and the summary);
+2 the run could not start (bad manifest, bad ``--shard``, outputs already present, a model that
+cannot load); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM, e.g. a cluster's time limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .common import add_preset_option, add_stop_option
+
+HELP = "Segment every case of a manifest (CSV or JSONL); resumable, shardable, with a summary table and page."
+
+EPILOG = """\
+manifest: CSV with a header row, or JSONL (one object per line); fields id, volume, query and
+optionally gt (label map) and label (5, or 2,3 in CSV / [2,3] in JSONL; default: every non-zero
+voxel of gt). Relative paths are resolved against the manifest's folder. Ids must be safe folder
+names (letters, digits, '.', '_', '-').
+
+outputs: DIR/<id>/mask.nii.gz, anchor.json, qc.png, then done.json (written last: a case counts
+as finished only with it); a failed case gets DIR/<id>/error.json and the run continues.
+DIR/summary.csv (id,status,error,slice,boxes,seconds,dice,iou) and DIR/summary.html; with
+--shard I/N they are summary.shard-I-of-N.csv/.html.
+
+--shard I/N (1-based I) takes the cases at 0-based manifest positions p with p % N == I-1.
+
+exit codes: 0 all cases done, 3 some failed, 2 the run could not start, 130 interrupted,
+143 terminated (SIGTERM)."""
+
+
+def add_batch_command(sub, add):
+    """Add ``batch`` to the ``medvol`` subcommands (``add(name, help, func)`` as in :func:`~.app.build_parser`)."""
+    sp = add("batch", HELP, cmd_batch)
+    sp.set_defaults(interrupt_hint="rerun with --resume to finish the remaining cases")
+    sp.formatter_class = argparse.RawDescriptionHelpFormatter
+    sp.epilog = EPILOG
+    sp.add_argument("--manifest", required=True, metavar="CASES", help="cases to run: .csv or .jsonl")
+    sp.add_argument("--out-dir", required=True, metavar="DIR", help="one folder per case, plus the summaries")
+    add_preset_option(sp)
+    sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for the grounder (overrides the preset's)")
+    sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                    help="cpu (fp32) or cuda (bfloat16); auto picks cuda when available")
+    sp.add_argument("--shard", metavar="I/N", help="run only shard I of N (1-based), e.g. 2/4, for cluster job arrays")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help="skip finished cases (done.json); rerun failed or incomplete ones")
+    g.add_argument("--overwrite", action="store_true", help="redo every case of the shard, replacing its outputs")
+    sp.add_argument("--seed", type=int, help="random seed for --sample (reproducible sampling)")
+    sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+    add_stop_option(sp)
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return sp
+
+
+def _text(info: dict) -> str:
+    lines = []
+    if info.get("notice"):
+        lines.append("NOTE: " + info["notice"])
+    shard = f" (shard {info['shard']} of {info['manifest_cases']})" if info.get("shard") else ""
+    lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info['failed']} failed, "
+                 f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
+    for f in info["failures"]:
+        lines.append(f"failed {f['id']}: {f['error']}")
+    lines.append(f"summary: {info['summary_csv']}, {info['summary_html']}")
+    return "\n".join(lines)
+
+
+def cmd_batch(args) -> int:
+    from ..batch import BatchOptions, parse_shard, run_batch
+
+    opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
+                        sample=args.sample, ct_window=args.ct_window, stop_after_empty=args.stop_after_empty,
+                        shard=parse_shard(args.shard),
+                        resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+
+    # a cluster's time limit (SIGTERM) stops the run like Ctrl-C: cli.main turns it into an
+    # exception, so temporary files are removed and --resume finishes the rest
+    res = run_batch(args.manifest, args.out_dir, opts)
+    if args.json:
+        sys.stdout.write(json.dumps(res.info, indent=2) + "\n")
+    else:
+        sys.stdout.write(_text(res.info) + "\n")
+    return res.exit_code

@@ -1,0 +1,99 @@
+"""``medvol serve``: its options, checked, turned into the worker's and the transport's settings.
+
+The worker and its transports are :mod:`medvolcore.serve`; the protocol is ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import InputError
+from ..serve.cache import DEFAULT_CACHE_SIZE, DEFAULT_MAX_VOXELS
+from ..serve.http import (DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT, HttpSettings,
+                          serve_http)
+from ..serve.lifecycle import setup_logging
+from ..serve.protocol import DEFAULT_MAX_REQUEST_MB
+from ..serve.stdio import serve_stdio
+from ..serve.worker import WorkerSettings
+
+
+def cmd_serve(args) -> int:
+    if args.max_request_mb <= 0:
+        raise InputError(f"--max-request-mb must be positive, got {args.max_request_mb:g}")
+    if args.max_voxels < 1:
+        raise InputError(f"--max-voxels must be positive, got {args.max_voxels}")
+    http_only = (args.token_file or args.port is not None or args.host is not None or args.data_dir is not None
+                 or args.allowed_host or args.max_connections is not None or args.client_timeout is not None)
+    if not args.http and http_only:
+        raise InputError("--host, --port, --token-file, --data-dir, --allowed-host, --max-connections and "
+                         "--client-timeout apply to --http only")
+    http = None
+    if args.http:
+        http = HttpSettings(host=args.host or DEFAULT_HOST, port=DEFAULT_PORT if args.port is None else args.port,
+                            token_file=args.token_file, allowed_hosts=tuple(args.allowed_host or ()),
+                            max_connections=DEFAULT_MAX_CONNECTIONS if args.max_connections is None
+                            else args.max_connections,
+                            client_timeout=DEFAULT_CLIENT_TIMEOUT_S if args.client_timeout is None
+                            else args.client_timeout)
+        if http.max_connections < 1:
+            raise InputError(f"--max-connections must be at least 1, got {http.max_connections}")
+        if not http.client_timeout > 0:
+            raise InputError(f"--client-timeout must be positive, got {http.client_timeout:g}")
+    setup_logging(bool(getattr(args, "debug", False)))
+    threads = args.threads
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 2) - 1)
+    elif threads < 1:
+        raise InputError(f"--threads must be at least 1, got {threads}")
+    settings = WorkerSettings(preset=args.preset, adapter=args.adapter, device=args.device, cache_size=args.cache_size,
+                              max_request_mb=args.max_request_mb, threads=threads, max_voxels=args.max_voxels,
+                              data_dir=args.data_dir, debug=bool(getattr(args, "debug", False)))
+    if http is not None:
+        if not 0 <= http.port <= 65535:
+            raise InputError(f"--port must be 0..65535, got {http.port}")
+        return serve_http(settings, http)
+    return serve_stdio(settings)
+
+
+def _add_arguments(sp) -> None:
+    mode = sp.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--stdio", action="store_true", help="JSON lines on stdin/stdout (how Slicer runs it)")
+    mode.add_argument("--http", action="store_true", help="HTTP: POST /rpc with one JSON request, GET /status")
+    sp.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; others need --token-file)")
+    sp.add_argument("--port", type=int, default=None, help="port (default 8765; 0 picks a free one, shown in the ready line)")
+    sp.add_argument("--token-file", metavar="FILE", help="file holding the bearer token every HTTP request must carry")
+    sp.add_argument("--preset", default=None, help="model preset to load at start and use by default (default: load "
+                                                   "the default preset on the first request)")
+    sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for --preset")
+    sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="cpu, cuda or auto (default)")
+    sp.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_MB,
+                    help=f"largest request line / HTTP body in MB (default {DEFAULT_MAX_REQUEST_MB})")
+    sp.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="CPU threads for the models (default: all cores but one, leaving one to Slicer; "
+                         "fewer threads are much faster when the CPU is shared)")
+    sp.add_argument("--cache-size", type=int, default=DEFAULT_CACHE_SIZE,
+                    help=f"volumes kept in memory, by content hash (default {DEFAULT_CACHE_SIZE})")
+    sp.add_argument("--max-voxels", type=int, default=DEFAULT_MAX_VOXELS, metavar="N",
+                    help="largest volume accepted, checked in its header before reading it (default "
+                         f"{DEFAULT_MAX_VOXELS:,}: a 1024×1024 CT of 2000 slices)")
+    sp.add_argument("--data-dir", metavar="DIR", default=None,
+                    help="HTTP only: the one folder whose files clients may name as 'volume' or 'out' (paths "
+                         "resolved inside it, symbolic links followed); default: no server paths at all")
+    sp.add_argument("--allowed-host", action="append", metavar="NAME",
+                    help="HTTP only: another name clients may use in the Host header (e.g. the machine's DNS name "
+                         "behind a proxy); repeatable")
+    sp.add_argument("--max-connections", type=int, default=None, metavar="N",
+                    help=f"HTTP only: connections served at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    sp.add_argument("--client-timeout", type=float, default=None, metavar="S",
+                    help="HTTP only: seconds a client has to send a request's line and headers before it is "
+                         f"disconnected (default {DEFAULT_CLIENT_TIMEOUT_S:g}; bodies get this plus 1 s per 256 KB)")
+
+
+SERVE_HELP = "Run a persistent worker that keeps the models loaded (protocol 1 over --stdio or --http)."
+
+
+def add_serve_command(sub, add):
+    """Register ``medvol serve`` with the main parser (``add`` as in :func:`medvolcore.cli.app.build_parser`)."""
+    sp = add("serve", SERVE_HELP, cmd_serve)
+    _add_arguments(sp)
+    return sp

@@ -1,0 +1,356 @@
+"""The commands on one volume: ``medvol info``, ``anchor``, ``propagate``, ``segment``, ``demo`` and ``metrics``.
+
+``segment``, ``demo`` and ``propagate`` run :func:`medvolcore.jobs.run_segment_job`; the other
+three read files and compute. Imports are deferred to the command that needs them, so
+``medvol propagate`` loads torch and sam2 but nothing else heavy, and ``medvol anchor`` does not
+load torch at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from ..errors import InputError, MedVolError
+from .common import PROG, add_preset_option, add_stop_option, emit, parse_labels, peak_memory_mb, stop_text
+
+VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder"
+
+
+# ---- medvol info -----------------------------------------------------------------------
+
+def cmd_info(args) -> int:
+    from ..stack import AxialStack, axis_codes
+    from ..volume import load_volume
+
+    vol = load_volume(args.volume)
+    stack = AxialStack(vol)
+    res = {
+        "volume": str(args.volume), "format": vol.source_format, "shape": list(vol.shape),
+        "spacing_mm": [round(s, 4) for s in vol.spacing], "orientation": axis_codes(stack),
+        "stack_shape_zyx": list(stack.shape), "stack_spacing_zyx_mm": [round(s, 4) for s in stack.spacing],
+        "hu_range": [float(vol.array.min()), float(vol.array.max())],
+        "affine": [[round(float(v), 5) for v in row] for row in vol.affine],
+    }
+    text = (f"{args.volume}: {vol.source_format}, {'×'.join(map(str, vol.shape))} voxels, "
+            f"spacing {' × '.join(f'{s:g}' for s in vol.spacing)} mm, orientation {res['orientation']}\n"
+            f"axial stack: {stack.depth} slices of {stack.width}×{stack.height} (W×H), "
+            f"HU {res['hu_range'][0]:g}..{res['hu_range'][1]:g}")
+    emit(res, args.json, text)
+    return 0
+
+
+# ---- medvol anchor ---------------------------------------------------------------------
+
+def cmd_anchor(args) -> int:
+    from ..anchor import anchor_from_mask
+    from ..fileio import check_distinct, check_output
+    from ..stack import AxialStack
+    from ..volume import label_mask, load_label_map
+
+    if args.out:
+        check_distinct([("--out", args.out)], [("--mask", args.mask)])
+        check_output(args.out, args.overwrite)
+    labels = load_label_map(args.mask)
+    stack = AxialStack(labels)
+    target = label_mask(labels, parse_labels(args.label))
+    anchor = anchor_from_mask(stack.to_stack(target), top_k=args.top_k, rng=args.seed, stack=stack, query=args.query or "")
+    if args.out:
+        anchor.save(args.out, args.overwrite)
+        res = {"out": str(args.out), "anchor": anchor.to_dict()}
+        emit(res, args.json, f"wrote {args.out}: slice {anchor.slice}, {len(anchor.boxes)} box(es) {anchor.boxes}")
+    else:
+        sys.stdout.write(anchor.to_json())
+    return 0
+
+
+# ---- medvol propagate ------------------------------------------------------------------
+
+def cmd_propagate(args) -> int:
+    from ..jobs import SegmentOutputs, SegmentRequest, check_outputs, run_segment_job
+    from ..propagation import check_stop_after_empty
+
+    t0 = time.perf_counter()
+    inputs = [("--volume", args.volume), ("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)]
+    outputs = SegmentOutputs(args.out, anchor=args.anchor_out, overwrite=args.overwrite)
+    check_outputs(outputs, inputs)
+    if args.anchor and (args.slice is not None or args.box):
+        raise InputError("give either --anchor or --slice/--box, not both")
+    if not args.anchor and (args.slice is None or not args.box):
+        raise InputError("give an anchor: --anchor A.anchor.json, or --slice Z with one or more --box X0 Y0 X1 Y1")
+    if args.sam_checkpoint is None and args.random_weights is None:
+        raise InputError("no MedSAM2 weights: pass --sam-checkpoint PATH (e.g. MedSAM2_latest.pt), "
+                         "or --random-weights SEED for an untrained smoke test")
+    if args.window is not None and args.window < 0:
+        raise InputError(f"--window must be ≥ 0 slices, got {args.window}")
+    if args.sam_checkpoint is not None and args.image_size not in (None, 512):
+        raise InputError("--image-size applies to --random-weights only; MedSAM2 checkpoints run at 512")
+    check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
+    request = SegmentRequest(anchor=args.anchor, key_slice=args.slice, boxes=args.box, hu_window=args.ct_window,
+                             stop_after_empty=args.stop_after_empty, span=args.window,
+                             largest_component=args.largest_component)
+    loaded = {}
+
+    def pipeline():  # MedSAM2 loads once the volume and the anchor are known good
+        from ..devices import resolve_device
+        from ..pipeline import Pipeline
+        from ..propagation import MedSAM2Propagator  # torch + sam2 only from here on
+
+        device = str(resolve_device(args.device))
+        t_load = time.perf_counter()
+        if args.sam_checkpoint is not None:
+            propagator = MedSAM2Propagator.from_checkpoint(args.sam_checkpoint, device=device)
+            loaded["weights"] = str(args.sam_checkpoint)
+        else:
+            logging.getLogger("medvolcore").warning(
+                "random MedSAM2 weights (seed %d): the mask is meaningless, for smoke tests and benchmarks only",
+                args.random_weights)
+            size = args.image_size or 512
+            propagator = MedSAM2Propagator.from_random(args.random_weights, image_size=size, device=device)
+            loaded["weights"] = f"random(seed={args.random_weights}, image_size={size})"
+        loaded.update(device=device, load_s=time.perf_counter() - t_load)
+        return Pipeline.with_propagator(propagator)
+
+    bar = None if args.no_progress else _bar("propagate")
+    try:
+        res = run_segment_job(pipeline, args.volume, request, outputs, progress=_progress(bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    t = res["timings"]
+    prop = res["propagation"]
+    out = {
+        "out": res["out"], "volume": str(args.volume), "anchor": res["anchor"], "weights": loaded["weights"],
+        "device": loaded["device"], "ct_window": _window_pair(args.ct_window),
+        "slice_range": list(prop["slice_range"]), "slices_encoded": t["slices_encoded"], "propagation": prop,
+        "encoder_calls": t["encoder_calls"], "mask_voxels": res["mask_voxels"],
+        "seconds": round(t["propagate_s"], 3), "seconds_per_slice": round(t["propagate_s_per_slice"], 4),
+        "model_load_seconds": round(loaded["load_s"], 3), "total_seconds": round(time.perf_counter() - t0, 3),
+        "peak_memory_mb": peak_memory_mb(),
+    }
+    if loaded["device"].startswith("cuda"):
+        import torch
+
+        out["peak_cuda_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    lo, hi = prop["slice_range"]
+    text = (f"wrote {res['out']}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
+            f"({t['slices_encoded']} encoded, {t['propagate_s_per_slice']:.2f} s/slice{stop_text(prop)}), "
+            f"peak memory {out['peak_memory_mb']} MB")
+    emit(out, args.json, text)
+    return 0
+
+
+def _window_pair(ct_window) -> list:
+    from ..windowing import get_window
+
+    w = get_window(ct_window)
+    return [w.center, w.width]
+
+
+def _bar(desc: str):
+    """A progress bar on stderr, in percent with the stage's message (none when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=100, desc=desc, unit="%", file=sys.stderr, disable=None, leave=False,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+
+
+def _progress(bar):
+    """The job's ``progress(stage, fraction, message)`` drawn on ``bar`` (None: no bar)."""
+    def progress(stage, fraction, message):
+        if bar is not None:
+            bar.set_description(stage)
+            bar.n = int(100 * fraction)
+            bar.set_postfix_str(message)
+            bar.refresh()
+
+    return progress
+
+
+# ---- medvol segment / demo ---------------------------------------------------------------
+
+def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str = "") -> dict:
+    from ..grounder import validate_query
+    from ..jobs import SegmentOutputs, SegmentRequest, check_outputs, run_segment_job
+    from ..propagation import check_stop_after_empty
+
+    query = validate_query(query)
+    check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
+    adapter = getattr(args, "adapter", None)
+    outputs = SegmentOutputs(out, anchor=anchor_out, qc=qc, overwrite=args.overwrite)
+    # every output checked before the models load: distinct files, not an input, writable, right type
+    check_outputs(outputs, [("--volume", volume), ("--adapter", adapter)])
+    request = SegmentRequest(query=query, hu_window=args.ct_window, stop_after_empty=args.stop_after_empty,
+                             constrain=not args.no_constrain, sample=args.sample, seed=args.seed)
+    pipes = []
+
+    def pipeline():  # resolved once the volume is read: a bad volume is reported before a missing model
+        from ..pipeline import Pipeline
+
+        pipes.append(Pipeline(preset, adapter=adapter, device=args.device, low_memory=getattr(args, "low_memory", False)))
+        return pipes[0]
+
+    bar = None if args.no_progress else _bar("segment")
+    try:
+        res = run_segment_job(pipeline, volume, request, outputs, progress=_progress(bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    keep = ("preset", "smoke", "anchor", "reasoning", "raw_text", "notes", "mask_voxels", "timings")
+    out_res = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"], "volume": res["volume"] or str(volume),
+               **{k: res[k] for k in keep},
+               "model_load_s": {k: round(v, 3) for k, v in pipes[0].load_seconds.items()},
+               "peak_memory_mb": peak_memory_mb()}
+    if notice:
+        out_res["notice"] = notice
+    return out_res
+
+
+def _segment_text(res: dict) -> str:
+    a = res["anchor"]
+    lines = []
+    if res.get("smoke"):
+        lines.append("NOTE: " + next((n for n in res["notes"] if "smoke" in n), "untrained smoke model"))
+    lines += [f"key slice {a['slice']}, {len(a['boxes'])} box(es) {a['boxes']}",
+              f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)",
+              f"wrote {res['out']} ({res['mask_voxels']} voxels), {res['anchor_out']}" + (f", {res['qc']}" if res["qc"] else ""),
+              "timings: " + ", ".join(f"{k} {v:.2f}" for k, v in res["timings"].items() if isinstance(v, float))]
+    return "\n".join(lines)
+
+
+def cmd_segment(args) -> int:
+    from ..jobs import default_anchor_path
+
+    anchor_out = args.anchor_out or default_anchor_path(args.out)
+    res = _run_segment(args.volume, args.query, args.out, anchor_out, args.qc, args, args.preset)
+    emit(res, args.json, _segment_text(res))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from pathlib import Path
+
+    from .. import models
+    from ..fileio import check_folder
+    from ..resources import load_json, resource_path
+
+    sample = load_json("samples", "samples.json")["demo"]
+    volume = resource_path("samples", sample["file"])
+    query = args.query or sample["query"]
+    preset, notice = models.best_available_preset(args.preset)
+    out_dir = check_folder(Path(args.out_dir), "--out-dir")
+    if notice:
+        sys.stderr.write(f"{PROG} demo: {notice}\n")
+    res = _run_segment(volume, query, out_dir / "demo_mask.nii.gz", out_dir / "demo.anchor.json",
+                       out_dir / "demo_qc.png", args, preset, notice)
+    text = f"demo on {volume.name} with preset '{preset}', query: {query!r}\n" + _segment_text(res)
+    emit(res, args.json, text)
+    return 0
+
+
+# ---- medvol metrics --------------------------------------------------------------------
+
+def cmd_metrics(args) -> int:
+    import numpy as np
+
+    from ..metrics import label_metrics, overlap
+    from ..volume import label_mask, load_label_map
+
+    pred = load_label_map(args.pred)
+    gt = load_label_map(args.gt)
+    if pred.shape != gt.shape:
+        raise MedVolError(f"{args.pred} ({pred.shape}) and {args.gt} ({gt.shape}) are not on the same grid")
+    if not np.allclose(pred.affine, gt.affine, atol=1e-3):
+        logging.getLogger("medvolcore").warning("%s and %s have different affines; comparing voxel by voxel", args.pred, args.gt)
+    label = parse_labels(args.label)
+    binary_pred = int(pred.array.max(initial=0)) <= 1
+    if label is not None or binary_pred:
+        g = label_mask(gt, label) if label is not None else gt.array != 0
+        p = pred.array != 0 if binary_pred else np.isin(pred.array, label if isinstance(label, list) else [label])
+        m = overlap(p, g)
+        res = {"pred": str(args.pred), "gt": str(args.gt), "label": label, **m}
+        text = f"Dice {m['dice']:.4f}  IoU {m['iou']:.4f}  (pred {m['pred_voxels']} voxels, gt {m['gt_voxels']} voxels)"
+    else:
+        per = label_metrics(pred.array, gt.array)
+        res = {"pred": str(args.pred), "gt": str(args.gt), "per_label": {str(k): v for k, v in per.items()},
+               "mean_dice": float(np.mean([v["dice"] for v in per.values()])) if per else 1.0}
+        text = "\n".join(f"label {k}: Dice {v['dice']:.4f}  IoU {v['iou']:.4f}" for k, v in per.items())
+        text += f"\nmean Dice {res['mean_dice']:.4f}"
+    emit(res, args.json, text)
+    return 0
+
+
+# ---- parsers ---------------------------------------------------------------------------
+
+def _add_segment_options(sp) -> None:
+    add_preset_option(sp)
+    sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for the grounder (overrides the preset's)")
+    sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                    help="cpu (fp32) or cuda (bfloat16); auto picks cuda when available")
+    sp.add_argument("--seed", type=int, help="random seed for --sample (reproducible sampling)")
+    sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    sp.add_argument("--no-constrain", action="store_true", help="no grammar-constrained decoding (parse and retry instead)")
+    sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
+    sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+    add_stop_option(sp)
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+
+
+def add_volume_commands(add) -> None:
+    """Add ``info``, ``anchor``, ``propagate``, ``segment`` and ``demo`` (``add`` as in :func:`~.app.build_parser`)."""
+    sp = add("info", "Describe a volume: grid, spacing, orientation and its canonical axial stack.", cmd_info)
+    sp.add_argument("volume", help=VOLUME_HELP)
+
+    sp = add("anchor", "Evidence anchor (key slice + boxes) of a label in a label map.", cmd_anchor)
+    sp.add_argument("--mask", required=True, help="label map (.nii.gz, …)")
+    sp.add_argument("--label", action="append", metavar="N",
+                    help="label id(s), e.g. 5 or 2,3 (repeatable); default: every non-zero voxel")
+    sp.add_argument("--top-k", type=int, default=1, help="draw the key slice from the K largest-area slices (default 1: the largest)")
+    sp.add_argument("--seed", type=int, default=0, help="random seed for --top-k > 1 (default 0)")
+    sp.add_argument("--query", help="query text to store in the anchor")
+    sp.add_argument("--out", help="anchor file to write (*.anchor.json); default: print it")
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+    sp = add("propagate", "Propagate an evidence anchor through the CT with MedSAM2 into a 3-D mask.", cmd_propagate)
+    sp.add_argument("--volume", required=True, help=VOLUME_HELP)
+    sp.add_argument("--anchor", help="anchor file (*.anchor.json; 'boxes' or 'world')")
+    sp.add_argument("--slice", type=int, help="key slice z of the canonical axial stack (0 = most superior)")
+    sp.add_argument("--box", type=int, nargs=4, action="append", metavar=("X0", "Y0", "X1", "Y1"),
+                    help="inclusive pixel box on the key slice (repeatable)")
+    sp.add_argument("--out", required=True, help="mask to write (.nii.gz, .nii or .nrrd), on the volume's grid")
+    w = sp.add_mutually_exclusive_group()
+    w.add_argument("--sam-checkpoint", metavar="PATH", help="MedSAM2 checkpoint, e.g. MedSAM2_latest.pt")
+    w.add_argument("--random-weights", type=int, metavar="SEED", help="seeded random weights (tests, benchmarks)")
+    sp.add_argument("--image-size", type=int, help="model input size for --random-weights (default 512)")
+    sp.add_argument("--window", type=int, metavar="W", help="propagate only slices [k-W, k+W] (default: all)")
+    sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W",
+                    help="display window for the frames: soft_tissue (default), lung, bone, … or CENTER,WIDTH in HU")
+    sp.add_argument("--largest-component", action="store_true", help="keep each box's largest 3-D connected component")
+    add_stop_option(sp)
+    sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="cpu (fp32) or cuda (bfloat16 autocast)")
+    sp.add_argument("--anchor-out", metavar="PATH", help="also write the anchor used, with world coordinates")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+
+    sp = add("segment", "Segment a CT from a free-form query: evidence anchor (Qwen3-VL) + 3-D mask (MedSAM2).", cmd_segment)
+    sp.add_argument("--volume", required=True, help=VOLUME_HELP)
+    sp.add_argument("--query", required=True, help="what to segment, e.g. 'the organ that secretes bile'")
+    sp.add_argument("--out", required=True, help="mask to write (.nii.gz, .nii or .nrrd), on the CT's grid")
+    sp.add_argument("--anchor-out", metavar="PATH", help="anchor file (default: beside --out, *.anchor.json)")
+    sp.add_argument("--qc", metavar="PNG", help="also write a picture of the key slice, boxes, mask outline and reasoning")
+    _add_segment_options(sp)
+
+    sp = add("demo", "Run the main job on the sample CT shipped with MedVol, with the best model present.", cmd_demo)
+    sp.add_argument("--out-dir", default="medvol-demo", help="where to write the mask, anchor and QC picture (default ./medvol-demo)")
+    sp.add_argument("--query", help="override the demo query ('the organ that secretes bile')")
+    _add_segment_options(sp)
+    sp.set_defaults(preset=None)
+
+
+def add_metrics_command(add) -> None:
+    sp = add("metrics", "Dice and IoU of a predicted mask against a label map, on the source grid.", cmd_metrics)
+    sp.add_argument("--pred", required=True, help="predicted mask or label map")
+    sp.add_argument("--gt", required=True, help="ground-truth label map")
+    sp.add_argument("--label", action="append", metavar="N", help="ground-truth label id(s) (default: all non-zero / per label)")

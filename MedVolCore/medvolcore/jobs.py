@@ -1,0 +1,242 @@
+"""One segment job, written once: check the outputs, run the pipeline, write the outputs, return one result.
+
+Every front door runs its volumes through :func:`run_segment_job`: ``medvol segment`` and
+``medvol demo``, ``medvol propagate``, each case of ``medvol batch`` and the worker's ``segment``
+and ``propagate`` requests. Each front door then names the result's fields the way its users
+already read them (the CLI's ``--json``, ``done.json``, the worker's replies).
+
+The steps, in this order, so that nothing is loaded or written for a job that cannot finish:
+
+1. the request's own values (query, early-stop K, display window, slice span) and every output
+   (:func:`check_outputs`: distinct files, none of them an input, each writable, with a suffix
+   of its kind, absent unless ``overwrite``) — before the volume is read;
+2. the volume (a path, a :class:`~medvolcore.volume.CTVolume` or an
+   :class:`~medvolcore.stack.AxialStack`), then the given anchor against it, if any;
+3. the pipeline (a :class:`~medvolcore.pipeline.Pipeline`, or a zero-argument callable returning
+   one, so a front door can load models only once the inputs are known good);
+4. ground + propagate (``query``) or propagate the given anchor (``anchor``, or ``key_slice`` +
+   ``boxes``: the language model is not used);
+5. the mask (uint8, on the volume's own grid), then the anchor file, then the QC picture, each
+   written atomically (temporary name, then rename).
+
+The result (:func:`run_segment_job`) is one JSON-ready dict:
+
+``mode``         ``"segment"`` (grounded) or ``"propagate"`` (a given anchor)
+``volume``       the volume's path, or None for an in-memory volume
+``query``        the query (``""`` when propagating an anchor without one)
+``preset``       the model preset's name (``""`` for a propagation-only pipeline)
+``smoke``        True when an untrained smoke model made the anchor or mask
+``anchor``       the evidence anchor as written to its file (``medvol.anchor/1``), with
+                 ``propagation``: early stop's K and where each direction stopped
+``reasoning``    the model's reasoning (the anchor's, when propagating)
+``raw_text``     the model's whole answer (``""`` when propagating)
+``notes``        remarks a reader must see (smoke model, reordered boxes, NaN voxels, …)
+``shape``        the volume's source grid shape; ``mask_voxels`` the mask's voxel count
+``propagation``  the same early-stop record as in ``anchor``
+``metrics``      with a ``reference``: ``{"dice", "iou", "pred_voxels", "gt_voxels"}`` (Dice and IoU
+                 rounded to 6 places), else None
+``timings``      seconds per stage (``ground_*``, ``propagate_s``, ``propagate_s_per_slice``,
+                 ``slices_encoded``, ``slices_propagated``, ``encoder_calls``, ``total_s`` (the pipeline's),
+                 ``write_s`` and ``job_s`` (the whole job: reading, models, writing))
+``out``, ``anchor_out``, ``qc``  the files written (None for those not asked for)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+from .errors import InputError
+from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix
+
+__all__ = ["SegmentRequest", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "default_anchor_path",
+           "run_segment_job"]
+
+SMOKE_BANNER = "UNTRAINED SMOKE MODEL: meaningless output"
+
+PathLike = Union[str, Path]
+Progress = Callable[[str, float, str], None]  # (stage, fraction 0..1, message), as Pipeline's
+
+
+@dataclass
+class SegmentRequest:
+    """What to segment and how. Give ``query`` (ground, then propagate) or a given anchor:
+    ``anchor`` (an :class:`~medvolcore.anchor.EvidenceAnchor`, its dict, or an ``*.anchor.json``
+    path; ``boxes`` or ``world``) or ``key_slice`` + ``boxes`` (inclusive pixel boxes on that
+    canonical slice, ``source: "user"``).
+
+    ``hu_window``: the display window (a preset name, ``(centre, width)`` in HU, or None for soft
+    tissue). ``stop_after_empty``: early stop's K (None: the pipeline's default; 0: the whole
+    volume). ``constrain``/``sample``/``seed``: the grounder's decoding. ``span``: propagate only
+    slices ``[k - span, k + span]``; ``largest_component``: keep each box's largest 3-D component.
+    ``qc_title``: the QC picture's title (default ``"query: …"``). ``reference``: a ground-truth
+    mask on the volume's own grid (a boolean array of its shape) to score the mask against.
+    """
+
+    query: Optional[str] = None
+    anchor: object = None
+    key_slice: Optional[int] = None
+    boxes: Optional[Sequence[Sequence[int]]] = None
+    hu_window: object = None
+    stop_after_empty: Optional[int] = None
+    constrain: bool = True
+    sample: bool = False
+    seed: Optional[int] = None
+    span: Optional[int] = None
+    largest_component: bool = False
+    qc_title: Optional[str] = None
+    reference: object = None
+
+    @property
+    def grounded(self) -> bool:
+        return self.anchor is None and self.key_slice is None and not self.boxes
+
+
+@dataclass
+class SegmentOutputs:
+    """Where the job writes: the ``mask`` (``.nii.gz``, ``.nii``, ``.nrrd``, ``.mha``), optionally the
+    ``anchor`` file and the ``qc`` picture (``.png``). ``names`` are how messages call them (the
+    CLI's options by default). ``create_folders``: make missing parent folders (False for a
+    remote client, who must not create folders on the server)."""
+
+    mask: PathLike
+    anchor: Optional[PathLike] = None
+    qc: Optional[PathLike] = None
+    overwrite: bool = False
+    create_folders: bool = True
+    names: Tuple[str, str, str] = ("--out", "--anchor-out", "--qc")
+
+
+def default_anchor_path(mask_path: PathLike) -> str:
+    """``kidney.nii.gz`` → ``kidney.anchor.json``: the anchor file written beside a mask."""
+    name = str(mask_path)
+    suffix = full_suffix(name)
+    return (name[: -len(suffix)] if suffix else name) + ".anchor.json"
+
+
+def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[PathLike]]] = ()) -> None:
+    """Refuse, before any work, outputs that clash with each other or with an input, that exist
+    (without ``overwrite``), that cannot be written, or whose suffix is not of their kind."""
+    m, a, q = outputs.names
+    check_distinct([(m, outputs.mask), (a, outputs.anchor), (q, outputs.qc)], list(inputs))
+    create = outputs.create_folders
+    check_output(outputs.mask, outputs.overwrite, suffixes=MASK_SUFFIXES, what="mask", create_folder=create)
+    if outputs.anchor:
+        check_output(outputs.anchor, outputs.overwrite, create_folder=create)
+    if outputs.qc:
+        check_output(outputs.qc, outputs.overwrite, suffixes=PNG_SUFFIXES, what="QC picture", create_folder=create)
+
+
+def _check_request(request: SegmentRequest):
+    """The request's own values, checked; returns ``(query, window)``."""
+    from .propagation import check_stop_after_empty
+    from .windowing import get_window
+
+    query = request.query
+    if request.grounded:
+        from .grounder import validate_query
+
+        if query is None:
+            raise InputError("give a query to segment, or an anchor (or a key slice with boxes) to propagate")
+        query = validate_query(query)
+    elif request.anchor is not None and (request.key_slice is not None or request.boxes):
+        raise InputError("give either an anchor or a key slice with boxes, not both")
+    elif request.anchor is None and (request.key_slice is None or not request.boxes):
+        raise InputError("a key slice needs one or more boxes, and boxes need a key slice")
+    if request.stop_after_empty is not None:
+        check_stop_after_empty(request.stop_after_empty)
+    if request.span is not None and (isinstance(request.span, bool) or not isinstance(request.span, int)
+                                     or request.span < 0):
+        raise InputError(f"the slice span must be a whole number ≥ 0, got {request.span!r}")
+    return query, get_window(request.hu_window)
+
+
+def _given_anchor(request: SegmentRequest, stack):
+    """The anchor to propagate, checked against ``stack`` (world coordinates filled)."""
+    from .anchor import EvidenceAnchor
+
+    a = request.anchor
+    if a is None:
+        stack.check_slice(request.key_slice)
+        return EvidenceAnchor(request.key_slice, [list(b) for b in request.boxes], [stack.width, stack.height],
+                              source="user").with_world(stack)
+    if isinstance(a, EvidenceAnchor):
+        return a.with_world(stack)
+    if isinstance(a, dict):
+        return EvidenceAnchor.from_dict(a, stack)
+    return EvidenceAnchor.load(a, stack)
+
+
+def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentOutputs, *,
+                    inputs: Sequence[Tuple[str, Optional[PathLike]]] = (), progress: Optional[Progress] = None,
+                    cancel=None) -> dict:
+    """Run one job (see the module docstring for the steps and the result's fields).
+
+    ``pipeline``: a :class:`~medvolcore.pipeline.Pipeline` or a zero-argument callable returning
+    one (called once the inputs are read and checked). ``volume``: a path, ``CTVolume`` or
+    ``AxialStack``. ``inputs``: ``(name, path)`` pairs no output may be (the volume's path is
+    always among them). ``progress(stage, fraction, message)``; ``cancel``: an Event checked
+    between slices and before anything is written (:class:`~medvolcore.errors.CancelledError`).
+    """
+    from .errors import CancelledError
+    from .pipeline import as_stack
+    from .volume import save_mask
+
+    t0 = time.perf_counter()
+    query, window = _check_request(request)
+    volume_path = volume if isinstance(volume, (str, Path)) else None
+    check_outputs(outputs, [("--volume", volume_path)] + list(inputs))
+
+    stack = as_stack(volume)
+    anchor = None if request.grounded else _given_anchor(request, stack)
+    pipe = pipeline() if callable(pipeline) else pipeline
+    if request.grounded:
+        seg = pipe.segment(stack, query, constrain=request.constrain, seed=request.seed, do_sample=request.sample,
+                           hu_window=window, progress=progress, cancel=cancel,
+                           stop_after_empty=request.stop_after_empty)
+    else:
+        seg = pipe.repropagate(stack, anchor, hu_window=window, progress=progress, cancel=cancel,
+                               stop_after_empty=request.stop_after_empty, span=request.span,
+                               largest_component=request.largest_component)
+    if cancel is not None and cancel.is_set():
+        raise CancelledError("the job was cancelled")
+    if request.grounded:
+        seg.anchor.query = query
+        seg.anchor.reasoning = seg.reasoning
+        seg.anchor.source = "grounder"
+    if progress is not None:
+        progress("write", 0.0, "writing the mask")
+    t_write = time.perf_counter()
+    save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite)
+    if outputs.anchor:
+        seg.anchor.save(outputs.anchor, outputs.overwrite)
+    if outputs.qc:
+        from .qc import save_qc
+
+        title = request.qc_title if request.qc_title is not None else f"query: {seg.anchor.query or query or ''}"
+        save_qc(outputs.qc, stack, seg.anchor, seg.mask_stack, overwrite=outputs.overwrite, title=title,
+                reasoning=seg.reasoning, banner=SMOKE_BANNER if seg.smoke else "", window=window)
+    metrics = None
+    if request.reference is not None:
+        from .metrics import overlap
+
+        m = overlap(seg.mask, request.reference)
+        metrics = {"dice": round(m["dice"], 6), "iou": round(m["iou"], 6), "pred_voxels": m["pred_voxels"],
+                   "gt_voxels": m["gt_voxels"]}
+    timings = {k: round(v, 4) if isinstance(v, float) else v for k, v in seg.timings.items()}
+    timings["write_s"] = round(time.perf_counter() - t_write, 4)
+    timings["job_s"] = round(time.perf_counter() - t0, 4)
+    if progress is not None:
+        progress("write", 1.0, "done")
+    return {
+        "mode": "segment" if request.grounded else "propagate",
+        "volume": str(stack.volume.path or volume_path) if (stack.volume.path or volume_path) else None,
+        "query": seg.anchor.query or (query or ""), "preset": seg.preset, "smoke": bool(seg.smoke),
+        "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
+        "notes": list(seg.notes), "shape": [int(s) for s in stack.volume.shape], "mask_voxels": int(seg.mask.sum()),
+        "propagation": seg.anchor.propagation, "metrics": metrics, "timings": timings,
+        "out": str(outputs.mask), "anchor_out": str(outputs.anchor) if outputs.anchor else None,
+        "qc": str(outputs.qc) if outputs.qc else None,
+    }

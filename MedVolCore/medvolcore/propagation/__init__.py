@@ -1,0 +1,30 @@
+"""MedSAM2 propagation: an evidence anchor (key slice + boxes) → a 3-D mask on the axial stack.
+
+- :mod:`.frames` — MedSAM2's preprocessing of an axial HU slice, served lazily from memory;
+- :mod:`.propagator` — :class:`MedSAM2Propagator` (build from a checkpoint or seeded random
+  weights, propagate forward and backward, early stop) and :class:`PropagationResult`;
+- :mod:`._sam2_predictor` — the subclass of sam2's video predictor that hydra builds (imports
+  torch and sam2; only predictor builders import it).
+
+Importing this package is cheap: torch and sam2 are imported by the functions that use them.
+"""
+
+from .frames import DEFAULT_IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD, MedSAM2Frames, medsam2_frame
+from .propagator import (DEFAULT_STOP_AFTER_EMPTY, MAX_STOP_AFTER_EMPTY, MedSAM2Propagator, PropagationResult,
+                         check_image_size, check_stop_after_empty, keep_largest_component, quiet_sam2_progress)
+
+__all__ = [
+    "DEFAULT_IMAGE_SIZE",
+    "DEFAULT_STOP_AFTER_EMPTY",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "MAX_STOP_AFTER_EMPTY",
+    "MedSAM2Frames",
+    "MedSAM2Propagator",
+    "PropagationResult",
+    "check_image_size",
+    "check_stop_after_empty",
+    "keep_largest_component",
+    "medsam2_frame",
+    "quiet_sam2_progress",
+]

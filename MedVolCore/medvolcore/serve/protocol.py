@@ -1,0 +1,173 @@
+"""Worker protocol 1: the envelope, request parsing and field checks (no transport, no work).
+
+The reference for clients is ``docs/protocol.md``: transports, requests, replies, progress
+events, ops, error codes and the trust boundary. This module is its code: :func:`parse_request`
+(bytes or text → a request dict, ``id`` checked), :func:`field` (a type-checked field),
+:func:`ok_reply` / :func:`error_reply` / :func:`internal_reply` (the two reply shapes), and
+:func:`encode_line` (one JSON line that never fails, whatever the client sent). Importing it
+imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import MedVolError
+
+log = logging.getLogger("medvolcore.serve")
+
+__all__ = ["PROTOCOL", "OPS", "IMMEDIATE_OPS", "QUEUED_OPS", "DEFAULT_MAX_REQUEST_MB", "MAX_ID_CHARS", "MAX_ID_INT",
+           "RequestError", "dumps_line", "encode_line", "error_reply", "ok_reply", "internal_reply", "parse_request",
+           "field", "valid_id", "is_unicode"]
+
+PROTOCOL = 1
+OPS = ("hello", "load", "segment", "propagate", "cancel", "status", "shutdown")
+IMMEDIATE_OPS = ("hello", "status", "cancel", "shutdown")
+QUEUED_OPS = ("load", "segment", "propagate")
+DEFAULT_MAX_REQUEST_MB = 64
+MAX_ID_CHARS = 256
+MAX_ID_INT = 2 ** 63  # request ids are echoed back: keep them small and printable
+
+
+class RequestError(MedVolError):
+    """The request itself is malformed (missing or mistyped field, unknown op, …)."""
+
+    code = "bad_request"
+
+    def __init__(self, message: str, code: Optional[str] = None):
+        super().__init__(message)
+        if code:
+            self.code = code
+
+
+# ---- JSON helpers ------------------------------------------------------------------------
+
+def _jsonable(obj: Any) -> Any:
+    """Plain JSON types only: numpy scalars/arrays converted, non-finite floats → null."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if hasattr(obj, "tolist"):  # numpy scalar or array
+        return _jsonable(obj.tolist())
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
+def dumps_line(obj: dict) -> str:
+    return json.dumps(_jsonable(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _valid_unicode(obj: Any) -> Any:
+    """``obj`` with every string made encodable (a lone surrogate becomes U+FFFD)."""
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {_valid_unicode(k): _valid_unicode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_valid_unicode(v) for v in obj]
+    return obj
+
+
+def encode_line(obj: dict) -> bytes:
+    """One protocol line as UTF-8 bytes (with the newline); never fails on a lone surrogate."""
+    try:
+        return (dumps_line(obj) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (dumps_line(_valid_unicode(_jsonable(obj))) + "\n").encode("utf-8")
+
+
+def error_reply(req_id, code: str, message: str) -> dict:
+    return {"id": req_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def ok_reply(req_id, result: dict) -> dict:
+    return {"id": req_id, "ok": True, "result": result}
+
+
+def valid_id(value) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return -MAX_ID_INT < value < MAX_ID_INT
+    return isinstance(value, str) and len(value) <= MAX_ID_CHARS and is_unicode(value)
+
+
+def is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _describe_bad_id(value) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"'id' must be an integer of at most 63 bits or a string, got an integer of {len(str(abs(value)))} digits"
+    if isinstance(value, str):
+        return (f"'id' must be at most {MAX_ID_CHARS} characters, got {len(value)}" if len(value) > MAX_ID_CHARS
+                else "'id' is not valid Unicode text (a lone surrogate)")
+    return f"'id' must be a string or an integer, got {type(value).__name__}"
+
+
+def parse_request(raw) -> dict:
+    """bytes/str → request dict (``id`` checked); raises RequestError with the right code."""
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            raw = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"request is not UTF-8 text: {e}", "bad_json") from None
+    try:
+        req = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, or an integer over Python's digit limit
+        raise RequestError(f"request is not valid JSON: {str(e)[:200]}", "bad_json") from None
+    if not isinstance(req, dict):
+        raise RequestError(f"a request must be a JSON object {{\"id\": …, \"op\": …}}, got {type(req).__name__}")
+    if not valid_id(req.get("id")):
+        raise RequestError(_describe_bad_id(req.get("id")))
+    return req
+
+
+_MISSING = object()
+
+
+def field(req: dict, name: str, types, *, required: bool = False, default=None, what: str = ""):
+    """A request field, type-checked (bool is never accepted as a number)."""
+    value = req.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if required:
+            raise RequestError(f"{req.get('op')}: missing field '{name}'{what}")
+        return default
+    types = types if isinstance(types, tuple) else (types,)
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        names = " or ".join({"str": "a string", "int": "an integer", "bool": "true/false", "dict": "an object",
+                             "list": "a list", "float": "a number"}[t.__name__] for t in types)
+        raise RequestError(f"{req.get('op')}: field '{name}' must be {names}, got {type(value).__name__}")
+    if isinstance(value, str) and not is_unicode(value):
+        raise RequestError(f"{req.get('op')}: field '{name}' is not valid Unicode text (a lone surrogate)", "bad_input")
+    if isinstance(value, int) and not isinstance(value, bool) and not -MAX_ID_INT < value < MAX_ID_INT:
+        raise RequestError(f"{req.get('op')}: field '{name}' is out of range")
+    return value
+
+
+def internal_reply(rid, what: str) -> dict:
+    """The reply to an unexpected failure: a reference, no exception text (that goes to the log)."""
+    ref = secrets.token_hex(4)
+    log.error("internal error (ref %s) in %s:\n%s", ref, what, traceback.format_exc())
+    return error_reply(rid, "internal", f"internal error (ref {ref}); the worker's log has the details")

@@ -1,0 +1,135 @@
+"""The one segment job (:func:`medvolcore.jobs.run_segment_job`): order of the checks, what it writes,
+the result it returns, on the real 8-slice CT with seeded random MedSAM2 weights (64 px)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from medvolcore.anchor import EvidenceAnchor
+from medvolcore.errors import AnchorError, CancelledError, InputError, OutputExistsError, VolumeError
+from medvolcore.jobs import SegmentOutputs, SegmentRequest, default_anchor_path, run_segment_job
+from medvolcore.pipeline import Pipeline
+from medvolcore.propagation import MedSAM2Propagator
+from medvolcore.stack import AxialStack
+from medvolcore.volume import load_label_map, load_volume
+
+from conftest import LIVER
+
+BOX = [20, 20, 70, 60]
+
+
+@pytest.fixture(scope="module")
+def propagator():
+    return MedSAM2Propagator.from_random(0, image_size=64)
+
+
+@pytest.fixture
+def calls(propagator):
+    """A pipeline factory that records whether the job got as far as asking for the models."""
+    made = []
+
+    def pipeline():
+        made.append(1)
+        return Pipeline.with_propagator(propagator, stop_after_empty=0)
+
+    pipeline.made = made
+    return pipeline
+
+
+def test_propagates_a_key_slice_and_boxes_and_writes_mask_and_anchor(tmp_path, small_ct, propagator, calls):
+    ct, _ = small_ct
+    out, anchor_out = tmp_path / "m.nii.gz", tmp_path / "m.anchor.json"
+    res = run_segment_job(calls, ct, SegmentRequest(key_slice=3, boxes=[BOX]), SegmentOutputs(out, anchor=anchor_out))
+    vol = load_volume(ct)
+    stack = AxialStack(vol)
+    direct = propagator.propagate(stack.data, 3, [BOX], stop_after_empty=0)
+    assert res["mode"] == "propagate" and res["preset"] == "" and res["smoke"] is False
+    mask = nib.load(str(out))
+    assert np.array_equal(np.asarray(mask.dataobj), stack.to_source(direct.mask))
+    assert np.allclose(mask.affine, vol.affine) and res["shape"] == list(vol.shape)
+    assert res["mask_voxels"] == int(direct.mask.sum())
+    written = json.loads(anchor_out.read_text())
+    assert written == res["anchor"] and written["source"] == "user" and written["boxes"] == [BOX]
+    assert written["propagation"] == res["propagation"] == direct.stop_summary()
+    assert res["out"] == str(out) and res["anchor_out"] == str(anchor_out) and res["qc"] is None
+    assert {"propagate_s", "encoder_calls", "write_s", "job_s"} <= set(res["timings"])
+    assert res["timings"]["encoder_calls"] == direct.encoder_calls
+    assert calls.made == [1]
+
+
+def test_a_given_anchor_file_and_a_reference_mask(tmp_path, small_ct, calls):
+    ct, seg = small_ct
+    labels = load_label_map(seg)
+    stack = AxialStack(labels)
+    target = labels.array == LIVER
+    anchor = EvidenceAnchor(4, [BOX], [stack.width, stack.height], source="user", query="the liver")
+    anchor_file = anchor.save(tmp_path / "given.anchor.json")
+    res = run_segment_job(calls, ct, SegmentRequest(anchor=anchor_file, reference=target),
+                          SegmentOutputs(tmp_path / "m.nii", qc=tmp_path / "qc.png"))
+    pred = np.asarray(nib.load(str(tmp_path / "m.nii")).dataobj) != 0
+    inter = int((pred & target).sum())
+    dice = 2 * inter / (int(pred.sum()) + int(target.sum()))
+    assert res["metrics"]["dice"] == pytest.approx(dice, abs=1e-6)
+    assert res["metrics"]["iou"] == pytest.approx(inter / int((pred | target).sum()), abs=1e-6)
+    assert (res["metrics"]["pred_voxels"], res["metrics"]["gt_voxels"]) == (int(pred.sum()), int(target.sum()))
+    assert res["query"] == "the liver" and res["anchor"]["slice"] == 4
+    assert (tmp_path / "qc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_outputs_are_refused_before_the_volume_is_read(tmp_path, calls):
+    missing = tmp_path / "no_such_ct.nii.gz"
+    with pytest.raises(InputError, match="same file"):
+        run_segment_job(calls, missing, SegmentRequest(key_slice=0, boxes=[BOX]),
+                        SegmentOutputs(tmp_path / "m.nii.gz", anchor=tmp_path / "m.nii.gz"))
+    (tmp_path / "taken.nii.gz").write_bytes(b"x")
+    with pytest.raises(OutputExistsError):
+        run_segment_job(calls, missing, SegmentRequest(key_slice=0, boxes=[BOX]), SegmentOutputs(tmp_path / "taken.nii.gz"))
+    with pytest.raises(VolumeError):  # only now the volume itself
+        run_segment_job(calls, missing, SegmentRequest(key_slice=0, boxes=[BOX]), SegmentOutputs(tmp_path / "m.nii.gz"))
+    assert calls.made == [] and sorted(p.name for p in tmp_path.iterdir()) == ["taken.nii.gz"]
+
+
+@pytest.mark.parametrize("request_, error", [
+    (SegmentRequest(), "give a query"),
+    (SegmentRequest(query="  "), "query is empty"),
+    (SegmentRequest(anchor={"schema": "medvol.anchor/1", "slice": 1, "boxes": [BOX]}, key_slice=1, boxes=[BOX]),
+     "not both"),
+    (SegmentRequest(key_slice=1), "needs one or more boxes"),
+    (SegmentRequest(key_slice=1, boxes=[BOX], stop_after_empty=-1), "stop_after_empty"),
+    (SegmentRequest(key_slice=1, boxes=[BOX], hu_window="no-such-window"), "window"),
+])
+def test_bad_requests_load_nothing(tmp_path, small_ct, calls, request_, error):
+    with pytest.raises(InputError, match=error):
+        run_segment_job(calls, small_ct[0], request_, SegmentOutputs(tmp_path / "m.nii.gz"))
+    assert calls.made == [] and list(tmp_path.iterdir()) == []
+
+
+def test_an_anchor_for_another_volume_is_refused_before_the_models(tmp_path, small_ct, calls):
+    other = {"schema": "medvol.anchor/1", "slice": 1, "boxes": [BOX], "image_size": [999, 999]}
+    with pytest.raises(AnchorError):
+        run_segment_job(calls, small_ct[0], SegmentRequest(anchor=other), SegmentOutputs(tmp_path / "m.nii.gz"))
+    assert calls.made == [] and list(tmp_path.iterdir()) == []
+
+
+def test_cancel_writes_nothing(tmp_path, small_ct, calls):
+    cancel = threading.Event()
+
+    def progress(stage, fraction, message):
+        if stage == "propagate":
+            cancel.set()
+
+    with pytest.raises(CancelledError):
+        run_segment_job(calls, small_ct[0], SegmentRequest(key_slice=3, boxes=[BOX]),
+                        SegmentOutputs(tmp_path / "m.nii.gz", anchor=tmp_path / "a.json"), progress=progress,
+                        cancel=cancel)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_anchor_path():
+    assert default_anchor_path("out/kidney.nii.gz") == "out/kidney.anchor.json"
+    assert default_anchor_path("kidney.nrrd") == "kidney.anchor.json"
