@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from medvolcore.errors import InputError
-from medvoltrain.bench_learning import MODEL_SIZES, sincos_positions
-from medvoltrain.bench_vision import (CONDITIONS, METRICS, VisionBenchSettings, ablated_images, build_cases,
-                                      goals, held_out, swap_partners)
+from medvoltrain.bench.common import CONDITIONS, ablated_images, swap_partners
+from medvoltrain.bench.model import MODEL_SIZES, sincos_positions
+from medvoltrain.bench.report import METRICS
+from medvoltrain.bench.vision import VisionBenchSettings, build_cases, goals, held_out
 from medvoltrain.errors import DataError
 from medvoltrain.cli import main
 
@@ -127,7 +128,7 @@ def test_settings_are_checked(kw, message):
 
 
 def test_cli_passes_placement_and_hold_out_and_quick_keeps_its_own(tmp_path, monkeypatch):
-    import medvoltrain.bench_vision as bv
+    import medvoltrain.bench.vision as bv  # the module cmd_bench_vision calls through
 
     seen = []
     monkeypatch.setattr(bv, "run_vision_benchmark", lambda out, settings, **kw: seen.append(settings) or {})
