@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from medvolcore.errors import InputError
-from medvoltrain.bench.common import CONDITIONS, ablated_images, swap_partners
+from medvoltrain.bench.common import CONDITIONS, ablated_images, mean_se, standard_error, swap_partners
 from medvoltrain.bench.model import MODEL_SIZES, sincos_positions
 from medvoltrain.bench.report import METRICS
 from medvoltrain.bench.vision import VisionBenchSettings, build_cases, goals, held_out
@@ -110,6 +110,14 @@ def test_swap_partners_take_the_next_sample_of_another_group():
     assert swap_partners(samples, group=lambda s: bands[s["case_id"]]) == [3, 3, 3, 0]
     with pytest.raises(DataError, match="same volume"):
         swap_partners([{"case_id": "a"}, {"case_id": "a"}])
+
+
+def test_standard_error_of_the_mean_by_hand():
+    # values 0, 1, 1, 0: sample standard deviation sqrt(1/3), over sqrt(4)
+    assert standard_error([0, 1, 1, 0]) == pytest.approx(math.sqrt(1 / 3) / 2)
+    assert mean_se([0, 1, 1, 0]) == {"mean": 0.5, "se": 0.2887}
+    assert math.isnan(standard_error([0.7])) and math.isnan(standard_error([0.5, float("nan")]))
+    assert math.isnan(mean_se([1.0])["se"])
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -95,12 +95,17 @@ def ablated_images(samples: List[dict], j: int, condition: str, partners: Option
     raise InputError(f"unknown image condition {condition!r}; use one of {', '.join(CONDITIONS)}")
 
 
-def mean_se(values: List[float]) -> Dict[str, float]:
-    """``{"mean", "se"}`` of ``values`` (the standard error of the mean; NaN for one value), to 4 decimals."""
+def standard_error(values) -> float:
+    """The standard error of the mean of ``values``; NaN for fewer than two values or a non-finite one."""
     a = np.asarray(values, dtype=float)
-    se = float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else float("nan")
-    return {"mean": round(float(a.mean()), 4), "se": round(se, 4)}
+    return float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 and np.isfinite(a).all() else float("nan")
+
+
+def mean_se(values: List[float]) -> Dict[str, float]:
+    """``{"mean", "se"}`` of ``values`` (see :func:`standard_error`), to 4 decimals."""
+    a = np.asarray(values, dtype=float)
+    return {"mean": round(float(a.mean()), 4), "se": round(standard_error(a), 4)}
 
 
 __all__ = ["CONDITIONS", "THINK_TEMPLATE", "prepare_out", "short_think_targets", "swap_partners", "ablated_images",
-           "mean_se"]
+           "standard_error", "mean_se"]

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -95,7 +94,7 @@ from medvolcore.errors import InputError
 
 from ..errors import DataError
 from ..queries import seeded_rng
-from .common import ablated_images, prepare_out, short_think_targets, swap_partners
+from .common import ablated_images, prepare_out, short_think_targets, standard_error, swap_partners
 from .model import MODEL_SIZES, build_model, count_parameters, tokenizer_corpus
 from .report import ABLATIONS, MODELS, RESULT, TERMS, ablation_table, learning_table, plot_curves, write_result
 
@@ -471,8 +470,7 @@ def evaluate_model(model_dir, adapter, samples: List[dict], settings: BenchSetti
     means["total"] = means["format"] + means["axial"] + means["box"]
     totals = np.asarray(scores["format"]) + np.asarray(scores["axial"]) + np.asarray(scores["box"])
     for t, v in [*((t, scores[t]) for t in TERMS), ("total", totals)]:
-        v = np.asarray(v, dtype=float)
-        means[f"{t}_se"] = float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 and np.isfinite(v).all() else float("nan")
+        means[f"{t}_se"] = standard_error(v)
     if prior is not None:
         means["box_prior_same_slice"] = float(np.mean(prior_same_slice))
     return {"means": means, "images": images, "per_label_total": {k: round(float(np.mean(v)), 4) for k, v in sorted(per_label.items())},
