@@ -37,14 +37,12 @@ THINK_TEMPLATE = "The query describes the {target}; slice {slice}."
 
 
 def short_think_targets(data_dir, template: str = THINK_TEMPLATE) -> int:
-    """Rewrite the SFT targets of a prepared set with one short reasoning sentence; returns the count.
+    """Rewrite the SFT targets of a prepared set (``data_dir``'s index, in place) with one short
+    reasoning sentence, ``template`` with the target's name and the key slice; returns the count.
 
-    ``prepare`` draws the ``<think>`` sentence from five templates (Resources/training/think_templates.json).
-    No reward reads the reasoning, and for a model trained from random weights in a few hundred CPU
-    steps every extra token of free text is one more place where a sampled completion leaves the
-    format; one short template spends those steps on the answer instead. The key slice and the
-    boxes (``target_info``) are unchanged; the text is rebuilt with
-    :func:`medvolcore.answer.format_answer` as ``prepare`` builds it.
+    The key slice and the boxes (``target_info``) are unchanged; the text is rebuilt with
+    :func:`medvolcore.answer.format_answer` as ``prepare`` builds it. Why one template:
+    Training/README.md, "Training." under the learning benchmark.
     """
     from medvolcore.answer import format_answer
 

@@ -1,80 +1,29 @@
-"""``medvol-train bench-learning``: does training work? A grounding task small enough for a CPU,
-trained with SFT then GRPO, and the untrained, SFT and GRPO models scored with the same rewards.
+"""``medvol-train bench-learning``: does training work? A grounding task from the shared real CTs,
+small enough for a CPU, trained with the product's SFT then GRPO; the untrained, SFT and GRPO
+models are scored on a held-out split with the same rewards (:class:`~medvoltrain.rewards.RewardFunctions`).
 
-What it does (all inside ``DIR``)
----------------------------------
-1. **Cases** (``DIR/cases/*.nii.gz``, ``DIR/cases.jsonl``): short axial crops (6–10 slices) of the
-   shared real CT ``example_ct`` (labels ``example_seg_fast_force_split``) and, for the upper slab it
-   covers, of ``example_ct_sm`` (labels ``example_seg``; its voxels are ``example_ct``'s first 30
-   stack slices, so it adds a second label map, not a second patient). Each crop gets an in-plane
-   shift (crop on one side, air padding on the other; never a flip or a rotation, so the canonical
-   orientation holds) and an intensity jitter (HU scale and offset). A crop is written as a NIfTI
-   whose array *is* the canonical stack (``stack[z, y, x]``) with the source's stack-to-RAS affine
-   shifted to the crop, so its world coordinates stay the patient's.
-2. **Held-out split.** Both CTs are **one patient**, so the test split cannot be a new patient. It
-   is held out by **z-range** of that patient: five 6-slice test bands (stack z ``[10, 16)``,
-   ``[26, 32)``, ``[44, 50)``, ``[66, 72)``, ``[86, 92)``) interleaved with six train bands (the rest);
-   no test slice is ever a training slice, and a test slice is at most 9 mm (3 slices) from the
-   nearest training slice, so the test asks for the same organs on slices the model has not seen
-   *between* slices it has. (Two wide test bands, ``[22, 36)`` and ``[76, 92)``, were tried first:
-   there the organs' shapes are ones no training slab shows, and the SFT box reward on them was
-   0.03–0.05 for every variant tried, against up to 0.15 on training crops; see
-   ``Training/README.md``.) It is held out by **description** as well
-   (:class:`~medvoltrain.queries.QueryBank`: test queries use only the held-out descriptions of each
-   label). Targets are organs present in both splits: liver, spleen, kidneys (right, left, both),
-   gallbladder, stomach, pancreas, duodenum, aorta, inferior vena cava, urinary bladder and
-   sacrum, with TotalSegmentator ids from the shared crosswalk.
-3. ``prepare`` (``DIR/data``; Top-1 key slice), the SFT targets' reasoning shortened to one
-   template (:func:`short_think_targets`) → ``train_sft`` (``DIR/runs/sft``) → ``train_grpo`` from the
-   SFT adapter (``DIR/runs/grpo``; λc = 0 by default: MedSAM2 has random weights here, so the
-   consistency term is noise).
-4. **Evaluation** of the untrained base, the SFT adapter and the GRPO adapter on the test split:
-   each prompt is *sampled* without a grammar ``samples_per_prompt`` times with fixed seeds (the same
-   seeds for every model), and every completion is scored with
-   :class:`~medvoltrain.rewards.RewardFunctions` (format, axial, box; consistency with seeded random
-   MedSAM2, Δ = ``delta``). ``total = format + axial + box``. Sampling uses the grounder's own
-   settings for real models (``Resources/prompts/grounder.json`` preset ``real``: temperature 0.7,
-   top-p 0.8, top-k 20), for the GRPO rollouts as well as for the evaluation: a model trained from
-   random weights in a few CPU minutes keeps a long flat tail over its 660 tokens, and at
-   temperature 1 with no truncation nearly every completion leaves the format at some token
-   (measured: 0 % well-formed after 1200 SFT steps, against 98 % with the ``real`` settings).
-   The SFT and GRPO adapters are scored again with their slices **ablated** — blacked out, and
-   swapped for another test band's crop (same prompts, same seeds) — so the images' contribution is
-   a number with a standard error (``ablations``); and the content-blind boxes are scored on the
-   slices the models chose as well as on the true key slice (``reference``), so the box column has a
-   like-for-like reference. Whether the image path works at all is the vision stage's question
-   (:mod:`medvoltrain.bench.vision`, ``medvol-train bench-vision``).
-5. ``DIR/result.json`` (``{"untrained": {...}, "sft": {...}, "grpo": {...}}`` plus ``ablations``, ``settings``,
-   ``timings_s``, ``data``, ``model``, ``evaluation``, ``training``, ``notes``), ``DIR/curves.png`` (SFT
-   loss, GRPO reward terms per step) and ``DIR/table.md``.
+Inputs: ``real_dir`` (``$MEDVOL_REAL_DATA``, else ``../shared/data/real``: ``example_ct``,
+``example_ct_sm``, their TotalSegmentator label maps and the M3D → TotalSegmentator crosswalk) and
+:class:`BenchSettings`. Both CTs are one patient: the test split is held out by z-range of that
+patient (:data:`TEST_BANDS`, stack z of ``example_ct``) and by description, not by patient.
 
-The model (``DIR/model``): a Qwen3-VL with seeded random weights, built locally (nothing is
-downloaded). ``model="seeing"`` (default) is the vision stage's model (head_dim 32, rope_theta
-10 000, a sine/cosine vision position table; see :data:`MODEL_SIZES`); ``model="tiny"`` has the tiny
-preset's language and vision sizes (the default until the image ablations showed that its adapters
-scored the same with black slices), ``model="bench"`` a wider and deeper one. Three changes from the tiny preset,
-each because without it the model did not learn the task in CPU minutes (measured, see
-``Training/README.md``):
+Everything it writes stays in ``DIR`` (:func:`run_benchmark`):
 
-* **Tokenizer** (``vocab_size``): the tiny preset's byte-level BPE (same pre-tokenizer — digits stay
-  single tokens — same special tokens and chat template) with its merges learnt from the *training*
-  split's text (:func:`tokenizer_corpus`), so words are tokens as in a real Qwen vocabulary. Test
-  descriptions are not in that text: a held-out description reaches the model through the words it
-  shares with training text. With the 640-merge tokenizer, words are letter pieces.
-* **Vision patch** (``image_patch``, default 32): 16 tokens per 256 × 256 slice instead of 64; the
-  image processor and the vision tower agree, and the grounder's prompt builder counts the image
-  tokens from the processor's grid as always. A quarter of the image tokens make a step about 3×
-  cheaper and dilute the query less among them.
-* **Output head** drawn with std ``2/sqrt(hidden)`` instead of 0.02 (see :func:`build_model`).
+* ``cases/*.nii.gz``, ``cases.jsonl``: the crops (:func:`build_cases`), each a NIfTI whose array is
+  the canonical stack (``stack[z, y, x]``) with the source's stack-to-RAS affine shifted to the
+  crop, so its world coordinates stay the patient's;
+* ``data/``: ``prepare``'s output (Top-1 key slice), its SFT targets' reasoning shortened to one
+  template (:func:`~medvoltrain.bench.common.short_think_targets`);
+* ``model/``: the base model (:func:`~medvoltrain.bench.model.build_model`);
+* ``runs/sft``, ``runs/grpo``: the two training runs and their adapters;
+* ``result.json``: ``{"untrained": {...}, "sft": {...}, "grpo": {...}}`` (each term's mean reward and
+  ``total = format + axial + box``) plus ``reference``, ``ablations`` (the trained models again with
+  their slices blacked out and swapped, own − ablated with standard errors), ``settings``,
+  ``timings_s``, ``data``, ``model``, ``torch_threads``, ``evaluation``, ``training``, ``notes``;
+* ``table.md`` and ``curves.png`` (SFT loss, GRPO reward terms per step).
 
-Training uses the product's SFT and GRPO with a LoRA plus
-``lora_modules_to_save="embed_tokens,lm_head,visual,q_norm,k_norm"`` (PEFT trains those in full and
-stores them in the adapter). A LoRA alone cannot move a random model's token embeddings, and then
-the model never learns which organ a query describes: with the LoRA alone, every SFT variant tried
-answered the label distribution's mode for every query (1/13 of the organs right, on the training
-queries too) while the attention from the answer to the query stayed at about 3 %. The vision tower
-(random here) and the q/k norms are trained in full for the same reason on the image side; SFT's
-learning rate is 1e-3, since at 5e-3 the fully trained tower's output became constant.
+The task, the held-out split, the model, the training recipe and why each is what it is, with the
+measured results: ``Training/README.md``, "Learning benchmark (`medvol-train bench-learning`)".
 """
 
 from __future__ import annotations
@@ -127,7 +76,7 @@ class BenchSettings:
 
     seed: int = 0
     # a key of MODEL_SIZES; "seeing" (the vision stage's model) because with the tiny sizes the trained
-    # adapters scored the same with their slices blacked out (Training/README.md, image ablations)
+    # adapters scored the same with their slices blacked out (Training/README.md, "Image ablations on the real CTs")
     model: str = "seeing"
     # BPE vocabulary learnt from the training split's text (0: the tiny preset's 640-merge tokenizer)
     vocab_size: int = 2048
@@ -151,7 +100,7 @@ class BenchSettings:
     lora_alpha: int = 64
     # trained in full beside the LoRA (PEFT modules_to_save): a LoRA on a *random* model cannot move its
     # token embeddings, and without that it never learnt which organ a query names; nor its random vision
-    # tower (see the module docstring)
+    # tower (Training/README.md, "Training." under the learning benchmark)
     lora_modules_to_save: str = "embed_tokens,lm_head,visual,q_norm,k_norm"
     # -- GRPO --
     grpo_steps: int = 150
@@ -170,8 +119,7 @@ class BenchSettings:
     samples_per_prompt: int = 4
     sam_seed: int = 0
     # torch threads for the whole run (None: leave torch's choice). One thread by default: on a
-    # shared 2-core machine two threads spin against the other jobs (measured 5 s per SFT step with
-    # two threads against 0.7 s with one, with one other job running; 0.45 s with two on an idle CPU).
+    # shared 2-core machine two threads spin against the other jobs (measured: Training/README.md).
     threads: Optional[int] = 1
     quick: bool = False
 

@@ -28,15 +28,9 @@ MODEL_SIZES = {
                            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                             "mrope_section": [8, 4, 4], "mrope_interleaved": True}),
               "vision": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128)},
-    # The model of the vision sanity stage (medvoltrain.bench.vision), chosen because it learns from pixels
-    # in CPU minutes where "tiny" and "bench" did not (Training/README.md, "Does the model read the images?"):
-    # * head_dim 32 and rope_theta 10 000 (tiny: 16 and 5e6): with 5e6 the rotary step between neighbouring
-    #   image-grid cells is 0.02–0.15 rad in the fastest row and column pairs, so attention barely tells one
-    #   image position from the next; here it is 0.56 (rows) and 0.32 rad (columns), nearer Qwen3-VL-4B's 0.6–0.8;
-    # * three layers of width 128: room for a slice-comparing circuit, still ≈ 1.3 M parameters;
-    # * "pos_sincos": the vision tower's learnt position table starts as a 2-D sine/cosine code instead of
-    #   N(0, 0.02), which next to patch features of unit size says almost nothing about where a patch is.
-    # The recipe trains the vision tower and the q/k norms in full beside the LoRA (bench.vision).
+    # The model of both stages: it learns from pixels in CPU minutes where "tiny" and "bench" did not.
+    # Why each size differs from tiny's: Training/README.md, "The model that sees". "pos_sincos": the
+    # vision tower's position table starts as sincos_positions instead of N(0, 0.02).
     "seeing": {"text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=32,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -67,16 +61,15 @@ def tokenizer_corpus(train_samples: Sequence[dict]) -> List[str]:
 
 def build_model(folder, size: str, corpus: Optional[Sequence[str]] = None, vocab_size: int = 0,
                 patch_size: int = 16) -> Path:
-    """The benchmark's base model in ``folder``: seeded random weights, built locally (no download).
+    """The benchmark's base model in ``folder``, returned: seeded random weights (``BENCH_MODEL_SEED``),
+    built locally (no download).
 
     The tiny preset's tokenizer (or, with ``vocab_size`` and ``corpus``, the same kind of tokenizer
     with its merges learnt from ``corpus``), image processor and vision geometry (patch
-    ``patch_size``), with the sizes of :data:`MODEL_SIZES` (``tiny``: the tiny preset's own sizes).
-    One change from the tiny preset's initialisation: the output head is drawn with std
-    ``HEAD_STD/sqrt(hidden)`` instead of 0.02. With a 0.02 head the largest logit a unit-RMS hidden
-    state can reach is about ``0.02 · hidden`` (1.3 for the tiny model), and a LoRA, which does not
-    adapt the head, leaves such a model near uniform over its vocabulary, so sampling it never gives
-    a well-formed answer.
+    ``patch_size``), with the sizes of :data:`MODEL_SIZES` (``tiny``: the tiny preset's own sizes);
+    the output head is drawn with std ``HEAD_STD/sqrt(hidden)`` instead of 0.02 (why: Training/README.md,
+    "Output head"). Writes the model, tokenizer and image processor, ``medvol_model.json`` and the
+    build marker; a folder whose marker matches these arguments is returned as it is.
     """
     import hashlib
 

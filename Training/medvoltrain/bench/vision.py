@@ -1,53 +1,25 @@
 """``medvol-train bench-vision``: does the image path carry pixels to the answer?
 
-The real-CT learning benchmark (:mod:`medvoltrain.bench.learning`) can be passed by a model that
-never looks at its slices: organ names and slice tags carry priors of their own. This stage asks
-a question only the pixels answer, through the product's own data path (``prepare`` → the
-grounder's prompt builder → the SFT collator → :func:`~medvoltrain.sft.train_sft`), and scores the
-trained model with its own slices and with the slices ablated. If the image path were broken
-(pixels dropped, slices misordered, a processor that disagrees with the vision tower) the own and
-ablated scores would be the same.
+Synthetic volumes with one bright square (:func:`build_cases`; the query is always "the bright
+object", so only the pixels say which slice and where) go through the product's own data path
+(``prepare`` → the grounder's prompt builder → the SFT collator → :func:`~medvoltrain.sft.train_sft`).
+The trained adapter then answers each held-out volume greedily, without a grammar, with its
+**own** slices, with **swapped** slices (another test volume's, the same prompt text) and with
+**black** slices (:func:`score_conditions`). Each condition gets, with its standard error:
 
-The task
---------
-Synthetic volumes of ``depth`` axial slices of ``size`` × ``size`` pixels of soft-tissue noise
-(40 ± 15 HU). One bright square (300 ± 20 HU) sits on ``object_slices`` consecutive slices, largest
-on the middle one, so the key slice (the largest cross-section, ``prepare``'s Top-1) is that
-middle slice. The query is always the same ("the bright object"), so nothing but the pixels says
-which slice and where.
-
-``placement``: ``"grid"`` (the full stage) puts the square exactly on one image token of the
-rendered slice (a 4 × 4 token grid with the bench model's patch 32), so a box is right when the
-model names the token that holds the square; ``"free"`` (the quick variant) puts a square of
-``side_min``–``side_max`` pixels anywhere.
-
-``hold_out``: ``"volumes"`` (the full stage) scores new volumes — new noise, new key slice, the
-square at one of the grid's positions, which training has also seen; ``"positions"`` (the quick
-variant) cuts the plane into ``cell`` × ``cell`` pixel cells (one token with ``"grid"``) coloured
-like a checkerboard by the square's top-left corner: training squares start on white cells, test
-squares on black ones, so no test position was seen in training. A model that reads where the
-square is passes ``"volumes"``; ``"positions"`` asks in addition that it turns positions it never
-saw into coordinates, which the bench model does not learn in CPU minutes (Training/README.md).
-
-The model
----------
-``MODEL_SIZES["seeing"]`` of :mod:`~medvoltrain.bench.model` (a real
-``Qwen3VLForConditionalGeneration`` built from a config; see :func:`~medvoltrain.bench.model.build_model`
-for why each size differs from the tiny preset), and the recipe of :class:`VisionBenchSettings`:
-a LoRA on every language-model linear layer with the token embeddings, the output head, the whole
-vision tower and the q/k norms trained in full (PEFT ``modules_to_save``).
-
-Scores (greedy decoding, no grammar, on the held-out split), each with its standard error:
-
-* ``key``: the answer's slice is the key slice (chance: one over the number of possible key slices);
-* ``box``: the product's box reward (IoU with the ground truth of the slice the answer names, 0 on
-  a slice without the object);
-* ``box_true_slice``: the answer's boxes against the key slice's ground truth, whatever slice it
-  named (position reading on its own);
+* ``key``: the answer's slice is the key slice (the square's largest cross-section);
+* ``box``: the product's box reward (IoU with the truth of the slice the answer names);
+* ``box_true_slice``: the answer's boxes against the key slice's truth, whatever slice it named;
 * ``format``: the answer parses.
 
-They are computed with the volume's **own** slices, with **swapped** slices (another test volume's,
-the same prompt text) and with **black** slices. ``DIR/result.json`` and ``DIR/table.md``.
+Inputs: :class:`VisionBenchSettings` (defaults: the full stage; ``quick_settings()``: the test
+suite's variant). Everything it writes stays in ``DIR`` (:func:`run_vision_benchmark`):
+``cases/``, ``cases.jsonl``, ``data/``, ``model/``, ``runs/sft``, ``table.md`` and ``result.json``
+(``scores``, ``chance``, ``goals``, ``settings``, ``model``, ``training``, ``data``, ``timings_s``,
+``torch_threads``).
+
+The task, its two variants, the model and the measured runs: ``Training/README.md``, "Does the
+model read the images? (`medvol-train bench-vision`)".
 """
 
 from __future__ import annotations
@@ -78,8 +50,8 @@ STACK_AFFINE = np.array([[0.0, 0.0, -1.0, 0.0], [0.0, -1.0, 0.0, 0.0], [-3.0, 0.
 
 @dataclass
 class VisionBenchSettings:
-    """The vision sanity stage. Defaults: the full stage (≈ 7.7 min with 2 threads on this project's
-    2-core CPU); :meth:`quick_settings`: the variant the test suite runs (≈ 2 min)."""
+    """The vision sanity stage. Defaults: the full stage; :meth:`quick_settings`: the variant the test
+    suite runs (their times: Training/README.md, "Does the model read the images?")."""
 
     seed: int = 0
     # -- the task --
@@ -271,9 +243,9 @@ def score_conditions(model_dir, adapter, samples: List[dict], conditions=CONDITI
 
 
 def goals(result: dict) -> Dict[str, bool]:
-    """The issue's goals for the full stage: held-out key slice ≥ 0.8 and box IoU ≥ 0.5 with the
-    volume's own slices; with swapped slices the key slice at most 0.1 above chance and the box ≤ 0.15.
-    The full stage holds out volumes; ``hold_out="positions"`` asks the same of unseen positions."""
+    """The stage's goals: held-out key slice ≥ 0.8 and box IoU ≥ 0.5 with the volume's own slices;
+    with swapped slices the key slice at most 0.1 above chance and the box ≤ 0.15. The full stage
+    holds out volumes; ``hold_out="positions"`` asks the same of unseen positions."""
     own, sw = result["scores"]["own"], result["scores"]["swapped"]
     return {"own key ≥ 0.8": own["key"]["mean"] >= 0.8,
             "own box ≥ 0.5": own["box"]["mean"] >= 0.5,
