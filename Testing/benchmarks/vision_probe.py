@@ -1,4 +1,4 @@
-"""Where is the square's position, and does the answer look there? (issue 15, `bench-vision`)
+"""Where is the square's position, and does the answer look there? (`bench-vision`)
 
 Two probes of a finished ``medvol-train bench-vision`` run.
 

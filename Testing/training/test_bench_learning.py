@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from medvoltrain.bench_learning import (MODELS, TERMS, TEST_BANDS, TRAIN_BANDS, BenchSettings, build_cases,
-                                        build_model, label_prior_box, select_test_samples, tokenizer_corpus)
+from medvoltrain.bench.learning import (TEST_BANDS, TRAIN_BANDS, BenchSettings, build_cases, label_prior_box,
+                                        select_test_samples)
+from medvoltrain.bench.model import build_model, tokenizer_corpus
+from medvoltrain.bench.report import MODELS, TERMS
 from medvoltrain.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from medvolcore.errors import InputError
-from medvoltrain.bench_learning import MODEL_SIZES, sincos_positions
-from medvoltrain.bench_vision import (CONDITIONS, METRICS, VisionBenchSettings, ablated_images, build_cases,
-                                      goals, held_out, swap_partners)
+from medvoltrain.bench.common import CONDITIONS, ablated_images, mean_se, standard_error, swap_partners
+from medvoltrain.bench.model import MODEL_SIZES, sincos_positions
+from medvoltrain.bench.report import METRICS
+from medvoltrain.bench.vision import VisionBenchSettings, build_cases, goals, held_out
 from medvoltrain.errors import DataError
 from medvoltrain.cli import main
 
@@ -111,6 +112,14 @@ def test_swap_partners_take_the_next_sample_of_another_group():
         swap_partners([{"case_id": "a"}, {"case_id": "a"}])
 
 
+def test_standard_error_of_the_mean_by_hand():
+    # values 0, 1, 1, 0: sample standard deviation sqrt(1/3), over sqrt(4)
+    assert standard_error([0, 1, 1, 0]) == pytest.approx(math.sqrt(1 / 3) / 2)
+    assert mean_se([0, 1, 1, 0]) == {"mean": 0.5, "se": 0.2887}
+    assert math.isnan(standard_error([0.7])) and math.isnan(standard_error([0.5, float("nan")]))
+    assert math.isnan(mean_se([1.0])["se"])
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(test_cases=1), "swapped-slices control"),
     (dict(placement="free", side_max=30, size=20), "side_max"),
@@ -127,7 +136,7 @@ def test_settings_are_checked(kw, message):
 
 
 def test_cli_passes_placement_and_hold_out_and_quick_keeps_its_own(tmp_path, monkeypatch):
-    import medvoltrain.bench_vision as bv
+    import medvoltrain.bench.vision as bv  # the module cmd_bench_vision calls through
 
     seen = []
     monkeypatch.setattr(bv, "run_vision_benchmark", lambda out, settings, **kw: seen.append(settings) or {})

@@ -149,7 +149,7 @@ def _twin_sample(sample: dict, folder: Path) -> dict:
 
 
 def test_two_volumes_with_one_prompt_text_keep_their_own_images(sm_data, sft_run, tmp_path):
-    """Issue 15: a generation batch holding two volumes with the same prompt text (here two prompts
+    """A generation batch holding two volumes with the same prompt text (here two prompts
     per step, two accumulation steps). Every scoring pass — the reference pass inside generation and
     the loss pass on the batch TRL returns — must see each row's own volume, equal to a direct
     forward with that volume's images. Images cached by prompt ids gave both rows the last volume."""
@@ -158,7 +158,8 @@ def test_two_volumes_with_one_prompt_text_keep_their_own_images(sm_data, sft_run
     from trl import GRPOConfig
 
     from medvolcore import models
-    from medvoltrain.grpo import _trainer_class, grpo_dataset
+    from medvoltrain._grpo_trainer import GrounderGRPOTrainer
+    from medvoltrain.grpo import grpo_dataset
     from medvoltrain.sft import load_grounder
 
     a = load_samples(sm_data, "train")[0]
@@ -172,9 +173,9 @@ def test_two_volumes_with_one_prompt_text_keep_their_own_images(sm_data, sft_run
     args = GRPOConfig(output_dir=str(tmp_path / "unused"), per_device_train_batch_size=2, num_generations=2,
                       gradient_accumulation_steps=2, beta=0.01, use_cpu=True, report_to=[], max_completion_length=6,
                       remove_unused_columns=False)
-    trainer = _trainer_class()(model=model, reward_funcs=[lambda prompts, completions, **k: [0.0] * len(prompts)],
-                               args=args, train_dataset=grpo_dataset([a, b]), processing_class=grounder.tokenizer,
-                               grounder=grounder, samples=[a, b])
+    trainer = GrounderGRPOTrainer(model=model, reward_funcs=[lambda prompts, completions, **k: [0.0] * len(prompts)],
+                                  args=args, train_dataset=grpo_dataset([a, b]), processing_class=grounder.tokenizer,
+                                  grounder=grounder, samples=[a, b])
     for m in model.modules():  # deterministic passes in train mode (the trainer added a "ref" adapter copy)
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0

@@ -117,7 +117,7 @@ def cmd_evaluate(args) -> int:
 def cmd_bench_vision(args) -> int:
     import os
 
-    from .bench_vision import VisionBenchSettings, run_vision_benchmark
+    from .bench.vision import VisionBenchSettings, run_vision_benchmark
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
     knobs = {k: getattr(args, k)
@@ -134,7 +134,7 @@ def cmd_bench_vision(args) -> int:
 def cmd_bench_learning(args) -> int:
     import os
 
-    from .bench_learning import BenchSettings, run_benchmark
+    from .bench.learning import BenchSettings, run_benchmark
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
     knobs = {k: getattr(args, k) for k in ("model", "sft_steps", "sft_lr", "grpo_steps", "grpo_lr", "num_generations",

@@ -5,8 +5,10 @@ What is ours and what is TRL's
 ------------------------------
 * **The prompt** is the grounder's own (:meth:`QwenVLGrounder.inputs_from_images`), as in SFT and
   at inference. TRL builds VLM prompts with a processor chat template, which our grounder does not
-  use (it needs no torchvision and no video processor), so :class:`GrounderGRPOTrainer` overrides
-  three hooks: ``_tokenize_prompts`` returns our prompt ids and image inputs for generation;
+  use (it needs no torchvision and no video processor), so
+  :class:`~medvoltrain._grpo_trainer.GrounderGRPOTrainer` (a module of its own, imported only to
+  train, so that importing this one loads neither torch nor trl) overrides three hooks:
+  ``_tokenize_prompts`` returns our prompt ids and image inputs for generation;
   ``_get_per_token_logps_and_entropies`` adds the same image inputs to the forward passes that
   score completions inside generation (old policy, reference); ``_generate_and_score_completions``
   attaches each row's images to the batch it returns, so TRL's shuffling, accumulation split and
@@ -37,7 +39,7 @@ from medvolcore.errors import DependencyError, ModelError
 
 from .config import GRPOSettings
 from .errors import ConfigError, DataError
-from .prepare import load_samples, load_slices
+from .prepare import load_samples
 from .rewards import ConsistencyScorer, RewardFunctions
 from .runs import open_run, save_adapter, step_of, tensorboard_dir, trainer_arguments, write_summary
 from .sft import load_grounder, lora_target_modules, resolve_model_dir, use_bf16
@@ -55,96 +57,6 @@ def grpo_dataset(samples):
     rows = [{"prompt": s["id"], "sample_id": s["id"], "slice_areas": [int(a) for a in s["slice_areas"]],
              "gt_boxes_norm": json.dumps(s["gt_boxes_norm"])} for s in samples]
     return Dataset.from_list(rows)
-
-
-def _trainer_class():
-    import torch
-    from trl import GRPOTrainer
-
-    class GrounderGRPOTrainer(GRPOTrainer):
-        """TRL's GRPOTrainer with the grounder's own multimodal prompts (see the module docstring).
-
-        Images are tied to **samples**, never to prompt text: two volumes asked the same question
-        have the same prompt token ids (the image slots are identical placeholders), so a row's
-        images can only be found from the sample it was generated for. While TRL generates and
-        scores a batch, ``_batch_rows`` holds each row's sample id; the batch TRL returns carries
-        every row's own images (``pixel_values``, ``image_grid_thw``, ``num_images``,
-        ``mm_token_type_ids``, as TRL's processor-based VLM path does), so its shuffling, splitting
-        into accumulation steps and loss pass keep each row with its pixels."""
-
-        def __init__(self, *args, grounder=None, samples=None, **kwargs):
-            self.grounder = grounder
-            self.samples_by_id = {s["id"]: s for s in samples}
-            # sample id → (prompt ids, pixel_values, image_grid_thw, mm_token_type_ids); one generation batch only
-            self._batch_inputs = {}
-            self._batch_rows = None  # the sample id of each row while TRL generates and scores a batch
-            super().__init__(*args, **kwargs)
-
-        def _sample_inputs(self, sample_id: str):
-            if sample_id not in self._batch_inputs:
-                sample = self.samples_by_id[sample_id]
-                inputs = self.grounder.inputs_from_images(load_slices(sample), sample["shown"], int(sample["depth"]),
-                                                          sample["query"], sample.get("prompt_window"))
-                self._batch_inputs[sample_id] = (inputs["input_ids"][0].tolist(), inputs["pixel_values"],
-                                                 inputs["image_grid_thw"], inputs["mm_token_type_ids"][0])
-            return self._batch_inputs[sample_id]
-
-        def _tokenize_prompts(self, prompts):
-            # TRL's prompt column holds the sample id (grpo_dataset); one entry per row
-            entries = [self._sample_inputs(p) for p in prompts]
-            ids, pv, grid, mm = zip(*entries)
-            fields = {"pixel_values": torch.cat(pv), "image_grid_thw": torch.cat(grid),
-                      "mm_token_type_ids": [m.tolist() for m in mm]}
-            return list(ids), None, fields
-
-        def _generate_and_score_completions(self, inputs):
-            self._batch_inputs = {}
-            self._batch_rows = [x["prompt"] for x in inputs]
-            try:
-                output = super()._generate_and_score_completions(inputs)
-                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-                mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-                pv, grid, counts, mm = self._row_images(ids, mask, output["completion_ids"].size(1))
-                output.update(pixel_values=pv, image_grid_thw=grid, num_images=counts, mm_token_type_ids=mm)
-            finally:
-                self._batch_rows = None
-                self._batch_inputs = {}  # the returned batch carries the pixels from here on
-            return output
-
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                               pixel_values=None, image_grid_thw=None, num_images=None,
-                                               mm_token_type_ids=None, **kwargs):
-            if pixel_values is None:  # TRL's passes inside generation: the batch does not carry images yet
-                pixel_values, image_grid_thw, num_images, mm_token_type_ids = self._row_images(
-                    input_ids, attention_mask, logits_to_keep)
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, pixel_values=pixel_values,
-                image_grid_thw=image_grid_thw, num_images=num_images, mm_token_type_ids=mm_token_type_ids, **kwargs)
-
-        def _row_images(self, input_ids, attention_mask, logits_to_keep):
-            """Image inputs of rows ``[left-padded prompt | completion]`` of the batch being generated, row r
-            from sample ``_batch_rows[r]``; refuses rows whose prompt is not that sample's."""
-            rows = self._batch_rows
-            if rows is None or len(rows) != input_ids.size(0):
-                raise RuntimeError("GRPO: a scoring pass without its images (rows do not match the generation batch)")
-            width = input_ids.size(1) - logits_to_keep
-            pv, grids, counts = [], [], []
-            mm = torch.zeros_like(input_ids, dtype=torch.int32)
-            for r, sample_id in enumerate(rows):
-                ids, p, g, m = self._sample_inputs(sample_id)
-                keep = attention_mask[r, :width].bool()
-                if input_ids[r, :width][keep].tolist() != ids:
-                    raise RuntimeError(f"GRPO: row {r}'s prompt is not the one built for {sample_id}")
-                pv.append(p)
-                grids.append(g)
-                counts.append(int(g.shape[0]))
-                mm[r, width - m.shape[0]:width] = m.to(mm.device)
-            device = input_ids.device
-            return torch.cat(pv).to(device), torch.cat(grids).to(device), counts, mm
-
-    return GrounderGRPOTrainer
 
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
@@ -249,13 +161,13 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
     funcs, weights = rewards.functions(settings.reward_weights)
     run.mkdir(parents=True, exist_ok=True)
     args = _grpo_config(settings, run, bf16, weights, _suppressed_ids(grounder.tokenizer))
-    trainer_cls = _trainer_class()
+    from ._grpo_trainer import GrounderGRPOTrainer
 
     t0 = time.perf_counter()
     with tensorboard_dir(run):
-        trainer = trainer_cls(model=model, reward_funcs=funcs, args=args, train_dataset=grpo_dataset(samples),
-                              processing_class=grounder.tokenizer, peft_config=peft_config, grounder=grounder,
-                              samples=samples)
+        trainer = GrounderGRPOTrainer(model=model, reward_funcs=funcs, args=args,
+                                      train_dataset=grpo_dataset(samples), processing_class=grounder.tokenizer,
+                                      peft_config=peft_config, grounder=grounder, samples=samples)
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     seconds = time.perf_counter() - t0
     out_adapter = save_adapter(trainer, run, {

@@ -1,60 +1,30 @@
 """``medvol-train bench-vision``: does the image path carry pixels to the answer?
 
-The real-CT learning benchmark (:mod:`medvoltrain.bench_learning`) can be passed by a model that
-never looks at its slices: organ names and slice tags carry priors of their own. This stage asks
-a question only the pixels answer, through the product's own data path (``prepare`` → the
-grounder's prompt builder → the SFT collator → :func:`~medvoltrain.sft.train_sft`), and scores the
-trained model with its own slices and with the slices ablated. If the image path were broken
-(pixels dropped, slices misordered, a processor that disagrees with the vision tower) the own and
-ablated scores would be the same.
+Synthetic volumes with one bright square (:func:`build_cases`; the query is always "the bright
+object", so only the pixels say which slice and where) go through the product's own data path
+(``prepare`` → the grounder's prompt builder → the SFT collator → :func:`~medvoltrain.sft.train_sft`).
+The trained adapter then answers each held-out volume greedily, without a grammar, with its
+**own** slices, with **swapped** slices (another test volume's, the same prompt text) and with
+**black** slices (:func:`score_conditions`). Each condition gets, with its standard error:
 
-The task
---------
-Synthetic volumes of ``depth`` axial slices of ``size`` × ``size`` pixels of soft-tissue noise
-(40 ± 15 HU). One bright square (300 ± 20 HU) sits on ``object_slices`` consecutive slices, largest
-on the middle one, so the key slice (the largest cross-section, ``prepare``'s Top-1) is that
-middle slice. The query is always the same ("the bright object"), so nothing but the pixels says
-which slice and where.
-
-``placement``: ``"grid"`` (the full stage) puts the square exactly on one image token of the
-rendered slice (a 4 × 4 token grid with the bench model's patch 32), so a box is right when the
-model names the token that holds the square; ``"free"`` (the quick variant) puts a square of
-``side_min``–``side_max`` pixels anywhere.
-
-``hold_out``: ``"volumes"`` (the full stage) scores new volumes — new noise, new key slice, the
-square at one of the grid's positions, which training has also seen; ``"positions"`` (the quick
-variant) cuts the plane into ``cell`` × ``cell`` pixel cells (one token with ``"grid"``) coloured
-like a checkerboard by the square's top-left corner: training squares start on white cells, test
-squares on black ones, so no test position was seen in training. A model that reads where the
-square is passes ``"volumes"``; ``"positions"`` asks in addition that it turns positions it never
-saw into coordinates, which the bench model does not learn in CPU minutes (Training/README.md).
-
-The model
----------
-``MODEL_SIZES["seeing"]`` of :mod:`~medvoltrain.bench_learning` (a real
-``Qwen3VLForConditionalGeneration`` built from a config; see :func:`~medvoltrain.bench_learning.build_model`
-for why each size differs from the tiny preset), and the recipe of :class:`VisionBenchSettings`:
-a LoRA on every language-model linear layer with the token embeddings, the output head, the whole
-vision tower and the q/k norms trained in full (PEFT ``modules_to_save``).
-
-Scores (greedy decoding, no grammar, on the held-out split), each with its standard error:
-
-* ``key``: the answer's slice is the key slice (chance: one over the number of possible key slices);
-* ``box``: the product's box reward (IoU with the ground truth of the slice the answer names, 0 on
-  a slice without the object);
-* ``box_true_slice``: the answer's boxes against the key slice's ground truth, whatever slice it
-  named (position reading on its own);
+* ``key``: the answer's slice is the key slice (the square's largest cross-section);
+* ``box``: the product's box reward (IoU with the truth of the slice the answer names);
+* ``box_true_slice``: the answer's boxes against the key slice's truth, whatever slice it named;
 * ``format``: the answer parses.
 
-They are computed with the volume's **own** slices, with **swapped** slices (another test volume's,
-the same prompt text) and with **black** slices. ``DIR/result.json`` and ``DIR/table.md``.
+Inputs: :class:`VisionBenchSettings` (defaults: the full stage; ``quick_settings()``: the test
+suite's variant). Everything it writes stays in ``DIR`` (:func:`run_vision_benchmark`):
+``cases/``, ``cases.jsonl``, ``data/``, ``model/``, ``runs/sft``, ``table.md`` and ``result.json``
+(``scores``, ``chance``, ``goals``, ``settings``, ``model``, ``training``, ``data``, ``timings_s``,
+``torch_threads``).
+
+The task, its two variants, the model and the measured runs: ``Training/README.md``, "Does the
+model read the images? (`medvol-train bench-vision`)".
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -65,13 +35,13 @@ import numpy as np
 
 from medvolcore.errors import InputError
 
-from .errors import DataError
+from ..errors import DataError
+from .common import CONDITIONS, ablated_images, mean_se, prepare_out, short_think_targets, swap_partners
+from .model import MODEL_SIZES, build_model, count_parameters, tokenizer_corpus
+from .report import METRICS, RESULT, vision_table, write_result
 
 log = logging.getLogger(__name__)
 
-RESULT = "result.json"
-CONDITIONS = ("own", "swapped", "black")
-METRICS = ("key", "box", "box_true_slice", "format")
 TARGET = "bright_object"
 # the canonical stack [z, y, x] (z head → feet, y anterior → posterior, x patient right → left) as a
 # NIfTI array: z is −S at 3 mm, y is −A, x is −R (RAS+), 1 mm in plane
@@ -80,8 +50,8 @@ STACK_AFFINE = np.array([[0.0, 0.0, -1.0, 0.0], [0.0, -1.0, 0.0, 0.0], [-3.0, 0.
 
 @dataclass
 class VisionBenchSettings:
-    """The vision sanity stage. Defaults: the full stage (≈ 7.7 min with 2 threads on this project's
-    2-core CPU); :meth:`quick_settings`: the variant the test suite runs (≈ 2 min)."""
+    """The vision sanity stage. Defaults: the full stage; :meth:`quick_settings`: the variant the test
+    suite runs (their times: Training/README.md, "Does the model read the images?")."""
 
     seed: int = 0
     # -- the task --
@@ -96,7 +66,7 @@ class VisionBenchSettings:
     train_cases: int = 2400
     test_cases: int = 40
     # -- the model and the recipe --
-    model: str = "seeing"  # a key of bench_learning.MODEL_SIZES
+    model: str = "seeing"  # a key of model.MODEL_SIZES
     vocab_size: int = 1024
     image_patch: int = 32
     steps: int = 2400
@@ -125,7 +95,7 @@ class VisionBenchSettings:
     def tokens_per_side(self) -> int:
         """Image tokens along a side of a rendered slice (the prompt's 256 pixels, patch ``image_patch``,
         2 × 2 merge)."""
-        from .prepare import _prompt_geometry
+        from ..prepare import _prompt_geometry
 
         return _prompt_geometry()[1] // (2 * self.image_patch)
 
@@ -135,8 +105,6 @@ class VisionBenchSettings:
         return self.size // self.tokens_per_side if self.placement == "grid" else self.cell
 
     def validate(self) -> "VisionBenchSettings":
-        from .bench_learning import MODEL_SIZES
-
         for key in ("depth", "size", "object_slices", "side_min", "cell", "train_cases", "steps", "batch",
                     "lora_r", "max_new_tokens"):
             if getattr(self, key) < 1:
@@ -180,8 +148,8 @@ def build_cases(out_dir, settings: VisionBenchSettings) -> List[dict]:
     (``out_dir/cases.jsonl``); returns the manifest rows (with ``square``: z0, y0, x0, side)."""
     import nibabel as nib
 
-    from .datasets import write_manifest
-    from .queries import seeded_rng
+    from ..datasets import write_manifest
+    from ..queries import seeded_rng
 
     out_dir = Path(out_dir)
     folder = out_dir / "cases"
@@ -241,52 +209,12 @@ def greedy_answer(grounder, sample: dict, images, max_new_tokens: int) -> str:
     return tok.decode(row[:cut], skip_special_tokens=False)
 
 
-def swap_partners(samples: List[dict], group: Callable[[dict], object] = lambda s: s.get("case_id")) -> List[int]:
-    """For each sample, the index of the next sample (cyclically) of another ``group`` (default:
-    another volume): whose slices the ``swapped`` condition shows. The next one rather than a pair
-    swap, so that no two samples share one chance coincidence of key slices."""
-    n = len(samples)
-    out = []
-    for j in range(n):
-        g = group(samples[j])
-        k = next(((j + d) % n for d in range(1, n) if group(samples[(j + d) % n]) != g), None)
-        if k is None:
-            raise DataError("every scored sample shows the same volume: there is no other one to swap slices with")
-        out.append(k)
-    return out
-
-
-def ablated_images(samples: List[dict], j: int, condition: str, partners: Optional[List[int]] = None):
-    """The slices shown for sample ``j`` under ``condition``: its own, another volume's
-    (``swapped``, from :func:`swap_partners` unless ``partners`` is given; the same prompt text; when
-    that volume shows another number of slices, its slices at evenly spaced indices), or black ones."""
-    from .prepare import load_slices
-
-    if condition == "own":
-        return load_slices(samples[j])
-    if condition == "swapped":
-        k = (partners if partners is not None else swap_partners(samples))[j]
-        other, n = load_slices(samples[k]), len(samples[j]["shown"])
-        if len(other) != n:
-            other = [other[int(i)] for i in np.rint(np.linspace(0, len(other) - 1, n))]
-        return other
-    if condition == "black":
-        return [np.zeros_like(im) for im in load_slices(samples[j])]
-    raise InputError(f"unknown image condition {condition!r}; use one of {', '.join(CONDITIONS)}")
-
-
-def _mean_se(values: List[float]) -> Dict[str, float]:
-    a = np.asarray(values, dtype=float)
-    se = float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else float("nan")
-    return {"mean": round(float(a.mean()), 4), "se": round(se, 4)}
-
-
 def score_conditions(model_dir, adapter, samples: List[dict], conditions=CONDITIONS, max_new_tokens: int = 64,
                      progress: Optional[Callable[[str], None]] = None) -> dict:
     """Mean ± SE of each metric of :data:`METRICS` per image condition, plus three example answers each."""
     from medvolcore.grounder import QwenVLGrounder
 
-    from .rewards import box_reward, parsed
+    from ..rewards import box_reward, parsed
 
     grounder = QwenVLGrounder.from_pretrained(model_dir, adapter=adapter)
     grounder.model.eval()
@@ -306,7 +234,7 @@ def score_conditions(model_dir, adapter, samples: List[dict], conditions=CONDITI
             per["box_true_slice"].append(0.0 if a is None else box_reward(a.boxes_norm, gt.get(str(key), [])))
             if j < 3:
                 examples.append({"id": s["id"], "target": s["target"], "answer": text})
-        out[cond] = {m: _mean_se(per[m]) for m in METRICS}
+        out[cond] = {m: mean_se(per[m]) for m in METRICS}
         out[cond]["examples"] = examples
         if progress:
             progress(f"  {cond:>7}: " + ", ".join(f"{m} {out[cond][m]['mean']:.3f} ± {out[cond][m]['se']:.3f}"
@@ -314,27 +242,10 @@ def score_conditions(model_dir, adapter, samples: List[dict], conditions=CONDITI
     return out
 
 
-def format_table(result: dict) -> str:
-    rows = ["| images | " + " | ".join(METRICS) + " |", "|" + "---|" * (len(METRICS) + 1)]
-    for cond in CONDITIONS:
-        if cond in result["scores"]:
-            r = result["scores"][cond]
-            rows.append(f"| {cond} | " + " | ".join(f"{r[m]['mean']:.3f} ± {r[m]['se']:.3f}" for m in METRICS) + " |")
-    rows.append("")
-    rows.append(f"Chance for the key slice: {result['chance']['key']:.3f} (one of {result['chance']['key_positions']} "
-                f"possible key slices).")
-    held = result.get("settings", {}).get("hold_out")
-    if held:
-        rows.append("Held out: " + ("new volumes; their squares sit at positions training has seen."
-                                    if held == "volumes" else "positions: no test square starts where a training "
-                                                              "square did (checkerboard)."))
-    return "\n".join(rows)
-
-
 def goals(result: dict) -> Dict[str, bool]:
-    """The issue's goals for the full stage: held-out key slice ≥ 0.8 and box IoU ≥ 0.5 with the
-    volume's own slices; with swapped slices the key slice at most 0.1 above chance and the box ≤ 0.15.
-    The full stage holds out volumes; ``hold_out="positions"`` asks the same of unseen positions."""
+    """The stage's goals: held-out key slice ≥ 0.8 and box IoU ≥ 0.5 with the volume's own slices;
+    with swapped slices the key slice at most 0.1 above chance and the box ≤ 0.15. The full stage
+    holds out volumes; ``hold_out="positions"`` asks the same of unseen positions."""
     own, sw = result["scores"]["own"], result["scores"]["swapped"]
     return {"own key ≥ 0.8": own["key"]["mean"] >= 0.8,
             "own box ≥ 0.5": own["box"]["mean"] >= 0.5,
@@ -348,7 +259,7 @@ _OWNED = ("cases", "cases.jsonl", "data", "model", "runs", RESULT, "table.md")
 
 
 def sft_settings(settings: VisionBenchSettings, model_dir: Path):
-    from .config import SFTSettings
+    from ..config import SFTSettings
 
     return SFTSettings(preset="tiny", model_path=str(model_dir), lora_r=settings.lora_r, lora_alpha=settings.lora_alpha,
                        lora_dropout=0.0, lora_modules_to_save=settings.lora_modules_to_save,
@@ -365,9 +276,7 @@ def run_vision_benchmark(out_dir, settings: Optional[VisionBenchSettings] = None
     settings = (settings or VisionBenchSettings()).validate()
     echo = echo or (lambda line: (sys.stdout.write(line + "\n"), sys.stdout.flush()))
     out = Path(out_dir).expanduser().resolve()
-    from .bench_learning import _prepare_out
-
-    _prepare_out(out, overwrite, _OWNED, "a vision benchmark")
+    prepare_out(out, overwrite, _OWNED, "a vision benchmark")
     import torch
 
     saved = torch.get_num_threads()
@@ -382,11 +291,8 @@ def run_vision_benchmark(out_dir, settings: Optional[VisionBenchSettings] = None
 def _run(out: Path, settings: VisionBenchSettings, echo) -> dict:
     import torch
 
-    from medvolcore.fileio import write_text_atomic
-
-    from .bench_learning import build_model, count_parameters, short_think_targets, tokenizer_corpus
-    from .prepare import PrepareSettings, load_samples, prepare
-    from .sft import train_sft
+    from ..prepare import PrepareSettings, load_samples, prepare
+    from ..sft import train_sft
 
     timings: Dict[str, float] = {}
     t_all = time.perf_counter()
@@ -429,9 +335,8 @@ def _run(out: Path, settings: VisionBenchSettings, echo) -> dict:
         "torch_threads": torch.get_num_threads(),
     }
     result["goals"] = goals(result)
-    table = format_table(result)
-    write_text_atomic(out / "table.md", table + "\n", overwrite=True)
-    write_text_atomic(out / RESULT, json.dumps(result, indent=1) + "\n", overwrite=True)
+    table = vision_table(result)
+    write_result(out, result, table)
     echo("")
     echo(table)
     echo("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in result["goals"].items()))
@@ -439,6 +344,5 @@ def _run(out: Path, settings: VisionBenchSettings, echo) -> dict:
     return result
 
 
-__all__ = ["VisionBenchSettings", "run_vision_benchmark", "build_cases", "score_conditions", "ablated_images",
-           "swap_partners",
-           "greedy_answer", "held_out", "goals", "CONDITIONS", "METRICS", "RESULT"]
+__all__ = ["VisionBenchSettings", "run_vision_benchmark", "build_cases", "score_conditions", "greedy_answer", "held_out",
+           "goals"]
