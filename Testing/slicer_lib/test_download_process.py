@@ -1,43 +1,11 @@
-"""What the first run in a real Slicer would have hit, in the module's plain-Python parts:
-errors raised by a slot reach the caller, the weights-download wait ends when the process has
-ended, one GUI connection per parameter node on Slicer 5.8 (no tag) and 5.10 (a tag)."""
+"""The weights download's process as the widget runs it (``install.wait_for_process``,
+``install.qbytes_text``): the wait ends when the process has ended, also between two waits or
+before the first; cancel kills it; its output is read from a PythonQt ``QByteArray``."""
 
 from __future__ import annotations
 
-import pytest
 from MedVolR1SlicerLib import install
-from MedVolR1SlicerLib.guibinding import GuiBinding
-from MedVolR1SlicerLib.signals import Signal
 
-
-# ---- Signal: errors reach the caller ----------------------------------------------------------
-
-def test_a_failing_slot_raises_to_the_emitter_after_every_slot_ran():
-    s = Signal("finished")
-    ran = []
-
-    def bad(x):
-        ran.append(("bad", x))
-        raise ValueError("the mask does not fit")
-
-    def worse(x):
-        ran.append(("worse", x))
-        raise KeyError("later")
-
-    s.connect(lambda x: ran.append(("first", x)))
-    s.connect(bad)
-    s.connect(worse)
-    s.connect(lambda x: ran.append(("last", x)))
-    with pytest.raises(ValueError, match="the mask does not fit"):  # the first error, not swallowed
-        s.emit(7)
-    assert ran == [("first", 7), ("bad", 7), ("worse", 7), ("last", 7)]
-    s.disconnect(bad)
-    s.disconnect(worse)
-    s.emit(8)  # no error: nothing raised
-    assert ran[-2:] == [("first", 8), ("last", 8)]
-
-
-# ---- the weights download waits on the process state ------------------------------------------
 
 NOT_RUNNING, RUNNING = 0, 2  # QProcess::NotRunning, QProcess::Running
 
@@ -108,51 +76,3 @@ def test_process_output_is_read_from_a_pythonqt_qbytearray():
 
     assert install.qbytes_text(PythonQtQByteArray("model:  42%|██".encode("utf-8"))) == "model:  42%|██"
     assert install.qbytes_text(b"\xff ok") == "\ufffd ok"
-
-
-# ---- one GUI connection per parameter node ----------------------------------------------------
-
-class ParameterNodeStandIn:
-    """``connectGui``/``disconnectGui`` as ``parameterNodeWrapper`` has them: Slicer 5.8 returns
-    no tag (``None``) and ``disconnectGui(None)`` does nothing; 5.10 returns a tag that works.
-    ``live`` counts the connections in force (each writes every widget edit to the node once)."""
-
-    def __init__(self, returns_tag: bool, node=None):
-        self.returns_tag = returns_tag
-        self.parameterNode = node if node is not None else object()
-        self.live = {}
-        self._next = 0
-
-    def connectGui(self, ui):
-        self._next += 1
-        self.live[self._next] = ui
-        return self._next if self.returns_tag else None
-
-    def disconnectGui(self, tag):
-        self.live.pop(tag, None)
-
-
-@pytest.mark.parametrize("returns_tag", [False, True], ids=["slicer-5.8", "slicer-5.10"])
-def test_entering_the_module_again_never_stacks_gui_connections(returns_tag):
-    node = ParameterNodeStandIn(returns_tag)
-    binding = GuiBinding()
-    for _ in range(5):  # enter / exit, as the widget does
-        binding.bind(node, "ui")
-        assert len(node.live) == 1
-        binding.unbind()
-    assert len(node.live) == (0 if returns_tag else 1)
-    # a new wrapper object around the same MRML node (getParameterNode makes one per call)
-    again = ParameterNodeStandIn(returns_tag, node.parameterNode)
-    again.live = node.live
-    binding.bind(again, "ui")
-    assert len(node.live) == 1
-
-
-def test_a_different_parameter_node_gets_its_own_connection():
-    a, b = ParameterNodeStandIn(True), ParameterNodeStandIn(True)
-    binding = GuiBinding()
-    assert binding.bind(a, "ui") is True
-    assert binding.bind(b, "ui") is True
-    assert len(a.live) == 0 and len(b.live) == 1
-    binding.bind(None, "ui")
-    assert len(b.live) == 0
