@@ -434,19 +434,28 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     Files cross to the worker through MRML storage nodes (the volume out as an uncompressed
     NIfTI with the node's own IJK grid, the mask back the same way), never through Slicer's
     Qt I/O manager, so the same code runs in Slicer and on ``slicer-core``.
+
+    ``session``: the :class:`Session` that talks to the worker. Slicer builds the logic with no
+    argument, which gives :meth:`defaultSession`; a test or a script may pass its own (another
+    worker command, a recording client).
     """
 
-    def __init__(self):
+    def __init__(self, session: Optional[Session] = None):
         ScriptedLoadableModuleLogic.__init__(self)
+        self.session = session if session is not None else self.defaultSession()
+        self._tmp = None  # the module's temporary folder, made on first use (see tempDir)
+        self._exported = {}  # volume node ID → (MTime, path)
+        self._undo = None  # (segmentation, segment ID, previous mask or None when added, volume)
+
+    @staticmethod
+    def defaultSession() -> Session:
+        """A local worker run by Slicer's Python (``PythonSlicer``) in Slicer's start-up environment."""
         env = None
         try:
             env = slicer.util.startupEnvironment()  # the child Python gets Slicer's clean environment
         except AttributeError:
             pass
-        self.session = Session(python=python_for_worker(), env=env)
-        self._tmp = None  # the module's temporary folder, made on first use (see tempDir)
-        self._exported = {}  # volume node ID → (MTime, path)
-        self._undo = None  # (segmentation, segment ID, previous mask or None when added, volume)
+        return Session(python=python_for_worker(), env=env)
 
     def getParameterNode(self):
         return MedVolR1SlicerParameterNode(super().getParameterNode())
