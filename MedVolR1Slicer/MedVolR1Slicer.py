@@ -38,6 +38,7 @@ from MedVolR1SlicerLib import install, params
 from MedVolR1SlicerLib.client import WorkerError, python_for_worker
 from MedVolR1SlicerLib.guibinding import GuiBinding
 from MedVolR1SlicerLib.geometry import GeometryError, RoiBox, VolumeGeometry, anchor_from_rois, check_untransformed, rois_from_anchor
+from MedVolR1SlicerLib.presets import model_presets
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options, Session
 
 SETTINGS_HISTORY = "MedVolR1Slicer/QueryHistory"
@@ -104,8 +105,10 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.logic.session.state_changed.connect(self._onStateChanged)
         self.logic.session.progress.connect(self._onProgress)
 
-        for name in params.PRESETS:
+        descriptions = model_presets().descriptions  # Resources/models.json, as the worker reads it
+        for i, name in enumerate(params.PRESETS):
             self.ui.presetComboBox.addItem(name)
+            self.ui.presetComboBox.setItemData(i, descriptions.get(name, ""), qt.Qt.ToolTipRole)
         for name in params.DEVICES:
             self.ui.deviceComboBox.addItem(name)
         for name in params.WINDOWS:
