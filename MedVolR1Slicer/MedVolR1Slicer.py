@@ -38,6 +38,7 @@ from MedVolR1SlicerLib import install, params
 from MedVolR1SlicerLib.client import WorkerError, python_for_worker
 from MedVolR1SlicerLib.guibinding import GuiBinding
 from MedVolR1SlicerLib.geometry import GeometryError, RoiBox, VolumeGeometry, anchor_from_rois, check_untransformed, rois_from_anchor
+from MedVolR1SlicerLib.presets import model_presets
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options, Session
 
 SETTINGS_HISTORY = "MedVolR1Slicer/QueryHistory"
@@ -104,8 +105,10 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.logic.session.state_changed.connect(self._onStateChanged)
         self.logic.session.progress.connect(self._onProgress)
 
-        for name in params.PRESETS:
+        descriptions = model_presets().descriptions  # Resources/models.json, as the worker reads it
+        for i, name in enumerate(params.PRESETS):
             self.ui.presetComboBox.addItem(name)
+            self.ui.presetComboBox.setItemData(i, descriptions.get(name, ""), qt.Qt.ToolTipRole)
         for name in params.DEVICES:
             self.ui.deviceComboBox.addItem(name)
         for name in params.WINDOWS:
@@ -434,19 +437,28 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     Files cross to the worker through MRML storage nodes (the volume out as an uncompressed
     NIfTI with the node's own IJK grid, the mask back the same way), never through Slicer's
     Qt I/O manager, so the same code runs in Slicer and on ``slicer-core``.
+
+    ``session``: the :class:`Session` that talks to the worker. Slicer builds the logic with no
+    argument, which gives :meth:`defaultSession`; a test or a script may pass its own (another
+    worker command, a recording client).
     """
 
-    def __init__(self):
+    def __init__(self, session: Optional[Session] = None):
         ScriptedLoadableModuleLogic.__init__(self)
+        self.session = session if session is not None else self.defaultSession()
+        self._tmp = None  # the module's temporary folder, made on first use (see tempDir)
+        self._exported = {}  # volume node ID → (MTime, path)
+        self._undo = None  # (segmentation, segment ID, previous mask or None when added, volume)
+
+    @staticmethod
+    def defaultSession() -> Session:
+        """A local worker run by Slicer's Python (``PythonSlicer``) in Slicer's start-up environment."""
         env = None
         try:
             env = slicer.util.startupEnvironment()  # the child Python gets Slicer's clean environment
         except AttributeError:
             pass
-        self.session = Session(python=python_for_worker(), env=env)
-        self._tmp = None  # the module's temporary folder, made on first use (see tempDir)
-        self._exported = {}  # volume node ID → (MTime, path)
-        self._undo = None  # (segmentation, segment ID, previous mask or None when added, volume)
+        return Session(python=python_for_worker(), env=env)
 
     def getParameterNode(self):
         return MedVolR1SlicerParameterNode(super().getParameterNode())

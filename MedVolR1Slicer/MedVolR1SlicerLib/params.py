@@ -1,6 +1,7 @@
 """Panel defaults and the small pure rules behind the panel: query history, segment names,
 window and worker settings. The parameter node (in ``MedVolR1Slicer.py``) takes its defaults
-from :data:`DEFAULTS`; a test checks they agree with MedVolCore's presets and windows."""
+from :data:`DEFAULTS`. The model presets and their default come from ``Resources/models.json``
+(:mod:`.presets`), the windows are listed here; a test checks both agree with MedVolCore."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ import json
 import re
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
+from .presets import model_presets
 from .session import Options
 
 DEFAULTS = {
-    "preset": "medvol-r1",      # = Resources/models.json "default"
+    "preset": model_presets().default,  # Resources/models.json "default" (see presets.py)
     "device": "auto",           # cuda when a GPU is usable, else cpu (decided by the worker)
     "window": "soft_tissue",    # = Resources/windows.json "default": centre 40 HU, width 400 HU
     "worker": "local",
     "remote_url": "http://127.0.0.1:8765",
     "history_size": 15,
 }
-PRESETS = ("medvol-r1", "qwen3-vl-2b", "tiny")
+PRESETS = model_presets().names  # offered in the panel, in manifest order
 WINDOWS = ("soft_tissue", "abdomen", "liver", "mediastinum", "lung", "bone", "brain")
 DEVICES = ("auto", "cuda", "cpu")
 SEGMENT_NAME_MAX = 64

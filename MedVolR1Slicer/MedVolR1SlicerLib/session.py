@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Union
 
 from .client import Job, RemoteWorker, StdioWorker, WorkerError, python_for_worker, worker_command
+from .presets import default_preset
 from .signals import Signal
 
 IDLE, RUNNING, CANCELLING = "idle", "running", "cancelling"
@@ -19,9 +20,11 @@ IDLE, RUNNING, CANCELLING = "idle", "running", "cancelling"
 
 @dataclass
 class Options:
-    """Panel settings that reach the worker. ``window``: a preset name or ``[centre, width]``."""
+    """Panel settings that reach the worker. ``preset``: by default the manifest's default
+    (:func:`~MedVolR1SlicerLib.presets.default_preset`); ``window``: a preset name or
+    ``[centre, width]``."""
 
-    preset: str = "medvol-r1"
+    preset: str = field(default_factory=default_preset)
     adapter: str = ""
     device: str = "auto"
     window: Union[str, List[float]] = "soft_tissue"

@@ -36,26 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 MODULE_DIR = REPO / "MedVolR1Slicer"
 
 
-
-def _import_slicer_core():
-    """``import slicer`` without ``Testing/`` on ``sys.path``. slicer-core's ``slicer`` package
-    extends its ``__path__`` with every ``slicer`` folder on ``sys.path`` and imports each module
-    in them, and pytest has put ``Testing/`` there, whose ``slicer/`` holds the stand-in tests."""
-    def namespace_portion(entry):
-        folder = os.path.join(entry or os.getcwd(), "slicer")
-        return os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "__init__.py"))
-
-    saved = list(sys.path)
-    sys.path[:] = [e for e in sys.path if not namespace_portion(e)]
-    try:
-        import slicer as module
-    finally:
-        sys.path[:] = saved
-    return module
-
-
 try:
-    slicer = _import_slicer_core()
+    import slicer
     import vtk
 
     HAVE_SLICER_CORE = hasattr(slicer, "vtkMRMLScene")
@@ -188,7 +170,11 @@ def _parameter_node_wrapper():
 @pytest.fixture(scope="session")
 def slicer_env():
     """Real MRML with the module's logic importable; yields the imported module file."""
-    assert [m for m in sys.modules if m.startswith("slicer.test_")] == [], "test files were imported as slicer.*"
+    # slicer-core's `slicer` extends itself with every `slicer/` folder on sys.path (a namespace
+    # portion) and imports what is in it: nothing of this repository may be named so
+    strays = sorted(name for name, m in sys.modules.items()
+                    if name.startswith("slicer.") and REPO in Path(getattr(m, "__file__", None) or "/").resolve().parents)
+    assert strays == [], f"files of this repository were imported as part of Slicer's slicer package: {strays}"
     _install_application()
     sys.modules.setdefault("qt", types.ModuleType("qt"))
     for name, mod in (("ScriptedLoadableModule", _scripted_loadable_module()),

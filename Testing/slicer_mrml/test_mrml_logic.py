@@ -1,6 +1,7 @@
-"""The module's logic on real MRML (slicer-core), no worker: the volume the worker reads, the
-worker's mask into a segment, Undo, and evidence boxes as ROI nodes, on the real CT stored RAS,
-LPS and obliquely with permuted axes (the same voxels, the affine rewritten with nibabel)."""
+"""The module's logic on real MRML (slicer-core), no worker: the worker session it builds or is
+given, the volume the worker reads, the worker's mask into a segment, Undo, and evidence boxes as
+ROI nodes, on the real CT stored RAS, LPS and obliquely with permuted axes (the same voxels, the
+affine rewritten with nibabel)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,61 @@ def worker_result(logic, volume_node, labels_ijk, label_ids, tmp_path, name="mas
 
 def segment_array(p, volume_node):
     return slicer.util.arrayFromSegmentBinaryLabelmap(p.outputSegmentation, p.segmentId, volume_node)
+
+
+# ---- the worker session ---------------------------------------------------------------------
+
+class RecordingClient:
+    """A worker client that records what it is asked and never answers (the jobs stay queued)."""
+
+    def __init__(self, options):
+        self.options = options
+        self.requests = []
+        self.stopped = False
+
+    def submit(self, op, **fields):
+        from MedVolR1SlicerLib.client import Job
+
+        self.requests.append((op, fields))
+        return Job(str(len(self.requests)), op, fields)
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_the_logic_builds_its_session_as_slicer_does_or_uses_the_one_given(slicer_env, scene, variant_files):
+    from MedVolR1SlicerLib.client import python_for_worker
+    from MedVolR1SlicerLib.session import RUNNING, Options, Session
+
+    built = slicer_env.MedVolR1SlicerLogic()  # as the widget (and so getModuleLogic) builds it
+    try:
+        assert isinstance(built.session, Session) and built.session.client is None  # no worker started yet
+        assert built.session.python == python_for_worker()
+        assert built.session.env is None  # slicer-core has no slicer.app, hence no start-up environment
+    finally:
+        built.cleanup()
+
+    clients = []
+
+    def recording_client(options):
+        clients.append(RecordingClient(options))
+        return clients[-1]
+
+    session = Session(client_factory=recording_client)
+    logic = slicer_env.MedVolR1SlicerLogic(session=session)
+    assert logic.session is session
+    node = load_node(variant_files["ras"][0])
+    p = logic.getParameterNode()
+    p.inputVolume, p.query, p.outputSegmentation, p.segmentId = node, "the liver", None, ""
+    job = logic.startSegment(p, Options(preset="tiny", device="cpu"))
+    (client,) = clients
+    assert [op for op, _ in client.requests] == ["load", "segment"]
+    fields = client.requests[1][1]
+    assert (fields["query"], fields["preset"], job.op) == ("the liver", "tiny", "segment")
+    assert fields["volume"] == logic.exportVolume(node) and os.path.isfile(fields["volume"])
+    assert session.state == RUNNING
+    logic.cleanup()
+    assert client.stopped and not os.path.exists(fields["volume"])
 
 
 # ---- the volume the worker reads ------------------------------------------------------------

@@ -29,8 +29,7 @@ def _command():
 
 @pytest.fixture(scope="module")
 def session():
-    s = Session(python=sys.executable)
-    s._factory = lambda options: StdioWorker(_command(), cancel_grace_s=20.0)
+    s = Session(client_factory=lambda options: StdioWorker(_command(), cancel_grace_s=20.0))
     yield s
     s.shutdown()
 
@@ -143,8 +142,7 @@ def test_cancel_that_is_not_honoured_kills_the_process_tree(ct_sm_path):
 
 
 def test_crash_is_reported_and_the_worker_restarts(ct_sm_path):
-    s = Session()
-    s._factory = lambda options: StdioWorker(_command())
+    s = Session(client_factory=lambda options: StdioWorker(_command()))
     crashes = []
     try:
         job = s.segment(str(ct_sm_path), "the liver", TINY)
@@ -168,8 +166,8 @@ def test_crash_is_reported_and_the_worker_restarts(ct_sm_path):
 
 
 def test_worker_that_cannot_start_fails_the_request_not_the_session(tmp_path):
-    s = Session()
-    s._factory = lambda options: StdioWorker([str(tmp_path / "no-such-python"), "-m", "medvolcore.cli_serve", "--stdio"])
+    s = Session(client_factory=lambda options: StdioWorker(
+        [str(tmp_path / "no-such-python"), "-m", "medvolcore.cli_serve", "--stdio"]))
     with pytest.raises(WorkerError) as e:
         s.segment(str(tmp_path / "ct.nii.gz"), "the liver", TINY)
     assert e.value.code == "worker_start"

@@ -7,6 +7,8 @@ it imports no heavy package."""
 from __future__ import annotations
 
 import ast
+import json
+import os
 import py_compile
 import re
 import subprocess
@@ -38,17 +40,23 @@ def test_cmake_lists_every_module_file_and_only_existing_ones():
     assert "WITH_GENERIC_TESTS" in text
 
 
-def _imports(path: Path, top_level_only: bool):
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+def _imports_in(tree):
+    """Every absolute import anywhere in ``tree``: the module and ``module.name`` for each name."""
     out = []
-    for node in nodes:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.append(node.module)
             out += [f"{node.module}.{a.name}" for a in node.names]
     return out
+
+
+def _imports(path: Path, top_level_only: bool):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if top_level_only:
+        return [m for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) for m in _imports_in(node)]
+    return _imports_in(tree)
 
 
 def test_every_imported_lib_module_is_packaged():
@@ -124,6 +132,47 @@ def test_loading_the_module_imports_no_heavy_package(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "HEAVY []" in r.stdout
     assert "DEFAULTS medvol-r1 auto soft_tissue local" in r.stdout
+
+
+def test_the_parameter_nodes_default_preset_follows_models_json(tmp_path):
+    """What a new panel selects: ``$MEDVOL_MODELS_JSON``'s default when it has one (see
+    ``test_presets.py`` for the manifest itself)."""
+    script = tmp_path / "load.py"
+    script.write_text(STANDINS)
+    override = tmp_path / "models.json"
+    override.write_text(json.dumps({"default": "tiny", "presets": {}}), encoding="utf-8")
+    env = dict(os.environ, MEDVOL_MODELS_JSON=str(override))
+    r = subprocess.run([sys.executable, str(script), str(MODULE)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "DEFAULTS tiny auto soft_tissue local" in r.stdout
+
+
+def test_the_model_manifest_is_installed_where_the_lib_looks_for_it():
+    """``Resources/models.json`` is not in the module's folder, so not in MODULE_PYTHON_RESOURCES:
+    its own rule copies it into the module's ``Resources/`` in the build tree and at install."""
+    from MedVolR1SlicerLib import presets
+
+    text = (MODULE / "CMakeLists.txt").read_text(encoding="utf-8")
+    source = re.search(r"set\(MODELS_MANIFEST \$\{CMAKE_SOURCE_DIR\}/(\S+)\)", text).group(1)
+    assert REPO / source == presets.manifest_candidates(MODULE, environ={})[0]  # the checkout's
+    installed = presets.manifest_candidates(MODULE, environ={})[-1].relative_to(MODULE).as_posix()
+    assert installed == "Resources/models.json"
+    assert re.search(r"configure_file\(\$\{MODELS_MANIFEST\} \$\{CMAKE_BINARY_DIR\}/\$\{Slicer_QTSCRIPTEDMODULES_LIB_DIR\}/"
+                     + re.escape(installed) + r" COPYONLY\)", text)
+    rule = re.search(r"install\(\s*FILES \$\{MODELS_MANIFEST\}\s+DESTINATION (\S+)\s+COMPONENT RuntimeLibraries\s*\)", text)
+    assert rule and rule.group(1) == "${Slicer_INSTALL_QTSCRIPTEDMODULES_LIB_DIR}/Resources"
+
+
+def test_the_module_imports_of_medvolcore_only_its_resources_in_the_self_test():
+    """Slicer loads the module before medvolcore is installed; the self-test, run by hand once the
+    packages are there, reads the sample CT through ``medvolcore.resources``."""
+    def core(tree):
+        return [m for m in _imports_in(tree) if m.split(".")[0] == "medvolcore"]
+
+    tree = ast.parse((MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8"))
+    self_test = next(n for n in ast.walk(_class(tree, "MedVolR1SlicerTest"))
+                     if isinstance(n, ast.FunctionDef) and n.name == "test_segment_edit_repropagate")
+    assert core(tree) == core(self_test) == ["medvolcore.resources", "medvolcore.resources.resource_path"]
 
 
 def test_ui_has_every_widget_the_module_uses_and_parameter_names_exist():

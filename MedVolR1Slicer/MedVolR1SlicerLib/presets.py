@@ -1,0 +1,123 @@
+"""The model presets the panel offers, and its default, read from the project's model manifest
+``Resources/models.json`` (schema ``medvol.models/1``): the file the worker's
+``medvolcore.models`` reads, so that the panel and the worker agree. Plain JSON; nothing of
+medvolcore is imported (Slicer loads the module before medvolcore is installed).
+
+The manifest is looked for here, the first one found and readable wins:
+
+1. ``$MEDVOL_RESOURCES/models.json``, when that folder holds ``windows.json`` (the rule by which
+   the worker's ``medvolcore.resources`` takes it as its resources folder);
+2. the repository checkout: ``<MedVolR1Slicer>/../Resources/models.json``;
+3. the copy installed with the built extension: ``<MedVolR1Slicer>/Resources/models.json``
+   (``MedVolR1Slicer/CMakeLists.txt`` puts it there, in the build tree and at install).
+
+``$MEDVOL_MODELS_JSON``, when set, names a file of the same shape laid over that manifest, as
+the worker does (``medvolcore.models._load_table``): its presets are added to the manifest's, or
+replace those of the same name (which keep their place), and its ``default``, when it has one,
+wins.
+
+When no manifest is found, or the one found cannot be read, the panel still loads, with the
+built-in fallback :data:`FALLBACK`: default ``medvol-r1``, presets ``medvol-r1``,
+``qwen3-vl-2b`` and ``tiny`` (the shipped manifest's). An unreadable ``$MEDVOL_MODELS_JSON`` is
+left out here; the worker refuses it with its reason on the first request.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Dict, Mapping, NamedTuple, Optional, Tuple
+
+MODULE_DIR = Path(__file__).resolve().parent.parent  # the folder of MedVolR1Slicer.py
+SCHEMA = "medvol.models/1"
+OVERRIDE_ENV = "MEDVOL_MODELS_JSON"
+RESOURCES_ENV = "MEDVOL_RESOURCES"
+
+log = logging.getLogger(__name__)
+
+
+class ModelPresets(NamedTuple):
+    """``default``: the preset a new panel selects; ``names``: the presets offered, in manifest
+    order; ``descriptions``: name → one line for the user; ``manifest``: the file read (None:
+    the built-in fallback); ``override``: the ``$MEDVOL_MODELS_JSON`` file laid over it, if any."""
+
+    default: str
+    names: Tuple[str, ...]
+    descriptions: Dict[str, str]
+    manifest: Optional[Path] = None
+    override: Optional[Path] = None
+
+
+FALLBACK = ModelPresets(
+    default="medvol-r1",
+    names=("medvol-r1", "qwen3-vl-2b", "tiny"),
+    descriptions={"medvol-r1": "Qwen3-VL-4B + MedSAM2 (GPU)", "qwen3-vl-2b": "Qwen3-VL-2B + MedSAM2 (smaller)",
+                  "tiny": "random weights: smoke tests only"},
+)
+
+
+def manifest_candidates(module_dir: Path = MODULE_DIR, environ: Optional[Mapping[str, str]] = None) -> Tuple[Path, ...]:
+    """Where the manifest may be, in the order it is looked for (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    out = []
+    resources = env.get(RESOURCES_ENV)
+    if resources and (Path(resources) / "windows.json").is_file():
+        out.append(Path(resources) / "models.json")
+    module_dir = Path(module_dir)
+    out += [module_dir.parent / "Resources" / "models.json", module_dir / "Resources" / "models.json"]
+    return tuple(out)
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("presets"), dict) else None
+
+
+def _descriptions(table: dict) -> Dict[str, str]:
+    return {str(name): str(d.get("description", "")) if isinstance(d, dict) else "" for name, d in table["presets"].items()}
+
+
+def read_presets(module_dir: Path = MODULE_DIR, environ: Optional[Mapping[str, str]] = None) -> ModelPresets:
+    """The presets and default from the first readable manifest, with ``$MEDVOL_MODELS_JSON``
+    laid over it; :data:`FALLBACK` (and the override) when no manifest is found."""
+    env = os.environ if environ is None else environ
+    result = FALLBACK
+    for path in manifest_candidates(module_dir, env):
+        table = _read_json(path)
+        if table is not None and table.get("schema") == SCHEMA and isinstance(table.get("default"), str):
+            result = ModelPresets(table["default"], tuple(table["presets"]), _descriptions(table), path)
+            break
+    else:
+        log.warning("MedVol-R1: no readable Resources/models.json (looked in %s); offering the built-in presets",
+                    ", ".join(str(c) for c in manifest_candidates(module_dir, env)))
+    override = env.get(OVERRIDE_ENV)
+    if override:
+        extra = _read_json(Path(override))
+        if extra is None:
+            log.warning("MedVol-R1: $%s=%s is not a models.json with a 'presets' object; the worker will say why",
+                        OVERRIDE_ENV, override)
+        else:
+            descriptions = dict(result.descriptions)
+            descriptions.update(_descriptions(extra))  # dict order: a replaced preset keeps its place
+            default = extra.get("default") or result.default
+            result = ModelPresets(str(default), tuple(descriptions), descriptions, result.manifest, Path(override))
+    return result
+
+
+@functools.lru_cache(maxsize=None)
+def model_presets() -> ModelPresets:
+    """This Slicer session's presets, read once (Slicer reads the module at start-up, so a changed
+    manifest or ``$MEDVOL_MODELS_JSON`` shows after a restart)."""
+    return read_presets()
+
+
+def default_preset() -> str:
+    """The preset a new panel, a new :class:`~MedVolR1SlicerLib.session.Options` and the headless
+    batch use when none is given."""
+    return model_presets().default
