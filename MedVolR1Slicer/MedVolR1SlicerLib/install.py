@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence

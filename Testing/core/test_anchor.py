@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 
 import nibabel as nib
 import numpy as np

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from medvolcore.cli import main
-from medvolcore.errors import GenerationError, InputError
+from medvolcore.errors import GenerationError
 from medvolcore.pipeline import Pipeline, as_stack
 from medvolcore.resources import load_json, resource_path
 

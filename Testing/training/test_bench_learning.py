@@ -147,7 +147,7 @@ def test_held_out_z_ranges_and_descriptions_are_disjoint_from_training(tmp_path,
     assert unseen and not any(w in words for w in unseen)  # a word only a test description has is not
     digits = tok.tokenize(" 1000")
     assert digits == ["Ġ", "1", "0", "0", "0"]  # digits stay single tokens, as in Qwen
-    from medvolcore import tiny
+    from medvolcore.models import tiny
 
     base = tiny.build_tokenizer()  # the special tokens keep their names and order
     assert [tok.convert_tokens_to_ids(t) - len(tok) for t in tiny.SPECIAL_TOKENS] == \

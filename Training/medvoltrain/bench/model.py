@@ -22,7 +22,7 @@ from medvolcore.errors import InputError
 
 # Language-model / vision-tower sizes of the bench model (the tokenizer and vision geometry are tiny's).
 MODEL_SIZES = {
-    "tiny": {"text": {}, "vision": {}},  # the tiny preset's own sizes (medvolcore.tiny)
+    "tiny": {"text": {}, "vision": {}},  # the tiny preset's own sizes (medvolcore.models.tiny)
     "bench": {"text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=32,
                            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
@@ -73,7 +73,7 @@ def build_model(folder, size: str, corpus: Optional[Sequence[str]] = None, vocab
     """
     import hashlib
 
-    from medvolcore import tiny
+    from medvolcore.models import tiny
 
     folder = Path(folder)
     marker = f"medvol-bench-qwen3-vl/{size}/head{HEAD_STD:g}"
