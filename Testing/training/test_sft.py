@@ -82,7 +82,8 @@ def test_resume_continues_from_the_saved_step(sft_run, sm_data, tmp_path):
 
 
 def test_defaults_are_the_papers_and_the_yaml_spells_them_out():
-    s = SFTSettings()
+    assert SFTSettings().preset is None  # the manifest's default, resolved when settings are loaded
+    s = load_settings()
     assert (s.lora_r, s.learning_rate, s.num_train_epochs, s.per_device_train_batch_size, s.optim,
             s.warmup_ratio, s.lr_scheduler_type, s.bf16, s.gradient_checkpointing, s.preset) == \
         (128, 2e-5, 1.0, 2, "adamw_torch", 0.1, "cosine", "auto", True, "medvol-r1")
