@@ -301,3 +301,14 @@ def test_missing_simpleitk_says_what_to_install(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "SimpleITK", None)  # makes `import SimpleITK` fail
     code, _, err = run_cli(capsys, "info", p)
     assert_one_line_error(code, err, "SimpleITK", "pip install")
+
+
+@pytest.mark.parametrize("module, usage", [
+    ("medvolcore.cli", "usage: medvol [-h]"),
+    ("medvolcore.cli_serve", "usage: medvol serve [-h]"),  # how Slicer starts the worker
+    ("medvolcore.cli_batch", "usage: medvol batch [-h]"),
+])
+def test_python_dash_m_entry_points(module, usage):
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(usage) and "Traceback" not in r.stderr
