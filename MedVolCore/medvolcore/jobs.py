@@ -186,7 +186,8 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
 
     t0 = time.perf_counter()
     query, window = _check_request(request)
-    volume_path = volume if isinstance(volume, (str, Path)) else None
+    # an in-memory volume still names the file it was read from: no output may replace it
+    volume_path = volume if isinstance(volume, (str, Path)) else getattr(getattr(volume, "volume", volume), "path", None)
     check_outputs(outputs, [("--volume", volume_path)] + list(inputs))
 
     stack = as_stack(volume)

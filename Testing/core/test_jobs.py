@@ -133,3 +133,12 @@ def test_cancel_writes_nothing(tmp_path, small_ct, calls):
 def test_default_anchor_path():
     assert default_anchor_path("out/kidney.nii.gz") == "out/kidney.anchor.json"
     assert default_anchor_path("kidney.nrrd") == "kidney.anchor.json"
+
+
+def test_an_in_memory_volume_is_still_an_input(tmp_path, small_ct, calls):
+    stack = AxialStack(load_volume(small_ct[0]))
+    before = small_ct[0].read_bytes()
+    with pytest.raises(InputError, match="is the input"):
+        run_segment_job(calls, stack, SegmentRequest(key_slice=3, boxes=[BOX]),
+                        SegmentOutputs(small_ct[0], overwrite=True))
+    assert calls.made == [] and small_ct[0].read_bytes() == before
