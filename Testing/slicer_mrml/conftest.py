@@ -171,9 +171,13 @@ def _parameter_node_wrapper():
 def slicer_env():
     """Real MRML with the module's logic importable; yields the imported module file."""
     # slicer-core's `slicer` extends itself with every `slicer/` folder on sys.path (a namespace
-    # portion) and imports what is in it: nothing of this repository may be named so
-    strays = sorted(name for name, m in sys.modules.items()
-                    if name.startswith("slicer.") and REPO in Path(getattr(m, "__file__", None) or "/").resolve().parents)
+    # portion) and imports what is in it: nothing of this repository may be named so (slicer-core's
+    # own files count only as installed packages, which may sit inside the checkout, e.g. in .venv)
+    def ours(module) -> bool:
+        path = Path(getattr(module, "__file__", None) or "/").resolve()
+        return REPO in path.parents and "site-packages" not in path.parts
+
+    strays = sorted(name for name, m in sys.modules.items() if name.startswith("slicer.") and ours(m))
     assert strays == [], f"files of this repository were imported as part of Slicer's slicer package: {strays}"
     _install_application()
     sys.modules.setdefault("qt", types.ModuleType("qt"))
