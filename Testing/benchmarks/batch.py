@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO.parent / "shared" / "data" / "real")) / "totalsegmentator"
+REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data")) / "totalsegmentator"
 
 
 def main(argv=None) -> int:

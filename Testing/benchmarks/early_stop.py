@@ -39,7 +39,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO.parent / "shared" / "data" / "real")) / "totalsegmentator"
+REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data")) / "totalsegmentator"
 CT = REAL / "example_ct.nii.gz"
 LABELS = REAL / "example_seg_fast_force_split.nii.gz"
 NAMES = {1: "spleen", 2: "kidney_right", 3: "kidney_left", 5: "liver"}
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
         p.error("--ks must start with 0 (the full run every other K is compared with)")
     for path in (CT, LABELS):
         if not path.is_file():
-            p.error(f"{path} is missing (../shared/data/real beside the repository, or set MEDVOL_REAL_DATA)")
+            p.error(f"{path} is missing (Testing/data in the repository, or set MEDVOL_REAL_DATA)")
     print(f"early-stop benchmark: {CT.name}, MedSAM2 random weights at {args.image_size}, "
           f"{os.cpu_count()} CPU(s), {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     with tempfile.TemporaryDirectory(prefix="medvol-earlystop-") as d:

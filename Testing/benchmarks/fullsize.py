@@ -48,7 +48,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 CONFIGS = REPO / "Resources" / "benchmarks" / "qwen3_vl_configs.json"
-REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO.parent / "shared" / "data" / "real")) / "totalsegmentator"
+REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data")) / "totalsegmentator"
 CT = REAL / "example_ct.nii.gz"
 LABELS = REAL / "example_seg_fast_force_split.nii.gz"
 KIDNEY_RIGHT = 2
@@ -458,7 +458,7 @@ def main(argv=None) -> int:
         args.e2e = [112, 300] if args.device == "cuda" else [112]
     for path in (CT, LABELS):
         if not path.is_file():
-            p.error(f"{path} is missing (../shared/data/real beside the repository, or set MEDVOL_REAL_DATA)")
+            p.error(f"{path} is missing (Testing/data in the repository, or set MEDVOL_REAL_DATA)")
     bad = [d for d in set(args.stacks) | set(args.e2e) if not 2 <= d <= 2000]
     if bad:
         p.error(f"slice counts must be between 2 and 2000, got {bad}")

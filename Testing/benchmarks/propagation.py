@@ -36,8 +36,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-DEFAULT_CT = REPO / ".." / "shared" / "data" / "real" / "totalsegmentator" / "example_ct_sm.nii.gz"
-DEFAULT_LABELS = REPO / ".." / "shared" / "data" / "real" / "totalsegmentator" / "example_seg.nii.gz"
+DEFAULT_CT = REPO / "Testing" / "data" / "totalsegmentator" / "example_ct_sm.nii.gz"
+DEFAULT_LABELS = REPO / "Testing" / "data" / "totalsegmentator" / "example_seg.nii.gz"
 ORGANS = {"liver": 5, "spleen": 1, "kidney_right": 2, "kidney_left": 3, "stomach": 6}
 BOX_SETS = {1: ["liver"], 2: ["liver", "spleen"], 4: ["liver", "spleen", "stomach", "kidney_left"]}
 FALLBACK_ORDER = ["liver", "spleen", "stomach", "kidney_left", "kidney_right"]

@@ -25,7 +25,7 @@ import nibabel as nib
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CT = REPO.parent / "shared" / "data" / "real" / "totalsegmentator" / "example_ct.nii.gz"
+DEFAULT_CT = REPO / "Testing" / "data" / "totalsegmentator" / "example_ct.nii.gz"
 
 
 def volume_node(volume: Path, zoom):

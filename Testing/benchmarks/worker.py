@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CT = REPO.parent / "shared" / "data" / "real" / "totalsegmentator" / "example_ct_sm.nii.gz"
+DEFAULT_CT = REPO / "Testing" / "data" / "totalsegmentator" / "example_ct_sm.nii.gz"
 
 
 class Client:

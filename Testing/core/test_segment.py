@@ -27,7 +27,7 @@ def tiny():
     return Pipeline("tiny", device="cpu").load()
 
 
-def test_sample_is_the_shared_real_ct(ct_sm_path):
+def test_sample_is_the_carried_upper_abdomen_ct(ct_sm_path):
     assert SAMPLE.read_bytes() == ct_sm_path.read_bytes()
 
 

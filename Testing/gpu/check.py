@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKS = ("fullsize", "decoding", "agreement", "sft", "grpo", "zero2")
 SIZES = ("2b", "4b")
 TARGET_S = 10.0  # the README's GPU target: 300 slices end to end, loading excluded
-REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO.parent / "shared" / "data" / "real")) / "totalsegmentator"
+REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data")) / "totalsegmentator"
 
 
 class _Parser(argparse.ArgumentParser):

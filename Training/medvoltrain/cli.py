@@ -263,13 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--train-cases", type=int, help="training volumes (default 2400; --quick 150)")
     sp.add_argument("--test-cases", type=int, help="held-out volumes (default 40; --quick 24)")
     sp.add_argument("--threads", type=int, help="torch threads (default 1; 0 = torch's choice)")
-    sp = add("bench-learning", "Learning benchmark on a CPU: a small grounding task from the shared real CTs, SFT then "
+    sp = add("bench-learning", "Learning benchmark on a CPU: a small grounding task from the real test CTs, SFT then "
                                "GRPO on a small local Qwen3-VL, and the untrained, SFT and GRPO models scored on a "
                                "held-out split with the same rewards (DIR/result.json, table.md, curves.png).",
              cmd_bench_learning)
     sp.add_argument("--out", required=True, help="output folder DIR (cases, prepared data, model, runs, results)")
-    sp.add_argument("--real-dir", help="the shared real data folder (default: $MEDVOL_REAL_DATA, else "
-                                       "../shared/data/real beside the repository)")
+    sp.add_argument("--real-dir", help="the real test data folder (default: $MEDVOL_REAL_DATA, else "
+                                       "Testing/data of the repository)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the cases, queries, training and sampling (default 0)")
     sp.add_argument("--quick", action="store_true", help="a few steps on the tiny model: a smoke test, not a result")
     sp.add_argument("--overwrite", action="store_true", help="run again in a DIR that holds a benchmark")

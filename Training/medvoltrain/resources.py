@@ -1,7 +1,7 @@
 """Training data files in ``Resources/training/`` (term dictionary, templates, label lists).
 
 Read through :func:`medvolcore.resources.resource_path`, so ``$MEDVOL_RESOURCES`` and an
-installed copy work as for the engine. Nothing here reads ``../shared``.
+installed copy work as for the engine.
 """
 
 from __future__ import annotations

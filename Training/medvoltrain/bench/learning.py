@@ -1,8 +1,8 @@
-"""``medvol-train bench-learning``: does training work? A grounding task from the shared real CTs,
+"""``medvol-train bench-learning``: does training work? A grounding task from the real test CTs,
 small enough for a CPU, trained with the product's SFT then GRPO; the untrained, SFT and GRPO
 models are scored on a held-out split with the same rewards (:class:`~medvoltrain.rewards.RewardFunctions`).
 
-Inputs: ``real_dir`` (``$MEDVOL_REAL_DATA``, else ``../shared/data/real``: ``example_ct``,
+Inputs: ``real_dir`` (``$MEDVOL_REAL_DATA``, else the repository's ``Testing/data``: ``example_ct``,
 ``example_ct_sm``, their TotalSegmentator label maps and the M3D → TotalSegmentator crosswalk) and
 :class:`BenchSettings`. Both CTs are one patient: the test split is held out by z-range of that
 patient (:data:`TEST_BANDS`, stack z of ``example_ct``) and by description, not by patient.
@@ -162,11 +162,12 @@ class BenchSettings:
 # ---- data ------------------------------------------------------------------------------------
 
 def default_real_dir() -> Path:
-    """``$MEDVOL_REAL_DATA``, else ``../shared/data/real`` beside the repository."""
+    """``$MEDVOL_REAL_DATA``, else ``Testing/data`` of the repository checkout this package runs from
+    (an installed copy outside a checkout has none: give ``--real-dir``)."""
     env = os.environ.get("MEDVOL_REAL_DATA")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parents[3].parent / "shared" / "data" / "real"
+    return Path(__file__).resolve().parents[3] / "Testing" / "data"
 
 
 @dataclass
@@ -190,8 +191,8 @@ def _load_sources(real_dir: Path) -> List[_Source]:
                            ("ct_sm", "example_ct_sm.nii.gz", "example_seg.nii.gz")):
         for f in (vol, lab):
             if not (ts / f).is_file():
-                raise DataError(f"{ts / f} is missing: the learning benchmark needs the shared real CTs "
-                                f"(--real-dir or $MEDVOL_REAL_DATA; see ../shared/data/real/README.md)")
+                raise DataError(f"{ts / f} is missing: the learning benchmark needs the real test CTs "
+                                f"(Testing/data in the repository; --real-dir or $MEDVOL_REAL_DATA elsewhere)")
         v = load_volume(ts / vol)
         stack = AxialStack(v)
         labels = stack.to_stack(load_label_map(ts / lab).array)
@@ -200,16 +201,16 @@ def _load_sources(real_dir: Path) -> List[_Source]:
     ct, sm = out
     if sm.stack_hu.shape[0] != SM_DEPTH or not np.array_equal(sm.stack_hu, ct.stack_hu[:SM_DEPTH]):
         raise DataError("example_ct_sm is not example_ct's first 30 stack slices any more; the benchmark's "
-                        "z-ranges assume it is (see the shared data README)")
+                        "z-ranges assume it is (see Testing/data/README.md)")
     sm.index_to_ras = ct.index_to_ras.copy()  # sm's own header is a quirk: same patient frame as ct
     return out
 
 
 def _targets(real_dir: Path) -> Dict[str, List[int]]:
-    """Target name → TotalSegmentator ids, from the shared M3D → TotalSegmentator crosswalk."""
+    """Target name → TotalSegmentator ids, from the M3D → TotalSegmentator crosswalk of the test data."""
     path = real_dir / "text" / "m3d_to_totalseg_crosswalk.json"
     if not path.is_file():
-        raise DataError(f"{path} is missing (see ../shared/data/real/README.md)")
+        raise DataError(f"{path} is missing (see Testing/data/README.md in the repository)")
     cw = json.loads(path.read_text(encoding="utf-8"))
     out = {}
     for term, name in TARGET_TERMS.items():
