@@ -55,7 +55,9 @@ class MedVolR1Slicer(ScriptedLoadableModule):
         self.parent.helpText = (
             "Segment a CT from a free-form clinical query. A vision-language model (Qwen3-VL) picks a key axial "
             "slice and draws boxes on it (the evidence anchor); MedSAM2 propagates them into a 3D mask. Move a box "
-            "and click Re-propagate to correct it. See the project's README for set-up, weights and a remote worker.")
+            "and click Re-propagate to correct it. Research use only, not a medical device: no trained MedVol-R1 "
+            "adapter is published, so the default model answers zero-shot and will often be wrong. "
+            "See docs/slicer.md in the project for set-up, weights and a remote worker.")
         self.parent.acknowledgementText = (
             "Method: MedVol-R1 (arXiv 2605.26621). Models: Qwen3-VL (Alibaba Qwen team), MedSAM2 (Bo Wang lab), "
             "SAM 2 (Meta). Research use only; not a medical device.")
@@ -387,7 +389,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             elif job.error.code != "worker_crashed":
                 slicer.util.errorDisplay(job.error.message, windowTitle="MedVol-R1")
             else:
-                slicer.util.errorDisplay(job.error.message + "\n\nSee the troubleshooting section of the README "
+                slicer.util.errorDisplay(job.error.message + "\n\nSee the troubleshooting section of docs/slicer.md "
                                          "(out of memory: try the qwen3-vl-2b preset or device cpu).",
                                          windowTitle="MedVol-R1: the worker stopped")
         self._updateGuiFromParameterNode()

@@ -2,7 +2,8 @@
 
 * Every ``medvol`` / ``medvol-train`` command in a ``bash``/``sh``/``console`` block of a page is
   parsed by the real command-line parser (an option renamed or removed fails here, naming the page
-  and line); ``python`` blocks compile; ``json``/``jsonl`` blocks parse.
+  and line); every shell block passes ``bash -n``; ``python`` blocks compile; ``json``/``jsonl``
+  blocks parse. Blocks meant as synopses (``[--option]`` placeholders) are fenced as ``text``.
 * Blocks whose info string is ``bash runnable`` are run, in order of the page, in a scratch folder
   that sees the repository's folders (``Testing``, ``Resources``, …) and ``.venv``. They run with
   ``$MEDVOL_MODELS_JSON`` naming a manifest whose default preset is ``tiny``: a command written
@@ -150,10 +151,13 @@ def test_shell_extraction_handles_continuations_loops_and_redirections():
     assert ["medvol", "info", "ct.nii.gz"] in cmds
 
 
-@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang in ("python", "json", "jsonl")],
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang in SHELL | {"python", "json", "jsonl"}],
                          ids=lambda b: b.where)
 def test_code_and_data_blocks_are_well_formed(block):
-    if block.lang == "python":
+    if block.lang in SHELL:  # commands no test can run here (Slicer, pip, accelerate) are still valid shell
+        proc = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{block.where}: not valid shell: {proc.stderr.strip()}"
+    elif block.lang == "python":
         compile(block.text, block.where, "exec")
     elif block.lang == "json":
         json.loads(block.text)
@@ -204,7 +208,7 @@ def test_runnable_block_runs(block, docs_env, tmp_path):
         pytest.skip(f"`medvol` is not installed beside {sys.executable}")
     cwd = scratch_checkout(tmp_path / "checkout")
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.text], cwd=cwd, env=docs_env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=600)
     log = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, f"{block.where} failed with exit code {proc.returncode}:\n{log}"
     for out in named_outputs(block.text):

@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CHECKS = ("fullsize", "decoding", "agreement", "sft", "grpo", "zero2")
 SIZES = ("2b", "4b")
-TARGET_S = 10.0  # the README's GPU target: 300 slices end to end, loading excluded
+TARGET_S = 10.0  # the GPU target (docs/benchmarks.md): 300 slices end to end, loading excluded
 REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data")) / "totalsegmentator"
 
 

@@ -162,7 +162,7 @@ def test_quick_stage_learns_the_key_slice_from_pixels(tmp_path, capsys):
     """The CI variant: trained through prepare → prompt builder → collator → train_sft, the model finds
     the slice with the square on held-out volumes, and only with its own slices.
 
-    Bounds from measured runs of this variant (seed 0): see Training/README.md. A model that ignores
+    Bounds from measured runs of this variant (seed 0): see docs/learning-benchmarks.md. A model that ignores
     the images scores the same under all three conditions (the real-CT benchmark's SFT model did)."""
     out = tmp_path / "VISION"
     assert main(["bench-vision", "--out", str(out), "--quick", "--threads", "2"]) == 0

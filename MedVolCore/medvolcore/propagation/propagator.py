@@ -48,7 +48,7 @@ __all__ = [
 
 # Early stop: each direction ends once every object's mask has been empty on this many
 # consecutive slices (0 = never: the MedVol-R1 paper's whole-volume propagation). Why 2: see
-# the README's "Early stop" section (no interior gap in any reference label at 3 mm; a mask
+# docs/benchmarks.md, "Early stop" (no interior gap in any reference label at 3 mm; a mask
 # that vanishes on one slice and comes back is still followed; each extra slice costs ~2
 # slices of work per target).
 DEFAULT_STOP_AFTER_EMPTY = 2

@@ -42,7 +42,7 @@ def short_think_targets(data_dir, template: str = THINK_TEMPLATE) -> int:
 
     The key slice and the boxes (``target_info``) are unchanged; the text is rebuilt with
     :func:`medvolcore.answer.format_answer` as ``prepare`` builds it. Why one template:
-    Training/README.md, "Training." under the learning benchmark.
+    docs/learning-benchmarks.md, "Training." under the learning benchmark.
     """
     from medvolcore.answer import format_answer
 

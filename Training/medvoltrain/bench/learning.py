@@ -23,7 +23,7 @@ Everything it writes stays in ``DIR`` (:func:`run_benchmark`):
 * ``table.md`` and ``curves.png`` (SFT loss, GRPO reward terms per step).
 
 The task, the held-out split, the model, the training recipe and why each is what it is, with the
-measured results: ``Training/README.md``, "Learning benchmark (`medvol-train bench-learning`)".
+measured results: ``docs/learning-benchmarks.md``, "Learning benchmark (`medvol-train bench-learning`)".
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class BenchSettings:
 
     seed: int = 0
     # a key of MODEL_SIZES; "seeing" (the vision stage's model) because with the tiny sizes the trained
-    # adapters scored the same with their slices blacked out (Training/README.md, "Image ablations on the real CTs")
+    # adapters scored the same with their slices blacked out (docs/learning-benchmarks.md, "Image ablations on the real CTs")
     model: str = "seeing"
     # BPE vocabulary learnt from the training split's text (0: the tiny preset's 640-merge tokenizer)
     vocab_size: int = 2048
@@ -100,7 +100,7 @@ class BenchSettings:
     lora_alpha: int = 64
     # trained in full beside the LoRA (PEFT modules_to_save): a LoRA on a *random* model cannot move its
     # token embeddings, and without that it never learnt which organ a query names; nor its random vision
-    # tower (Training/README.md, "Training." under the learning benchmark)
+    # tower (docs/learning-benchmarks.md, "Training." under the learning benchmark)
     lora_modules_to_save: str = "embed_tokens,lm_head,visual,q_norm,k_norm"
     # -- GRPO --
     grpo_steps: int = 150
@@ -119,7 +119,7 @@ class BenchSettings:
     samples_per_prompt: int = 4
     sam_seed: int = 0
     # torch threads for the whole run (None: leave torch's choice). One thread by default: on a
-    # shared 2-core machine two threads spin against the other jobs (measured: Training/README.md).
+    # shared 2-core machine two threads spin against the other jobs (measured: docs/learning-benchmarks.md).
     threads: Optional[int] = 1
     quick: bool = False
 

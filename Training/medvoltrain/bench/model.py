@@ -29,7 +29,7 @@ MODEL_SIZES = {
                                             "mrope_section": [8, 4, 4], "mrope_interleaved": True}),
               "vision": dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128)},
     # The model of both stages: it learns from pixels in CPU minutes where "tiny" and "bench" did not.
-    # Why each size differs from tiny's: Training/README.md, "The model that sees". "pos_sincos": the
+    # Why each size differs from tiny's: docs/learning-benchmarks.md, "The model that sees". "pos_sincos": the
     # vision tower's position table starts as sincos_positions instead of N(0, 0.02).
     "seeing": {"text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=32,
@@ -67,7 +67,7 @@ def build_model(folder, size: str, corpus: Optional[Sequence[str]] = None, vocab
     The tiny preset's tokenizer (or, with ``vocab_size`` and ``corpus``, the same kind of tokenizer
     with its merges learnt from ``corpus``), image processor and vision geometry (patch
     ``patch_size``), with the sizes of :data:`MODEL_SIZES` (``tiny``: the tiny preset's own sizes);
-    the output head is drawn with std ``HEAD_STD/sqrt(hidden)`` instead of 0.02 (why: Training/README.md,
+    the output head is drawn with std ``HEAD_STD/sqrt(hidden)`` instead of 0.02 (why: docs/learning-benchmarks.md,
     "Output head"). Writes the model, tokenizer and image processor, ``medvol_model.json`` and the
     build marker; a folder whose marker matches these arguments is returned as it is.
     """

@@ -18,7 +18,7 @@ suite's variant). Everything it writes stays in ``DIR`` (:func:`run_vision_bench
 (``scores``, ``chance``, ``goals``, ``settings``, ``model``, ``training``, ``data``, ``timings_s``,
 ``torch_threads``).
 
-The task, its two variants, the model and the measured runs: ``Training/README.md``, "Does the
+The task, its two variants, the model and the measured runs: ``docs/learning-benchmarks.md``, "Does the
 model read the images? (`medvol-train bench-vision`)".
 """
 
@@ -51,7 +51,7 @@ STACK_AFFINE = np.array([[0.0, 0.0, -1.0, 0.0], [0.0, -1.0, 0.0, 0.0], [-3.0, 0.
 @dataclass
 class VisionBenchSettings:
     """The vision sanity stage. Defaults: the full stage; :meth:`quick_settings`: the variant the test
-    suite runs (their times: Training/README.md, "Does the model read the images?")."""
+    suite runs (their times: docs/learning-benchmarks.md, "Does the model read the images?")."""
 
     seed: int = 0
     # -- the task --
