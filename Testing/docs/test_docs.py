@@ -155,7 +155,7 @@ def test_shell_extraction_handles_continuations_loops_and_redirections():
                          ids=lambda b: b.where)
 def test_code_and_data_blocks_are_well_formed(block):
     if block.lang in SHELL:  # commands no test can run here (Slicer, pip, accelerate) are still valid shell
-        proc = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)
+        proc = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True, encoding="utf-8")
         assert proc.returncode == 0, f"{block.where}: not valid shell: {proc.stderr.strip()}"
     elif block.lang == "python":
         compile(block.text, block.where, "exec")
