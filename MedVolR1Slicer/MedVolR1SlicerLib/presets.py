@@ -121,3 +121,28 @@ def default_preset() -> str:
     """The preset a new panel, a new :class:`~MedVolR1SlicerLib.session.Options` and the headless
     batch use when none is given."""
     return model_presets().default
+
+
+class SampleCT(NamedTuple):
+    """The small abdominal CT that travels with the module (``Resources/samples``), offered in
+    Slicer's Sample Data module. ``sha256``: from ``samples.json``, checked by Sample Data."""
+
+    path: Path
+    sha256: str
+    query: str
+
+
+def sample_ct(module_dir: Path = MODULE_DIR) -> Optional[SampleCT]:
+    """The demo CT of ``Resources/samples/samples.json``: beside a checkout
+    (``<MedVolR1Slicer>/../Resources/samples``) or in the built extension's module Resources
+    (``MedVolR1Slicer/CMakeLists.txt`` copies it there). None when neither is found."""
+    module_dir = Path(module_dir)
+    for folder in (module_dir.parent / "Resources" / "samples", module_dir / "Resources" / "samples"):
+        try:
+            demo = json.loads((folder / "samples.json").read_text(encoding="utf-8"))["demo"]
+            path = folder / demo["file"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if path.is_file():
+            return SampleCT(path, str(demo["sha256"]), str(demo.get("query", "")))
+    return None

@@ -12,9 +12,10 @@ application: ``qt`` itself, ``slicer.ScriptedLoadableModule`` and
 ``slicer.parameterNodeWrapper``. The stand-ins below give only what the module's *logic* uses
 (the widget is never run here): an empty ``qt``; ``ScriptedLoadableModuleLogic.getParameterNode``
 returning the module's singleton ``vtkMRMLScriptedModuleNode`` as Slicer's does; and a
-parameter-node wrapper that keeps each typed field on that MRML node (plain values as node
-parameters, nodes as node references, so a node removed from the scene drops out of a field as it
-does in Slicer).
+parameter-node wrapper that keeps each typed field on that MRML node the way Slicer's does
+(plain values as node parameters, nodes as node references, lists of nodes as numbered
+references with a length, a cache per wrapper dropped on the node's ``ModifiedEvent``), so a node
+removed from the scene drops out of a field when and as it does in Slicer.
 
 This tier runs in its own pytest process (``Testing/conftest.py`` leaves it out of the main
 run): it installs a real ``slicer`` package and these stand-ins into ``sys.modules``.
@@ -122,6 +123,20 @@ def _scripted_loadable_module():
 
 
 def _parameter_node_wrapper():
+    """Slicer's ``parameterNodeWrapper`` as far as the module depends on it (checked against
+    ``Base/Python/slicer/parameterNodeWrapper`` at v5.10.0 and v5.12.3):
+
+    - a node field is a node reference named after the field (plus an empty parameter of the
+      same name); a ``list[<node class>]`` field is the references ``name.0``, ``name.1``, … and
+      the parameter ``name.len`` (``ListSerializer``);
+    - each wrapper caches what it read, and drops its cache on the parameter node's
+      ``ModifiedEvent`` (``_CachedParameterWrapper``). MRML removes a reference to a removed node
+      *before* ``NodeRemovedEvent`` and modifies the parameter node *after* it, so a removed ROI
+      is still in ``p.boxes`` (from the cache) while ``NodeRemovedEvent`` is handled, and is a
+      ``None`` entry afterwards: the length parameter keeps counting it;
+    - a node of the wrong class is refused (the ``IsInstance`` validator);
+    - ``connectGui(ui)`` returns a tag that ``disconnectGui(tag)`` takes (5.10 and later).
+    """
     mod = types.ModuleType("slicer.parameterNodeWrapper")
 
     def is_node_class(t):
@@ -129,38 +144,78 @@ def _parameter_node_wrapper():
 
     def parameterNodeWrapper(cls):
         fields = {name: (ann, cls.__dict__.get(name)) for name, ann in cls.__annotations__.items()}
+        connections = {}
+
+        def read(node, name):
+            ann, default = fields[name]
+            if is_node_class(ann):
+                return node.GetNodeReference(name)
+            if typing.get_origin(ann) is list:
+                n = node.GetParameter(f"{name}.len")
+                return [node.GetNodeReference(f"{name}.{i}") for i in range(int(n) if n else 0)]
+            text = node.GetParameter(name)
+            return ann(json.loads(text)) if text else default
+
+        def write(node, name, value):
+            ann, _ = fields[name]
+            if is_node_class(ann):
+                if value is not None and not isinstance(value, ann):
+                    raise ValueError(f"{name} must be a {ann.__name__}, not a {type(value).__name__}")
+                node.SetParameter(name, "")
+                node.SetNodeReferenceID(name, value.GetID() if value is not None else None)
+            elif typing.get_origin(ann) is list:
+                (item,) = typing.get_args(ann)
+                old = int(node.GetParameter(f"{name}.len") or 0)
+                for i, v in enumerate(value):
+                    if v is not None and not isinstance(v, item):
+                        raise ValueError(f"{name}[{i}] must be a {item.__name__}, not a {type(v).__name__}")
+                    node.SetNodeReferenceID(f"{name}.{i}", v.GetID() if v is not None else None)
+                node.SetParameter(f"{name}.len", str(len(value)))
+                for i in range(len(value), old):
+                    node.RemoveNodeReferenceIDs(f"{name}.{i}")
+            else:
+                node.SetParameter(name, json.dumps(ann(value)))
 
         class Wrapper:
             def __init__(self, node):
                 object.__setattr__(self, "parameterNode", node)
+                object.__setattr__(self, "_cache", {})
+                object.__setattr__(self, "_tag", node.AddObserver(vtk.vtkCommand.ModifiedEvent, self._drop))
+
+            def _drop(self, caller=None, event=None):
+                self._cache.clear()
+
+            def __del__(self):
+                self.parameterNode.RemoveObserver(self._tag)
 
             def __getattr__(self, name):
                 if name not in fields:
                     raise AttributeError(name)
-                ann, default = fields[name]
-                node = self.parameterNode
-                if is_node_class(ann):
-                    return node.GetNodeReference(name)
-                if typing.get_origin(ann) is list:
-                    return [node.GetNthNodeReference(name, i) for i in range(node.GetNumberOfNodeReferences(name))]
-                text = node.GetParameter(name)
-                return ann(json.loads(text)) if text else default
+                if name not in self._cache:
+                    self._cache[name] = read(self.parameterNode, name)
+                value = self._cache[name]
+                return list(value) if isinstance(value, list) else value
 
             def __setattr__(self, name, value):
                 if name not in fields:
                     raise AttributeError(f"{cls.__name__} has no parameter {name!r}")
-                ann, _ = fields[name]
-                node = self.parameterNode
-                if is_node_class(ann):
-                    node.SetNodeReferenceID(name, value.GetID() if value is not None else None)
-                elif typing.get_origin(ann) is list:
-                    node.RemoveNodeReferenceIDs(name)
-                    for v in value:
-                        node.AddNodeReferenceID(name, v.GetID())
-                else:
-                    node.SetParameter(name, json.dumps(ann(value)))
+                was = self.parameterNode.StartModify()  # one ModifiedEvent per write (NodeModify)
+                try:
+                    write(self.parameterNode, name, value)
+                finally:
+                    self.parameterNode.EndModify(was)
+                self._cache[name] = read(self.parameterNode, name)  # read back before observers run
+
+            def connectGui(self, ui):
+                tag = object()
+                connections[id(tag)] = (self.parameterNode, ui)
+                return tag
+
+            def disconnectGui(self, tag):
+                connections.pop(id(tag), None)
 
         Wrapper.__name__ = cls.__name__
+        Wrapper.connections = connections  # what the tests look at: the live GUI connections
         return Wrapper
 
     mod.parameterNodeWrapper = parameterNodeWrapper

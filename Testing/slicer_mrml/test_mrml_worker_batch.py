@@ -175,10 +175,10 @@ def test_batch_mixed_manifest_writes_each_format_and_reports_each_failure(batch,
 
     original = slicer_env.MedVolR1SlicerLogic.applyResult
 
-    def apply_or_fail(self, p, volume, result, replaceSegment):
+    def apply_or_fail(self, p, volume, result, replaceSegment=False, target=None):
         if result["anchor"]["query"].endswith("(apply fails)"):
             return {}["a bug while applying"]  # an unexpected exception type, as a bug would raise
-        return original(self, p, volume, result, replaceSegment)
+        return original(self, p, volume, result, replaceSegment, target=target)
 
     slicer_env.MedVolR1SlicerLogic.applyResult = apply_or_fail
     try:
