@@ -1040,12 +1040,16 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         if sh is None:
             return
         volumeItem = sh.GetItemByDataNode(volumeNode)
-        item = sh.GetItemByDataNode(node)
-        if not volumeItem or not item:
+        if not volumeItem:
             return
         parent = sh.GetItemParent(volumeItem)
-        if parent and parent != sh.GetSceneItemID():
+        if not parent or parent == sh.GetSceneItemID():
+            return
+        item = sh.GetItemByDataNode(node)  # Slicer's application makes one for each new node
+        if item:
             sh.SetItemParent(item, parent)
+        else:
+            sh.CreateItem(parent, node)
 
     def setShow3D(self, p, show: bool) -> bool:
         """Show the result's segmentation as a surface in the 3D view (or stop). Returns whether

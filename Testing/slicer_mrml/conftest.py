@@ -135,6 +135,7 @@ def _parameter_node_wrapper():
       is still in ``p.boxes`` (from the cache) while ``NodeRemovedEvent`` is handled, and is a
       ``None`` entry afterwards: the length parameter keeps counting it;
     - a node of the wrong class is refused (the ``IsInstance`` validator);
+    - ``AddObserver``/``RemoveObserver`` are the parameter node's;
     - ``connectGui(ui)`` returns a tag that ``disconnectGui(tag)`` takes (5.10 and later).
     """
     mod = types.ModuleType("slicer.parameterNodeWrapper")
@@ -205,6 +206,12 @@ def _parameter_node_wrapper():
                 finally:
                     self.parameterNode.EndModify(was)
                 self._cache[name] = read(self.parameterNode, name)  # read back before observers run
+
+            def AddObserver(self, event, callback, priority=0.0):  # as wrapper.py: the node's own
+                return self.parameterNode.AddObserver(event, callback, priority)
+
+            def RemoveObserver(self, tag):
+                self.parameterNode.RemoveObserver(tag)
 
             def connectGui(self, ui):
                 tag = object()

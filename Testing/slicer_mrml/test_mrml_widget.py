@@ -1,0 +1,237 @@
+"""The panel's non-Qt half on real MRML: ``MedVolR1SlicerWidget.setupScene`` with the Qt widgets
+replaced by :class:`FakeWidget` objects (attributes and the few methods the panel calls; no Qt).
+What is checked: one GUI connection across module visits, box observers, a box deleted in the
+scene, the button rules (a switched volume, a running request locks the inputs), line edits left
+alone when their text has not changed, a scene closed, and ``cleanup()``.
+
+What stays untested here (it needs the Slicer application): the ``.ui`` file's layout, the
+signals' wiring in ``setup()``, dialogs, the Esc shortcut and the Segment Editor switch."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("slicer_core", reason="slicer-core is not installed (bootstrap.py --no-slicer-core)")
+import slicer  # noqa: E402 - the real package, imported by conftest.py
+import vtk  # noqa: E402
+
+from test_mrml_clinician_day import LIVER, ManualClient, answer_for, load_ct  # noqa: E402
+
+
+class FakeWidget:
+    """A Qt widget as far as the panel touches it; counts writes of ``text``/``currentPath``
+    (a write moves a line edit's cursor to the end)."""
+
+    def __init__(self, name):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "writes", {})
+        object.__setattr__(self, "_plain", "")
+        self.enabled = True
+        self.checked = False
+        self.text = ""
+        self.currentPath = ""
+        self.toolTip = ""
+        self.value = 0
+        self._blocked = False
+        self.writes.clear()
+
+    def __setattr__(self, name, value):
+        self.writes[name] = self.writes.get(name, 0) + 1
+        object.__setattr__(self, name, value)
+
+    def blockSignals(self, on):
+        old, self._blocked = self._blocked, on
+        return old
+
+    def toPlainText(self):
+        return self._plain
+
+    def setPlainText(self, text):
+        self._plain = text
+
+    def setCurrentText(self, text):
+        self.currentText = text
+
+    def setChecked(self, on):
+        self.checked = on
+
+
+UI_NAMES = ["queryEdit", "presetComboBox", "deviceComboBox", "windowComboBox", "remoteUrlLineEdit",
+            "adapterPathLineEdit", "remoteTokenLineEdit", "workerLocalRadioButton", "workerRemoteRadioButton",
+            "keySliceLabel", "reasoningEdit", "segmentButton", "addBoxButton", "repropagateButton", "undoButton",
+            "jumpButton", "editButton", "show3DCheckBox", "inputVolumeSelector", "historyComboBox",
+            "outputSegmentationSelector", "progressBar", "statusLabel"]
+
+
+@pytest.fixture
+def panel(slicer_env, scene):
+    """The widget's non-Qt half with fake widgets and a :class:`ManualClient` worker."""
+    from MedVolR1SlicerLib.session import Session
+
+    client = ManualClient()
+    widget = slicer_env.MedVolR1SlicerWidget(parent=types.SimpleNamespace(isEntered=True))
+    widget.ui = types.SimpleNamespace(**{n: FakeWidget(n) for n in UI_NAMES})
+    widget.setupScene(slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: client)))
+    widget.client = client
+    yield widget
+    widget.cleanup()
+
+
+def connections(slicer_env):
+    return slicer_env.MedVolR1SlicerParameterNode.connections
+
+
+def run_segment(panel, volume, tmp_path, labels_ijk, tiny):
+    p = panel._parameterNode
+    p.inputVolume, p.query = volume, "the liver"
+    job = panel.logic.startSegment(p, tiny, panel._onJobFinished)
+    assert panel.ui.queryEdit.enabled is False and panel.ui.inputVolumeSelector.enabled is False  # locked
+    result, _ = answer_for(panel.logic, volume, labels_ijk, [LIVER], tmp_path, "the liver")
+    panel.client.answer(job, result)
+    assert job.state == "done", job.error
+    return job
+
+
+@pytest.fixture
+def labels_ijk(seg_sm_path):
+    import nibabel as nib
+    import numpy as np
+
+    return np.asarray(nib.load(str(seg_sm_path)).dataobj).astype(np.uint8)
+
+
+@pytest.fixture
+def tiny(slicer_env):
+    from MedVolR1SlicerLib.session import Options
+
+    return Options(preset="tiny", device="cpu")
+
+
+def test_one_gui_connection_across_module_visits_and_none_after_cleanup(slicer_env, scene):
+    from MedVolR1SlicerLib.session import Session
+
+    widget = slicer_env.MedVolR1SlicerWidget(parent=types.SimpleNamespace(isEntered=True))
+    widget.ui = types.SimpleNamespace(**{n: FakeWidget(n) for n in UI_NAMES})
+    client = ManualClient()
+    widget.setupScene(slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: client)))
+    before = len(connections(slicer_env))
+    observers = len(widget.Observations)
+    for _ in range(5):  # leave the module and come back, five times
+        widget.exit()
+        widget.enter()
+    assert len(connections(slicer_env)) == before == 1
+    assert len(widget.Observations) == observers
+    p = widget._parameterNode
+    p.inputVolume, p.query = None, "the liver"
+    widget.logic.session.segment("/nonexistent.nii", "the liver", widget._options())  # a worker client exists
+    widget.cleanup()
+    assert connections(slicer_env) == {} and widget.Observations == []
+    assert client.stopped
+
+
+def test_line_edits_are_not_rewritten_when_their_text_has_not_changed(panel):
+    url, adapter = panel.ui.remoteUrlLineEdit, panel.ui.adapterPathLineEdit
+    url.writes.clear()
+    adapter.writes.clear()
+    p = panel._parameterNode
+    for q in ("the", "the liv", "the liver"):  # every keystroke in the query modifies the node
+        p.query = q
+    assert url.writes.get("text", 0) == 0 and adapter.writes.get("currentPath", 0) == 0
+    p.remoteUrl = "http://gpu-box:8765"
+    assert url.text == "http://gpu-box:8765" and url.writes["text"] == 1
+
+
+def test_volume_auto_selection_skips_label_maps(slicer_env, scene, ct_sm_path):
+    from MedVolR1SlicerLib.session import Session
+
+    label = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLLabelMapVolumeNode", "labels")
+    image = vtk.vtkImageData()
+    image.SetDimensions(4, 4, 4)
+    image.AllocateScalars(vtk.VTK_UNSIGNED_CHAR, 1)
+    label.SetAndObserveImageData(image)
+    ct = load_ct(ct_sm_path, "CT")
+    widget = slicer_env.MedVolR1SlicerWidget(parent=types.SimpleNamespace(isEntered=True))
+    widget.ui = types.SimpleNamespace(**{n: FakeWidget(n) for n in UI_NAMES})
+    widget.setupScene(slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=ManualClient)))
+    try:
+        assert widget._parameterNode.inputVolume is ct
+    finally:
+        widget.cleanup()
+
+
+def test_buttons_follow_the_result_its_volume_and_its_boxes(panel, ct_sm_path, tmp_path, labels_ijk, tiny):
+    ui = panel.ui
+    a, b = load_ct(ct_sm_path, "PatientA_CT"), load_ct(ct_sm_path, "PatientB_CT")
+    assert not ui.repropagateButton.enabled and not ui.addBoxButton.enabled and not ui.undoButton.enabled
+    run_segment(panel, a, tmp_path, labels_ijk, tiny)
+    p = panel._parameterNode
+    assert ui.queryEdit.enabled and ui.inputVolumeSelector.enabled  # unlocked when it ended
+    assert ui.addBoxButton.enabled and ui.undoButton.enabled and ui.jumpButton.enabled and ui.editButton.enabled
+    assert not ui.repropagateButton.enabled  # nothing edited yet
+    assert ui.keySliceLabel.text.startswith("S ") and " mm (slice " in ui.keySliceLabel.text
+
+    # a box dragged: the observer enables Re-propagate
+    c = [0.0, 0.0, 0.0]
+    p.boxes[0].GetCenter(c)
+    p.boxes[0].SetCenter(c[0] + 5, c[1], c[2])
+    assert p.boxesEdited and ui.repropagateButton.enabled
+
+    # another volume selected: the boxes belong to A, Re-propagate and Add box say so
+    p.inputVolume = b
+    assert not ui.repropagateButton.enabled and not ui.addBoxButton.enabled
+    assert "drawn on PatientA_CT" in ui.repropagateButton.toolTip
+    p.inputVolume = a
+    assert ui.repropagateButton.enabled
+
+
+def test_a_box_deleted_in_the_scene_leaves_the_list_and_its_observers(panel, ct_sm_path, tmp_path, labels_ijk, tiny):
+    volume = load_ct(ct_sm_path)
+    run_segment(panel, volume, tmp_path, labels_ijk, tiny)
+    p = panel._parameterNode
+    panel.logic.addBox(p)
+    first, second = p.boxes
+    assert panel._observedBoxes == [first, second]
+    p.boxesEdited = False
+    seen = []
+    original = panel.onNodeRemoved
+
+    def spy(caller, event, node):  # what the panel's handler sees during NodeRemovedEvent
+        seen.append(list(panel._parameterNode.boxes))
+        original(caller, event, node)
+
+    panel.removeObserver(slicer.mrmlScene, slicer.mrmlScene.NodeRemovedEvent, original)
+    panel.addObserver(slicer.mrmlScene, slicer.mrmlScene.NodeRemovedEvent, vtk.calldata_type(vtk.VTK_OBJECT)(spy))
+    slicer.mrmlScene.RemoveNode(first)
+    assert seen == [[first, second]]  # Slicer's wrapper still lists it during the event (its cache)
+    assert p.boxes == [second] and panel._observedBoxes == [second]
+    assert p.boxesEdited and panel.ui.repropagateButton.enabled
+    assert not any(o[0] is first for o in panel.Observations)
+
+
+def test_closing_the_scene_clears_the_panel_and_keeps_one_connection(slicer_env, panel, ct_sm_path, tmp_path,
+                                                                    labels_ijk, tiny):
+    volume = load_ct(ct_sm_path)
+    run_segment(panel, volume, tmp_path, labels_ijk, tiny)
+    assert panel.ui.reasoningEdit.toPlainText() == "because"
+    slicer.mrmlScene.Clear(0)
+    assert panel._parameterNode is not None  # the new scene's parameter node, bound again
+    assert len(connections(slicer_env)) == 1
+    assert panel.ui.reasoningEdit.toPlainText() == "" and panel.ui.keySliceLabel.text == "–"
+    assert not panel.ui.undoButton.enabled and not panel.ui.jumpButton.enabled and not panel.ui.editButton.enabled
+    assert panel._observedBoxes == []
+
+
+def test_enter_in_the_query_box_runs_segment(panel, ct_sm_path):
+    volume = load_ct(ct_sm_path)
+    panel._parameterNode.inputVolume = volume
+    started = []
+    panel.onSegmentButton = lambda: started.append(panel._parameterNode.query)
+    for text in ("the liv", "the liver"):  # typed
+        panel.ui.queryEdit.setPlainText(text)
+        panel._onQueryEdited()
+    assert started == []
+    panel.ui.queryEdit.setPlainText("the liver\n")  # Enter
+    panel._onQueryEdited()
+    assert started == ["the liver"] and panel.ui.queryEdit.toPlainText() == "the liver"
