@@ -192,3 +192,22 @@ def test_a_manifest_whose_default_is_tiny_makes_every_default_of_the_module_tiny
     plain = run_engine_and_lib(tmp_path)
     assert plain["engine"] == plain["lib"] == plain["params"] == [SHIPPED["default"], list(SHIPPED_NAMES)]
     assert plain["options"] == plain["panel"] == plain["batch"] == SHIPPED["default"] != "tiny"
+
+
+def test_the_sample_ct_is_found_beside_a_checkout_and_in_a_built_module(tmp_path):
+    import hashlib
+
+    from MedVolR1SlicerLib.presets import sample_ct
+
+    here = sample_ct()  # this checkout: Resources/samples beside MedVolR1Slicer/
+    assert here is not None and here.path.name == "abdomen_ct_30slices.nii.gz"
+    assert hashlib.sha256(here.path.read_bytes()).hexdigest() == here.sha256  # what Sample Data checks
+    # a built extension: no checkout beside the module, the copy in the module's Resources/
+    module = tmp_path / "lib" / "MedVolR1Slicer"
+    (module / "Resources" / "samples").mkdir(parents=True)
+    assert sample_ct(module) is None
+    for name in ("samples.json", "abdomen_ct_30slices.nii.gz"):
+        (module / "Resources" / "samples" / name).write_bytes((here.path.parent / name).read_bytes())
+    built = sample_ct(module)
+    assert built.path == module / "Resources" / "samples" / "abdomen_ct_30slices.nii.gz"
+    assert built.sha256 == here.sha256 and built.query == "the organ that secretes bile"

@@ -146,6 +146,7 @@ def _parameter_node_wrapper():
     def parameterNodeWrapper(cls):
         fields = {name: (ann, cls.__dict__.get(name)) for name, ann in cls.__annotations__.items()}
         connections = {}
+        calls = {"connectGui": 0}
 
         def read(node, name):
             ann, default = fields[name]
@@ -214,6 +215,7 @@ def _parameter_node_wrapper():
                 self.parameterNode.RemoveObserver(tag)
 
             def connectGui(self, ui):
+                calls["connectGui"] += 1
                 tag = object()
                 connections[id(tag)] = (self.parameterNode, ui)
                 return tag
@@ -222,7 +224,8 @@ def _parameter_node_wrapper():
                 connections.pop(id(tag), None)
 
         Wrapper.__name__ = cls.__name__
-        Wrapper.connections = connections  # what the tests look at: the live GUI connections
+        Wrapper.connections = connections  # what the tests look at: the live GUI connections…
+        Wrapper.calls = calls  # …and how often one was made (each costs an observer on 5.10)
         return Wrapper
 
     mod.parameterNodeWrapper = parameterNodeWrapper

@@ -117,11 +117,14 @@ def test_one_gui_connection_across_module_visits_and_none_after_cleanup(slicer_e
     client = ManualClient()
     widget.setupScene(slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: client)))
     before = len(connections(slicer_env))
+    made = slicer_env.MedVolR1SlicerParameterNode.calls["connectGui"]
     observers = len(widget.Observations)
     for _ in range(5):  # leave the module and come back, five times
         widget.exit()
         widget.enter()
     assert len(connections(slicer_env)) == before == 1
+    # not even connected again: on Slicer 5.10 every connectGui/disconnectGui pair leaks an observer
+    assert slicer_env.MedVolR1SlicerParameterNode.calls["connectGui"] == made
     assert len(widget.Observations) == observers
     p = widget._parameterNode
     p.inputVolume, p.query = None, "the liver"

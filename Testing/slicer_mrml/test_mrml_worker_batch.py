@@ -239,3 +239,57 @@ def test_batch_exits_with_its_code_whatever_happens(batch, scene, tmp_path, monk
     assert batch.run_script([]) == 1
     assert "MemoryError: out of memory" in capsys.readouterr().err
     assert exits == [2, 2, 1]  # slicer.util.exit ran every time, so a headless Slicer always ends
+
+
+def test_the_remote_worker_over_http_segments_into_mrml_and_closing_the_scene_drops_its_answer(
+        slicer_env, scene, ct_sm_path, tmp_path):
+    """A real ``medvol serve --http`` (tiny preset, token): the module's logic sends the volume,
+    the reply's mask lands in a segment bit for bit; a second request whose scene is closed
+    before the answer leaves the new scene empty."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    from MedVolR1SlicerLib.session import Options
+
+    token = "r" * 24
+    (tmp_path / "token").write_text(token)
+    proc = subprocess.Popen([sys.executable, "-m", "medvolcore.cli_serve", "--http", "--port", "0", "--threads", "1",
+                             "--token-file", str(tmp_path / "token"), "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8")
+    logic = slicer_env.MedVolR1SlicerLogic()
+    try:
+        port, deadline = None, time.monotonic() + 60
+        while port is None and time.monotonic() < deadline:
+            m = re.search(r"127\.0\.0\.1:(\d+)", proc.stdout.readline())
+            port = int(m.group(1)) if m else None
+        assert port, "the HTTP worker did not say where it listens"
+        remote = Options(preset="tiny", device="cpu", worker="remote", remote_url=f"http://127.0.0.1:{port}",
+                         remote_token=token)
+        volume = load_node(ct_sm_path)
+        p = logic.getParameterNode()
+        p.inputVolume, p.query = volume, "the liver"
+        job = logic.session.wait(logic.startSegment(p, remote), TIMEOUT)
+        assert job.state == "done", job.error
+        assert type(logic.session.client).__name__ == "RemoteWorker"
+        reply = kji(nib.load(job.result["mask_path"]).dataobj)  # written locally from the reply
+        got = slicer.util.arrayFromSegmentBinaryLabelmap(p.outputSegmentation, p.segmentId, volume)
+        np.testing.assert_array_equal(got, reply)
+        assert 0 < int(got.sum()) < got.size
+        anchor = json.loads(p.anchorJson)
+        assert len(p.boxes) == len(anchor["boxes"]) >= 1 and anchor["source"] == "grounder"
+
+        p = logic.getParameterNode()
+        p.inputVolume, p.query = volume, "the kidneys"
+        job = logic.startSegment(p, remote)
+        slicer.mrmlScene.Clear(0)
+        load_node(ct_sm_path)
+        logic.session.wait(job, TIMEOUT)
+        assert job.state in ("cancelled", "failed") and job.state != "done"
+        assert slicer.mrmlScene.GetNodesByClass("vtkMRMLSegmentationNode").GetNumberOfItems() == 0
+        assert slicer.mrmlScene.GetNodesByClass("vtkMRMLMarkupsROINode").GetNumberOfItems() == 0
+    finally:
+        logic.cleanup()
+        proc.terminate()
+        proc.wait(30)
