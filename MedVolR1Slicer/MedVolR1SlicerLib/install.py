@@ -339,7 +339,10 @@ def run_plan(plan: InstallPlan, constraints_path, slicer_util, packaging=None, t
     """
     environ = os.environ if environ is None else environ
     constraints_path = str(constraints_path)
-    Path(constraints_path).write_text("\n".join(plan.constraints) + "\n", encoding="utf-8")
+    try:
+        Path(constraints_path).write_text("\n".join(plan.constraints) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise InstallError(f"Could not write the constraints file {constraints_path} ({_one_line(e)}).") from e
     count = len(plan.steps)
     for index, step in enumerate(plan.steps, 1):
         if progress is not None:

@@ -570,6 +570,13 @@ def test_torch_failures_are_install_errors(tmp_path):
         install.run_plan(_fresh_plan(), tmp_path / "c.txt", s.util_510(), torch_logic=Declined())
 
 
+def test_an_unwritable_constraints_file_is_an_install_error_before_any_step(tmp_path):
+    s = SlicerStandIns()
+    with pytest.raises(install.InstallError, match="Could not write the constraints file"):
+        install.run_plan(_fresh_plan(), tmp_path / "missing" / "c.txt", s.util_510(), torch_logic=s.torch_logic())
+    assert s.torch_calls == [] and s.pip_calls == []
+
+
 def test_without_the_pytorch_extension_the_error_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "PyTorchUtils", None)  # import PyTorchUtils → ImportError
     s = SlicerStandIns()
