@@ -43,7 +43,7 @@ def test_a_fresh_slicer_gets_torch_first_then_pip_then_sam2():
     plan = install.plan_install(slicer_only, core_source=Path("/x/MedVolCore"), constraints_path="C.txt")
     assert [s.kind for s in plan.steps] == ["torch", "pip", "pip"]
     torch, pip, sam2 = plan.steps
-    assert torch.requirement == ">=2.3"
+    assert torch.requirement == ">=2.3,<2.13"  # see test_torch_is_asked_for_below_the_release_that_does_not_install_in_slicer
     # floors, never pins, for the ordinary packages; medvolcore from the bundled copy
     assert "transformers>=5.0" in pip.args and "xgrammar>=0.1.25" in pip.args and "/x/MedVolCore" in pip.args
     assert not any(a.startswith(("numpy", "scipy", "torch")) for a in pip.args)
@@ -322,3 +322,333 @@ def test_batch_input_kinds(tmp_path):
     csv_path.write_text("input,query,output\nct.nii.gz,the liver,a.seg.nrrd\nmissing.nii.gz,the liver,b.seg.nrrd\n")
     with pytest.raises(BatchError, match=r"missing.nii.gz \(row 3\) does not exist"):
         check_inputs(read_manifest(csv_path))
+
+
+# ---- running a plan in Slicer 5.10 and 5.12 ----------------------------------------------------
+
+class SlicerStandIns:
+    """Recording stand-ins for the Slicer APIs :func:`install.run_plan` calls. Each function has
+    the parameters of the real one (names, order, defaults), so a wrong keyword is a TypeError
+    here as it is in Slicer; ``test_stand_in_signatures_are_slicers`` compares them with the
+    source when ``SLICER_SOURCE_GIT`` / ``SLICER_PYTORCH_GIT`` name git directories of Slicer
+    and of fepegar/SlicerPyTorch.
+
+    * Slicer 5.10 ``slicer.util.pip_install(requirements)`` — Base/Python/slicer/util.py:3991@v5.10.0.
+      ``PythonSlicer -m pip install *requirements`` (util.py:4024-4034) through
+      ``_executePythonModule`` → ``launchConsoleProcess(commandLine, useStartupEnvironment=False)``
+      (util.py:3986-3987), whose environment is then ``None``: the child inherits ``os.environ``
+      (util.py:3905-3910). A non-zero exit raises ``CalledProcessError`` (``logProcessOutput``,
+      util.py:3953-3954); no PythonSlicer, ``RuntimeError`` (util.py:3975-3976). No dialog.
+    * Slicer 5.12 ``slicer.packaging.pip_install(requirements, constraints=None,
+      no_deps_requirements=None, skip_packages=None, blocking=True, show_progress=True,
+      requester=None, parent=None, logCallback=None, completedCallback=None)`` —
+      Base/Python/slicer/packaging.py:528-539@v5.12.3. ``show_progress and blocking``: modal
+      progress dialog, and on failure ``errorDisplay("Package installation failed.")`` *then*
+      ``CalledProcessError(returnCode, "pip install")`` (packaging.py:678-682, 738-790);
+      ``not show_progress and blocking``: busy cursor only, ``CalledProcessError`` from
+      ``logProcessOutput`` (packaging.py:689-691, 720-735, 701-717). Arguments:
+      ``["install", *requirements, "-c", constraints]`` (``_build_pip_args``, packaging.py:940-965);
+      the child's environment as on 5.10 (``executePythonModule`` → ``launchConsoleProcess(...,
+      useStartupEnvironment=False)``, util.py:4313-4315 and 4125-4130@v5.12.3).
+    * Slicer 5.12 ``slicer.util.pip_install(requirements, **kwargs)`` — util.py:4326-4335@v5.12.3:
+      ``slicer.packaging.pip_install`` with its defaults (progress dialog, error dialog).
+    * PyTorch extension ``PyTorchUtilsLogic.installTorch(self, askConfirmation=False,
+      forceComputationBackend=None, torchVersionRequirement=None, torchvisionVersionRequirement=None)``
+      — PyTorchUtils/PyTorchUtils.py:194@e1c85cc (fepegar/SlicerPyTorch): ``ltt install
+      torch<requirement> torchvision`` (``_getPipInstallArguments``, :235-243) through
+      ``slicer.util._executePythonModule`` (:224), then ``import torch`` (:225); returns the
+      module, or None when a confirmation was declined (:207-214).
+    """
+
+    def __init__(self, fail_pip_at=None, returncode=1, torch_error=None):
+        self.fail_pip_at = fail_pip_at  # index of the pip call that fails (0 = first), or None
+        self.returncode = returncode
+        self.torch_error = torch_error
+        self.pip_calls = []  # (pip argv after "-m pip", {env var: value at call time})
+        self.torch_calls = []
+        self.dialogs = []  # what Slicer itself would have shown
+        self.cursor = []
+
+    def _run_pip(self, argv):
+        import os
+
+        self.pip_calls.append((list(argv), {k: os.environ.get(k) for k in install.SAM2_ENV}))
+        if self.fail_pip_at is not None and len(self.pip_calls) - 1 == self.fail_pip_at:
+            return self.returncode
+        return 0
+
+    # -- Slicer 5.10 --
+    def util_510(self):
+        from subprocess import CalledProcessError
+
+        def pip_install(requirements):
+            if type(requirements) == str:
+                args = ["install", *requirements.split()]
+            elif type(requirements) == list:
+                args = ["install", *requirements]
+            else:
+                raise ValueError("pip_install requirement input must be string or list")
+            rc = self._run_pip(args)
+            if rc != 0:
+                raise CalledProcessError(rc, ["PythonSlicer", "-m", "pip", *args])
+
+        return _namespace(pip_install=pip_install)
+
+    # -- Slicer 5.12 --
+    def packaging_512(self):
+        from subprocess import CalledProcessError
+
+        def pip_install(requirements, constraints=None, no_deps_requirements=None, skip_packages=None,
+                        blocking=True, show_progress=True, requester=None, parent=None,
+                        logCallback=None, completedCallback=None):
+            assert no_deps_requirements is None and skip_packages is None, "not used by MedVol"
+            args = ["install", *(requirements.split() if isinstance(requirements, str) else requirements)]
+            if constraints is not None:
+                args += ["-c", str(constraints)]
+            if show_progress and blocking:
+                self.dialogs.append("progress dialog")
+                rc = self._run_pip(args)
+                if rc != 0:
+                    self.dialogs.append("Package installation failed.")
+                    raise CalledProcessError(rc, "pip install")
+            elif blocking:
+                self.cursor.append("busy")
+                rc = self._run_pip(args)
+                if rc != 0:
+                    raise CalledProcessError(rc, ["PythonSlicer", "-m", "pip", *args])
+            else:
+                raise AssertionError("MedVol never installs without blocking")
+            return None
+
+        return _namespace(pip_install=pip_install)
+
+    def util_512(self):
+        packaging = self.packaging_512()
+
+        def pip_install(requirements, **kwargs):
+            return packaging.pip_install(requirements, **kwargs)
+
+        return _namespace(pip_install=pip_install)
+
+    # -- the PyTorch extension --
+    def torch_logic(self):
+        outer = self
+
+        class PyTorchUtilsLogic:
+            def installTorch(self, askConfirmation=False, forceComputationBackend=None,
+                             torchVersionRequirement=None, torchvisionVersionRequirement=None):
+                outer.torch_calls.append(["install", "torch" + (torchVersionRequirement or ""),
+                                          "torchvision" + (torchvisionVersionRequirement or "")])
+                if outer.torch_error is not None:
+                    raise outer.torch_error
+                return _namespace(__version__="2.12.1+cu130")
+
+        return PyTorchUtilsLogic()
+
+
+def _namespace(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
+
+
+def _fresh_plan():
+    slicer_only = {k: EVERYTHING[k] for k in ("numpy", "scipy", "SimpleITK", "requests")}
+    return install.plan_install(slicer_only, core_source=Path("/x/MedVolCore"))
+
+
+@pytest.fixture
+def clean_sam2_env(monkeypatch):
+    for k in install.SAM2_ENV:
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_torch_is_asked_for_below_the_release_that_does_not_install_in_slicer():
+    """torch 2.13 installed by the PyTorch extension does not import on Slicer 5.12.2
+    (Slicer/light-the-torch#176): PyTorchUtils gets ``>=2.3,<2.13``, and the constraints of the
+    pip steps after it say the same, so peft's ``torch>=1.13`` cannot pull 2.13 in."""
+    deps = install.load_dependencies()
+    torch = next(r for r in deps.requirements if r.name == "torch")
+    assert (torch.floor, torch.below) == ("2.3", "2.13")
+    assert "light-the-torch#176" in json.loads(install.DEPENDENCIES_JSON.read_text(encoding="utf-8"))["_comment"]
+    plan = _fresh_plan()
+    assert plan.steps[0].kind == "torch" and plan.steps[0].requirement == ">=2.3,<2.13"
+    assert "torch>=2.3,<2.13" in plan.constraints
+    assert any(m.startswith("torch (torch>=2.3,<2.13; not installed)") for m in plan.missing)
+    # an installed torch at or above the bound is kept (and pinned), not replaced
+    kept = install.plan_install(_without(torch="2.13.0+cpu"), core_source=Path("/x"))
+    assert kept.steps == [] and not kept.needed
+    assert "torch==2.13.0+cpu" in install.plan_install(_without("peft", torch="2.13.0+cpu"), core_source=Path("/x")).constraints
+
+
+def test_a_below_bound_must_be_above_the_floor(tmp_path):
+    d = json.loads(install.DEPENDENCIES_JSON.read_text(encoding="utf-8"))
+    d["requirements"][0]["below"] = "2.3"
+    bad = tmp_path / "deps.json"
+    bad.write_text(json.dumps(d), encoding="utf-8")
+    with pytest.raises(ValueError, match="'below' 2.3 must be above the floor"):
+        install.load_dependencies(bad)
+
+
+def test_slicer_510_runs_every_step_through_util_pip_install(tmp_path, clean_sam2_env):
+    import os
+
+    s = SlicerStandIns()
+    plan = _fresh_plan()
+    seen = []
+    install.run_plan(plan, tmp_path / "c.txt", s.util_510(), packaging=None, torch_logic=s.torch_logic(),
+                     progress=lambda i, n, text: seen.append((i, n, text.split(" ")[0])))
+    assert s.torch_calls == [["install", "torch>=2.3,<2.13", "torchvision"]]
+    (pip_args, pip_env), (sam2_args, sam2_env) = s.pip_calls
+    c = str(tmp_path / "c.txt")
+    assert pip_args[-2:] == ["-c", c] and "transformers>=5.0" in pip_args and "/x/MedVolCore" in pip_args
+    assert sam2_args == ["install", "--no-deps", "--no-build-isolation", "sam2==1.1.0", "-c", c]
+    assert sam2_env["SAM2_BUILD_CUDA"] == "0" and pip_env["SAM2_BUILD_CUDA"] is None
+    assert "SAM2_BUILD_CUDA" not in os.environ  # restored after the call
+    text = (tmp_path / "c.txt").read_text(encoding="utf-8")
+    assert "numpy==1.26.4" in text.splitlines() and "torch>=2.3,<2.13" in text.splitlines()
+    assert seen == [(1, 3, "PyTorch"), (2, 3, "pip"), (3, 3, "pip")]
+    assert s.dialogs == []
+
+
+def test_slicer_512_uses_packaging_without_its_dialogs(tmp_path, clean_sam2_env):
+    s = SlicerStandIns()
+    install.run_plan(_fresh_plan(), tmp_path / "c.txt", s.util_512(), packaging=s.packaging_512(),
+                     torch_logic=s.torch_logic())
+    c = str(tmp_path / "c.txt")
+    (pip_args, _), (sam2_args, sam2_env) = s.pip_calls
+    assert pip_args.count("-c") == 1 and pip_args[-2:] == ["-c", c]  # constraints= once, not twice
+    assert sam2_args == ["install", "--no-deps", "--no-build-isolation", "sam2==1.1.0", "-c", c]
+    assert sam2_env == {"SAM2_BUILD_CUDA": "0", "SAM2_BUILD_ALLOW_ERRORS": "1"}
+    assert s.dialogs == [] and s.cursor == ["busy", "busy"]
+
+
+@pytest.mark.parametrize("slicer", ["5.10", "5.12"])
+def test_a_failing_pip_step_is_one_install_error_and_no_slicer_dialog(tmp_path, clean_sam2_env, slicer):
+    import os
+
+    s = SlicerStandIns(fail_pip_at=1, returncode=2)  # sam2's build fails
+    packaging = s.packaging_512() if slicer == "5.12" else None
+    util = s.util_512() if slicer == "5.12" else s.util_510()
+    with pytest.raises(install.InstallError) as e:
+        install.run_plan(_fresh_plan(), tmp_path / "c.txt", util, packaging=packaging, torch_logic=s.torch_logic())
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("Installing sam2 failed (pip exited with code 2)")
+    assert "Python Console" in message
+    assert "--no-build-isolation" in e.value.detail
+    assert s.dialogs == []  # the module's dialog is the only one
+    assert "SAM2_BUILD_CUDA" not in os.environ  # restored on failure too
+
+
+def test_on_512_util_pip_install_alone_would_show_two_dialogs_before_the_modules(tmp_path, clean_sam2_env):
+    """Why run_plan must be given ``packaging`` on 5.12: ``slicer.util.pip_install`` there is
+    ``slicer.packaging.pip_install`` with ``show_progress=True``."""
+    s = SlicerStandIns(fail_pip_at=0)
+    with pytest.raises(install.InstallError):
+        install.run_plan(_fresh_plan(), tmp_path / "c.txt", s.util_512(), packaging=None, torch_logic=s.torch_logic())
+    assert s.dialogs == ["progress dialog", "Package installation failed."]
+
+
+def test_torch_failures_are_install_errors(tmp_path):
+    from subprocess import CalledProcessError
+
+    s = SlicerStandIns(torch_error=CalledProcessError(1, ["PythonSlicer", "-m", "light_the_torch"]))
+    with pytest.raises(install.InstallError, match=r"^Installing PyTorch \(torch>=2.3,<2.13\) with the PyTorch "
+                                                   r"extension failed \(light-the-torch exited with code 1\)"):
+        install.run_plan(_fresh_plan(), tmp_path / "c.txt", s.util_510(), torch_logic=s.torch_logic())
+    assert s.pip_calls == []  # nothing after a failed torch step
+    s = SlicerStandIns(torch_error=ImportError("cannot import name '_VF' from partially initialized module 'torch'"))
+    with pytest.raises(install.InstallError, match=r"failed \(ImportError: cannot import name '_VF'"):
+        install.run_plan(_fresh_plan(), tmp_path / "c.txt", s.util_510(), torch_logic=s.torch_logic())
+
+    class Declined:
+        def installTorch(self, askConfirmation=False, forceComputationBackend=None,
+                         torchVersionRequirement=None, torchvisionVersionRequirement=None):
+            return None
+
+    with pytest.raises(install.InstallError, match=r"PyTorch \(torch>=2.3,<2.13\) was not installed"):
+        install.run_plan(_fresh_plan(), tmp_path / "c.txt", s.util_510(), torch_logic=Declined())
+
+
+def test_an_unwritable_constraints_file_is_an_install_error_before_any_step(tmp_path):
+    s = SlicerStandIns()
+    with pytest.raises(install.InstallError, match="Could not write the constraints file"):
+        install.run_plan(_fresh_plan(), tmp_path / "missing" / "c.txt", s.util_510(), torch_logic=s.torch_logic())
+    assert s.torch_calls == [] and s.pip_calls == []
+
+
+def test_without_the_pytorch_extension_the_error_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "PyTorchUtils", None)  # import PyTorchUtils → ImportError
+    s = SlicerStandIns()
+    with pytest.raises(install.InstallError, match="PyTorch extension is not installed"):
+        install.run_plan(_fresh_plan(), tmp_path / "c.txt", s.util_510())
+
+
+def test_slicer_packaging_is_none_outside_slicer_512(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "slicer", types.ModuleType("slicer"))
+    monkeypatch.setitem(sys.modules, "slicer.packaging", None)  # Slicer 5.10: no such module
+    assert install.slicer_packaging() is None
+    fake = types.ModuleType("slicer.packaging")
+    fake.pip_install = lambda requirements, **kw: None
+    monkeypatch.setitem(sys.modules, "slicer.packaging", fake)
+    assert install.slicer_packaging() is fake
+
+
+def _real_signature(git_dir, ref, path, qualname):
+    """Parameters (name, default source or None) of ``qualname`` in ``path`` at ``ref``."""
+    import ast
+    import subprocess
+
+    source = subprocess.run(["git", "--git-dir", git_dir, "show", f"{ref}:{path}"], capture_output=True,
+                            text=True, check=True).stdout
+    node = ast.parse(source)
+    for part in qualname.split("."):
+        node = next(n for n in ast.iter_child_nodes(node)
+                    if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
+    a = node.args
+    names = [p.arg for p in a.posonlyargs + a.args]
+    defaults = [None] * (len(names) - len(a.defaults)) + [ast.unparse(d) for d in a.defaults]
+    params = list(zip(names, defaults))
+    params += [(p.arg, ast.unparse(d) if d is not None else None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
+    if a.kwarg:
+        params.append(("**" + a.kwarg.arg, None))
+    return [p for p in params if p[0] != "self"]
+
+
+def _stand_in_signature(fn):
+    import inspect
+
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            out.append(("**" + p.name, None))
+        else:
+            out.append((p.name, None if p.default is p.empty else repr(p.default)))
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("SLICER_SOURCE_GIT"),
+                    reason="set SLICER_SOURCE_GIT to a git directory of Slicer (tags v5.10.0, v5.12.3)")
+def test_stand_in_signatures_are_slicers():
+    import os
+
+    git = os.environ["SLICER_SOURCE_GIT"]
+    s = SlicerStandIns()
+    assert _stand_in_signature(s.util_510().pip_install) == _real_signature(
+        git, "v5.10.0", "Base/Python/slicer/util.py", "pip_install")
+    assert _stand_in_signature(s.packaging_512().pip_install) == _real_signature(
+        git, "v5.12.3", "Base/Python/slicer/packaging.py", "pip_install")
+    assert _stand_in_signature(s.util_512().pip_install) == _real_signature(
+        git, "v5.12.3", "Base/Python/slicer/util.py", "pip_install")
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("SLICER_PYTORCH_GIT"),
+                    reason="set SLICER_PYTORCH_GIT to a git directory of fepegar/SlicerPyTorch")
+def test_stand_in_signature_is_pytorchutils():
+    import os
+
+    real = _real_signature(os.environ["SLICER_PYTORCH_GIT"], os.environ.get("SLICER_PYTORCH_REF", "HEAD"),
+                           "PyTorchUtils/PyTorchUtils.py", "PyTorchUtilsLogic.installTorch")
+    assert _stand_in_signature(SlicerStandIns().torch_logic().installTorch) == real
