@@ -12,6 +12,7 @@ Volumes module's logic, one fresh storage node per file, so each output is writt
 its own name asks for.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,12 @@ import slicer  # noqa: E402
 from MedVolR1SlicerLib import batchjobs, params  # noqa: E402
 
 SINGLE_FILE = 4  # vtkSlicerVolumesLogic::SingleFile: read this file only, never its neighbours
+
+# DICOMScalarVolumePlugin's setting for a series with irregular geometry (gantry tilt, uneven slice
+# spacing): "default"/"transform" put the volume under a grid transform, "hardenTransform" also
+# hardens it (resamples the volume), "none" loads it distorted (DICOMScalarVolumePlugin.py:96-105,
+# 143-149, 920-942 at Slicer 5.10.0 and 5.12.3). It is read at each load.
+REGULARIZATION_KEY = "DICOM/ScalarVolume/AcquisitionGeometryRegularization"
 
 
 def _save(logic, node, path):
@@ -48,10 +55,89 @@ def _save(logic, node, path):
             os.remove(tmp)
 
 
+@contextlib.contextmanager
+def settings_kept(keys, overrides=None):
+    """Slicer's application settings ``keys`` (and the keys of ``overrides``) exactly as they were
+    once the block ends, however it ends: a value is put back, a key that was absent is removed
+    again. ``overrides``: values in force during the block only."""
+    import qt
+
+    overrides = dict(overrides or {})
+    settings = qt.QSettings()
+    before = {k: (settings.contains(k), settings.value(k)) for k in list(keys) + list(overrides)}
+    try:
+        for k, v in overrides.items():
+            settings.setValue(k, v)
+        yield
+    finally:
+        settings = qt.QSettings()
+        for k, (present, value) in before.items():
+            if present:
+                settings.setValue(k, value)
+            else:
+                settings.remove(k)
+
+
+@contextlib.contextmanager
+def temporary_dicom_database(DICOMUtils, directory):
+    """``DICOMUtils.TemporaryDICOMDatabase(directory)``, leaving the user's DICOM database as it
+    was whatever happens: its settings key (``slicer.dicomDatabaseDirectorySettingsKey``) and the
+    database file ``slicer.dicomDatabase`` has open. Slicer's context manager alone puts the
+    setting back only when there was one (``closeTemporaryDatabase`` returns early when the
+    original is None, DICOMUtils.py:399-403 at 5.10.0 and 5.12.3), so without a setting before it
+    would be left pointing at ``directory``, which the caller deletes; and it leaves
+    ``slicer.dicomDatabase`` closed then, even if a database was open (Slicer's testing mode opens
+    one without a setting, DICOM.py:338-340 at 5.12.3)."""
+    db = getattr(slicer, "dicomDatabase", None)
+    key = getattr(slicer, "dicomDatabaseDirectorySettingsKey", None)
+    if db is None or not key:
+        raise batchjobs.BatchError("Slicer's DICOM database is not set up (the DICOM module did not start); "
+                                   "convert the series to NIfTI or NRRD first")
+    was_open = bool(db.isOpen)
+    filename = db.databaseFilename if was_open else ""
+    with settings_kept([key]):
+        try:
+            with DICOMUtils.TemporaryDICOMDatabase(directory) as temporary:
+                yield temporary
+        finally:
+            db = slicer.dicomDatabase
+            if was_open and not (db.isOpen and db.databaseFilename == filename):
+                if db.isOpen:
+                    db.closeDatabase()
+                db.openDatabase(filename)
+            elif not was_open and db.isOpen:
+                db.closeDatabase()
+
+
+def on_regular_grid(volume, loaded):
+    """Take ``volume`` out from under the transform it was loaded under (hardened: a linear one
+    into its IJK→RAS, a non-linear one, e.g. Slicer's acquisition grid transform, by resampling
+    its voxels, vtkMRMLTransformableNode::HardenTransform) so that it lies on one regular grid in
+    RAS, as the module's logic needs. ``loaded``: the other nodes the load added (the caller
+    removes them). Returns what was done, for the log ("" when nothing was needed)."""
+    parent = volume.GetParentTransformNode()
+    if parent is None:
+        transforms = [n for n in loaded if n.IsA("vtkMRMLTransformNode")]
+        if not transforms:
+            return ""
+        return (f"irregular acquisition geometry: Slicer's DICOM module resampled the series onto a regular grid "
+                f"(hardened its transform {transforms[0].GetName()!r})")
+    linear = bool(parent.IsTransformToWorldLinear())
+    image = volume.GetImageData()
+    if not volume.HardenTransform() or volume.GetParentTransformNode() is not None or (
+            not linear and volume.GetImageData() is image):
+        raise RuntimeError(f"could not harden the transform {parent.GetName()!r} the DICOM series was loaded under")
+    how = "into its geometry (no resampling)" if linear else "by resampling it onto a regular grid"
+    return f"the series was loaded under the transform {parent.GetName()!r} ({parent.GetClassName()}); hardened it {how}"
+
+
 def load_dicom_series(folder):
     """The one scalar volume in a DICOM series folder, loaded through Slicer's DICOM module
-    into a temporary database (the user's database is left alone). Refuses, with a message,
-    folders holding several series and Slicers without the DICOM module."""
+    into a temporary database (the user's database and its setting are left as they were).
+    A series with irregular geometry is loaded regularized (resampled onto a regular grid by the
+    DICOM module, with its regularization setting set to "hardenTransform" for this load only),
+    and a volume still under a transform is hardened; the log says which. Refuses, with a
+    message, folders holding several series and Slicers without the DICOM module."""
     try:
         from DICOMLib import DICOMUtils
     except ImportError:
@@ -61,25 +147,33 @@ def load_dicom_series(folder):
     scene = slicer.mrmlScene
     dbdir = tempfile.mkdtemp(prefix="medvol-dicom-")
     try:
-        with DICOMUtils.TemporaryDICOMDatabase(dbdir) as db:
+        with temporary_dicom_database(DICOMUtils, dbdir) as db:
             DICOMUtils.importDicom(str(folder), db)
             series = [s for pat in db.patients() for st in db.studiesForPatient(pat) for s in db.seriesForStudy(st)]
             if not series:
                 raise batchjobs.BatchError(f"Slicer's DICOM module found no image series in {folder}")
             if len(series) > 1:
                 raise batchjobs.BatchError(f"{folder} holds {len(series)} DICOM series; give a folder with one series")
-            nodes = [scene.GetNodeByID(i) for i in DICOMUtils.loadSeriesByUID(series)]
+            with settings_kept([], {REGULARIZATION_KEY: "hardenTransform"}):
+                nodes = [scene.GetNodeByID(i) for i in DICOMUtils.loadSeriesByUID(series)]
     finally:
         shutil.rmtree(dbdir, ignore_errors=True)
     nodes = [n for n in nodes if n is not None]
     volumes = [n for n in nodes if n.IsA("vtkMRMLScalarVolumeNode") and not n.IsA("vtkMRMLLabelMapVolumeNode")]
-    if len(volumes) != 1:
+    try:
+        if len(volumes) != 1:
+            raise batchjobs.BatchError(f"the DICOM series in {folder} loaded as {len(volumes)} volumes, not one")
+        done = on_regular_grid(volumes[0], [n for n in nodes if n is not volumes[0]])  # before its transform goes
+    except BaseException:
         for n in nodes:
-            scene.RemoveNode(n)
-        raise batchjobs.BatchError(f"the DICOM series in {folder} loaded as {len(volumes)} volumes, not one")
+            if n.GetScene() is not None:
+                scene.RemoveNode(n)
+        raise
     for n in nodes:
-        if n is not volumes[0]:
+        if n is not volumes[0] and n.GetScene() is not None:
             scene.RemoveNode(n)
+    if done:
+        print(f"  DICOM: {done}", flush=True)
     return volumes[0]
 
 
