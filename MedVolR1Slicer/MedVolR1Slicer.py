@@ -409,14 +409,19 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         if not slicer.util.confirmOkCancelDisplay(plan.message(), windowTitle="MedVol-R1: install packages"):
             return False
         slicer.app.setOverrideCursor(qt.Qt.WaitCursor)
-        try:
-            self.logic.runInstallPlan(plan)
-        except Exception as e:  # noqa: BLE001 - pip and PyTorchUtils raise many kinds
-            slicer.util.errorDisplay(f"Installing the MedVol-R1 packages failed: {e}", windowTitle="MedVol-R1")
+        try:  # one dialog on failure: the helpers are asked not to show their own
+            self.logic.runInstallPlan(plan, progress=self._installProgress)
+        except install.InstallError as e:
+            slicer.util.errorDisplay(f"Installing the MedVol-R1 packages failed: {e}", windowTitle="MedVol-R1",
+                                     detailedText=e.detail)
             return False
         finally:
             slicer.app.restoreOverrideCursor()
         return not install.current_plan().needed
+
+    def _installProgress(self, index, count, text):
+        self.ui.statusLabel.text = f"Installing ({index}/{count}): {text}"
+        slicer.app.processEvents()
 
     def onSegmentButton(self):
         session = self.logic.session
@@ -578,10 +583,11 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         dialog.close()
         if not ended:
             return
-        if proc.exitStatus() == qt.QProcess.NormalExit and proc.exitCode() == 0:
+        ok, why = install.download_outcome(proc, qt.QProcess, cmd)  # a process that never started is no success
+        if ok:
             slicer.util.infoDisplay(f"Weights of '{preset}' are ready. Click Segment again.")
         else:
-            slicer.util.errorDisplay(f"The download failed (exit code {proc.exitCode()}).\n\n" + install.import_hint(preset))
+            slicer.util.errorDisplay(f"The download failed: {why}\n\n" + install.import_hint(preset))
 
 
 # ---- logic -----------------------------------------------------------------------------------
@@ -704,29 +710,12 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self._tmp = None
         self._exported = {}
 
-    def runInstallPlan(self, plan):
-        """Run the steps of an :class:`install.InstallPlan` with Slicer's pip helpers."""
-        constraints = os.path.join(self.tempDir(), "constraints.txt")
-        with open(constraints, "w", encoding="utf-8") as f:
-            f.write("\n".join(plan.constraints) + "\n")
-        for step in plan.steps:
-            if step.kind == "torch":
-                import PyTorchUtils  # the PyTorch extension (EXTENSION_DEPENDS)
-
-                if PyTorchUtils.PyTorchUtilsLogic().installTorch(askConfirmation=False,
-                                                                 torchVersionRequirement=step.requirement) is None:
-                    raise RuntimeError("PyTorch was not installed")
-                continue
-            old = {k: os.environ.get(k) for k in step.env}
-            os.environ.update(step.env)
-            try:
-                slicer.util.pip_install([a if a != "{constraints}" else constraints for a in step.args])
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+    def runInstallPlan(self, plan, progress=None):
+        """Run an :class:`install.InstallPlan` with this Slicer's pip helper (``slicer.packaging``
+        on 5.12, ``slicer.util.pip_install`` on 5.10) and the PyTorch extension; raises
+        :class:`install.InstallError` (one line) on the first failure."""
+        install.run_plan(plan, os.path.join(self.tempDir(), "constraints.txt"), slicer.util,
+                         packaging=install.slicer_packaging(), progress=progress)
 
     @staticmethod
     def geometry(volumeNode) -> VolumeGeometry:
