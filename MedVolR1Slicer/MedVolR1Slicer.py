@@ -52,7 +52,7 @@ class MedVolR1Slicer(ScriptedLoadableModule):
         self.parent.title = "MedVol-R1"
         self.parent.categories = ["Segmentation"]
         self.parent.dependencies = []
-        self.parent.contributors = ["MedVol-R1 for 3D Slicer contributors"]
+        self.parent.contributors = ["MedVol-R1 for 3D Slicer contributors (MedVol-R1 project)"]
         self.parent.helpText = (
             "Segment a CT from a free-form clinical query. A vision-language model (Qwen3-VL) picks a key axial "
             "slice and draws boxes on it (the evidence anchor); MedSAM2 propagates them into a 3D mask. Move a box "

@@ -4,7 +4,8 @@ The top-level ``CMakeLists.txt`` (extension metadata) and the catalog entry subm
 Slicer/ExtensionsIndex (``Resources/ExtensionsIndex/MedVolR1.json``) must agree with each other
 and with the rules of the index: a repository whose name starts with ``Slicer``, icon and
 screenshot URLs that name files of this repository, contributors as ``Name (Org)``, a description
-of one or two sentences, ``cmake_minimum_required`` as in Slicer 5.12.3's extension template, the
+of one or two sentences, ``cmake_minimum_required`` from the CMake of Slicer 5.10's extension template
+(the minimum Slicer) to the policies of 5.12.3's (the tested target), the
 same dependencies and category in both files, and an Apache-2.0 ``LICENSE`` at the top level.
 
 Each rule is a function that returns the problems it finds; the real files must give none, and
@@ -29,7 +30,7 @@ LICENSE = REPO / "LICENSE"
 
 EXTENSION_NAME = "MedVolR1"
 # Utilities/Templates/Extensions/Default/CMakeLists.txt of Slicer v5.12.3
-CMAKE_MINIMUM = "cmake_minimum_required(VERSION 3.28.0...3.28.0 FATAL_ERROR)"
+CMAKE_MINIMUM = "cmake_minimum_required(VERSION 3.20.6...3.28.0 FATAL_ERROR)"
 BRANCH = "main"
 # the properties of slicer-extension-catalog-entry-schema-v1.0.2.json (it allows no others)
 SCHEMA_KEYS = {"$schema", "category", "scm_url", "scm_revision", "scm_type", "build_dependencies",
