@@ -175,6 +175,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
     def setupScene(self, logic):
         """The panel's non-Qt half: the logic, the scene observers and the parameter node."""
         self.logic = logic
+        self.logic.beforeChange = self._saveEditorUndoState
         self.logic.session.state_changed.connect(self._onStateChanged)
         self.logic.session.progress.connect(self._onProgress)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.StartCloseEvent, self.onSceneStartClose)
@@ -194,6 +195,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         if self._timer is not None:
             self._timer.stop()
         if self.logic is not None:
+            self.logic.beforeChange = None
             self.logic.session.state_changed.disconnect(self._onStateChanged)
             self.logic.session.progress.disconnect(self._onProgress)
             self.logic.cleanup()
@@ -512,6 +514,20 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         editor.setSourceVolumeNode(self._parameterNode.resultVolume or self._parameterNode.inputVolume)
         editor.setCurrentSegmentID(self._parameterNode.segmentId)
 
+    @staticmethod
+    def _saveEditorUndoState(segmentationNode):
+        """Before a result or Undo changes ``segmentationNode``: when the Segment Editor is
+        editing it, save its undo state, so Ctrl+Z there takes the change back as well."""
+        modules = getattr(slicer, "modules", None)
+        if modules is None or not hasattr(modules, "segmenteditor"):
+            return
+        try:
+            editor = modules.segmenteditor.widgetRepresentation().self().editor
+            if editor.segmentationNode() is segmentationNode:
+                editor.saveStateForUndo()
+        except Exception:  # noqa: BLE001 - the editor's undo is a convenience; never block a result
+            logging.exception("MedVol-R1: saving the Segment Editor's undo state failed")
+
     def onCancelShortcut(self):
         if self.logic.session.state != IDLE:
             self.logic.cancel()
@@ -647,6 +663,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self._exported = {}  # volume node ID → (node, MTime, path)
         self._undo: Optional[_Undo] = None
         self._generation = 0  # scenes closed so far: a result started in an earlier one is dropped
+        # called with a segmentation node just before a result or Undo changes it (the panel saves
+        # the Segment Editor's undo state there, so Ctrl+Z in the editor takes a result back too)
+        self.beforeChange = None
         scene = slicer.mrmlScene
         self._sceneObservers = [(scene, scene.AddObserver(scene.StartCloseEvent, self._onSceneStartClose))]
 
@@ -956,6 +975,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             segNode.CreateDefaultDisplayNodes()
             segNode.SetReferenceImageGeometryParameterFromVolumeNode(volumeNode)
             self.placeInStudy(segNode, volumeNode)
+        elif self.beforeChange is not None:
+            self.beforeChange(segNode)
         segmentation = segNode.GetSegmentation()
         replaceId = target.replaceSegmentId
         if replaceId and segmentation.GetSegment(replaceId):
@@ -1014,6 +1035,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             raise EditedSinceResult(edited, self._undo.segmentation.GetSegmentation().GetSegment(
                 self._undo.segmentId).GetName())
         u, self._undo = self._undo, None
+        if self.beforeChange is not None:
+            self.beforeChange(u.segmentation)
         if u.previous is None:
             u.segmentation.GetSegmentation().RemoveSegment(u.segmentId)
         else:

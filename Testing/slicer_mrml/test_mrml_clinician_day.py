@@ -426,3 +426,27 @@ def test_the_in_slicer_self_test_skips_the_worker_test_where_packages_are_missin
     test.runTest()
     assert ran == [] and any("Skipping the worker test" in m for m in shown)
     assert "MedVol-R1 self-test (MRML side) passed" in shown
+
+
+def test_the_panel_hears_of_each_change_to_an_existing_segmentation_before_it_happens(
+        manual, client, ct_sm_path, labels_ijk, tmp_path, tiny):
+    """What lets Ctrl+Z in the Segment Editor take a result back: the panel saves the editor's
+    undo state when told, and it is told *before* the segment changes (a new segmentation has no
+    editor state to save)."""
+    volume = load_ct(ct_sm_path)
+    seen = []
+
+    def before(seg):
+        sid = manual.getParameterNode().segmentId
+        present = seg.GetSegmentation().GetSegment(sid) is not None if sid else False
+        seen.append((seg.GetName(), present and int(slicer.util.arrayFromSegmentBinaryLabelmap(seg, sid, volume).sum())))
+
+    manual.beforeChange = before
+    segment(manual, client, volume, "the liver", labels_ijk, [LIVER], tmp_path, tiny)
+    assert seen == []  # a new segmentation: nothing to save
+    p = manual.getParameterNode()
+    liver = int(slicer.util.arrayFromSegmentBinaryLabelmap(p.outputSegmentation, p.segmentId, volume).sum())
+    segment(manual, client, volume, "the liver", labels_ijk, [KIDNEY_LEFT], tmp_path, tiny, replaceExisting=True)
+    assert seen == [("CT MedVol", liver)]  # told while the segment still held the liver
+    manual.undoLastResult()
+    assert len(seen) == 2 and seen[1][1] != liver  # and again before Undo restored it
