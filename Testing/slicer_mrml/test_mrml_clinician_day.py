@@ -16,13 +16,11 @@ import os
 
 import numpy as np
 import pytest
-from medvolcore.anchor import anchor_from_mask
-from medvolcore.stack import AxialStack
-from medvolcore.volume import load_volume, save_mask
 
 pytest.importorskip("slicer_core", reason="slicer-core is not installed (bootstrap.py --no-slicer-core)")
 import slicer  # noqa: E402 - the real package, imported by conftest.py
 import vtk  # noqa: E402
+from test_mrml_logic import worker_result  # noqa: E402
 
 KIDNEY_RIGHT, KIDNEY_LEFT, LIVER = 2, 3, 5  # TotalSegmentator v2 ids (class_map_total_v2.json)
 SINGLE_FILE = 4
@@ -104,14 +102,9 @@ _MASKS = itertools.count()
 
 def answer_for(logic, volume_node, labels_ijk, label_ids, folder, query, name=None):
     """What the worker answers for ``label_ids`` of the real label map, on the exported file."""
-    name = name or f"mask-{next(_MASKS)}.nii.gz"
-    ct = load_volume(logic.exportVolume(volume_node))
-    stack = AxialStack(ct)
-    mask = np.isin(labels_ijk, label_ids).astype(np.uint8)
-    anchor = anchor_from_mask(stack.to_stack(mask), stack=stack)
-    anchor.query, anchor.reasoning, anchor.source = query, "because", "grounder"
-    path = save_mask(mask, ct, folder / name)
-    return {"anchor": anchor.to_dict(), "mask_path": str(path), "notes": [], "smoke": False}, mask
+    result, mask, _ = worker_result(logic, volume_node, labels_ijk, label_ids, folder,
+                                    name=name or f"mask-{next(_MASKS)}.nii.gz", query=query)
+    return result, mask
 
 
 def kji(a):
