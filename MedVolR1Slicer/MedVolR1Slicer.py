@@ -1102,8 +1102,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         s = float(json.loads(p.anchorJson)["world"]["slice_center_ras"][2])
         of = ""
         if p.resultVolume is not None:
-            geo = self.geometry(p.resultVolume)
-            of = f" of {geo.shape[geo.slice_axis]}"
+            try:
+                geo = self.geometry(p.resultVolume)
+                of = f" of {geo.shape[geo.slice_axis]}"
+            except GeometryError:  # put under a transform since: the count is left out, not the panel
+                pass
         return f"S {s:.1f} mm (slice {p.keySlice + 1}{of})"
 
     def jumpToKeySlice(self, p) -> bool:
