@@ -523,7 +523,8 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             return
         try:
             editor = modules.segmenteditor.widgetRepresentation().self().editor
-            if editor.segmentationNode() is segmentationNode:
+            edited = editor.segmentationNode()
+            if edited is not None and edited.GetID() == segmentationNode.GetID():
                 editor.saveStateForUndo()
         except Exception:  # noqa: BLE001 - the editor's undo is a convenience; never block a result
             logging.exception("MedVol-R1: saving the Segment Editor's undo state failed")
