@@ -10,7 +10,9 @@ Geometry, on the canonical slice of width ``W`` and height ``H``:
 * its world form is the RAS millimetre centres of its first and last voxel,
   ``(z, y0, x0)`` and ``(z, y1, x1)`` on the stack.
 
-The anchor file (``*.anchor.json``) has schema ``medvol.anchor/1``.
+The anchor file (``*.anchor.json``) has schema ``medvol.anchor/1``, or ``medvol.anchor/2`` when it
+carries correction prompts or a slice range (:mod:`medvolcore.prompts`): readers take both, writers
+write ``/2`` only then.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import numpy as np
 
 from .errors import AnchorError, InputError, VolumeError
 from .fileio import write_text_atomic
+from .prompts import check_prompt_fields, check_z_range, plan_objects
 
 log = logging.getLogger(__name__)
 
 SCHEMA = "medvol.anchor/1"
+SCHEMA_V2 = "medvol.anchor/2"
+SCHEMAS = (SCHEMA, SCHEMA_V2)
 SOURCES = ("grounder", "mask", "user")
 NORM = 1000.0
 MAX_BOXES = 8
@@ -114,6 +119,63 @@ def box_to_ras(stack, z: int, box: Sequence[int]) -> List[List[float]]:
     return [[float(v) for v in p] for p in pts]
 
 
+def _ras_points_to_stack(stack, points, what: str, tol: float = 0.5):
+    """``(z, rows, cols)`` of RAS points that must all lie on one axial slice (within ``tol`` voxels)."""
+    idx = stack.ras_to_stack(np.asarray(points, dtype=np.float64).reshape(-1, 3))
+    zs = idx[:, 0]
+    z = int(np.rint(zs.mean()))
+    if np.any(np.abs(zs - z) > tol):
+        raise AnchorError(f"{what}: its points lie on different axial slices (z = "
+                          + ", ".join(f"{v:.2f}" for v in zs) + ")")
+    if not 0 <= z < stack.depth:
+        raise AnchorError(f"{what}: its slice z = {z} is outside the stack (0..{stack.depth - 1})")
+    return z, np.rint(idx[:, 1]).astype(int), np.rint(idx[:, 2]).astype(int)
+
+
+def _ras_array(value, shape_tail: int, what: str, form: str) -> np.ndarray:
+    try:
+        a = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        a = None
+    if a is None or a.ndim != 2 or a.shape[1] != shape_tail or len(a) == 0 or not np.all(np.isfinite(a)):
+        raise AnchorError(f"{what}: must be {form}, got {value!r}")
+    return a
+
+
+def ras_to_prompt(stack, world: dict, what: str = "prompt") -> dict:
+    """A prompt's pixel form ``{slice, box, points}`` from its ``world`` form (``box_ras``, ``points_ras``)."""
+    if not isinstance(world, dict):
+        raise AnchorError(f"{what}: 'world' must be an object with 'box_ras' and/or 'points_ras'")
+    box_ras, points_ras = world.get("box_ras"), world.get("points_ras") or []
+    if box_ras is None and not points_ras:
+        raise AnchorError(f"{what}: its 'world' has neither 'box_ras' nor 'points_ras'")
+    ras, labels = [], []
+    if box_ras is not None:
+        corners = _ras_array(box_ras, 3, what + " box_ras", "two RAS points [[r, a, s], [r, a, s]]")
+        if len(corners) != 2:
+            raise AnchorError(f"{what}: box_ras must be two RAS points [[r, a, s], [r, a, s]]")
+        ras += list(corners)
+    if points_ras:
+        pts = _ras_array(points_ras, 4, what + " points_ras", "a list of [r, a, s, label]")
+        ras += list(pts[:, :3])
+        labels = [float(v) for v in pts[:, 3]]
+    z, rows, cols = _ras_points_to_stack(stack, ras, what)
+    box = None
+    if box_ras is not None:
+        try:
+            box = check_box([int(min(cols[:2])), int(min(rows[:2])), int(max(cols[:2])), int(max(rows[:2]))],
+                            stack.width, stack.height, what + " box")
+        except InputError as e:
+            raise AnchorError(str(e)) from None
+        rows, cols = rows[2:], cols[2:]
+    points = []
+    for j, (y, x, label) in enumerate(zip(rows, cols, labels)):
+        if label not in (0.0, 1.0):
+            raise AnchorError(f"{what}: point {j + 1} has label {label:g}; use 1 (inside) or 0 (outside)")
+        points.append([int(x), int(y), int(label)])
+    return {"slice": z, "box": box, "points": points}
+
+
 def ras_to_box(stack, corners, what: str = "box", tol: float = 0.5):
     """``(z, box)`` from the RAS centres of a box's first and last voxel.
 
@@ -188,7 +250,7 @@ def _check_fields(d: dict, origin: str) -> None:
 
 @dataclass
 class EvidenceAnchor:
-    """A key slice (0-based ``z`` of the canonical stack) and inclusive pixel boxes on it.
+    """A key slice (0-based ``z`` of the canonical stack), inclusive pixel boxes on it, and corrections.
 
     ``image_size`` is the slice's ``(W, H)`` in pixels. ``world`` (RAS) is filled by
     :meth:`with_world` when the stack is known. ``notes`` carries remarks a reader should see
@@ -197,6 +259,10 @@ class EvidenceAnchor:
     ``PropagationResult.stop_summary()``, i.e. early stop's K and where each direction
     stopped); it is written to the file but never read back, since it describes a past run,
     not an input.
+
+    ``prompts`` (pixel form, see :mod:`medvolcore.prompts`) correct objects 1..N on any slice or add
+    new objects; ``z_range`` limits propagation to ``[z0, z1]``. With either, the file's schema is
+    ``medvol.anchor/2``; :meth:`with_world` fills each prompt's ``world`` form.
     """
 
     slice: int
@@ -208,6 +274,8 @@ class EvidenceAnchor:
     world: Optional[dict] = None
     notes: List[str] = field(default_factory=list)
     propagation: Optional[dict] = None
+    prompts: List[dict] = field(default_factory=list)
+    z_range: Optional[List[int]] = None
 
     def __post_init__(self):
         if isinstance(self.slice, bool) or not isinstance(self.slice, (int, np.integer)) or self.slice < 0:
@@ -228,6 +296,46 @@ class EvidenceAnchor:
             self.boxes = [check_box(b, w, h, f"box {i + 1}") for i, b in enumerate(self.boxes)]
         except InputError as e:
             raise AnchorError(str(e)) from None
+        self.prompts = self._checked_prompts(self.prompts)
+        rng = check_z_range(self.z_range, None, AnchorError)
+        self.z_range = None if rng is None else list(rng)
+        self.plan()
+
+    def _checked_prompts(self, prompts) -> List[dict]:
+        """Prompts with their types checked and boxes clamped to the slice (as anchor boxes are)."""
+        if prompts is None:
+            return []
+        if not isinstance(prompts, (list, tuple)):
+            raise AnchorError(f"'prompts' must be a list, got {type(prompts).__name__}")
+        out = []
+        for i, raw in enumerate(prompts):
+            p = check_prompt_fields(raw, i, AnchorError)
+            if p["box"] is not None:
+                try:
+                    p["box"] = check_box(p["box"], self.width, self.height, f"prompt {i + 1} box")
+                except InputError as e:
+                    raise AnchorError(str(e)) from None
+            if isinstance(raw, dict) and isinstance(raw.get("world"), dict):
+                p["world"] = raw["world"]
+            out.append(p)
+        return out
+
+    def plan(self, depth: Optional[int] = None):
+        """The objects to propagate (:func:`medvolcore.prompts.plan_objects`); checks every prompt rule."""
+        return plan_objects(self.slice, self.boxes, self.pixel_prompts(), width=self.width, height=self.height,
+                            depth=depth, z_range=self.z_range, error=AnchorError)
+
+    def pixel_prompts(self) -> List[dict]:
+        """The prompts without their ``world`` form (what the propagator takes)."""
+        return [{k: p[k] for k in ("slice", "object", "box", "points")} for p in self.prompts]
+
+    @property
+    def schema(self) -> str:
+        return SCHEMA_V2 if (self.prompts or self.z_range is not None) else SCHEMA
+
+    @property
+    def num_objects(self) -> int:
+        return max([len(self.boxes)] + [p["object"] for p in self.prompts])
 
     @property
     def width(self) -> int:
@@ -271,17 +379,23 @@ class EvidenceAnchor:
             )
         if not 0 <= self.slice < stack.depth:
             raise AnchorError(f"anchor slice {self.slice} is outside the stack (0..{stack.depth - 1})")
-        centre = stack.stack_to_ras([self.slice, (stack.height - 1) / 2.0, (stack.width - 1) / 2.0])
+        self.plan(stack.depth)
         self.world = {
-            "slice_center_ras": [float(v) for v in centre],
+            "slice_center_ras": _slice_centre(stack, self.slice),
             "boxes_ras": [box_to_ras(stack, self.slice, b) for b in self.boxes],
         }
+        if self.z_range is not None:
+            self.world["z_range_ras"] = [_slice_centre(stack, z) for z in self.z_range]
+        for p in self.prompts:
+            pts = stack.stack_to_ras([[p["slice"], y, x] for x, y, _label in p["points"]]) if p["points"] else []
+            p["world"] = {"box_ras": None if p["box"] is None else box_to_ras(stack, p["slice"], p["box"]),
+                          "points_ras": [[float(v) for v in r] + [int(q[2])] for r, q in zip(pts, p["points"])]}
         return self
 
     # -- file format --
     def to_dict(self) -> dict:
         d = {
-            "schema": SCHEMA,
+            "schema": self.schema,
             "slice": self.slice,
             "boxes": [list(b) for b in self.boxes],
             "boxes_norm": [[round(v, 6) for v in b] for b in self.boxes_norm],
@@ -289,6 +403,10 @@ class EvidenceAnchor:
         }
         if self.world is not None:
             d["world"] = self.world
+        if self.prompts:
+            d["prompts"] = [dict(p) for p in self.prompts]
+        if self.z_range is not None:
+            d["z_range"] = list(self.z_range)
         d.update(query=self.query, reasoning=self.reasoning, source=self.source)
         if self.notes:
             d["notes"] = list(self.notes)
@@ -311,12 +429,13 @@ class EvidenceAnchor:
         """
         if not isinstance(d, dict):
             raise AnchorError(f"{origin}: expected a JSON object, got {type(d).__name__}")
-        if d.get("schema") != SCHEMA:
-            raise AnchorError(f"{origin}: schema is {d.get('schema')!r}, expected {SCHEMA!r}")
+        if d.get("schema") not in SCHEMAS:
+            raise AnchorError(f"{origin}: schema is {d.get('schema')!r}, expected {SCHEMA!r} or {SCHEMA_V2!r}")
         _check_fields(d, origin)
         kw = dict(query=str(d.get("query") or ""), reasoning=str(d.get("reasoning") or ""),
                   source=d.get("source") or "user", notes=list(d.get("notes") or []))
         world = d.get("world")
+        kw.update(_read_corrections(d, stack, origin))
         has_boxes = d.get("boxes") is not None or d.get("boxes_norm") is not None
         if not has_boxes and world is None:
             raise AnchorError(f"{origin}: has neither 'boxes' nor 'world'")
@@ -338,8 +457,13 @@ class EvidenceAnchor:
                 anchor = cls.from_norm(d["slice"], d["boxes_norm"], image_size, **kw)
         except (InputError, TypeError) as e:
             raise AnchorError(f"{origin}: {e}") from None
+        except AnchorError as e:
+            raise AnchorError(f"{origin}: {e}") from None
         if stack is not None:
-            anchor.with_world(stack)
+            try:
+                anchor.with_world(stack)
+            except AnchorError as e:
+                raise AnchorError(f"{origin}: {e}") from None
             if world is not None and world.get("boxes_ras"):
                 other = cls.from_world(world, stack, **kw)
                 if other.slice != anchor.slice or other.boxes != anchor.boxes:
@@ -361,6 +485,71 @@ class EvidenceAnchor:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise AnchorError(f"{p} is not valid JSON: {e}") from None
         return cls.from_dict(d, stack, origin=str(p))
+
+
+def _slice_centre(stack, z: int) -> List[float]:
+    return [float(v) for v in stack.stack_to_ras([z, (stack.height - 1) / 2.0, (stack.width - 1) / 2.0])]
+
+
+def _read_corrections(d: dict, stack, origin: str) -> dict:
+    """``prompts`` and ``z_range`` of an anchor object, each from its pixel form, its world form or both
+    (which must then agree); the world form needs the volume."""
+    world = d.get("world") if isinstance(d.get("world"), dict) else {}
+    prompts, z_range = d.get("prompts"), d.get("z_range")
+    z_range_ras = world.get("z_range_ras")
+    if d.get("schema") != SCHEMA_V2:
+        if prompts or z_range is not None or z_range_ras is not None:
+            raise AnchorError(f"{origin}: prompts and z_range need schema {SCHEMA_V2!r}, not {d.get('schema')!r}")
+        return {}
+    out = {}
+    if z_range_ras is not None:
+        if stack is None:
+            if z_range is None:
+                raise AnchorError(f"{origin}: has only a world z_range (z_range_ras); the volume is needed to place it")
+        else:
+            ras = _ras_array(z_range_ras, 3, f"{origin}: world z_range_ras", "two RAS points [[r, a, s], [r, a, s]]")
+            if len(ras) != 2:
+                raise AnchorError(f"{origin}: world z_range_ras must be two RAS points, one on each end slice")
+            ends = sorted(_ras_points_to_stack(stack, [r], f"{origin}: z_range_ras end {i + 1}")[0] for i, r in enumerate(ras))
+            if z_range is not None and list(check_z_range(z_range, None, AnchorError)) != ends:
+                raise AnchorError(f"{origin}: 'z_range' {list(z_range)} and world z_range_ras (slices {ends}) disagree; "
+                                  "remove the stale one")
+            z_range = ends
+    if z_range is not None:
+        out["z_range"] = z_range
+    if prompts is None:
+        return out
+    if not isinstance(prompts, list):
+        raise AnchorError(f"{origin}: 'prompts' must be a list, got {type(prompts).__name__}")
+    read = []
+    for i, p in enumerate(prompts):
+        what = f"{origin}: prompt {i + 1}"
+        if not isinstance(p, dict):
+            raise AnchorError(f"{what} must be an object, got {type(p).__name__}")
+        has_pixels = p.get("slice") is not None
+        pw = p.get("world")
+        if not has_pixels and pw is None:
+            raise AnchorError(f"{what} has neither 'slice' (with 'box'/'points') nor 'world'")
+        if pw is not None and stack is not None:
+            placed = ras_to_prompt(stack, pw, what)
+            if has_pixels:
+                mine = check_prompt_fields(p, i, AnchorError)
+                if mine["box"] is not None:
+                    try:
+                        mine["box"] = check_box(mine["box"], stack.width, stack.height, f"{what} box")
+                    except InputError as e:
+                        raise AnchorError(str(e)) from None
+                if [mine["slice"], mine["box"], mine["points"]] != [placed["slice"], placed["box"], placed["points"]]:
+                    raise AnchorError(f"{what}: its pixel form (slice {mine['slice']}, box {mine['box']}, points "
+                                      f"{mine['points']}) and its world form (slice {placed['slice']}, box "
+                                      f"{placed['box']}, points {placed['points']}) disagree; remove the stale one")
+            read.append(dict(placed, object=p.get("object")))
+        elif not has_pixels:
+            raise AnchorError(f"{what} has only a world form; the volume is needed to place it")
+        else:
+            read.append({k: p.get(k) for k in ("slice", "object", "box", "points")})
+    out["prompts"] = read
+    return out
 
 
 # ---- targets from a mask -----------------------------------------------------------------
@@ -440,6 +629,6 @@ def anchor_from_mask(
 
 
 __all__ = [
-    "SCHEMA", "EvidenceAnchor", "anchor_from_mask", "boxes_from_slice_mask", "rank_slices", "slice_areas",
-    "check_box", "box_to_norm", "norm_to_box", "box_iou", "box_to_ras", "ras_to_box",
+    "SCHEMA", "SCHEMA_V2", "SCHEMAS", "EvidenceAnchor", "anchor_from_mask", "boxes_from_slice_mask", "rank_slices", "slice_areas",
+    "check_box", "box_to_norm", "norm_to_box", "box_iou", "box_to_ras", "ras_to_box", "ras_to_prompt",
 ]

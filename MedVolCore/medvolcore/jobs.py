@@ -26,13 +26,16 @@ The result (:func:`run_segment_job`) is one JSON-ready dict:
 ``query``        the query (``""`` when propagating an anchor without one)
 ``preset``       the model preset's name (``""`` for a propagation-only pipeline)
 ``smoke``        True when an untrained smoke model made the anchor or mask
-``anchor``       the evidence anchor as written to its file (``medvol.anchor/1``), with
+``anchor``       the evidence anchor as written to its file (``medvol.anchor/1``, or ``/2`` with
+                 correction prompts or a slice range), with
                  ``propagation``: early stop's K and where each direction stopped
 ``reasoning``    the model's reasoning (the anchor's, when propagating)
 ``raw_text``     the model's whole answer (``""`` when propagating)
 ``notes``        remarks a reader must see (smoke model, reordered boxes, NaN voxels, …)
 ``shape``        the volume's source grid shape; ``mask_voxels`` the mask's voxel count
 ``propagation``  the same early-stop record as in ``anchor``
+``slices_encoded`` how many slices MedSAM2's image encoder ran on (0 when a kept feature store had
+                 every slice the propagation visited)
 ``metrics``      with a ``reference``: ``{"dice", "iou", "pred_voxels", "gt_voxels"}`` (Dice and IoU
                  rounded to 6 places), else None
 ``timings``      seconds per stage (``ground_*``, ``propagate_s``, ``propagate_s_per_slice``,
@@ -73,6 +76,9 @@ class SegmentRequest:
     slices ``[k - span, k + span]``; ``largest_component``: keep each box's largest 3-D component.
     ``qc_title``: the QC picture's title (default ``"query: …"``). ``reference``: a ground-truth
     mask on the volume's own grid (a boolean array of its shape) to score the mask against.
+    ``prompts`` (pixel-form correction prompts, :mod:`medvolcore.prompts`) are added after the
+    given anchor's own, and ``z_range`` replaces its slice range (``medvol propagate``'s
+    ``--add-box``, ``--add-point`` and ``--z-range``); both need a given anchor or key slice.
     """
 
     query: Optional[str] = None
@@ -88,6 +94,8 @@ class SegmentRequest:
     largest_component: bool = False
     qc_title: Optional[str] = None
     reference: object = None
+    prompts: Optional[Sequence[dict]] = None
+    z_range: Optional[Sequence[int]] = None
 
     @property
     def grounded(self) -> bool:
@@ -145,6 +153,9 @@ def _check_request(request: SegmentRequest):
         raise InputError("give either an anchor or a key slice with boxes, not both")
     elif request.anchor is None and (request.key_slice is None or not request.boxes):
         raise InputError("a key slice needs one or more boxes, and boxes need a key slice")
+    if request.grounded and (request.prompts or request.z_range is not None):
+        raise InputError("correction prompts and a slice range apply to a given anchor (medvol propagate), "
+                         "not to a query")
     if request.stop_after_empty is not None:
         check_stop_after_empty(request.stop_after_empty)
     if request.span is not None and (isinstance(request.span, bool) or not isinstance(request.span, int)
@@ -160,18 +171,26 @@ def _given_anchor(request: SegmentRequest, stack):
     a = request.anchor
     if a is None:
         stack.check_slice(request.key_slice)
-        return EvidenceAnchor(request.key_slice, [list(b) for b in request.boxes], [stack.width, stack.height],
-                              source="user").with_world(stack)
-    if isinstance(a, EvidenceAnchor):
-        return a.with_world(stack)
-    if isinstance(a, dict):
-        return EvidenceAnchor.from_dict(a, stack)
-    return EvidenceAnchor.load(a, stack)
+        anchor = EvidenceAnchor(request.key_slice, [list(b) for b in request.boxes], [stack.width, stack.height],
+                                source="user")
+    elif isinstance(a, EvidenceAnchor):
+        anchor = a
+    elif isinstance(a, dict):
+        anchor = EvidenceAnchor.from_dict(a, stack)
+    else:
+        anchor = EvidenceAnchor.load(a, stack)
+    if request.prompts or request.z_range is not None:
+        from dataclasses import replace
+
+        prompts = [{k: v for k, v in p.items() if k != "world"} for p in anchor.prompts] + list(request.prompts or [])
+        anchor = replace(anchor, prompts=prompts,
+                         z_range=list(request.z_range) if request.z_range is not None else anchor.z_range)
+    return anchor.with_world(stack)
 
 
 def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentOutputs, *,
                     inputs: Sequence[Tuple[str, Optional[PathLike]]] = (), progress: Optional[Progress] = None,
-                    cancel=None) -> dict:
+                    cancel=None, features=None) -> dict:
     """Run one job (see the module docstring for the steps and the result's fields).
 
     ``pipeline``: a :class:`~medvolcore.pipeline.Pipeline` or a zero-argument callable returning
@@ -179,6 +198,9 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     ``AxialStack``. ``inputs``: ``(name, path)`` pairs no output may be (the volume's path is
     always among them). ``progress(stage, fraction, message)``; ``cancel``: an Event checked
     between slices and before anything is written (:class:`~medvolcore.errors.CancelledError`).
+    ``features``: the volume's :class:`~medvolcore.propagation.FeatureStore` for this window and
+    MedSAM2, or a callable ``features(pipeline, window)`` returning it or None (the worker keeps one
+    per volume).
     """
     from .errors import CancelledError
     from .pipeline import as_stack
@@ -193,14 +215,15 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     stack = as_stack(volume)
     anchor = None if request.grounded else _given_anchor(request, stack)
     pipe = pipeline() if callable(pipeline) else pipeline
+    store = features(pipe, window) if callable(features) else features
     if request.grounded:
         seg = pipe.segment(stack, query, constrain=request.constrain, seed=request.seed, do_sample=request.sample,
                            hu_window=window, progress=progress, cancel=cancel,
-                           stop_after_empty=request.stop_after_empty)
+                           stop_after_empty=request.stop_after_empty, features=store)
     else:
         seg = pipe.repropagate(stack, anchor, hu_window=window, progress=progress, cancel=cancel,
                                stop_after_empty=request.stop_after_empty, span=request.span,
-                               largest_component=request.largest_component)
+                               largest_component=request.largest_component, features=store)
     if cancel is not None and cancel.is_set():
         raise CancelledError("the job was cancelled")
     if request.grounded:
@@ -238,6 +261,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
         "notes": list(seg.notes), "shape": [int(s) for s in stack.volume.shape], "mask_voxels": int(seg.mask.sum()),
         "propagation": seg.anchor.propagation, "metrics": metrics, "timings": timings,
+        "slices_encoded": int(seg.timings.get("slices_encoded", 0)),
         "out": str(outputs.mask), "anchor_out": str(outputs.anchor) if outputs.anchor else None,
         "qc": str(outputs.qc) if outputs.qc else None,
     }

@@ -155,8 +155,11 @@ class Pipeline:
     # -- the jobs --
     def segment(self, volume: VolumeLike, query: str, *, constrain: bool = True, seed: Optional[int] = None,
                 do_sample: bool = False, hu_window=None, progress: Optional[Progress] = None, cancel=None,
-                stop_after_empty: Optional[int] = None) -> Segmentation:
-        """Ground ``query`` on the volume's 64 sampled slices, then propagate the anchor."""
+                stop_after_empty: Optional[int] = None, features=None) -> Segmentation:
+        """Ground ``query`` on the volume's 64 sampled slices, then propagate the anchor.
+
+        ``features``: a :class:`~medvolcore.propagation.FeatureStore` of this volume (same HU
+        window, this pipeline's MedSAM2) to reuse and fill: its slices are not encoded again."""
         from .grounder import validate_query
 
         query = validate_query(query)  # before any model is loaded
@@ -179,7 +182,7 @@ class Pipeline:
                 self.smoke = True
                 notes.append(SMOKE_NOTE)
             anchor.notes = list(dict.fromkeys(list(anchor.notes) + notes))
-            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k)
+            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, features=features)
             seg.reasoning, seg.raw_text = g.reasoning, g.raw_text
             seg.timings.update({f"ground_{k}": v for k, v in g.timings.items()})
             seg.timings["ground_s"] = t_ground
@@ -189,11 +192,13 @@ class Pipeline:
 
     def repropagate(self, volume: VolumeLike, anchor: Union[EvidenceAnchor, dict], *, hu_window=None,
                     progress: Optional[Progress] = None, cancel=None, stop_after_empty: Optional[int] = None,
-                    span: Optional[int] = None, largest_component: bool = False) -> Segmentation:
-        """Propagate a given (e.g. edited) anchor; the language model is not used.
+                    span: Optional[int] = None, largest_component: bool = False, features=None) -> Segmentation:
+        """Propagate a given (e.g. edited or corrected) anchor; the language model is not used.
 
         ``span``: propagate only slices ``[k - span, k + span]``; ``largest_component``: keep each
         box's largest 3-D component (see :meth:`~medvolcore.propagation.MedSAM2Propagator.propagate`).
+        The anchor's correction prompts and ``z_range`` are propagated with it; ``features`` as in
+        :meth:`segment`.
         """
         stop_k = self._stop_k(stop_after_empty)
         with self._lock:
@@ -203,7 +208,8 @@ class Pipeline:
                 anchor = EvidenceAnchor.from_dict(anchor, stack)
             else:
                 anchor = anchor.with_world(stack)
-            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, span, largest_component)
+            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, span, largest_component,
+                                  features=features)
             seg.reasoning = anchor.reasoning
             seg.notes = list(dict.fromkeys(list(stack.volume.notes) + list(seg.notes)))
             seg.timings["total_s"] = time.perf_counter() - t0
@@ -216,15 +222,16 @@ class Pipeline:
         return self.stop_after_empty if value is None else check_stop_after_empty(value)
 
     def _propagate(self, stack, anchor, hu_window, progress, cancel, stop_k: int, span: Optional[int] = None,
-                   largest_component: bool = False) -> Segmentation:
+                   largest_component: bool = False, features=None) -> Segmentation:
         t = time.perf_counter()
         prop = self.propagator
 
         def on_slice(done, total, message):
             _stage(progress, "propagate", done / max(total, 1), message)
 
-        r = prop.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=hu_window, progress=on_slice, cancel=cancel,
-                           stop_after_empty=stop_k, window=span, largest_component=largest_component)
+        r = prop.propagate(stack.data, anchor.slice, anchor.boxes, prompts=anchor.pixel_prompts(), z_range=anchor.z_range,
+                           hu_window=hu_window, progress=on_slice, cancel=cancel, stop_after_empty=stop_k, window=span,
+                           largest_component=largest_component, features=features)
         mask = stack.to_source(r.mask)
         anchor.propagation = r.stop_summary()
         timings = {"propagate_s": time.perf_counter() - t, "propagate_s_per_slice": r.seconds_per_slice,

@@ -467,8 +467,8 @@ def _liver_dict(liver_anchor):
 
 def test_wrong_schema(liver_anchor):
     d = _liver_dict(liver_anchor)
-    d["schema"] = "medvol.anchor/2"
-    with pytest.raises(AnchorError, match="medvol.anchor/2"):
+    d["schema"] = "medvol.anchor/3"
+    with pytest.raises(AnchorError, match="medvol.anchor/3"):
         EvidenceAnchor.from_dict(d)
     del d["schema"]
     with pytest.raises(AnchorError, match="schema"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from ..errors import InputError
-from ..serve.cache import DEFAULT_CACHE_SIZE, DEFAULT_MAX_VOXELS
+from ..serve.cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS
 from ..serve.http import (DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT, HttpSettings,
                           serve_http)
 from ..serve.lifecycle import setup_logging
@@ -45,9 +45,12 @@ def cmd_serve(args) -> int:
         threads = max(1, (os.cpu_count() or 2) - 1)
     elif threads < 1:
         raise InputError(f"--threads must be at least 1, got {threads}")
+    if not args.feature_cache_mb >= 0:
+        raise InputError(f"--feature-cache-mb must be 0 or more, got {args.feature_cache_mb:g}")
     settings = WorkerSettings(preset=args.preset, adapter=args.adapter, device=args.device, cache_size=args.cache_size,
                               max_request_mb=args.max_request_mb, threads=threads, max_voxels=args.max_voxels,
-                              data_dir=args.data_dir, debug=bool(getattr(args, "debug", False)))
+                              data_dir=args.data_dir, debug=bool(getattr(args, "debug", False)),
+                              feature_cache_mb=args.feature_cache_mb)
     if http is not None:
         if not 0 <= http.port <= 65535:
             raise InputError(f"--port must be 0..65535, got {http.port}")
@@ -73,6 +76,10 @@ def _add_arguments(sp) -> None:
                          "fewer threads are much faster when the CPU is shared)")
     sp.add_argument("--cache-size", type=int, default=DEFAULT_CACHE_SIZE,
                     help=f"volumes kept in memory, by content hash (default {DEFAULT_CACHE_SIZE})")
+    sp.add_argument("--feature-cache-mb", type=float, default=DEFAULT_FEATURE_CACHE_MB, metavar="MB",
+                    help="memory for MedSAM2's encoded slices of recent volumes, so a re-propagation with "
+                         f"corrections encodes no slice again (default {DEFAULT_FEATURE_CACHE_MB}: about 480 "
+                         "slices at 512 px; 0 keeps none)")
     sp.add_argument("--max-voxels", type=int, default=DEFAULT_MAX_VOXELS, metavar="N",
                     help="largest volume accepted, checked in its header before reading it (default "
                          f"{DEFAULT_MAX_VOXELS:,}: a 1024×1024 CT of 2000 slices)")

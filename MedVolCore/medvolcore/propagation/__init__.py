@@ -1,6 +1,7 @@
 """MedSAM2 propagation: an evidence anchor (key slice + boxes) → a 3-D mask on the axial stack.
 
-- :mod:`.frames` — MedSAM2's preprocessing of an axial HU slice, served lazily from memory;
+- :mod:`.frames` — MedSAM2's preprocessing of an axial HU slice, served lazily from memory, and
+  the stores that keep a volume's encoded slices for later propagations;
 - :mod:`.propagator` — :class:`MedSAM2Propagator` (build from a checkpoint or seeded random
   weights, propagate forward and backward, early stop) and :class:`PropagationResult`;
 - :mod:`._sam2_predictor` — the subclass of sam2's video predictor that hydra builds (imports
@@ -9,7 +10,8 @@
 Importing this package is cheap: torch and sam2 are imported by the functions that use them.
 """
 
-from .frames import DEFAULT_IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD, MedSAM2Frames, medsam2_frame
+from .frames import (DEFAULT_IMAGE_SIZE, IMAGENET_MEAN, IMAGENET_STD, FeatureCache, FeatureStore, MedSAM2Frames,
+                     medsam2_frame)
 from .propagator import (DEFAULT_STOP_AFTER_EMPTY, MAX_STOP_AFTER_EMPTY, MedSAM2Propagator, PropagationResult,
                          check_image_size, check_stop_after_empty, keep_largest_component, quiet_sam2_progress)
 
@@ -18,6 +20,8 @@ __all__ = [
     "DEFAULT_STOP_AFTER_EMPTY",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "FeatureCache",
+    "FeatureStore",
     "MAX_STOP_AFTER_EMPTY",
     "MedSAM2Frames",
     "MedSAM2Propagator",

@@ -95,7 +95,9 @@ class MedSAM2VideoPredictor(SAM2VideoPredictor):
 
         ``stop_after_empty = K > 0``: an object whose mask (logit > 0) has been empty on ``K``
         consecutive frames after the start frame stops being tracked; the generator ends when
-        no object is left. ``K = 0`` tracks every object to the end (sam2's behaviour).
+        no object is left. A frame prompted for an object (one of its conditioning frames)
+        never counts as empty for it, and an object is not stopped while it has prompted
+        frames ahead in this direction. ``K = 0`` tracks every object to the end (sam2's behaviour).
         sam2 1.1 tracks objects one by one, each with its own memory; ``batch_objects`` runs
         the still-tracked objects of a frame as one batch instead (the way sam2 1.0 tracked
         them), on a batched view of their memories. Objects never interact either way (no
@@ -166,12 +168,19 @@ class MedSAM2VideoPredictor(SAM2VideoPredictor):
             if stop_after_empty > 0 and frame_idx != start_frame_idx:
                 nonempty = (video_res[:, 0] > 0).flatten(1).any(dim=1).tolist()
                 for i, ne in zip(objs, nonempty):
-                    empty_run[i] = 0 if ne else empty_run[i] + 1
-                active = [i for i in objs if empty_run[i] < stop_after_empty]
+                    # a prompted frame never counts as empty
+                    empty_run[i] = 0 if ne or frame_idx in per_obj[i]["cond_frame_outputs"] else empty_run[i] + 1
+                # an object is not stopped before it has passed its last prompted frame
+                active = [i for i in objs if empty_run[i] < stop_after_empty or _prompted_ahead(per_obj[i], frame_idx, reverse)]
                 if not active:
                     return
         if batched is not None:
             _unbatch_outputs(per_obj, batched)
+
+
+def _prompted_ahead(obj_out: dict, frame_idx: int, reverse: bool) -> bool:
+    cond = obj_out["cond_frame_outputs"]
+    return any(t < frame_idx for t in cond) if reverse else any(t > frame_idx for t in cond)
 
 
 def _stack_outputs(outs: list) -> dict:

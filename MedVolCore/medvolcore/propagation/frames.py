@@ -7,13 +7,16 @@ in-memory stack: nothing is written to disk. Importing this module does not impo
 
 from __future__ import annotations
 
-from typing import Optional
+import collections
+import threading
+from typing import Hashable, Optional
 
 import numpy as np
 
 from ..windowing import WindowLike, get_window, window_to_uint8
 
-__all__ = ["DEFAULT_IMAGE_SIZE", "IMAGENET_MEAN", "IMAGENET_STD", "MedSAM2Frames", "medsam2_frame"]
+__all__ = ["DEFAULT_IMAGE_SIZE", "IMAGENET_MEAN", "IMAGENET_STD", "FeatureCache", "FeatureStore", "MedSAM2Frames",
+           "medsam2_frame"]
 
 DEFAULT_IMAGE_SIZE = 512
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -51,14 +54,17 @@ class MedSAM2Frames:
     prompts on one volume, e.g. the rollouts of one GRPO group): each slice is encoded once.
     """
 
-    def __init__(self, stack_hu: np.ndarray, image_size: int, window: WindowLike = None, share_features: bool = False):
+    def __init__(self, stack_hu: np.ndarray, image_size: int, window: WindowLike = None, share_features: bool = False,
+                 feature_store: Optional["FeatureStore"] = None):
         self.stack = stack_hu
         self.image_size = int(image_size)
         self.window = get_window(window)
         self.pinned: set = set()
         self.loaded: list = []
         self.encoded: list = []
-        self.feature_store: Optional[dict] = {} if share_features else None
+        if feature_store is None and share_features:
+            feature_store = FeatureStore()
+        self.feature_store: Optional[FeatureStore] = feature_store
 
     def __len__(self) -> int:
         return int(self.stack.shape[0])
@@ -85,3 +91,125 @@ class MedSAM2Frames:
 
     def __repr__(self) -> str:
         return f"MedSAM2Frames({len(self)} frames {self.video_height}x{self.video_width} → {self.image_size}, window={self.window})"
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += key[1]
+    return total
+
+
+class FeatureStore:
+    """The image features of a volume's encoded slices, kept for later propagations over it.
+
+    Maps a slice index to what sam2's feature cache holds, ``(image, backbone_out)``, stored
+    compactly: the predictor never reads the image back (only the backbone's features), so a
+    1×1 placeholder stands for it, and the positional encodings, the same for every slice of a
+    given size, are kept once. That leaves the three feature maps: about 4.2 MB a slice at
+    512 px in fp32 (32×128², 64×64², 256×32² values). ``nbytes`` is what the stored features
+    take. With an ``owner`` (a :class:`FeatureCache`), an entry is only kept when the owner
+    finds room for it within its budget; a slice not kept is simply encoded again next time.
+    """
+
+    def __init__(self, owner: Optional["FeatureCache"] = None):
+        self._items: dict = {}
+        self._pos = None
+        self.nbytes = 0
+        self.owner = owner
+        self.closed = False  # dropped from its cache: serves what it has, stores no more
+
+    def __contains__(self, frame_idx) -> bool:
+        return frame_idx in self._items
+
+    def __getitem__(self, frame_idx):
+        return self._items[frame_idx]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __setitem__(self, frame_idx, entry) -> None:
+        import torch
+
+        if frame_idx in self._items or self.closed:
+            return
+        image, out = entry
+        fpn, pos = list(out["backbone_fpn"]), list(out["vision_pos_enc"])
+        shared = self._pos is not None and len(pos) == len(self._pos) and all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(pos, self._pos))
+        size = _tensor_bytes(fpn) + (0 if shared else _tensor_bytes(pos))
+        if self.owner is not None and not self.owner._make_room(self, size):
+            return
+        if shared:
+            pos = self._pos
+        elif self._pos is None:
+            self._pos = pos
+        self._items[frame_idx] = (image[:, :, :1, :1].clone(), {"backbone_fpn": fpn, "vision_pos_enc": pos})
+        self.nbytes += size
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._pos = None
+        self.nbytes = 0
+
+
+class FeatureCache:
+    """Feature stores of several volumes within one memory budget, evicted least recently used.
+
+    :meth:`store` gives the :class:`FeatureStore` for a key (the worker uses the volume's content
+    sha256 with the HU window, the model's image size and its weights: features depend on all
+    of them); when a store grows past the budget, whole stores of other keys are dropped, oldest
+    use first, and a store that alone fills the budget keeps what it has and stores no more.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget = max(0, int(budget_bytes))
+        self._stores: "collections.OrderedDict[Hashable, FeatureStore]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def store(self, key: Hashable) -> Optional[FeatureStore]:
+        """The store for ``key`` (made on first use), marked most recently used; None with a zero budget."""
+        if self.budget == 0:
+            return None
+        with self._lock:
+            st = self._stores.get(key)
+            if st is None:
+                st = self._stores[key] = FeatureStore(owner=self)
+            self._stores.move_to_end(key)
+            return st
+
+    def discard(self, key: Hashable) -> None:
+        with self._lock:
+            st = self._stores.pop(key, None)
+        if st is not None:
+            st.owner, st.closed = None, True
+
+    def clear(self) -> None:
+        with self._lock:
+            for st in self._stores.values():
+                st.owner, st.closed = None, True
+            self._stores.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(st.nbytes for st in self._stores.values())
+
+    def _make_room(self, store: FeatureStore, size: int) -> bool:
+        with self._lock:
+            while self.nbytes + size > self.budget:
+                victim = next((k for k, st in self._stores.items() if st is not store), None)
+                if victim is None:
+                    return False
+                dropped = self._stores.pop(victim)
+                dropped.owner, dropped.closed = None, True
+                self.evictions += 1
+            return True
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {"volumes": len(self._stores), "slices": sum(len(s) for s in self._stores.values()),
+                    "bytes": self.nbytes, "budget_bytes": self.budget, "evictions": self.evictions}

@@ -33,7 +33,8 @@ from ..devices import resolve_device
 from ..errors import CancelledError, CheckpointError, DependencyError, InputError
 from ..resources import resource_path
 from ..windowing import WindowLike, get_window
-from .frames import DEFAULT_IMAGE_SIZE, MedSAM2Frames
+from ..prompts import plan_objects
+from .frames import DEFAULT_IMAGE_SIZE, FeatureStore, MedSAM2Frames
 
 __all__ = [
     "DEFAULT_STOP_AFTER_EMPTY",
@@ -455,6 +456,8 @@ class MedSAM2Propagator:
         key_slice: int,
         boxes: Sequence[Sequence[int]],
         *,
+        prompts: Optional[Sequence[dict]] = None,
+        z_range: Optional[Sequence[int]] = None,
         hu_window: WindowLike = None,
         window: Optional[int] = None,
         largest_component: bool = False,
@@ -463,51 +466,79 @@ class MedSAM2Propagator:
         return_object_masks: bool = False,
         stop_after_empty: int = 0,
         batch_objects: bool = True,
+        features: Optional[FeatureStore] = None,
         _frames: Optional[MedSAM2Frames] = None,
     ) -> PropagationResult:
-        """Propagate the boxes on ``key_slice`` through the stack; returns a :class:`PropagationResult`.
+        """Propagate the boxes on ``key_slice``, and any correction prompts, through the stack.
 
         ``stack_hu``: (D, H, W) HU, canonical axial stack. ``boxes``: inclusive pixel boxes
-        ``[x0, y0, x1, y1]`` on the key slice, one object each. ``hu_window``: anything
-        :func:`get_window` accepts (default soft tissue 40/400). ``window``: propagate only
-        slices ``[k-window, k+window]`` (others stay 0 and are never encoded).
-        ``largest_component``: keep each object's largest 3-D (26-connected) component
+        ``[x0, y0, x1, y1]`` on the key slice, objects 1..N. ``prompts``: correction prompts in
+        pixel form (:mod:`medvolcore.prompts`: boxes and points on any slice for objects 1..N,
+        or new objects N+1, …); ``z_range = (z0, z1)``: propagate only inside these slices.
+        Semantics (``docs/architecture.md``, "Correction prompts"): per object and direction a
+        fresh inference state gets every prompt of that object, and tracking starts from the
+        object's start slice (the key slice, or a new object's first prompted slice); objects
+        whose start slice and prompted slices are the same run in one state, as one batch.
+        ``hu_window``: anything :func:`get_window` accepts (default soft tissue 40/400).
+        ``window``: propagate only slices ``[k-window, k+window]`` (others stay 0 and are never
+        encoded). ``largest_component``: keep each object's largest 3-D (26-connected) component
         before the union. ``progress(done, total, message)`` is called after each slice (and
-        once for the slices an early stop skipped, so ``done`` reaches ``total``);
-        ``cancel`` (an Event or a callable) is checked between slices and raises
-        :class:`CancelledError`.
+        once for the slices an early stop skipped, so ``done`` reaches ``total``); ``cancel``
+        (an Event or a callable) is checked between slices and raises :class:`CancelledError`.
+        ``features``: a :class:`FeatureStore` of this stack (same HU window, same model) whose
+        slices need no encoding and which keeps the slices encoded now.
 
         ``stop_after_empty = K``: in each direction, an object stops being tracked once its
-        mask has been empty on ``K`` consecutive slices after the key slice, and the direction
-        ends when no object is left; skipped slices stay 0 and are never encoded. Tracking is
-        causal and objects are independent, so every slice that is visited gets exactly the
-        mask of a full run (``K = 0``, the default here: never stop, the paper's behaviour);
-        only a target that reappears after ``K`` empty slices is lost. ``result.stops`` says
-        where each direction ended. ``batch_objects``: track all objects of a slice as one
-        batch (same masks as one by one; see ``track_objects``).
+        mask has been empty on ``K`` consecutive slices after its start slice, and the
+        direction ends when no object is left; skipped slices stay 0 and are never encoded. A
+        prompted slice never counts as empty, and an object is not stopped before its last
+        prompted slice. Tracking is causal and objects are independent, so every slice that is
+        visited gets exactly the mask of a full run (``K = 0``, the default here: never stop,
+        the paper's behaviour); only a target that reappears after ``K`` empty slices is lost.
+        ``result.stops`` says where each direction ended. ``batch_objects``: track the objects
+        of a state as one batch (same masks as one by one; see ``track_objects``).
         """
         stack = _check_stack(stack_hu)
         depth, height, width = (int(s) for s in stack.shape)
         k = _check_key_slice(key_slice, depth)
         box_list = _check_boxes(boxes, width, height)
+        objects = plan_objects(k, box_list, prompts or [], width=width, height=height, depth=depth, z_range=z_range)
         win = get_window(hu_window)
         span = _check_window_span(window)
         stop_k = check_stop_after_empty(stop_after_empty)
         lo, hi = (0, depth - 1) if span is None else (max(0, k - span), min(depth - 1, k + span))
+        if z_range is not None:
+            lo, hi = max(lo, int(z_range[0])), min(hi, int(z_range[1]))
+        for obj in objects:
+            outside = [z for z in obj.frames if not lo <= z <= hi]
+            if outside:
+                raise InputError(f"object {obj.number} is prompted on slice {outside[0]}, outside the propagated "
+                                 f"slices {lo}..{hi}")
         is_cancelled = _cancel_checker(cancel)
         if progress is not None and not callable(progress):
             raise InputError("progress must be a callable progress(done, total, message)")
+        if features is not None and not isinstance(features, FeatureStore):
+            raise InputError(f"features must be a FeatureStore, got {type(features).__name__}")
 
         import torch
 
-        total = hi - lo + 1
-        n_obj = len(box_list)
+        # objects with the same start and prompted slices share a state (and a batch)
+        groups: "dict" = {}
+        for i, obj in enumerate(objects):
+            groups.setdefault((obj.start, tuple(obj.slices)), []).append(i)
+        groups = list(groups.values())
+        per_group = hi - lo + 1
+        total = per_group * len(groups)
+        n_obj = len(objects)
         keep_objects = bool(largest_component or return_object_masks)
         with self._lock:
             t0 = time.perf_counter()
             pred = self.predictor
-            frames = _frames if _frames is not None else MedSAM2Frames(stack, self.image_size, win)
-            frames.pinned = {k}
+            if _frames is not None:
+                frames = _frames
+            else:  # several states revisit the same slices: keep their features for the request
+                frames = MedSAM2Frames(stack, self.image_size, win, share_features=len(groups) > 1,
+                                       feature_store=features)
             n_encoded_before = len(frames.encoded)
             calls = [0]
 
@@ -517,67 +548,77 @@ class MedSAM2Propagator:
             hook = pred.image_encoder.register_forward_pre_hook(_count)
             obj_masks = np.zeros((n_obj, depth, height, width), dtype=bool) if keep_objects else None
             mask = np.zeros((depth, height, width), dtype=np.uint8)
-            done = set()
             progressed = [0]  # what progress() was last told (visited + skipped slices)
-            stops = {}
+            visited = set()
+            stops = {"forward": [], "backward": []}
             if is_cancelled():
                 hook.remove()
                 raise CancelledError(f"propagation cancelled after 0 of {total} slices")
             try:
                 with torch.inference_mode(), self._autocast(), quiet_sam2_progress():
-                    state = pred.init_state_from_frames(frames, height, width)
-                    passes = [("forward", False, hi - k, hi)]
-                    if k > lo:  # sam2 also skips reverse tracking that starts at frame 0
-                        passes.append(("backward", True, k - lo, lo))
-                    for p_i, (direction, reverse, n_track, edge) in enumerate(passes):
-                        if p_i:
-                            pred.reset_state(state)
-                        for obj_i, box in enumerate(box_list):
-                            pred.add_new_points_or_box(
-                                state, frame_idx=k, obj_id=obj_i + 1, box=np.asarray(box, dtype=np.float32)
-                            )
-                        gen = pred.track_objects(state, start_frame_idx=k, max_frame_num_to_track=n_track,
-                                                 reverse=reverse, stop_after_empty=stop_k,
-                                                 batch_objects=batch_objects)
-                        last = k
-                        alive = list(range(n_obj))
-                        ended = []
-                        try:
-                            for frame_idx, objs, logits in gen:
-                                last = frame_idx
-                                for i in alive:
-                                    if i not in objs:
-                                        ended.append([i, int(frame_idx - (1 if not reverse else -1))])
-                                alive = list(objs)
-                                m = (logits[:, 0] > 0).cpu().numpy()
-                                if keep_objects:
-                                    obj_masks[objs, frame_idx] |= m
-                                else:
-                                    mask[frame_idx] |= m.any(axis=0)
-                                if frame_idx in done:
-                                    continue
-                                done.add(frame_idx)
-                                progressed[0] += 1
+                    for group in groups:
+                        members = [objects[i] for i in group]
+                        start = members[0].start
+                        frames.pinned = set(members[0].frames)
+                        state = pred.init_state_from_frames(frames, height, width)
+                        passes = [("forward", False, hi - start, hi)]
+                        if start > lo:  # sam2 also skips reverse tracking that starts at frame 0
+                            passes.append(("backward", True, start - lo, lo))
+                        for p_i, (direction, reverse, n_track, edge) in enumerate(passes):
+                            if p_i:
+                                pred.reset_state(state)
+                            for j, obj in enumerate(members):
+                                for z, (box, points) in obj.frames.items():
+                                    kw = {}
+                                    if box is not None:
+                                        kw["box"] = np.asarray(box, dtype=np.float32)
+                                    if points:
+                                        kw["points"] = np.asarray([[x, y] for x, y, _ in points], dtype=np.float32)
+                                        kw["labels"] = np.asarray([lab for _, _, lab in points], dtype=np.int32)
+                                    pred.add_new_points_or_box(state, frame_idx=z, obj_id=j + 1, **kw)
+                            gen = pred.track_objects(state, start_frame_idx=start, max_frame_num_to_track=n_track,
+                                                     reverse=reverse, stop_after_empty=stop_k,
+                                                     batch_objects=batch_objects)
+                            last = start
+                            alive = list(range(len(group)))
+                            ended = []
+                            try:
+                                for frame_idx, objs, logits in gen:
+                                    last = frame_idx
+                                    for i in alive:
+                                        if i not in objs:
+                                            ended.append([group[i], int(frame_idx - (1 if not reverse else -1))])
+                                    alive = list(objs)
+                                    m = (logits[:, 0] > 0).cpu().numpy()
+                                    if keep_objects:
+                                        obj_masks[[group[i] for i in objs], frame_idx] |= m
+                                    else:
+                                        mask[frame_idx] |= m.any(axis=0)
+                                    visited.add(frame_idx)
+                                    if frame_idx == start and p_i:
+                                        continue  # the start slice was counted by the forward pass
+                                    progressed[0] += 1
+                                    if progress is not None:
+                                        progress(progressed[0], total, f"slice {frame_idx} ({direction})")
+                                    if progressed[0] < total and is_cancelled():
+                                        raise CancelledError(f"propagation cancelled after {len(visited)} of "
+                                                             f"{per_group} slices")
+                            finally:
+                                gen.close()
+                            early = last != edge
+                            if early:
+                                ended += [[group[i], int(last)] for i in alive]
+                                skipped = abs(edge - last)
+                                progressed[0] += skipped
                                 if progress is not None:
-                                    progress(progressed[0], total, f"slice {frame_idx} ({direction})")
-                                if len(done) < total and is_cancelled():
-                                    raise CancelledError(f"propagation cancelled after {len(done)} of {total} slices")
-                        finally:
-                            gen.close()
-                        early = last != edge
-                        if early:
-                            ended += [[i, int(last)] for i in alive]
-                            skipped = abs(edge - last)
-                            progressed[0] += skipped
-                            if progress is not None:
-                                a, b = sorted((last + (1 if not reverse else -1), edge))
-                                progress(progressed[0], total,
-                                         f"slices {a}..{b} skipped ({direction}): every mask empty on {stop_k} slices")
-                        stops[direction] = {"last_slice": int(last), "slices": int(abs(last - k)),
-                                            "stopped_early": bool(early),
-                                            "objects_stopped": sorted(ended) if stop_k else []}
-                    pred.reset_state(state)
-                    state["cached_features"] = {}
+                                    a, b = sorted((last + (1 if not reverse else -1), edge))
+                                    progress(progressed[0], total,
+                                             f"slices {a}..{b} skipped ({direction}): every mask empty on {stop_k} slices")
+                            stops[direction].append((int(last), bool(early), ended if stop_k else []))
+                        if len(passes) == 1:  # the start slice is the lower edge: nothing to go back to
+                            stops["backward"].append((int(start), False, []))
+                        pred.reset_state(state)
+                        state["cached_features"] = {}
             finally:
                 hook.remove()
             if keep_objects:
@@ -585,23 +626,28 @@ class MedSAM2Propagator:
                     for i in range(n_obj):
                         obj_masks[i] = keep_largest_component(obj_masks[i])
                 mask = obj_masks.any(axis=0).astype(np.uint8)
-            if "backward" not in stops:  # the key slice is the lower edge: nothing to go back to
-                stops["backward"] = {"last_slice": k, "slices": 0, "stopped_early": False, "objects_stopped": []}
-            visited = (stops["backward"]["last_slice"], stops["forward"]["last_slice"])
+            merged = {}
+            for direction, pick in (("forward", max), ("backward", min)):
+                last = pick(v[0] for v in stops[direction])
+                merged[direction] = {"last_slice": last, "slices": abs(last - k),
+                                     "stopped_early": all(v[1] for v in stops[direction]),
+                                     "objects_stopped": sorted(o for v in stops[direction] for o in v[2])}
+            slice_range = (merged["backward"]["last_slice"], merged["forward"]["last_slice"])
             seconds = time.perf_counter() - t0
+            encoded = tuple(frames.encoded[n_encoded_before:])
             return PropagationResult(
                 mask=mask,
                 key_slice=k,
-                slice_range=visited,
-                slices_encoded=len(set(frames.encoded[n_encoded_before:])),
+                slice_range=slice_range,
+                slices_encoded=len(set(encoded)),
                 encoder_calls=calls[0],
                 seconds=seconds,
-                seconds_per_slice=seconds / (visited[1] - visited[0] + 1),
+                seconds_per_slice=seconds / max(len(visited), 1),
                 num_objects=n_obj,
-                encoded_slices=tuple(frames.encoded[n_encoded_before:]),
+                encoded_slices=encoded,
                 object_masks=obj_masks if return_object_masks else None,
                 window_range=(lo, hi),
                 stop_after_empty=stop_k,
-                stops=stops,
-                batched=bool(batch_objects and n_obj > 1),
+                stops=merged,
+                batched=bool(batch_objects and any(len(g) > 1 for g in groups)),
             )

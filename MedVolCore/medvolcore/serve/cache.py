@@ -18,9 +18,12 @@ from typing import Any, Optional
 
 from ..errors import CancelledError, LimitError, VolumeError
 
-__all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_MAX_VOXELS", "StackCache", "file_sha256"]
+__all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_FEATURE_CACHE_MB", "DEFAULT_MAX_VOXELS", "StackCache", "file_sha256"]
 
 DEFAULT_CACHE_SIZE = 4
+# MedSAM2 image features of recent volumes: about 4.2 MB a slice at 512 px (fp32), so 2 GB holds
+# some 480 slices, e.g. four 120-slice CTs (the worker's default volume cache).
+DEFAULT_FEATURE_CACHE_MB = 2048
 DEFAULT_MAX_VOXELS = 1024 * 1024 * 2000  # a 1024×1024 CT of 2000 slices (8 GB as float32)
 
 

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from .. import __version__
 from ..errors import CancelledError, ForbiddenError, MedVolError
-from .cache import DEFAULT_CACHE_SIZE, DEFAULT_MAX_VOXELS, StackCache
+from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
                        ok_reply, parse_request, valid_id)
 
@@ -44,7 +44,9 @@ class WorkerSettings:
     manifest's default preset, loaded on the first request). ``max_request_mb``: the largest
     request line or HTTP body. ``threads``: CPU threads for the models (None: torch's default).
     ``max_voxels``: the largest volume, checked in its header before it is read. ``data_dir``:
-    the one folder HTTP clients may name files in (None: none).
+    the one folder HTTP clients may name files in (None: none). ``feature_cache_mb``: memory for
+    the encoded slices of recent volumes (MedSAM2's image features), so a re-propagation of a
+    volume seen before encodes no slice again; 0 keeps none.
     """
 
     preset: Optional[str] = None
@@ -56,6 +58,7 @@ class WorkerSettings:
     max_voxels: int = DEFAULT_MAX_VOXELS
     data_dir: Optional[Path] = None
     debug: bool = False
+    feature_cache_mb: float = DEFAULT_FEATURE_CACHE_MB
 
     @property
     def max_request_bytes(self) -> int:
@@ -101,13 +104,18 @@ class Worker:
     ``reply`` callback (stdio). ``default_preset`` is used by segment/propagate when no preset
     is loaded and the request names none. ``data_dir``: the only folder whose files HTTP
     requests may name (None: no server path over HTTP). ``max_voxels``: the largest volume
-    accepted, checked in its header before reading.
+    accepted, checked in its header before reading. ``feature_cache_mb``: the budget of the
+    feature cache (the encoded slices of recent volumes, by content sha256, HU window and
+    loaded MedSAM2; least recently used volumes go first).
     """
 
     def __init__(self, emit: Optional[Callable[[dict], None]] = None, *, default_preset: Optional[str] = None,
                  device: str = "auto", cache_size: int = DEFAULT_CACHE_SIZE, transport: str = "stdio",
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_MB << 20, threads: Optional[int] = None,
-                 data_dir=None, max_voxels: Optional[int] = DEFAULT_MAX_VOXELS):
+                 data_dir=None, max_voxels: Optional[int] = DEFAULT_MAX_VOXELS,
+                 feature_cache_mb: float = DEFAULT_FEATURE_CACHE_MB):
+        from ..propagation import FeatureCache
+
         self.emit = emit or (lambda obj: None)
         self.default_preset = default_preset
         self.device = device
@@ -117,6 +125,8 @@ class Worker:
         self.data_dir = Path(os.path.realpath(data_dir)) if data_dir is not None else None
         self.max_voxels = max_voxels
         self.cache = StackCache(cache_size, max_voxels)
+        self.features = FeatureCache(int(max(0.0, float(feature_cache_mb)) * (1 << 20)))
+        self._pipe_generation = 0  # features belong to one loaded MedSAM2
         self.tmp_dir = Path(tempfile.mkdtemp(prefix="medvol-serve-"))
         self.started = time.monotonic()
         self.pipeline = None
@@ -138,7 +148,8 @@ class Worker:
         """A worker for ``settings``; with ``preload`` its preset (if any) starts loading at once."""
         worker = cls(emit, default_preset=settings.preset, device=settings.device, cache_size=settings.cache_size,
                      transport=transport, max_request_bytes=settings.max_request_bytes, threads=settings.threads,
-                     data_dir=settings.data_dir, max_voxels=settings.max_voxels)
+                     data_dir=settings.data_dir, max_voxels=settings.max_voxels,
+                     feature_cache_mb=settings.feature_cache_mb)
         if preload and settings.preset:
             worker.preload(settings.preset, settings.adapter)
         return worker
@@ -292,7 +303,7 @@ class Worker:
             field(req, "constrain", bool)
             field(req, "sample", bool)
         elif op == "propagate":
-            field(req, "anchor", dict, required=True, what=" (a medvol.anchor/1 object)")
+            field(req, "anchor", dict, required=True, what=" (a medvol.anchor/1 or /2 object)")
 
     def cancel(self, target, session: Optional[str] = None) -> dict:
         """Cancel request ``target`` of ``session`` (another session's request is not found)."""
@@ -339,7 +350,8 @@ class Worker:
               "queue_length": queue_length, "preset": pipe.preset if pipe else None,
               "device": pipe.device if pipe else None, "smoke": bool(pipe.smoke) if pipe else None,
               "uptime_s": round(time.monotonic() - self.started, 3), "cached_volumes": len(self.cache),
-              "requests_done": self.requests_done, "threads": self.threads}
+              "requests_done": self.requests_done, "threads": self.threads,
+              "feature_cache": self.features.describe()}
         if transport != "http":  # the parent process may see the worker's internals
             st.update(cache=self.cache.describe(), tmp_dir=str(self.tmp_dir), pid=os.getpid())
         return st
@@ -476,6 +488,8 @@ class Worker:
         pipe = Pipeline(preset, adapter=adapter, device=device or self.device)
         old, self.pipeline = self.pipeline, None
         del old
+        self.features.clear()  # features of the old MedSAM2 are of no use to the new one
+        self._pipe_generation += 1
         self._free_device_memory()
         pipe.load()
         self.pipeline, self._pipe_key = pipe, key
@@ -544,12 +558,26 @@ class Worker:
             load["load_s"] = time.perf_counter() - t if load["reloaded"] else 0.0
             return self.pipeline
 
-        res = run_segment_job(pipeline, stack, request, outputs, progress=progress, cancel=job.cancel)
+        keys = []
+
+        def features(pipe, window):
+            # features depend on the volume's content, the HU window and the loaded MedSAM2
+            keys.append((digest, window.center, window.width, self._pipe_generation))
+            return self.features.store(keys[-1])
+
+        try:
+            res = run_segment_job(pipeline, stack, request, outputs, progress=progress, cancel=job.cancel,
+                                  features=features)
+        except BaseException:
+            if not cached:  # a volume from a failed request leaves nothing behind, features included
+                for key in keys:
+                    self.features.discard(key)
+            raise
         if not cached:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
         result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "notes", "preset")}
         result.update(volume_sha256=digest, shape=res["shape"], mask_voxels=res["mask_voxels"],
-                      propagation=res["propagation"])
+                      propagation=res["propagation"], slices_encoded=res["slices_encoded"])
         if job.transport == "http":
             result["mask_b64"] = base64.b64encode(out.read_bytes()).decode("ascii")
             if is_temp:
