@@ -137,10 +137,10 @@ def test_box_entirely_outside(capsys, tmp_path, small_ct):
 def test_anchor_with_other_schema(capsys, tmp_path, small_ct):
     ct, _ = small_ct
     a = tmp_path / "x.anchor.json"
-    a.write_text(json.dumps({"schema": "medvol.anchor/2", "slice": 1, "boxes": [[1, 1, 5, 5]], "image_size": [122, 101]}))
+    a.write_text(json.dumps({"schema": "medvol.anchor/9", "slice": 1, "boxes": [[1, 1, 5, 5]], "image_size": [122, 101]}))
     code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--anchor", a, "--out", tmp_path / "m.nii.gz",
                            "--random-weights", 0, "--image-size", 64)
-    assert_one_line_error(code, err, "medvol.anchor/2", "medvol.anchor/1")
+    assert_one_line_error(code, err, "medvol.anchor/9", "medvol.anchor/1", "medvol.anchor/2")
 
 
 def test_anchor_and_box_together_refused(capsys, tmp_path, small_ct):

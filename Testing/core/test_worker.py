@@ -106,6 +106,46 @@ def test_propagate_edited_anchor(worker, first_segment, ct_sm_path):
     assert r2["result"]["anchor"]["boxes"] == edited
 
 
+def test_a_correction_round_encodes_no_slice_again(worker, ct_sm_path, tmp_path):
+    """The worker keeps a volume's encoded slices: a re-propagation with corrections on a volume it
+    has seen encodes nothing, while another volume (one voxel differs) or another window does."""
+    img = nib.load(str(ct_sm_path))
+    data = np.asarray(img.dataobj).copy()
+    data[-1, -1, -1] -= 1  # content no other test has sent: nothing of it is cached yet
+    vol = tmp_path / "ct.nii.gz"
+    nib.save(nib.Nifti1Image(data, img.affine), str(vol))
+    depth = data.shape[2]
+    k, box = depth // 2, [40, 30, 80, 70]
+    v1 = {"schema": "medvol.anchor/1", "slice": k, "boxes": [box], "source": "user"}
+
+    def propagate(rid, anchor, volume=vol, **kw):
+        r = worker.call({"id": rid, "op": "propagate", "volume": str(volume), "anchor": anchor, "stop_after_empty": 0, "preset": "tiny",
+                         **kw})
+        assert r["ok"] is True, r
+        return r["result"]
+
+    first = propagate("enc-1", v1)
+    assert first["slices_encoded"] == depth == first["timings"]["slices_encoded"]
+    v2 = dict(v1, schema="medvol.anchor/2",
+              prompts=[{"slice": k + 4, "object": 1, "box": [30, 20, 70, 60], "points": [[35, 25, 0]]},
+                       {"slice": k - 3, "object": 2, "box": None, "points": [[60, 50, 1]]}])
+    again = propagate("enc-2", v2)
+    assert again["slices_encoded"] == 0 and again["timings"]["encoder_calls"] == 0
+    assert again["anchor"]["schema"] == "medvol.anchor/2" and len(again["anchor"]["prompts"]) == 2
+    assert all(p["world"]["box_ras"] or p["world"]["points_ras"] for p in again["anchor"]["prompts"])
+    # the corrections changed the mask, so the cached features were really used for a new answer
+    m1, m2 = (np.asarray(nib.load(r["mask_path"]).dataobj) for r in (first, again))
+    assert not np.array_equal(m1, m2)
+    # another window is another image: encoded again, and so is another volume
+    assert propagate("enc-3", v1, window="lung")["slices_encoded"] == depth
+    data[0, 0, 0] += 1
+    other = tmp_path / "other.nii.gz"
+    nib.save(nib.Nifti1Image(data, img.affine), str(other))
+    assert propagate("enc-4", v1, volume=other)["slices_encoded"] == depth
+    st = worker.call({"id": "st-fc", "op": "status"})["result"]["feature_cache"]
+    assert st["volumes"] >= 3 and 0 < st["bytes"] <= st["budget_bytes"]
+
+
 def test_cancel_during_propagation(worker, ct_path):
     anchor = {"schema": "medvol.anchor/1", "slice": 56, "boxes": [[30, 30, 90, 80]], "source": "user"}
     worker.send({"id": "long", "op": "propagate", "volume": str(ct_path), "anchor": anchor})

@@ -8,6 +8,7 @@ load torch at all.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
@@ -89,7 +90,8 @@ def cmd_propagate(args) -> int:
     check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
     request = SegmentRequest(anchor=args.anchor, key_slice=args.slice, boxes=args.box, hu_window=args.ct_window,
                              stop_after_empty=args.stop_after_empty, span=args.window,
-                             largest_component=args.largest_component)
+                             largest_component=args.largest_component, prompts=args.prompts or None,
+                             z_range=args.z_range)
     loaded = {}
 
     def pipeline():  # MedSAM2 loads once the volume and the anchor are known good
@@ -134,11 +136,27 @@ def cmd_propagate(args) -> int:
 
         out["peak_cuda_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     lo, hi = prop["slice_range"]
-    text = (f"wrote {res['out']}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
+    n_prompts = len(res["anchor"].get("prompts") or [])
+    corrections = f" with {n_prompts} correction prompt{'s' if n_prompts != 1 else ''}" if n_prompts else ""
+    text = (f"wrote {res['out']}{corrections}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
             f"({t['slices_encoded']} encoded, {t['propagate_s_per_slice']:.2f} s/slice{stop_text(prop)}), "
             f"peak memory {out['peak_memory_mb']} MB")
     emit(out, args.json, text)
     return 0
+
+
+class _PromptAction(argparse.Action):
+    """``--add-box``, ``--inside-point`` and ``--outside-point`` append pixel-form prompts to
+    ``args.prompts`` in command-line order (the order sam2 receives the points in)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        z, k, *rest = values
+        if self.dest == "add_box":
+            prompt = {"slice": z, "object": k, "box": list(rest), "points": []}
+        else:
+            prompt = {"slice": z, "object": k, "box": None, "points": [[rest[0], rest[1], int(self.dest == "inside_point")]]}
+        prompts = getattr(namespace, "prompts", None) or []
+        namespace.prompts = prompts + [prompt]
 
 
 def _window_pair(ct_window) -> list:
@@ -320,6 +338,17 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--box", type=int, nargs=4, action="append", metavar=("X0", "Y0", "X1", "Y1"),
                     help="inclusive pixel box on the key slice (repeatable)")
     sp.add_argument("--out", required=True, help="mask to write (.nii.gz, .nii or .nrrd), on the volume's grid")
+    c = sp.add_argument_group("corrections (added to the anchor's own; objects are numbered from 1 in the anchor's "
+                              "box order, the next free number adds an object)")
+    c.add_argument("--add-box", type=int, nargs=6, action=_PromptAction, metavar=("Z", "K", "X0", "Y0", "X1", "Y1"),
+                   help="a box on slice Z for object K (inclusive pixel box; repeatable)")
+    c.add_argument("--inside-point", type=int, nargs=4, action=_PromptAction, metavar=("Z", "K", "X", "Y"),
+                   help="a point inside object K on slice Z (pixel x, y; repeatable)")
+    c.add_argument("--outside-point", type=int, nargs=4, action=_PromptAction, metavar=("Z", "K", "X", "Y"),
+                   help="a point outside object K on slice Z (repeatable)")
+    c.add_argument("--z-range", type=int, nargs=2, metavar=("Z0", "Z1"),
+                   help="propagate only inside slices Z0..Z1 (inclusive; replaces the anchor's range)")
+    sp.set_defaults(prompts=None)
     w = sp.add_mutually_exclusive_group()
     w.add_argument("--sam-checkpoint", metavar="PATH", help="MedSAM2 checkpoint, e.g. MedSAM2_latest.pt")
     w.add_argument("--random-weights", type=int, metavar="SEED", help="seeded random weights (tests, benchmarks)")
