@@ -15,6 +15,11 @@ Everything runs on sam2's stock ``SAM2VideoPredictor`` methods: in particular th
 that are not ``MedSAM2Frames`` to the stock method), so it costs about ``(D + 2) · boxes``
 image-encoder calls.
 
+``reference_propagate_prompts`` extends it to ``medvol.anchor/2``'s correction prompts and
+``z_range`` (boxes and points on any slice, for the key-slice objects or for new ones), the same
+way: per object and direction a fresh state, one ``add_new_points_or_box`` call per (object,
+slice), ``propagate_in_video`` from the object's start slice limited by ``max_frame_num_to_track``.
+
 As a script it is the whole-process counterpart of ``medvol propagate``::
 
     python Testing/benchmarks/reference_medsam2.py --volume CT.nii.gz --slice Z \
