@@ -15,6 +15,11 @@ Everything runs on sam2's stock ``SAM2VideoPredictor`` methods: in particular th
 that are not ``MedSAM2Frames`` to the stock method), so it costs about ``(D + 2) · boxes``
 image-encoder calls.
 
+``reference_propagate_prompts`` extends it to ``medvol.anchor/2``'s correction prompts and
+``z_range`` (boxes and points on any slice, for the key-slice objects or for new ones), the same
+way: per object and direction a fresh state, one ``add_new_points_or_box`` call per (object,
+slice), ``propagate_in_video`` from the object's start slice limited by ``max_frame_num_to_track``.
+
 As a script it is the whole-process counterpart of ``medvol propagate``::
 
     python Testing/benchmarks/reference_medsam2.py --volume CT.nii.gz --slice Z \
@@ -122,6 +127,98 @@ def reference_propagate(propagator_or_model, stack_hu, key_slice, boxes, hu_wind
                     model.add_new_points_or_box(state, frame_idx=key_slice, obj_id=1, box=bbox)
                     for frame_idx, _ids, logits in model.propagate_in_video(
                         state, start_frame_idx=key_slice, reverse=reverse
+                    ):
+                        seg[frame_idx][(logits[0, 0] > 0.0).cpu().numpy()] = 1
+                    model.reset_state(state)
+                del state
+    finally:
+        hook.remove()
+    return seg, calls[0]
+
+
+def _group_prompts(n_boxes, key_slice, boxes, prompts):
+    """Per object, in object order: ``(start_slice, [(slice, box or None, [[x, y, label], ...]), ...])``.
+
+    One entry per (object, slice): the slice's box (the key-slice box for objects 1..N) and all
+    its points in list order. Slices are in the order the object first receives a prompt there
+    (for objects 1..N the key slice first, for a new object the slice of its first prompt).
+    """
+    objects = [(key_slice, OrderedDict([(key_slice, [list(b), []])])) for b in boxes]
+    for i, p in enumerate(prompts):
+        k = int(p["object"])
+        if k == len(objects) + 1:  # a new object: its first prompt is its start slice
+            objects.append((int(p["slice"]), OrderedDict()))
+        elif not 1 <= k <= len(objects):
+            raise ValueError(f"prompt {i}: object {k} (objects are numbered 1..{len(objects)} without gaps)")
+        per_slice = objects[k - 1][1].setdefault(int(p["slice"]), [None, []])
+        if p.get("box") is not None:
+            if per_slice[0] is not None:
+                raise ValueError(f"prompt {i}: a second box for object {k} on slice {p['slice']}")
+            per_slice[0] = list(p["box"])
+        per_slice[1].extend(list(pt) for pt in p.get("points") or [])
+    return [(start, [(z, b, pts) for z, (b, pts) in per_slice.items()]) for start, per_slice in objects]
+
+
+def reference_propagate_prompts(
+    propagator_or_model, stack_hu, key_slice, boxes, prompts=(), z_range=None, hu_window=None
+):
+    """The ``medvol.anchor/2`` semantics (correction prompts, ``z_range``) on sam2's stock methods.
+
+    ``boxes`` are objects 1..N on ``key_slice``; ``prompts`` are pixel-form dicts
+    ``{"slice": z, "object": k, "box": [x0, y0, x1, y1] or None, "points": [[x, y, label], ...]}``
+    (object 1-based: k <= N corrects object k, k = N+1, N+2, ... adds a new object whose start
+    slice is the slice of its first prompt). Per object, separately, and per direction (forward,
+    then backward after ``reset_state``): one ``add_new_points_or_box`` call per slice of that
+    object with the slice's box and all its points, then ``propagate_in_video`` from the start
+    slice, limited to ``z_range`` = [z0, z1] (inclusive) by ``max_frame_num_to_track``. Every mask
+    (logit > 0) is ORed into the result; slices outside ``z_range`` stay 0. No early stop.
+
+    With no prompts and no ``z_range`` this is exactly :func:`reference_propagate`.
+    Returns ``(mask, encoder_calls)``.
+    """
+    import torch
+
+    model = getattr(propagator_or_model, "predictor", propagator_or_model)
+    image_size = int(model.image_size)
+    stack = np.asarray(stack_hu)
+    d, h, w = stack.shape
+    z0, z1 = (0, d - 1) if z_range is None else (int(z_range[0]), int(z_range[1]))
+    if not 0 <= z0 <= z1 < d:
+        raise ValueError(f"z_range {z_range} is not inside 0..{d - 1}")
+    objects = _group_prompts(len(boxes), int(key_slice), boxes, list(prompts or ()))
+    calls = [0]
+
+    def _count(_module, _inputs):
+        calls[0] += 1
+
+    hook = model.image_encoder.register_forward_pre_hook(_count)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if model.device.type == "cuda" else _nullcontext()
+    )
+    seg = np.zeros((d, h, w), dtype=np.uint8)
+    try:
+        with torch.inference_mode(), autocast, _quiet_tqdm():
+            images = medsam2_style_frames(stack, image_size, hu_window)
+            if model.device.type == "cuda":
+                images = images.to(model.device)
+            for start, per_slice in objects:
+                if not z0 <= start <= z1 or any(not z0 <= z <= z1 for z, _, _ in per_slice):
+                    raise ValueError("every prompted slice must lie inside z_range")
+                state = _init_state(model, images, h, w)
+                for reverse in (False, True):
+                    for z, box, pts in per_slice:
+                        kwargs = {}
+                        if box is not None:
+                            kwargs["box"] = np.asarray(box, dtype=np.float32)
+                        if pts:
+                            kwargs["points"] = np.asarray([p[:2] for p in pts], dtype=np.float32)
+                            kwargs["labels"] = np.asarray([p[2] for p in pts], dtype=np.int32)
+                        model.add_new_points_or_box(state, frame_idx=z, obj_id=1, **kwargs)
+                    for frame_idx, _ids, logits in model.propagate_in_video(
+                        state,
+                        start_frame_idx=start,
+                        reverse=reverse,
+                        max_frame_num_to_track=(start - z0) if reverse else (z1 - start),
                     ):
                         seg[frame_idx][(logits[0, 0] > 0.0).cpu().numpy()] = 1
                     model.reset_state(state)

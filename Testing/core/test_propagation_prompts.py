@@ -1,0 +1,277 @@
+"""Correction prompts and ``z_range`` (``medvol.anchor/2``) in the propagator, against a reference.
+
+The reference (``reference_propagate_prompts`` in Testing/benchmarks/reference_medsam2.py) is the
+spec's semantics written directly on sam2's stock ``SAM2VideoPredictor`` methods: per object and
+direction a fresh state, one ``add_new_points_or_box`` call per (object, slice), then
+``propagate_in_video`` from the object's start slice, limited to ``z_range``. The product
+(``MedSAM2Propagator.propagate(..., prompts=..., z_range=...)``) must give the same mask on the
+same seeded random weights (image size 64) on real CT: bit for bit, since the same sam2 ops run.
+
+Random weights make arbitrary (mostly very large) masks, so these tests judge equality with the
+reference, not segmentation quality; ``test_prompts_change_the_result`` makes sure the prompts
+used here do change the masks, so that the comparisons cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import torch  # noqa: F401  (installed by the bootstrap: a missing one must fail, not skip)
+import sam2  # noqa: F401
+
+from medvolcore.propagation import MedSAM2Propagator
+
+REPO = Path(__file__).resolve().parents[2]
+SIZE = 64  # model image size for tests
+LIVER, SPLEEN, STOMACH = 5, 1, 6
+KEY = 8  # key slice of the tall stack
+
+
+def _load(name, rel):
+    spec = importlib.util.spec_from_file_location(name, REPO / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _canonical(path, dtype):
+    """Canonical stack (z S→I, y A→P, x R→L) of an RAS NIfTI, by transposition and flips only."""
+    import nibabel as nib
+
+    img = nib.load(str(path))
+    assert nib.aff2axcodes(img.affine) == ("R", "A", "S")
+    a = np.asarray(img.dataobj, dtype=dtype)
+    return a.transpose(2, 1, 0)[::-1, ::-1, ::-1]
+
+
+def _bbox(m):
+    ys, xs = np.nonzero(m)
+    return [int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())]
+
+
+def _centre(m):
+    ys, xs = np.nonzero(m)
+    i = len(xs) // 2
+    return [int(xs[i]), int(ys[i])]
+
+
+def _dice(a, b):
+    a, b = a.astype(bool), b.astype(bool)
+    s = a.sum() + b.sum()
+    return 1.0 if s == 0 else 2.0 * (a & b).sum() / s
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return _load("reference_medsam2", "Testing/benchmarks/reference_medsam2.py")
+
+
+@pytest.fixture(scope="module")
+def prop():
+    return MedSAM2Propagator.from_random(0, image_size=SIZE)
+
+
+@pytest.fixture(scope="module")
+def case(ct_sm_path, seg_sm_path):
+    """8 upper-abdomen slices of example_ct_sm, every 2nd row/column (8 × 51 × 61), with organ boxes."""
+    ct = _canonical(ct_sm_path, np.float32)[4:12, ::2, ::2]
+    seg = _canonical(seg_sm_path, np.int16)[4:12, ::2, ::2]
+    k = 4
+    boxes = [_bbox(seg[k] == lab) for lab in (LIVER, SPLEEN, STOMACH)]
+    return np.ascontiguousarray(ct), k, boxes
+
+
+@pytest.fixture(scope="module")
+def tall(ct_sm_path, seg_sm_path):
+    """20 slices of the same CT (20 × 51 × 61): liver, spleen and stomach on every slice; key slice 8
+    with the liver (object 1) and spleen (object 2) boxes."""
+    ct = np.ascontiguousarray(_canonical(ct_sm_path, np.float32)[4:24, ::2, ::2])
+    seg = np.ascontiguousarray(_canonical(seg_sm_path, np.int16)[4:24, ::2, ::2])
+    for lab in (LIVER, SPLEEN, STOMACH):
+        assert (seg == lab).any(axis=(1, 2)).all()
+    boxes = [_bbox(seg[KEY] == LIVER), _bbox(seg[KEY] == SPLEEN)]
+    return ct, seg, boxes
+
+
+@pytest.fixture(scope="module")
+def liver_plain(ref, prop, tall):
+    """The reference's mask of object 1 (the liver box) alone, without prompts."""
+    ct, _, boxes = tall
+    mask, _ = ref.reference_propagate(prop, ct, KEY, boxes[:1])
+    return mask
+
+
+def _prompt(z, obj, box=None, points=()):
+    return {"slice": z, "object": obj, "box": box, "points": [list(p) for p in points]}
+
+
+def _same_as_reference(prop, ref, stack, k, boxes, prompts, z_range=None):
+    """Product and reference masks for one request; the product's are checked against the reference,
+    its encoding (each slice at most once, none outside ``z_range``) and its zeros outside ``z_range``."""
+    r = prop.propagate(stack, k, boxes, prompts=prompts, z_range=z_range, return_object_masks=True)
+    mask, _ = ref.reference_propagate_prompts(prop, stack, k, boxes, prompts, z_range=z_range)
+    d = stack.shape[0]
+    assert r.mask.shape == stack.shape and r.mask.dtype == np.uint8
+    n_objects = len(boxes) + len({p["object"] for p in prompts if p["object"] > len(boxes)})
+    assert r.object_masks.shape == (n_objects,) + stack.shape
+    assert np.array_equal(r.mask, r.object_masks.any(axis=0).astype(np.uint8))
+    assert np.array_equal(r.mask, mask), (
+        f"Dice {_dice(r.mask, mask):.6f}; slices that differ: "
+        f"{sorted(set(np.nonzero(r.mask != mask)[0].tolist()))}")
+    assert len(set(r.encoded_slices)) == len(r.encoded_slices)  # every slice encoded at most once
+    z0, z1 = (0, d - 1) if z_range is None else z_range
+    assert all(z0 <= z <= z1 for z in r.encoded_slices)
+    assert not r.mask[:z0].any() and not r.mask[z1 + 1:].any()
+    return r, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference itself
+# ---------------------------------------------------------------------------------------------
+
+
+def test_reference_without_prompts_is_reference_propagate(ref, prop, case):
+    stack, k, boxes = case
+    plain, calls = ref.reference_propagate(prop, stack, k, boxes[:2])
+    again, calls2 = ref.reference_propagate_prompts(prop, stack, k, boxes[:2])
+    assert np.array_equal(again, plain) and calls2 == calls
+    whole, _ = ref.reference_propagate_prompts(prop, stack, k, boxes[:2], prompts=[], z_range=(0, stack.shape[0] - 1))
+    assert np.array_equal(whole, plain)
+
+
+def test_reference_negative_point_changes_the_mask(ref, prop, tall, liver_plain):
+    ct, seg, boxes = tall
+    neg = [_prompt(KEY, 1, points=[_centre(seg[KEY] == STOMACH) + [0]])]
+    mask, _ = ref.reference_propagate_prompts(prop, ct, KEY, boxes[:1], neg)
+    assert mask.any() and not np.array_equal(mask, liver_plain)
+
+
+def test_reference_rejects_gaps_in_object_numbers(ref, prop, tall):
+    ct, seg, boxes = tall
+    with pytest.raises(ValueError, match="object 3"):
+        ref.reference_propagate_prompts(prop, ct, KEY, boxes[:1], [_prompt(KEY, 3, box=boxes[1])])
+
+
+# ---------------------------------------------------------------------------------------------
+# the product against the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def test_prompts_change_the_result(prop, tall, liver_plain):
+    """The product without prompts is the plain reference; a correction box changes its mask."""
+    ct, seg, boxes = tall
+    plain = prop.propagate(ct, KEY, boxes[:1])
+    assert np.array_equal(plain.mask, liver_plain)
+    corrected = prop.propagate(ct, KEY, boxes[:1], prompts=[_prompt(KEY + 5, 1, box=_bbox(seg[KEY + 5] == LIVER))])
+    assert not np.array_equal(corrected.mask, plain.mask)
+
+
+def test_correction_box_on_another_slice(prop, ref, tall, liver_plain):
+    ct, seg, boxes = tall
+    prompts = [_prompt(KEY + 5, 1, box=_bbox(seg[KEY + 5] == LIVER))]
+    r, mask = _same_as_reference(prop, ref, ct, KEY, boxes[:1], prompts)
+    assert not np.array_equal(mask, liver_plain)
+    assert sorted(r.encoded_slices) == list(range(ct.shape[0]))
+
+
+def test_negative_points_on_the_key_slice_and_another(prop, ref, tall, liver_plain):
+    ct, seg, boxes = tall
+    prompts = [_prompt(KEY, 1, points=[_centre(seg[KEY] == STOMACH) + [0]]),
+               _prompt(KEY - 4, 1, points=[_centre(seg[KEY - 4] == SPLEEN) + [0], _centre(seg[KEY - 4] == LIVER) + [1]])]
+    _, mask = _same_as_reference(prop, ref, ct, KEY, boxes[:1], prompts)
+    assert not np.array_equal(mask, liver_plain)
+
+
+@pytest.mark.parametrize("seed", ["box", "positive point"])
+def test_new_object_on_another_slice(prop, ref, tall, liver_plain, seed):
+    """Object 2 is new, seeded on slice KEY + 6 (its start slice), then corrected on KEY + 2."""
+    ct, seg, boxes = tall
+    z = KEY + 6
+    first = (_prompt(z, 2, box=_bbox(seg[z] == SPLEEN)) if seed == "box"
+             else _prompt(z, 2, points=[_centre(seg[z] == SPLEEN) + [1]]))
+    prompts = [first, _prompt(KEY + 2, 2, points=[_centre(seg[KEY + 2] == LIVER) + [0]])]
+    r, _ = _same_as_reference(prop, ref, ct, KEY, boxes[:1], prompts)
+    assert np.array_equal(r.object_masks[0], liver_plain.astype(bool))  # object 1 is untouched
+    assert r.object_masks[1].any()
+
+
+@pytest.mark.parametrize(
+    "z_range, with_prompts",
+    [((3, 15), False), ((3, 15), True), ((KEY, 12), False), ((0, KEY + 3), True)],
+    ids=["range", "range+prompts", "starts-at-key", "from-0+new-object-at-0"],
+)
+def test_z_range(prop, ref, tall, liver_plain, z_range, with_prompts):
+    ct, seg, boxes = tall
+    z0, z1 = z_range
+    prompts = []
+    if with_prompts:
+        prompts = [_prompt(z1, 1, box=_bbox(seg[z1] == LIVER)),
+                   _prompt(z0, 2, box=_bbox(seg[z0] == STOMACH))]  # a new object; from 0: no reverse run
+    r, mask = _same_as_reference(prop, ref, ct, KEY, boxes[:1], prompts, z_range=z_range)
+    assert sorted(r.encoded_slices) == list(range(z0, z1 + 1))
+    assert mask[z0:z1 + 1].any(axis=(1, 2)).all()  # random weights: something on every slice in range
+    if not with_prompts:  # sam2's tracking is causal: inside the range the result is the whole run's
+        assert np.array_equal(mask[z0:z1 + 1], liver_plain[z0:z1 + 1])
+
+
+def test_two_key_boxes_one_corrected(prop, ref, tall, liver_plain):
+    ct, seg, boxes = tall
+    prompts = [_prompt(KEY + 5, 2, box=_bbox(seg[KEY + 5] == SPLEEN)),
+               _prompt(KEY, 2, points=[_centre(seg[KEY] == LIVER) + [0]]),
+               _prompt(KEY - 5, 2, points=[_centre(seg[KEY - 5] == SPLEEN) + [1]])]
+    r, _ = _same_as_reference(prop, ref, ct, KEY, boxes, prompts)
+    assert np.array_equal(r.object_masks[0], liver_plain.astype(bool))  # object 1 is untouched
+    assert sorted(r.encoded_slices) == list(range(ct.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# early stop with prompts
+# ---------------------------------------------------------------------------------------------
+
+
+def _expected_stop(nonempty, start, step, edge, K, prompted):
+    """The last slice one object visits in one direction: K empty slices in a row after the start
+    slice, never counting a prompted slice as empty and never before its last prompted slice."""
+    ahead = [z for z in prompted if (z - start) * step > 0]
+    last_prompt = max(ahead, key=lambda z: z * step) if ahead else start
+    run, z = 0, start
+    while z != edge:
+        z += step
+        run = 0 if (nonempty[z] or z in prompted) else run + 1
+        if run >= K and (z - last_prompt) * step > 0:
+            return z
+    return edge
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_early_stop_reaches_prompted_slices(prop, tall, K):
+    """The target is empty on slices KEY+3..KEY+6, but a correction box on KEY+8 lies past that gap:
+    tracking must go on through the gap to it, then stop K empty slices later."""
+    ct, seg, boxes = tall
+    controlled = _load("controlled_masks", "Testing/benchmarks/controlled_masks.py").controlled_masks
+    d = ct.shape[0]
+    target = np.zeros(ct.shape, bool)
+    target[:, 10:30, 10:30] = True
+    target[:4] = False  # empty before slice 4
+    z = KEY + 8
+    target[KEY + 3:KEY + 7] = False  # the gap
+    target[z + 1:] = False  # empty after the prompted slice
+    prompts = [_prompt(z, 1, box=_bbox(seg[z] == LIVER))]
+    with controlled(prop.predictor, [target]):
+        full = prop.propagate(ct, KEY, boxes[:1], prompts=prompts, return_object_masks=True)
+        early = prop.propagate(ct, KEY, boxes[:1], prompts=prompts, return_object_masks=True, stop_after_empty=K)
+    nonempty = target.any(axis=(1, 2))
+    lo = _expected_stop(nonempty, KEY, -1, 0, K, {KEY, z})
+    hi = _expected_stop(nonempty, KEY, +1, d - 1, K, {KEY, z})
+    assert (lo, hi) == (4 - K, z + K)
+    assert full.mask[z].any() and not full.mask[KEY + 3:KEY + 7].any()  # the gap is there
+    assert early.stops["forward"]["last_slice"] == hi and early.stops["backward"]["last_slice"] == lo
+    assert np.array_equal(early.mask[lo:hi + 1], full.mask[lo:hi + 1])  # visited slices: the full run's
+    assert not early.mask[:lo].any() and not early.mask[hi + 1:].any()
+    assert np.array_equal(early.mask[z], full.mask[z]) and early.mask[z].any()  # the prompted slice was reached
+    assert len(set(early.encoded_slices)) == len(early.encoded_slices)
+    assert set(early.encoded_slices) <= set(range(lo, hi + 1))
