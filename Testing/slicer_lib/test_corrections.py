@@ -296,3 +296,14 @@ def test_the_range_as_the_panel_shows_it(real):
     text = range_text(geo, k + 2, k - 3)
     z0, z1 = sorted((geo.stack_z(k + 2) + 1, geo.stack_z(k - 3) + 1))
     assert text.startswith(f"slices {z0}\u2013{z1} (S ") and text.endswith(" mm)")
+
+
+def test_the_session_sends_v1_and_v2_anchors_and_nothing_else():
+    from MedVolR1SlicerLib.client import WorkerError
+    from MedVolR1SlicerLib.session import Options, propagate_fields
+
+    options = Options(preset="tiny")
+    for schema in ("medvol.anchor/1", SCHEMA_V2):
+        assert propagate_fields("/v.nii", {"schema": schema}, options)["anchor"] == {"schema": schema}
+    with pytest.raises(WorkerError, match="schema medvol.anchor/1 or /2"):
+        propagate_fields("/v.nii", {"schema": "medvol.anchor/3"}, options)
