@@ -64,8 +64,9 @@ class MedVolR1Slicer(ScriptedLoadableModule):
         self.parent.contributors = ["MedVol-R1 for 3D Slicer contributors (MedVol-R1 project)"]
         self.parent.helpText = (
             "Segment a CT from a free-form clinical query. A vision-language model (Qwen3-VL) picks a key axial "
-            "slice and draws boxes on it (the evidence anchor); MedSAM2 propagates them into a 3D mask. Move a box "
-            "and click Re-propagate to correct it. Research use only, not a medical device: no trained MedVol-R1 "
+            "slice and draws boxes on it (the evidence anchor); MedSAM2 propagates them into a 3D mask. Move a box, "
+            "add boxes on other slices, place positive/negative points or limit the slice range, then click "
+            "Re-propagate to correct it. Research use only, not a medical device: no trained MedVol-R1 "
             "adapter is published, so the default model answers zero-shot and will often be wrong. "
             "See docs/slicer.md in the project for set-up, weights and a remote worker.")
         self.parent.acknowledgementText = (
