@@ -1,5 +1,6 @@
 """MedVol-R1 in 3D Slicer: type a clinical query, click Segment, see the evidence, edit the
-boxes, re-propagate.
+boxes, correct the result anywhere (boxes on any slice, positive and negative points, a slice
+range), re-propagate.
 
 A thin shell: the widget wires the panel to a parameter node and calls the logic; the logic
 takes nodes and plain values, talks to the MedVol worker (``medvol serve``, a child process
@@ -25,7 +26,7 @@ from typing import List, Optional, Tuple
 import qt
 import slicer
 import vtk
-from slicer import vtkMRMLMarkupsROINode, vtkMRMLScalarVolumeNode, vtkMRMLSegmentationNode
+from slicer import vtkMRMLMarkupsFiducialNode, vtkMRMLMarkupsROINode, vtkMRMLScalarVolumeNode, vtkMRMLSegmentationNode
 from slicer.parameterNodeWrapper import parameterNodeWrapper
 from slicer.ScriptedLoadableModule import (
     ScriptedLoadableModule,
@@ -37,6 +38,8 @@ from slicer.util import VTKObservationMixin
 
 from MedVolR1SlicerLib import install, params
 from MedVolR1SlicerLib.client import WorkerError, python_for_worker
+from MedVolR1SlicerLib.corrections import (MAX_OBJECTS, CorrectionBox, CorrectionPoint, build_anchor,
+                                           parse_point_label, point_label, prompts_from_anchor, range_text)
 from MedVolR1SlicerLib.guibinding import GuiBinding
 from MedVolR1SlicerLib.geometry import GeometryError, RoiBox, VolumeGeometry, anchor_from_rois, check_untransformed, rois_from_anchor
 from MedVolR1SlicerLib.presets import model_presets, sample_ct
@@ -44,6 +47,12 @@ from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options, Session
 
 SETTINGS_HISTORY = "MedVolR1Slicer/QueryHistory"
 POLL_MS = 100
+# Node attributes of the module's ROIs (saved with the scene): the object a box is for and the
+# slice it lies on (index along the volume's slice axis). A point's object and sign are its
+# control-point label, "+N" or "-N" (saved in the markups file).
+OBJECT_ATTR = "MedVolR1.object"
+SLICE_ATTR = "MedVolR1.slice"
+NEGATIVE_KEY = "N"  # toggles the sign of new points while the module is shown
 
 
 class MedVolR1Slicer(ScriptedLoadableModule):
@@ -55,8 +64,9 @@ class MedVolR1Slicer(ScriptedLoadableModule):
         self.parent.contributors = ["MedVol-R1 for 3D Slicer contributors (MedVol-R1 project)"]
         self.parent.helpText = (
             "Segment a CT from a free-form clinical query. A vision-language model (Qwen3-VL) picks a key axial "
-            "slice and draws boxes on it (the evidence anchor); MedSAM2 propagates them into a 3D mask. Move a box "
-            "and click Re-propagate to correct it. Research use only, not a medical device: no trained MedVol-R1 "
+            "slice and draws boxes on it (the evidence anchor); MedSAM2 propagates them into a 3D mask. Move a box, "
+            "add boxes on other slices, place positive/negative points or limit the slice range, then click "
+            "Re-propagate to correct it. Research use only, not a medical device: no trained MedVol-R1 "
             "adapter is published, so the default model answers zero-shot and will often be wrong. "
             "See docs/slicer.md in the project for set-up, weights and a remote worker.")
         self.parent.acknowledgementText = (
@@ -101,12 +111,18 @@ class MedVolR1SlicerParameterNode:
     outputSegmentation: vtkMRMLSegmentationNode
     segmentId: str = ""
     resultVolume: vtkMRMLScalarVolumeNode  # the volume the last result, its boxes and Undo belong to
-    boxes: list[vtkMRMLMarkupsROINode]
+    boxes: list[vtkMRMLMarkupsROINode]  # the key-slice boxes: the anchor's objects 1..N
     keySlice: int = -1  # stack z of the anchor (shown to the user)
     keySliceIJK: int = -1  # the same slice along the volume's slice axis (for re-propagation)
     reasoning: str = ""
     anchorJson: str = ""
-    boxesEdited: bool = False
+    boxesEdited: bool = False  # boxes, corrections, points or the range changed since the result
+    corrections: list[vtkMRMLMarkupsROINode]  # boxes on other slices or of new objects (prompts)
+    points: vtkMRMLMarkupsFiducialNode  # "MedVol points": control points labelled +N / -N
+    rangeStart: int = -1  # the slice range's ends along the volume's slice axis (-1: not set)
+    rangeEnd: int = -1
+    correctionObject: int = 0  # the object Add box here and new points are for (0: a new object)
+    negativePoints: bool = False  # new points mark the outside of the object
 
 
 # ---- widget ----------------------------------------------------------------------------------
@@ -125,6 +141,10 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._timer = None
         self._history = params.QueryHistory()
         self._observedBoxes = []
+        self._observedPoints = None
+        self._objectChoices = None
+        self._negativeShortcut = None
+        self._tips = {}
         self._queryText = ""
 
     def setup(self):
@@ -148,6 +168,13 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.segmentButton.connect("clicked(bool)", self.onSegmentButton)
         self.ui.repropagateButton.connect("clicked(bool)", self.onRepropagateButton)
         self.ui.addBoxButton.connect("clicked(bool)", self.onAddBoxButton)
+        self.ui.objectComboBox.connect("activated(int)", self.onObjectChosen)
+        self.ui.placePointsButton.connect("clicked(bool)", self.onPlacePointsButton)
+        self.ui.negativePointsButton.connect("toggled(bool)", self.onNegativePoints)
+        self.ui.setRangeStartButton.connect("clicked(bool)", lambda: self.onSetRangeEnd("start"))
+        self.ui.setRangeEndButton.connect("clicked(bool)", lambda: self.onSetRangeEnd("end"))
+        self.ui.clearRangeButton.connect("clicked(bool)", self.onClearRange)
+        self.ui.clearCorrectionsButton.connect("clicked(bool)", self.onClearCorrections)
         self.ui.undoButton.connect("clicked(bool)", self.onUndoButton)
         self.ui.jumpButton.connect("clicked(bool)", self.onJumpButton)
         self.ui.show3DCheckBox.connect("toggled(bool)", self.onShow3D)
@@ -181,6 +208,9 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.StartCloseEvent, self.onSceneStartClose)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.EndCloseEvent, self.onSceneEndClose)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.NodeRemovedEvent, self.onNodeRemoved)
+        interaction = self.logic._interactionNode()
+        if interaction is not None:  # place mode started or ended (here, in the toolbar, by a right-click)
+            self.addObserver(interaction, interaction.InteractionModeChangedEvent, self._onInteractionModeChanged)
         self.initializeParameterNode()
         self._onStateChanged(self.logic.session.state)
 
@@ -189,6 +219,8 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         observer and the GUI connection."""
         self.removeObservers()
         self._observedBoxes = []
+        self._observedPoints = None
+        self._removeNegativeShortcut()
         self._guiBinding.unbind()
         self._guiBinding.forget()
         self._parameterNode = None
@@ -206,8 +238,8 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         import importlib
         import sys
 
-        for name in ("signals", "client", "presets", "session", "geometry", "guibinding", "install", "params",
-                     "batchjobs"):
+        for name in ("signals", "client", "presets", "session", "geometry", "corrections", "guibinding", "install",
+                     "params", "batchjobs"):
             module = sys.modules.get(f"MedVolR1SlicerLib.{name}")
             if module is not None:
                 importlib.reload(module)
@@ -215,12 +247,31 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
 
     def enter(self):
         self.initializeParameterNode()
+        self._installNegativeShortcut()
 
     def exit(self):
         # The GUI connection is kept while the panel is hidden: binding again on every visit
         # leaked one observer per visit on Slicer 5.10 (fixed in 5.12); setParameterNode with
         # the same node adds nothing.
-        pass
+        self._removeNegativeShortcut()
+
+    def _installNegativeShortcut(self):
+        """N toggles the sign of new points while the module is shown, wherever the focus is
+        (a slice view, while placing points), as the Segment Editor installs its keys on the
+        main window; a text box keeps its N (Qt gives typed letters to it first)."""
+        if self._negativeShortcut is not None or getattr(slicer, "app", None) is None:
+            return
+        mainWindow = slicer.util.mainWindow()
+        if mainWindow is None:  # no main window (e.g. --no-main-window)
+            return
+        self._negativeShortcut = qt.QShortcut(qt.QKeySequence(NEGATIVE_KEY), mainWindow)
+        self._negativeShortcut.connect("activated()", self.onToggleNegative)
+
+    def _removeNegativeShortcut(self):
+        if self._negativeShortcut is not None:  # as the Segment Editor deletes its shortcuts on exit
+            self._negativeShortcut.setEnabled(False)
+            self._negativeShortcut.deleteLater()
+            self._negativeShortcut = None
 
     def onSceneStartClose(self, caller, event):
         # the logic cancels the running request and forgets the scene's result (its own observer)
@@ -293,8 +344,32 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             radio.setChecked(True)
         self.ui.keySliceLabel.text = self.logic.keySliceText(p)
         self.ui.reasoningEdit.setPlainText(p.reasoning)
-        self._observeBoxes(p.boxes)
+        self.ui.rangeLabel.text = self.logic.rangeText(p)
+        if self.ui.negativePointsButton.checked != bool(p.negativePoints):
+            blocked = self.ui.negativePointsButton.blockSignals(True)
+            self.ui.negativePointsButton.checked = bool(p.negativePoints)
+            self.ui.negativePointsButton.blockSignals(blocked)
+        self._observeBoxes(list(p.boxes) + list(p.corrections))
+        self._observePoints(p.points)
+        self._updateObjectChoices()
         self._updateButtons()
+
+    def _updateObjectChoices(self):
+        """The Object selector: the objects in use, the one being started, and "New object";
+        rebuilt only when the list changed."""
+        p = self._parameterNode
+        choices = self.logic.objectChoices(p) if p is not None and p.anchorJson else [("New object", 0)]
+        combo = self.ui.objectComboBox
+        blocked = combo.blockSignals(True)
+        if choices != self._objectChoices:
+            combo.clear()
+            for text, number in choices:
+                combo.addItem(text, number)
+            self._objectChoices = choices
+        current = p.correctionObject if p is not None else 0
+        numbers = [n for _, n in choices]
+        combo.setCurrentIndex(numbers.index(current) if current in numbers else len(numbers) - 1)
+        combo.blockSignals(blocked)
 
     def _updateButtons(self):
         p = self._parameterNode
@@ -310,11 +385,24 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             w.enabled = idle
         editable = bool(p) and not self.logic.resultProblem(p)
         has_result = bool(p and p.anchorJson and p.resultVolume is not None)
-        self.ui.addBoxButton.enabled = idle and editable
+        # the corrections belong to the result's volume, as the boxes do
+        for w in (self.ui.addBoxButton, self.ui.objectComboBox, self.ui.placePointsButton,
+                  self.ui.negativePointsButton, self.ui.setRangeStartButton, self.ui.setRangeEndButton):
+            w.enabled = idle and editable
+        self.ui.clearRangeButton.enabled = idle and editable and (p.rangeStart >= 0 or p.rangeEnd >= 0)
+        self.ui.clearCorrectionsButton.enabled = idle and editable and self.logic.hasCorrections(p)
+        placing = bool(p) and self.logic.placingPoints(p)
+        if self.ui.placePointsButton.checked != placing:
+            self.ui.placePointsButton.checked = placing
         self.ui.repropagateButton.enabled = (idle and editable and bool(p.boxesEdited)
                                              and any(b is not None for b in p.boxes))
-        self.ui.repropagateButton.toolTip = (self.logic.resultProblem(p) if p and p.anchorJson and not editable
-                                             else "Propagate the edited boxes again and replace the segment.")
+        tip = self.logic.resultProblem(p) if p and p.anchorJson and not editable else ""
+        self.ui.repropagateButton.toolTip = tip or ("Propagate the edited boxes and the corrections (boxes on other "
+                                                    "slices, points, slice range) again and replace the segment.")
+        for name in ("addBoxButton", "placePointsButton", "setRangeStartButton", "setRangeEndButton"):
+            w = getattr(self.ui, name)
+            usual = self._tips.setdefault(name, w.toolTip)  # the .ui's tooltip, read once
+            w.toolTip = tip or usual
         self.ui.undoButton.enabled = idle and self.logic.canUndo
         self.ui.jumpButton.enabled = has_result
         has_segment = bool(p and p.outputSegmentation is not None and p.segmentId)
@@ -364,23 +452,57 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             self._parameterNode.boxesEdited = True
         self._updateButtons()
 
+    def _observePoints(self, node):
+        """A point placed, moved or deleted in "MedVol points" enables Re-propagate."""
+        if node is self._observedPoints:
+            return
+        events = (vtkMRMLMarkupsFiducialNode.PointAddedEvent, vtkMRMLMarkupsFiducialNode.PointRemovedEvent,
+                  vtkMRMLMarkupsFiducialNode.PointModifiedEvent)
+        if self._observedPoints is not None:
+            for event in events:
+                self.removeObserver(self._observedPoints, event, self._onPointsEdited)
+        self._observedPoints = node
+        if node is not None:
+            for event in events:
+                self.addObserver(node, event, self._onPointsEdited)
+
+    def _onPointsEdited(self, caller=None, event=None):
+        self._onBoxEdited()
+        self._updateObjectChoices()  # a point of a new object makes it an object in use
+
+    def _onInteractionModeChanged(self, caller=None, event=None):
+        self._updateButtons()
+
     @vtk.calldata_type(vtk.VTK_OBJECT)
     def onNodeRemoved(self, caller, event, node):
-        """A box deleted by the user: drop it from the list (during this event Slicer's
-        parameter node wrapper may still list it, and afterwards lists ``None`` in its place)."""
+        """A box, correction box or the points node deleted by the user: drop it from its field
+        (during this event Slicer's parameter node wrapper may still list it, and afterwards lists
+        ``None`` in its place)."""
         p = self._parameterNode
-        if p is None or not isinstance(node, vtkMRMLMarkupsROINode):
+        if p is None:
             return
-        boxes = p.boxes
-        kept = [b for b in boxes if b is not None and b is not node]
-        if len(kept) != len(boxes):
-            if node in self._observedBoxes:
-                self._observedBoxes.remove(node)
-                for ev in (vtkMRMLMarkupsROINode.PointModifiedEvent, vtk.vtkCommand.ModifiedEvent):
-                    self.removeObserver(node, ev, self._onBoxEdited)
-            p.boxes = kept
-            p.boxesEdited = True
-            self._updateButtons()
+        if isinstance(node, vtkMRMLMarkupsFiducialNode):
+            if node is self._observedPoints:
+                self._observePoints(None)
+            if p.points is node:
+                p.points = None
+                p.boxesEdited = True
+            self._updateGuiFromParameterNode()
+            return
+        if not isinstance(node, vtkMRMLMarkupsROINode):
+            return
+        for name in ("boxes", "corrections"):
+            nodes = getattr(p, name)
+            kept = [b for b in nodes if b is not None and b is not node]
+            if len(kept) != len(nodes):
+                if node in self._observedBoxes:
+                    self._observedBoxes.remove(node)
+                    for ev in (vtkMRMLMarkupsROINode.PointModifiedEvent, vtk.vtkCommand.ModifiedEvent):
+                        self.removeObserver(node, ev, self._onBoxEdited)
+                setattr(p, name, kept)
+                p.boxesEdited = True
+                self._updateObjectChoices()
+                self._updateButtons()
 
     # -- running --
     def _options(self) -> Optional[Options]:
@@ -475,10 +597,58 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._timer.start()
 
     def onAddBoxButton(self):
+        """Add box here: a box on the slice the Red view shows, for the chosen object."""
         try:
-            self.logic.addBox(self._parameterNode)
+            self.logic.addBoxHere(self._parameterNode)
         except GeometryError as e:
-            slicer.util.errorDisplay(str(e))
+            slicer.util.errorDisplay(str(e), windowTitle="MedVol-R1")
+        self._updateGuiFromParameterNode()
+
+    def onObjectChosen(self, index):
+        if self._parameterNode is None or self._objectChoices is None or not 0 <= index < len(self._objectChoices):
+            return
+        try:
+            self.logic.chooseObject(self._parameterNode, self._objectChoices[index][1])
+        except GeometryError as e:
+            slicer.util.errorDisplay(str(e), windowTitle="MedVol-R1")
+        self._updateGuiFromParameterNode()
+
+    def onPlacePointsButton(self, on=True):
+        """Place points (toggles place mode; a right-click or the toolbar ends it too)."""
+        p = self._parameterNode
+        if self.logic.placingPoints(p):
+            self.logic.stopPlacingPoints()
+        else:
+            try:
+                self.logic.startPlacingPoints(p)
+            except GeometryError as e:
+                slicer.util.errorDisplay(str(e), windowTitle="MedVol-R1")
+        self._updateGuiFromParameterNode()
+
+    def onNegativePoints(self, negative):
+        if self._parameterNode is not None:
+            self.logic.setNegativePoints(self._parameterNode, negative)
+
+    def onToggleNegative(self):
+        """The N key: new points switch between inside (+) and outside (-)."""
+        p = self._parameterNode
+        if p is not None and self.ui.negativePointsButton.enabled:
+            self.logic.setNegativePoints(p, not p.negativePoints)
+            self.ui.statusLabel.text = "New points: " + ("outside (-)" if p.negativePoints else "inside (+)")
+
+    def onSetRangeEnd(self, which):
+        try:
+            self.logic.setRangeEnd(self._parameterNode, which)
+        except (GeometryError, ValueError) as e:
+            slicer.util.errorDisplay(str(e), windowTitle="MedVol-R1")
+        self._updateGuiFromParameterNode()
+
+    def onClearRange(self):
+        self.logic.clearRange(self._parameterNode)
+        self._updateGuiFromParameterNode()
+
+    def onClearCorrections(self):
+        self.logic.clearCorrections(self._parameterNode)
         self._updateGuiFromParameterNode()
 
     def onUndoButton(self):
@@ -908,8 +1078,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return job
 
     def startRepropagate(self, p, options: Options, onFinished=None) -> Tuple[object, List[str]]:
-        """Re-run MedSAM2 on the edited boxes. Returns ``(job, notes)``: notes say which boxes
-        had to be put back on the key slice or cut to the image."""
+        """Re-run MedSAM2 on the edited boxes and the corrections (:meth:`anchorFromBoxes`:
+        ``medvol.anchor/2`` only when there are prompts or a slice range). Returns ``(job,
+        notes)``: notes say which boxes had to be put back on their slice or cut to the image."""
         anchor, notes = self.anchorFromBoxes(p)
         volume = p.resultVolume
         target = self._target(p, volume, p.segmentId)
@@ -954,7 +1125,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     def applyResult(self, p, volumeNode, result: dict, replaceSegment: bool = False,
                     target: Optional[_Target] = None) -> List[str]:
         """Put the mask in a segment named after the query, the boxes on the key slice, the
-        reasoning in the parameter node, and show the key slice. Returns notes for the user.
+        corrections that ran (the anchor's prompts and slice range, if any; the old correction
+        nodes are removed), the reasoning in the parameter node, and show the key slice. Returns
+        notes for the user.
 
         ``target`` (from the request's start) names the segmentation and the segment to replace;
         without one they are read from ``p`` now (``replaceSegment``: replace ``p.segmentId``).
@@ -967,7 +1140,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         notes = list(result.get("notes") or [])
         if result.get("smoke"):
             notes.insert(0, "made with the random-weight 'tiny' preset: a smoke test, not a segmentation")
-        rois, k = rois_from_anchor(self.geometry(volumeNode), anchor)
+        geo = self.geometry(volumeNode)
+        rois, k = rois_from_anchor(geo, anchor)
+        prompts, zRange = prompts_from_anchor(geo, anchor)  # the corrections that ran (medvol.anchor/2)
         mask = self.readMask(result["mask_path"], volumeNode)
 
         segNode = target.segmentation
@@ -997,6 +1172,7 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         p.keySlice = int(anchor["slice"])
         p.anchorJson = json.dumps(anchor)
         self._placeRois(p, rois, k, volumeNode)
+        self._placeCorrections(p, geo, prompts, zRange, volumeNode)
         p.boxesEdited = False
         self.showKeySlice(volumeNode, anchor)
         return notes
@@ -1118,10 +1294,15 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return True
 
     def placeBoxes(self, p, volumeNode, anchor: dict):
-        """One ``vtkMRMLMarkupsROINode`` per anchor box, flat on the key slice, from ``world``."""
-        rois, k = rois_from_anchor(self.geometry(volumeNode), anchor)
+        """One ``vtkMRMLMarkupsROINode`` per anchor box, flat on the key slice, from ``world``;
+        and the anchor's corrections (``medvol.anchor/2``: prompts, slice range), if any."""
+        geo = self.geometry(volumeNode)
+        rois, k = rois_from_anchor(geo, anchor)
+        prompts, zRange = prompts_from_anchor(geo, anchor)
         p.resultVolume = volumeNode
-        return self._placeRois(p, rois, k, volumeNode)
+        nodes = self._placeRois(p, rois, k, volumeNode)
+        self._placeCorrections(p, geo, prompts, zRange, volumeNode)
+        return nodes
 
     def _placeRois(self, p, rois: List[RoiBox], k: int, volumeNode=None):
         for old in p.boxes:
@@ -1131,6 +1312,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         for i, roi in enumerate(rois):
             node = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLMarkupsROINode", f"MedVol box {i + 1}")
             self._setRoi(node, roi)
+            node.SetAttribute(OBJECT_ATTR, str(i + 1))
+            node.SetAttribute(SLICE_ATTR, str(k))
             if volumeNode is not None:
                 self.placeInStudy(node, volumeNode)
             nodes.append(node)
@@ -1139,13 +1322,14 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return nodes
 
     @staticmethod
-    def _setRoi(node, roi: RoiBox):
+    def _setRoi(node, roi: RoiBox, correction: bool = False):
         node.SetAndObserveObjectToNodeMatrix(slicer.util.vtkMatrixFromArray(roi.object_to_node()))
         node.SetCenter(*[float(v) for v in roi.center])
         node.SetSize(*[float(v) for v in roi.size])
         display = node.GetDisplayNode()
         if display is not None:
-            display.SetSelectedColor(1.0, 0.8, 0.0)
+            # key-slice boxes yellow, correction boxes cyan
+            display.SetSelectedColor(*((0.2, 0.8, 1.0) if correction else (1.0, 0.8, 0.0)))
             display.SetFillOpacity(0.1)
 
     @staticmethod
@@ -1157,39 +1341,374 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return RoiBox(center, box.size, box.axes)
 
     def anchorFromBoxes(self, p):
-        """The anchor rebuilt from the ROI nodes (``source: "user"``, world coordinates) and the
-        notes on what was clamped."""
+        """The anchor rebuilt from the ROI nodes, the correction boxes, the points and the slice
+        range (``source: "user"``, world coordinates), and the notes on what was clamped.
+
+        Without corrections and range it is exactly the ``medvol.anchor/1`` anchor of the boxes;
+        with them, ``medvol.anchor/2`` with ``prompts`` and ``world.z_range_ras``
+        (:func:`MedVolR1SlicerLib.corrections.build_anchor`). Everything the worker would refuse
+        (too many objects or prompts, two boxes of an object on one slice, a correction outside
+        the range, ...) raises ValueError with a message before anything is sent. Clamped boxes
+        and snapped points are put back where they will be used, so what the user sees is what runs."""
         problem = self.resultProblem(p)
         if problem:
             raise ValueError(problem)
         geo = self.geometry(p.resultVolume)
-        rois = [self._getRoi(n) for n in p.boxes if self._inScene(n)]
-        if not rois:
-            raise ValueError("there is no box left; add one on the key slice (Add box) or click Segment")
-        anchor, notes = anchor_from_rois(geo, rois, p.keySliceIJK, query=p.query, reasoning=p.reasoning)
-        # put clamped boxes back where they will be used, so what the user sees is what runs
-        for node, corners in zip([n for n in p.boxes if self._inScene(n)], anchor["world"]["boxes_ras"]):
+        keyNodes = self._live(p.boxes)
+        if not keyNodes:
+            raise ValueError("there is no box left; add one on the key slice (Add box here) or click Segment")
+        corrNodes = self._live(p.corrections)
+        pointIndices, points = self._pointEntries(p)
+        built = build_anchor(
+            geo, [self._getRoi(n) for n in keyNodes], [self.nodeObject(n, i + 1) for i, n in enumerate(keyNodes)],
+            p.keySliceIJK,
+            [CorrectionBox(self.nodeObject(n), self.nodeSlice(n), self._getRoi(n)) for n in corrNodes],
+            points, self.sliceRange(p), query=p.query, reasoning=p.reasoning)
+        for node, corners in zip(keyNodes, built.anchor["world"]["boxes_ras"]):
             roi, _ = geo.roi_from_world_box(corners)
             self._setRoi(node, roi)
-        return anchor, notes
+        for node, corners in zip(corrNodes, built.boxes_ras):
+            roi, _ = geo.roi_from_world_box(corners)
+            self._setRoi(node, roi, correction=True)
+        pointsNode = self._live([p.points])
+        for i, centre in zip(pointIndices, built.points_ras):
+            pointsNode[0].SetNthControlPointPositionWorld(i, *centre)
+        return built.anchor, built.notes
 
     def addBox(self, p):
-        """A new box in the middle of the key slice, a quarter of the image wide."""
+        """A new box (a new object) in the middle of the key slice, a quarter of the image wide."""
+        problem = self.resultProblem(p)
+        if problem:
+            raise GeometryError(problem)
+        return self.addBoxHere(p, objectNumber=self.nextObjectNumber(p), sliceIndex=p.keySliceIJK)
+
+    # -- corrections: boxes on any slice, points, the slice range (medvol.anchor/2) --
+    def _live(self, nodes) -> list:
+        return [n for n in nodes if self._inScene(n)]
+
+    @staticmethod
+    def _intAttribute(node, name: str, default: int) -> int:
+        try:
+            return int(node.GetAttribute(name))
+        except (TypeError, ValueError):
+            return default
+
+    @classmethod
+    def nodeObject(cls, node, default: int = 0) -> int:
+        """The object number a box is for (its ``MedVolR1.object`` attribute)."""
+        return cls._intAttribute(node, OBJECT_ATTR, default)
+
+    @classmethod
+    def nodeSlice(cls, node, default: int = -1) -> int:
+        """The slice a correction box was made on, along the volume's slice axis (``MedVolR1.slice``)."""
+        return cls._intAttribute(node, SLICE_ATTR, default)
+
+    def _pointEntries(self, p):
+        """``(indices, points)``: the placed control points of "MedVol points" (those whose
+        position is defined) as :class:`CorrectionPoint`, in RAS. A label that is not +N/-N
+        raises GeometryError."""
+        node = p.points if self._inScene(p.points) else None
+        indices, points = [], []
+        if node is None:
+            return indices, points
+        for i in range(node.GetNumberOfControlPoints()):
+            if node.GetNthControlPointPositionStatus(i) != node.PositionDefined:
+                continue  # the point being placed (preview), or one whose position was cleared
+            obj, positive = parse_point_label(node.GetNthControlPointLabel(i))
+            ras = [0.0, 0.0, 0.0]
+            node.GetNthControlPointPositionWorld(i, ras)
+            indices.append(i)
+            points.append(CorrectionPoint(obj, positive, ras))
+        return indices, points
+
+    def objectNumbers(self, p) -> List[int]:
+        """The object numbers in use: the key-slice boxes', the correction boxes' and the points'."""
+        keyNodes = self._live(p.boxes)
+        numbers = {self.nodeObject(n, i + 1) for i, n in enumerate(keyNodes)}
+        numbers |= {self.nodeObject(n) for n in self._live(p.corrections)}
+        try:
+            numbers |= {pt.object for pt in self._pointEntries(p)[1]}
+        except GeometryError:  # a renamed point: Re-propagate says so
+            pass
+        return sorted(n for n in numbers if n > 0)
+
+    def nextObjectNumber(self, p) -> int:
+        return max(self.objectNumbers(p), default=0) + 1
+
+    def objectChoices(self, p) -> List[Tuple[str, int]]:
+        """What the Object selector offers: ``(text, number)`` for each object, the one being
+        started (chosen, nothing placed yet) marked "(new)", and "New object" (0)."""
+        numbers = self.objectNumbers(p)
+        choices = [(str(n), n) for n in numbers]
+        if p.correctionObject > 0 and p.correctionObject not in numbers:
+            choices.append((f"{p.correctionObject} (new)", p.correctionObject))
+        return choices + [("New object", 0)]
+
+    def chooseObject(self, p, number: int) -> int:
+        """Choose the object Add box here and new points are for; 0 starts a new object (numbered
+        now, so that every box and point added next belongs to that same object)."""
+        number = int(number)
+        if number <= 0:
+            number = self.nextObjectNumber(p)
+            if len(self.objectNumbers(p)) >= MAX_OBJECTS:
+                raise GeometryError(f"there are {MAX_OBJECTS} objects already, the most that can be propagated at "
+                                    "once; delete the boxes and points of one first")
+        p.correctionObject = number
+        self.updatePointLabelFormat(p)
+        return number
+
+    def _objectFor(self, p, objectNumber: Optional[int]) -> int:
+        number = p.correctionObject if objectNumber is None else int(objectNumber)
+        if number <= 0 or (number not in self.objectNumbers(p) and len(self.objectNumbers(p)) >= MAX_OBJECTS):
+            number = self.chooseObject(p, 0)
+        return number
+
+    @staticmethod
+    def redSliceNode():
+        """The Red (axial) slice view's node, or None."""
+        for node in slicer.util.getNodesByClass("vtkMRMLSliceNode"):
+            if node.GetLayoutName() == "Red":
+                return node
+        return None
+
+    def redSliceCentre(self) -> List[float]:
+        """RAS of the centre of what the Red slice view shows."""
+        import numpy as np
+
+        node = self.redSliceNode()
+        if node is None:
+            raise GeometryError("there is no Red (axial) slice view to take the slice from")
+        dims = node.GetDimensions()
+        xy = np.array([dims[0] / 2.0, dims[1] / 2.0, 0.0, 1.0])
+        return [float(v) for v in (slicer.util.arrayFromVTKMatrix(node.GetXYToRAS()) @ xy)[:3]]
+
+    def _sliceHere(self, p, geo: VolumeGeometry, ras=None) -> Tuple[int, List[float]]:
+        """The slice (index along the slice axis) through ``ras``, or through the centre of the Red
+        slice view when not given, and that point."""
+        ras = self.redSliceCentre() if ras is None else [float(v) for v in ras]
+        k = geo.slice_of(ras)
+        if not 0 <= k < geo.depth:
+            raise GeometryError(f"the Red slice view shows no slice of {p.resultVolume.GetName()}; scroll it onto the "
+                                "volume first")
+        return k, ras
+
+    def addBoxHere(self, p, objectNumber: Optional[int] = None, ras=None, sliceIndex: Optional[int] = None):
+        """A new box flat on the slice the Red view shows (or through ``ras``, or slice
+        ``sliceIndex``), a quarter of the image wide, centred where the view is (kept on the
+        image), for object ``objectNumber`` (default: the chosen one, ``p.correctionObject``; a
+        new one when none is chosen).
+
+        On the key slice it is a key-slice box (the anchor's ``boxes``), allowed only for an
+        object that has none there; on any other slice it is a correction box (a prompt), at most
+        one per object and slice. Raises GeometryError with a message."""
         problem = self.resultProblem(p)
         if problem:
             raise GeometryError(problem)
         geo = self.geometry(p.resultVolume)
-        lo = [0, 0, 0]
-        hi = [0, 0, 0]
-        for a in range(3):
-            n = geo.shape[a]
-            lo[a], hi[a] = (p.keySliceIJK, p.keySliceIJK) if a == geo.slice_axis else (3 * n // 8, 5 * n // 8)
-        node = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLMarkupsROINode", f"MedVol box {len(p.boxes) + 1}")
-        self._setRoi(node, geo.roi_from_voxels(lo, hi))
+        if sliceIndex is None:
+            k, centre = self._sliceHere(p, geo, ras)
+        else:
+            k, centre = int(sliceIndex), ras
+        obj = self._objectFor(p, objectNumber)
+        keyNodes, corrNodes = self._live(p.boxes), self._live(p.corrections)
+        lo, hi = geo.box_around(k, centre)
+        if k == p.keySliceIJK:
+            if obj in [self.nodeObject(n, i + 1) for i, n in enumerate(keyNodes)]:
+                raise GeometryError(f"object {obj} already has its box on the key slice; move or resize that box, "
+                                    "or place points")
+            node = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLMarkupsROINode", f"MedVol box {obj}")
+            self._setRoi(node, geo.roi_from_voxels(lo, hi))
+        else:
+            if any(self.nodeObject(n) == obj and self.nodeSlice(n) == k for n in corrNodes):
+                raise GeometryError(f"object {obj} already has a box on {geo.slice_text(k)}; move or resize it")
+            node = slicer.mrmlScene.AddNewNodeByClass(
+                "vtkMRMLMarkupsROINode", f"MedVol box {obj}, slice {geo.stack_z(k) + 1}")
+            self._setRoi(node, geo.roi_from_voxels(lo, hi), correction=True)
+        node.SetAttribute(OBJECT_ATTR, str(obj))
+        node.SetAttribute(SLICE_ATTR, str(k))
         self.placeInStudy(node, p.resultVolume)
-        p.boxes = [b for b in p.boxes if self._inScene(b)] + [node]
+        if k == p.keySliceIJK:
+            p.boxes = keyNodes + [node]
+        else:
+            p.corrections = corrNodes + [node]
+        p.correctionObject = obj
         p.boxesEdited = True
+        self.updatePointLabelFormat(p)
         return node
+
+    def pointsNode(self, p, create: bool = True):
+        """The "MedVol points" markups node of the result (made on first use, filed under the
+        volume's study), or None."""
+        node = p.points if self._inScene(p.points) else None
+        if node is None and create:
+            problem = self.resultProblem(p)
+            if problem:
+                raise GeometryError(problem)
+            node = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLMarkupsFiducialNode", "MedVol points")
+            if node.GetDisplayNode() is None:
+                node.CreateDefaultDisplayNodes()
+            display = node.GetDisplayNode()
+            if display is not None:
+                display.SetSelectedColor(0.2, 1.0, 0.4)
+            self.placeInStudy(node, p.resultVolume)
+            p.points = node
+            self.updatePointLabelFormat(p)
+        return node
+
+    def updatePointLabelFormat(self, p) -> str:
+        """Points placed from now on are labelled for the chosen object and sign (``+1``,
+        ``-2``…): the points node's control-point label format (saved with it)."""
+        obj = p.correctionObject if p.correctionObject > 0 else self.nextObjectNumber(p)
+        label = point_label(obj, not p.negativePoints)
+        node = p.points if self._inScene(p.points) else None
+        if node is not None and node.GetControlPointLabelFormat() != label:
+            node.SetControlPointLabelFormat(label)
+        return label
+
+    def setNegativePoints(self, p, negative: bool) -> None:
+        """New points mark the outside (negative) or the inside (positive) of the object."""
+        if bool(p.negativePoints) != bool(negative):
+            p.negativePoints = bool(negative)
+        self.updatePointLabelFormat(p)
+
+    def addPoint(self, p, ras, positive: Optional[bool] = None, objectNumber: Optional[int] = None) -> int:
+        """Add a point at ``ras`` (the console's and the tests' way; in the views, Place points):
+        inside (``positive``, default: the panel's sign) or outside object ``objectNumber``
+        (default: the chosen one). Returns its control-point index."""
+        node = self.pointsNode(p)
+        obj = self._objectFor(p, objectNumber)
+        sign = (not p.negativePoints) if positive is None else bool(positive)
+        index = node.AddControlPoint(float(ras[0]), float(ras[1]), float(ras[2]), point_label(obj, sign))
+        p.correctionObject = obj
+        p.boxesEdited = True
+        self.updatePointLabelFormat(p)
+        return index
+
+    @staticmethod
+    def _interactionNode():
+        return slicer.mrmlScene.GetSingletonNode("Singleton", "vtkMRMLInteractionNode")
+
+    def startPlacingPoints(self, p) -> bool:
+        """Click to place points in the slice views (place mode stays on until stopped), labelled
+        for the chosen object and sign; a new object is numbered now."""
+        node = self.pointsNode(p)
+        if p.correctionObject <= 0:
+            self.chooseObject(p, 0)
+        self.updatePointLabelFormat(p)
+        logic = slicer.modules.markups.logic()
+        logic.SetActiveList(node)
+        return bool(logic.StartPlaceMode(True))
+
+    def stopPlacingPoints(self) -> None:
+        interaction = self._interactionNode()
+        if interaction is not None and interaction.GetCurrentInteractionMode() == interaction.Place:
+            interaction.SwitchToViewTransformMode()
+
+    def placingPoints(self, p) -> bool:
+        """Whether the views are placing points into "MedVol points"."""
+        interaction = self._interactionNode()
+        selection = slicer.mrmlScene.GetSingletonNode("Singleton", "vtkMRMLSelectionNode")
+        node = p.points if self._inScene(p.points) else None
+        return bool(interaction is not None and selection is not None and node is not None
+                    and interaction.GetCurrentInteractionMode() == interaction.Place
+                    and selection.GetActivePlaceNodeID() == node.GetID())
+
+    def setRangeEnd(self, p, which: str, ras=None) -> int:
+        """Set the ``"start"`` or ``"end"`` slice of the range to the slice the Red view shows (or
+        the slice through ``ras``); the order does not matter. Returns the slice index."""
+        if which not in ("start", "end"):
+            raise ValueError(f"which must be 'start' or 'end', got {which!r}")
+        problem = self.resultProblem(p)
+        if problem:
+            raise GeometryError(problem)
+        k, _ = self._sliceHere(p, self.geometry(p.resultVolume), ras)
+        if which == "start":
+            p.rangeStart = k
+        else:
+            p.rangeEnd = k
+        p.boxesEdited = True
+        return k
+
+    def clearRange(self, p) -> None:
+        if p.rangeStart >= 0 or p.rangeEnd >= 0:
+            p.rangeStart = p.rangeEnd = -1
+            p.boxesEdited = True
+
+    def sliceRange(self, p) -> Optional[Tuple[int, int]]:
+        """``(k0, k1)`` (sorted, along the slice axis), None when no range is set; one end only
+        raises ValueError."""
+        if p.rangeStart < 0 and p.rangeEnd < 0:
+            return None
+        if p.rangeStart < 0 or p.rangeEnd < 0:
+            missing = "start" if p.rangeStart < 0 else "end"
+            raise ValueError(f"the slice range has no {missing} slice: set it (Set {missing}) or clear the range")
+        return tuple(sorted((p.rangeStart, p.rangeEnd)))
+
+    def rangeText(self, p) -> str:
+        """The slice range as the panel shows it: "slices 40–90 (S -20.0 to 105.0 mm)", "–"."""
+        if (p.rangeStart < 0 and p.rangeEnd < 0) or p.resultVolume is None:
+            return "whole volume"
+        try:
+            geo = self.geometry(p.resultVolume)
+        except GeometryError:
+            return "–"
+        if p.rangeStart < 0 or p.rangeEnd < 0:
+            k = max(p.rangeStart, p.rangeEnd)
+            return f"{'end' if p.rangeStart < 0 else 'start'}: {geo.slice_text(k)}; set the other end"
+        return range_text(geo, p.rangeStart, p.rangeEnd)
+
+    def hasCorrections(self, p) -> bool:
+        return bool(self._live(p.corrections) or self._pointEntriesCount(p) or p.rangeStart >= 0 or p.rangeEnd >= 0)
+
+    def _pointEntriesCount(self, p) -> int:
+        node = p.points if self._inScene(p.points) else None
+        return node.GetNumberOfControlPoints() if node is not None else 0
+
+    def clearCorrections(self, p) -> bool:
+        """Remove the correction boxes, the points and the slice range. Returns whether there was
+        anything to remove."""
+        had = self.hasCorrections(p) or self._inScene(p.points)
+        self._removeCorrections(p)
+        if had:
+            p.boxesEdited = True
+        return had
+
+    def _removeCorrections(self, p) -> None:
+        if self.placingPoints(p):
+            self.stopPlacingPoints()
+        for old in list(p.corrections) + [p.points]:
+            if old is not None and old.GetScene() is not None:
+                slicer.mrmlScene.RemoveNode(old)
+        p.corrections = []
+        p.points = None
+        p.rangeStart = p.rangeEnd = -1
+
+    def _placeCorrections(self, p, geo: VolumeGeometry, prompts, zRange, volumeNode) -> None:
+        """Replace the correction nodes by the prompts the worker ran (its anchor's ``prompts``,
+        read by ``prompts_from_anchor``) and the range by its ``z_range``."""
+        self._removeCorrections(p)
+        nodes = []
+        pointsNode = None
+        for prompt in prompts:
+            if prompt.box_ras is not None:
+                roi, k = geo.roi_from_world_box(prompt.box_ras)
+                name = (f"MedVol box {prompt.object}" if k == p.keySliceIJK
+                        else f"MedVol box {prompt.object}, slice {geo.stack_z(k) + 1}")
+                node = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLMarkupsROINode", name)
+                self._setRoi(node, roi, correction=True)
+                node.SetAttribute(OBJECT_ATTR, str(prompt.object))
+                node.SetAttribute(SLICE_ATTR, str(k))
+                self.placeInStudy(node, volumeNode)
+                nodes.append(node)
+            for ras, positive in prompt.points:
+                if pointsNode is None:
+                    pointsNode = self.pointsNode(p)
+                pointsNode.AddControlPoint(ras[0], ras[1], ras[2], point_label(prompt.object, positive))
+        p.corrections = nodes
+        if zRange is not None:
+            p.rangeStart, p.rangeEnd = zRange
+        p.correctionObject = 1 if self._live(p.boxes) else 0
+        self.updatePointLabelFormat(p)
 
     @staticmethod
     def showKeySlice(volumeNode, anchor: dict):
@@ -1276,6 +1795,13 @@ class SelfTestWorker:
             k = geo.slice_of(rois[0].center)
         anchor, _ = anchor_from_rois(geo, rois, k, query=job.request.get("query", ""), reasoning="self-test")
         anchor.update(slice=k, source="grounder" if job.op == "segment" else "user")
+        sent = job.request.get("anchor") or {}
+        if sent.get("schema") == "medvol.anchor/2":  # the corrections that ran come back (world form)
+            anchor["schema"] = sent["schema"]
+            if sent.get("prompts"):
+                anchor["prompts"] = sent["prompts"]
+            if "z_range_ras" in sent["world"]:
+                anchor["world"]["z_range_ras"] = sent["world"]["z_range_ras"]
         for roi in rois:  # the box on every slice: a cuboid through the volume
             c = geo.to_ijk(roi.corners())
             lo, hi = np.ceil(c.min(axis=0)).astype(int), np.floor(c.max(axis=0)).astype(int)  # voxel edges → centres
@@ -1311,8 +1837,9 @@ class MedVolR1SlicerTest(ScriptedLoadableModuleTest):
     """The module's self-test, as Slicer's extension build machines run it (ctest).
 
     ``test_module_with_selftest_worker`` runs everywhere: the module's MRML side (segment, the
-    boxes on the key slice, an edit in the segment then Undo, a scene closed while a request runs,
-    a switched volume) with :class:`SelfTestWorker` injected, no heavy package and no worker
+    boxes on the key slice, an edit in the segment then Undo, corrections sent as a
+    ``medvol.anchor/2`` anchor and placed back, a scene closed while a request runs, a switched
+    volume) with :class:`SelfTestWorker` injected, no heavy package and no worker
     process. ``test_segment_edit_repropagate`` runs the real worker with the ``tiny`` preset
     (random weights, no download) and is skipped, with a message, where the MedVol-R1 packages
     are not installed. (The same steps run in CI against slicer-core: Testing/slicer_mrml.)"""
@@ -1378,6 +1905,23 @@ class MedVolR1SlicerTest(ScriptedLoadableModuleTest):
             self.assertTrue(logic.undoLastResult(discardEdits=True))
             self.assertIsNone(seg.GetSegmentation().GetSegment(segmentId))
 
+            self.delayDisplay("Corrections: a box on another slice, a negative point, a slice range")
+            seg, segmentId, boxes, anchor = logic.segmentBlocking(volume, "the organ", options)
+            k = p.keySliceIJK
+            logic.chooseObject(p, 1)
+            logic.addBoxHere(p, ras=geo.slice_center_ras(k + 2))
+            logic.addPoint(p, geo.slice_center_ras(k - 1), positive=False, objectNumber=1)
+            logic.setRangeEnd(p, "start", ras=geo.slice_center_ras(k - 2))
+            logic.setRangeEnd(p, "end", ras=geo.slice_center_ras(k + 3))
+            logic.repropagateBlocking(options)
+            sent = clients[-1].requests[-1][1]["anchor"]
+            self.assertEqual(sent["schema"], "medvol.anchor/2")
+            self.assertEqual([(q["object"], q["world"]["box_ras"] is None) for q in sent["prompts"]],
+                             [(1, False), (1, True)])
+            self.assertEqual(len(p.corrections), 1)  # what ran is shown again
+            self.assertEqual(p.points.GetNthControlPointLabel(0), "-1")
+            self.assertEqual(logic.sliceRange(p), (k - 2, k + 3))
+
             self.delayDisplay("The input volume switched: the boxes stay with their volume")
             seg, segmentId, boxes, anchor = logic.segmentBlocking(volume, "the organ", options)
             other = self._syntheticCT("PatientA_CT_2")
@@ -1394,6 +1938,7 @@ class MedVolR1SlicerTest(ScriptedLoadableModuleTest):
             self.assertEqual(job.state, "cancelled")
             self.assertEqual(slicer.mrmlScene.GetNodesByClass("vtkMRMLSegmentationNode").GetNumberOfItems(), 0)
             self.assertEqual(slicer.mrmlScene.GetNodesByClass("vtkMRMLMarkupsROINode").GetNumberOfItems(), 0)
+            self.assertEqual(slicer.mrmlScene.GetNodesByClass("vtkMRMLMarkupsFiducialNode").GetNumberOfItems(), 0)
             p = logic.getParameterNode()
             self.assertEqual((p.anchorJson, p.segmentId, p.resultVolume), ("", "", None))  # nothing of A
             self.assertFalse(logic.canUndo)

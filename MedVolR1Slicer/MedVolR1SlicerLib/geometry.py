@@ -18,7 +18,10 @@ An anchor box becomes a ``vtkMRMLMarkupsROINode`` whose faces lie on voxel *edge
 spans ``[x0 − ½, x1 + ½]`` voxels, and it is one voxel thick around the key slice. Its axes are
 the volume's IJK directions, so it is right for any orientation (oblique or LPS-stored files
 included). Reading a ROI back takes the voxels whose centres it covers, clamped to the key
-slice and to the volume, with a message for each clamp.
+slice (a correction box: to the slice it was made on) and to the volume, with a message for each
+clamp. A point is the voxel nearest to it, on the slice nearest to it; its world form is that
+voxel's centre. Correction prompts and the slice range (schema ``medvol.anchor/2``) are built
+from these in :mod:`.corrections`.
 """
 
 from __future__ import annotations
@@ -119,6 +122,8 @@ class VolumeGeometry:
         # The stack's x and y point to patient left (−R) and posterior (−A): an in-plane IJK axis
         # whose closest world direction is +R or +A runs against the stack.
         self.against_stack = tuple(sign > 0 for _, sign in axes)
+        # IJK axis of the stack's z, y and x (closest to S, A and R)
+        self.stack_axes = tuple(next(a for a, (ras, _) in enumerate(axes) if ras == r) for r in (2, 1, 0))
 
     # ---- points ----------------------------------------------------------------------------
     def to_ras(self, ijk) -> np.ndarray:
@@ -136,6 +141,75 @@ class VolumeGeometry:
     def slice_of(self, ras) -> int:
         """Index along the slice axis of the voxel nearest to a RAS point (not clamped)."""
         return int(np.rint(self.to_ijk(ras)[self.slice_axis]))
+
+    def stack_z(self, k: int) -> int:
+        """The canonical stack's ``z`` (0 = most superior) of slice ``k`` along the slice axis."""
+        return self.depth - 1 - int(k) if self.against_stack[self.slice_axis] else int(k)
+
+    def slice_of_stack_z(self, z: int) -> int:
+        """The slice index along the slice axis of the stack's slice ``z`` (inverse of :meth:`stack_z`)."""
+        return self.stack_z(z)  # a flip is its own inverse
+
+    def stack_to_ijk(self, zyx) -> np.ndarray:
+        """Stack indices ``(..., 3)`` in ``(z, y, x)`` order → IJK indices (as MedVolCore's
+        ``AxialStack.stack_to_source_index``)."""
+        p = np.asarray(zyx, dtype=np.float64)
+        out = np.zeros(p.shape[:-1] + (3,), dtype=np.float64)
+        for stack_axis, ijk_axis in enumerate(self.stack_axes):
+            v = p[..., stack_axis]
+            out[..., ijk_axis] = (self.shape[ijk_axis] - 1) - v if self.against_stack[ijk_axis] else v
+        return out
+
+    def slice_text(self, k: int) -> str:
+        """A slice as the panel names it: its number among the axial slices (stack ``z`` + 1, as
+        the key slice's label counts) and its S position in mm, e.g. ``slice 41 (S -12.5 mm)``."""
+        return f"slice {self.stack_z(k) + 1} (S {self.slice_center_ras(k)[2]:.1f} mm)"
+
+    def point_voxel(self, ras, label: str = "a point") -> Tuple[int, List[float]]:
+        """``(k, centre)``: the slice of the voxel nearest to a RAS point and that voxel's RAS
+        centre (a point is snapped to its voxel's centre, as boxes are to voxel edges). A point
+        outside the volume raises :class:`GeometryError`."""
+        p = np.asarray(ras, dtype=np.float64).reshape(-1)[:3]
+        if p.shape != (3,) or not np.all(np.isfinite(p)):
+            raise GeometryError(f"{label} has no finite position")
+        ijk = np.rint(self.to_ijk(p)).astype(int)
+        if not all(0 <= ijk[a] < self.shape[a] for a in range(3)):
+            raise GeometryError(f"{label} lies outside the volume; move it onto the image or delete it")
+        return int(ijk[self.slice_axis]), [float(v) for v in self.to_ras(ijk)]
+
+    def box_around(self, k: int, centre_ras=None) -> Tuple[List[int], List[int]]:
+        """An inclusive IJK voxel box on slice ``k``, a quarter of the image wide and high
+        (``3n//8 .. 5n//8`` along each in-plane axis, as Add box always made it), centred on
+        ``centre_ras`` projected onto the slice when given, and kept inside the image."""
+        if not 0 <= k < self.depth:
+            raise GeometryError(f"slice index {k} is outside the volume (0..{self.depth - 1})")
+        lo, hi = [0, 0, 0], [0, 0, 0]
+        lo[self.slice_axis] = hi[self.slice_axis] = int(k)
+        centre = None
+        if centre_ras is not None:
+            centre = np.rint(self.to_ijk(np.asarray(centre_ras, dtype=np.float64).reshape(-1)[:3]))
+        for a in self.inplane_axes:
+            n = self.shape[a]
+            first, last = 3 * n // 8, 5 * n // 8
+            if centre is not None:
+                width = last - first + 1
+                first = int(centre[a]) - (width - 1) // 2
+                last = first + width - 1
+                shift = max(0, -first) - max(0, last - (n - 1))  # slide it back onto the image
+                first, last = max(0, first + shift), min(n - 1, last + shift)
+            lo[a], hi[a] = first, last
+        return lo, hi
+
+    def range_ras(self, k0: int, k1: int) -> List[List[float]]:
+        """The world form of a slice range (``z_range_ras``): a point on each end slice, the
+        centre of its middle voxel (a voxel centre, so that no reader has to round a half), the
+        stack's smaller ``z`` first (so it reads as ``[z0, z1]``)."""
+        out = []
+        for k in sorted((int(k0), int(k1)), key=self.stack_z):
+            ijk = np.array([(n - 1) // 2 for n in self.shape], dtype=np.float64)
+            ijk[self.slice_axis] = k
+            out.append([float(v) for v in self.to_ras(ijk)])
+        return out
 
     def slice_center_ras(self, k: int) -> List[float]:
         """RAS centre of slice ``k`` (the in-plane middle), as the anchor's ``slice_center_ras``."""
@@ -175,10 +249,12 @@ class VolumeGeometry:
         return self.roi_from_voxels(lo, hi), k
 
     # ---- ROI → anchor world box ------------------------------------------------------------
-    def box_from_roi(self, roi: RoiBox, key_slice: int, label: str = "box") -> Tuple[List[List[float]], List[str]]:
+    def box_from_roi(self, roi: RoiBox, key_slice: int, label: str = "box",
+                     where: str = "the key slice") -> Tuple[List[List[float]], List[str]]:
         """RAS centres of the first and last voxel the ROI covers on ``key_slice``, and messages.
 
-        A ROI moved off the key slice is put back on it; one reaching outside the volume is cut
+        A ROI moved off the key slice (``where`` names it in the message: a correction box's own
+        slice is not the key slice) is put back on it; one reaching outside the volume is cut
         to it; a rotated one is replaced by its in-plane bounding box. Each says so. A ROI that
         covers no voxel of the slice raises :class:`GeometryError`.
         """
@@ -197,7 +273,7 @@ class VolumeGeometry:
 
         k = int(np.rint(self.to_ijk(roi.center)[self.slice_axis]))
         if k != key_slice:
-            notes.append(f"{label} was moved off the key slice; it is kept on the key slice")
+            notes.append(f"{label} was moved off {where}; it is kept on {where}")
 
         lo, hi = first.copy(), last.copy()
         for a in self.inplane_axes:

@@ -55,9 +55,12 @@ def segment_fields(volume_path: str, query: str, options: Options) -> dict:
             "window": options.window, "seed": options.seed}
 
 
+ANCHOR_SCHEMAS = ("medvol.anchor/1", "medvol.anchor/2")  # /2: with correction prompts or a slice range
+
+
 def propagate_fields(volume_path: str, anchor: dict, options: Options) -> dict:
-    if not isinstance(anchor, dict) or anchor.get("schema") != "medvol.anchor/1":
-        raise WorkerError("bad_anchor", "the boxes could not be turned into an anchor (schema medvol.anchor/1)")
+    if not isinstance(anchor, dict) or anchor.get("schema") not in ANCHOR_SCHEMAS:
+        raise WorkerError("bad_anchor", "the boxes could not be turned into an anchor (schema medvol.anchor/1 or /2)")
     return {"volume": str(volume_path), "anchor": anchor, "preset": options.preset, "window": options.window}
 
 

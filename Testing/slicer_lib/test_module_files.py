@@ -108,6 +108,7 @@ STANDINS = textwrap.dedent('''
         pass
 
     slicer = module("slicer", vtkMRMLMarkupsROINode=type("vtkMRMLMarkupsROINode", (_Node,), {}),
+                    vtkMRMLMarkupsFiducialNode=type("vtkMRMLMarkupsFiducialNode", (_Node,), {}),
                     vtkMRMLScalarVolumeNode=type("vtkMRMLScalarVolumeNode", (_Node,), {}),
                     vtkMRMLSegmentationNode=type("vtkMRMLSegmentationNode", (_Node,), {}))
     module("slicer.parameterNodeWrapper", parameterNodeWrapper=lambda cls: cls)

@@ -57,12 +57,27 @@ class FakeWidget:
     def setChecked(self, on):
         self.checked = on
 
+    # a QComboBox: items (text, data) and the current index
+    def clear(self):
+        object.__setattr__(self, "items", [])
+        self.currentIndex = -1
+
+    def addItem(self, text, data=None):
+        if not hasattr(self, "items"):
+            object.__setattr__(self, "items", [])
+        self.items.append((text, data))
+
+    def setCurrentIndex(self, index):
+        self.currentIndex = index
+
 
 UI_NAMES = ["queryEdit", "presetComboBox", "deviceComboBox", "windowComboBox", "remoteUrlLineEdit",
             "adapterPathLineEdit", "remoteTokenLineEdit", "workerLocalRadioButton", "workerRemoteRadioButton",
             "keySliceLabel", "reasoningEdit", "segmentButton", "addBoxButton", "repropagateButton", "undoButton",
             "jumpButton", "editButton", "show3DCheckBox", "inputVolumeSelector", "historyComboBox",
-            "outputSegmentationSelector", "progressBar", "statusLabel"]
+            "outputSegmentationSelector", "progressBar", "statusLabel", "objectComboBox", "placePointsButton",
+            "negativePointsButton", "clearCorrectionsButton", "rangeLabel", "setRangeStartButton", "setRangeEndButton",
+            "clearRangeButton"]
 
 
 @pytest.fixture
@@ -238,3 +253,83 @@ def test_enter_in_the_query_box_runs_segment(panel, ct_sm_path):
     panel.ui.queryEdit.setPlainText("the liver\n")  # Enter
     panel._onQueryEdited()
     assert started == ["the liver"] and panel.ui.queryEdit.toPlainText() == "the liver"
+
+
+def test_the_correction_controls_follow_the_result_and_the_scene(panel, ct_sm_path, tmp_path, labels_ijk, tiny):
+    """Object selector, Add box here, points (place mode, the N key), the slice range and Clear
+    corrections: what they enable, what they observe, a node deleted in the scene, and a
+    switched volume that blocks them as it blocks Add box."""
+    ui = panel.ui
+    correction_buttons = (ui.addBoxButton, ui.objectComboBox, ui.placePointsButton, ui.negativePointsButton,
+                          ui.setRangeStartButton, ui.setRangeEndButton)
+    assert not any(w.enabled for w in correction_buttons)
+    a = load_ct(ct_sm_path, "PatientA_CT")
+    run_segment(panel, a, tmp_path, labels_ijk, tiny)
+    p, logic = panel._parameterNode, panel.logic
+    geo = logic.geometry(a)
+    k = p.keySliceIJK
+    assert all(w.enabled for w in correction_buttons)
+    assert not ui.clearRangeButton.enabled and not ui.clearCorrectionsButton.enabled
+    assert ui.objectComboBox.items == [("1", 1), ("New object", 0)] and ui.objectComboBox.currentIndex == 0
+    assert ui.rangeLabel.text == "whole volume"
+
+    # "New object" chosen in the selector: numbered at once, and shown as being started
+    panel.onObjectChosen(1)
+    assert p.correctionObject == 2
+    assert ui.objectComboBox.items == [("1", 1), ("2 (new)", 2), ("New object", 0)]
+    assert ui.objectComboBox.currentIndex == 1
+
+    # Add box here on another slice (through the Red view): a correction, observed like a box
+    red = logic.redSliceNode()  # a singleton: kept across scene closes, as in Slicer
+    if red is None:
+        red = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSliceNode")
+        red.SetLayoutName("Red")
+        red.SetOrientationToAxial()
+    red.JumpSliceByCentering(*geo.slice_center_ras(k - 1))
+    panel.onAddBoxButton()
+    (box,) = p.corrections
+    assert logic.nodeObject(box) == 2 and logic.nodeSlice(box) == k - 1
+    assert box in panel._observedBoxes and ui.clearCorrectionsButton.enabled and ui.repropagateButton.enabled
+    assert ui.objectComboBox.items == [("1", 1), ("2", 2), ("New object", 0)]
+
+    # points: place mode on and off, the N key, a moved point marks the result edited
+    panel.onPlacePointsButton()
+    assert logic.placingPoints(p) and ui.placePointsButton.checked
+    assert p.points.GetControlPointLabelFormat() == "+2"
+    panel.onToggleNegative()  # N
+    assert p.negativePoints and ui.negativePointsButton.checked
+    assert p.points.GetControlPointLabelFormat() == "-2" and "outside" in ui.statusLabel.text
+    index = p.points.AddControlPoint(*geo.slice_center_ras(k - 1))  # as a click in a view adds it
+    assert p.points.GetNthControlPointLabel(index) == "-2"
+    assert panel._observedPoints is p.points
+    panel.onPlacePointsButton()
+    assert not logic.placingPoints(p) and not ui.placePointsButton.checked
+    p.boxesEdited = False
+    p.points.SetNthControlPointPosition(index, *geo.slice_center_ras(k - 2))
+    assert p.boxesEdited
+
+    # the range, from the Red view
+    red.JumpSliceByCentering(*geo.slice_center_ras(k + 2))
+    panel.onSetRangeEnd("end")
+    assert ui.rangeLabel.text.startswith("end: slice ") and ui.clearRangeButton.enabled
+    red.JumpSliceByCentering(*geo.slice_center_ras(k - 3))
+    panel.onSetRangeEnd("start")
+    assert ui.rangeLabel.text.startswith("slices ")
+    panel.onClearRange()
+    assert ui.rangeLabel.text == "whole volume" and not ui.clearRangeButton.enabled
+
+    # nodes deleted in the scene leave their fields and observers
+    slicer.mrmlScene.RemoveNode(box)
+    assert p.corrections == [] and box not in panel._observedBoxes
+    points = p.points
+    slicer.mrmlScene.RemoveNode(points)
+    assert p.points is None and panel._observedPoints is None
+    assert not any(o[0] is points for o in panel.Observations)
+    assert not ui.clearCorrectionsButton.enabled
+
+    # another volume selected: the corrections belong to A, their buttons say so
+    p.inputVolume = load_ct(ct_sm_path, "PatientB_CT")
+    assert not any(w.enabled for w in correction_buttons)
+    assert "drawn on PatientA_CT" in ui.addBoxButton.toolTip and "drawn on PatientA_CT" in ui.setRangeEndButton.toolTip
+    p.inputVolume = a
+    assert all(w.enabled for w in correction_buttons) and "drawn on" not in ui.addBoxButton.toolTip
