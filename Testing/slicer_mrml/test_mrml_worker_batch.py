@@ -293,3 +293,52 @@ def test_the_remote_worker_over_http_segments_into_mrml_and_closing_the_scene_dr
         logic.cleanup()
         proc.terminate()
         proc.wait(30)
+
+
+def test_corrections_on_several_slices_round_trip_through_the_real_worker(slicer_env, scene, worker_logic, tiny,
+                                                                           ct_sm_path):
+    """Add box here, points of both signs and a range, sent as ``medvol.anchor/2`` to the real worker:
+    it parses the world-only prompts on its own stack, propagates them without encoding any slice
+    again, and its answer lands in the segmentation with the prompts it ran placed back as nodes."""
+    from test_mrml_corrections import red_view_on, voxel_ras
+
+    logic = worker_logic
+    volume = load_node(ct_sm_path)
+    p = logic.getParameterNode()
+    p.inputVolume, p.query, p.outputSegmentation, p.segmentId = volume, "the liver", None, ""
+    job = run(logic, logic.startSegment(p, tiny))
+    assert job.state == "done", job.error
+    geo = logic.geometry(volume)
+    k, n = p.keySliceIJK, len(p.boxes)
+    if not 4 <= k < geo.depth - 4:
+        pytest.skip(f"the tiny model's key slice {k} is too close to an edge for this test's corrections")
+    # object 1 corrected three slices up (Add box here on the Red view, a + and a - point), a new
+    # object from a box and a + point two slices down, and a range of the 9 slices around the key slice
+    red_view_on(logic, voxel_ras(geo, k + 3, 40, 60))
+    logic.addBoxHere(p)
+    new = logic.chooseObject(p, 0)
+    assert new == n + 1
+    logic.addBoxHere(p, ras=voxel_ras(geo, k - 2, 50, 50))
+    logic.addPoint(p, voxel_ras(geo, k + 3, 44, 62), positive=True, objectNumber=1)
+    logic.addPoint(p, voxel_ras(geo, k + 3, 30, 70), positive=False, objectNumber=1)
+    logic.addPoint(p, voxel_ras(geo, k - 2, 52, 49), positive=True, objectNumber=new)
+    logic.setRangeEnd(p, "start", ras=geo.slice_center_ras(k - 4))
+    logic.setRangeEnd(p, "end", ras=geo.slice_center_ras(k + 4))
+    job2, notes = logic.startRepropagate(p, tiny)
+    run(logic, job2)
+    assert job2.state == "done", job2.error
+    sent, ran = job2.request["anchor"], job2.result["anchor"]
+    assert sent["schema"] == ran["schema"] == "medvol.anchor/2"
+    assert [(q["object"], q["box"] is not None, [pt[2] for pt in q["points"]]) for q in ran["prompts"]] == [
+        (1, True, [1, 0]), (new, True, [1])]
+    assert all(q["world"]["box_ras"] for q in ran["prompts"])
+    assert ran["z_range"][1] - ran["z_range"][0] == 8
+    # every slice it visited had been encoded by the segment request: a correction round costs no encoding
+    assert job2.result["slices_encoded"] == 0
+    mask = kji(nib.load(job2.result["mask_path"]).dataobj)
+    np.testing.assert_array_equal(
+        slicer.util.arrayFromSegmentBinaryLabelmap(p.outputSegmentation, p.segmentId, volume), mask)
+    outside = np.ones(geo.depth, bool)
+    outside[ran["z_range"][0]:ran["z_range"][1] + 1] = False  # ct_sm is stored RAS: slice index k ↔ z = D-1-k
+    assert not mask[outside[::-1]].any()
+    assert len(p.corrections) == 2 and p.points.GetNumberOfControlPoints() == 3
