@@ -132,6 +132,22 @@ def _ras_points_to_stack(stack, points, what: str, tol: float = 0.5):
     return z, np.rint(idx[:, 1]).astype(int), np.rint(idx[:, 2]).astype(int)
 
 
+def _anchor_box(box, width: int, height: int, what: str) -> Box:
+    """:func:`check_box` with its errors as :class:`AnchorError` (a box read from an anchor)."""
+    try:
+        return check_box(box, width, height, what)
+    except InputError as e:
+        raise AnchorError(str(e)) from None
+
+
+def _pixel_prompt(raw, i: int, width: int, height: int, what: str) -> dict:
+    """A pixel-form prompt with its fields checked and its box clamped to the slice, as anchor boxes are."""
+    p = check_prompt_fields(raw, i, AnchorError)
+    if p["box"] is not None:
+        p["box"] = _anchor_box(p["box"], width, height, f"{what} box")
+    return p
+
+
 def _ras_array(value, shape_tail: int, what: str, form: str) -> np.ndarray:
     try:
         a = np.asarray(value, dtype=np.float64)
@@ -162,11 +178,8 @@ def ras_to_prompt(stack, world: dict, what: str = "prompt") -> dict:
     z, rows, cols = _ras_points_to_stack(stack, ras, what)
     box = None
     if box_ras is not None:
-        try:
-            box = check_box([int(min(cols[:2])), int(min(rows[:2])), int(max(cols[:2])), int(max(rows[:2]))],
-                            stack.width, stack.height, what + " box")
-        except InputError as e:
-            raise AnchorError(str(e)) from None
+        box = _anchor_box([int(min(cols[:2])), int(min(rows[:2])), int(max(cols[:2])), int(max(rows[:2]))],
+                          stack.width, stack.height, what + " box")
         rows, cols = rows[2:], cols[2:]
     points = []
     for j, (y, x, label) in enumerate(zip(rows, cols, labels)):
@@ -309,12 +322,7 @@ class EvidenceAnchor:
             raise AnchorError(f"'prompts' must be a list, got {type(prompts).__name__}")
         out = []
         for i, raw in enumerate(prompts):
-            p = check_prompt_fields(raw, i, AnchorError)
-            if p["box"] is not None:
-                try:
-                    p["box"] = check_box(p["box"], self.width, self.height, f"prompt {i + 1} box")
-                except InputError as e:
-                    raise AnchorError(str(e)) from None
+            p = _pixel_prompt(raw, i, self.width, self.height, f"prompt {i + 1}")
             if isinstance(raw, dict) and isinstance(raw.get("world"), dict):
                 p["world"] = raw["world"]
             out.append(p)
@@ -533,12 +541,7 @@ def _read_corrections(d: dict, stack, origin: str) -> dict:
         if pw is not None and stack is not None:
             placed = ras_to_prompt(stack, pw, what)
             if has_pixels:
-                mine = check_prompt_fields(p, i, AnchorError)
-                if mine["box"] is not None:
-                    try:
-                        mine["box"] = check_box(mine["box"], stack.width, stack.height, f"{what} box")
-                    except InputError as e:
-                        raise AnchorError(str(e)) from None
+                mine = _pixel_prompt(p, i, stack.width, stack.height, what)
                 if [mine["slice"], mine["box"], mine["points"]] != [placed["slice"], placed["box"], placed["points"]]:
                     raise AnchorError(f"{what}: its pixel form (slice {mine['slice']}, box {mine['box']}, points "
                                       f"{mine['points']}) and its world form (slice {placed['slice']}, box "

@@ -24,6 +24,7 @@ import torch  # noqa: F401  (installed by the bootstrap: a missing one must fail
 import sam2  # noqa: F401
 
 from medvolcore.propagation import MedSAM2Propagator
+from test_propagation import _bbox, _canonical  # noqa: E402  (the same canonical stack and organ boxes)
 
 REPO = Path(__file__).resolve().parents[2]
 SIZE = 64  # model image size for tests
@@ -36,21 +37,6 @@ def _load(name, rel):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _canonical(path, dtype):
-    """Canonical stack (z S→I, y A→P, x R→L) of an RAS NIfTI, by transposition and flips only."""
-    import nibabel as nib
-
-    img = nib.load(str(path))
-    assert nib.aff2axcodes(img.affine) == ("R", "A", "S")
-    a = np.asarray(img.dataobj, dtype=dtype)
-    return a.transpose(2, 1, 0)[::-1, ::-1, ::-1]
-
-
-def _bbox(m):
-    ys, xs = np.nonzero(m)
-    return [int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())]
 
 
 def _centre(m):
