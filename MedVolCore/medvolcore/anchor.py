@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import AnchorError, InputError, VolumeError
 from .fileio import write_text_atomic
-from .prompts import check_prompt_fields, check_z_range, plan_objects
+from .prompts import MAX_POINTS, MAX_PROMPTS, check_prompt_fields, check_z_range, plan_objects
 
 log = logging.getLogger(__name__)
 
@@ -495,6 +495,19 @@ class EvidenceAnchor:
         return cls.from_dict(d, stack, origin=str(p))
 
 
+def _check_counts(prompts: list, origin: str) -> None:
+    """The prompt and point limits, checked before any prompt is read (a huge list costs nothing)."""
+    if len(prompts) > MAX_PROMPTS:
+        raise AnchorError(f"{origin}: {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed")
+    n_points = 0
+    for pr in prompts:
+        if isinstance(pr, dict):
+            for pts in (pr.get("points"), (pr.get("world") or {}).get("points_ras") if isinstance(pr.get("world"), dict) else None):
+                n_points += len(pts) if isinstance(pts, list) else 0
+    if n_points > 2 * MAX_POINTS:  # pixel and world forms together
+        raise AnchorError(f"{origin}: too many points in the prompts; at most {MAX_POINTS} are allowed")
+
+
 def _slice_centre(stack, z: int) -> List[float]:
     return [float(v) for v in stack.stack_to_ras([z, (stack.height - 1) / 2.0, (stack.width - 1) / 2.0])]
 
@@ -529,6 +542,7 @@ def _read_corrections(d: dict, stack, origin: str) -> dict:
         return out
     if not isinstance(prompts, list):
         raise AnchorError(f"{origin}: 'prompts' must be a list, got {type(prompts).__name__}")
+    _check_counts(prompts, origin)
     read = []
     for i, p in enumerate(prompts):
         what = f"{origin}: prompt {i + 1}"

@@ -173,3 +173,19 @@ def test_plan_groups_prompts_per_object_and_slice():
     assert objs[0].frames[62] == ((28, 32, 58, 66), [(40, 40, 0), (45, 50, 1)])
     assert objs[1].frames[50] == ((70, 30, 90, 50), [(80, 40, 0)])
     assert objs[2].frames[30] == (None, [(60, 70, 1)]) and not objs[2].seeded_by_key
+
+
+def test_a_huge_prompt_list_is_refused_before_it_is_read(stack):
+    """A remote client's anchor of 100 000 prompts is refused by its length, before any prompt is read:
+    the first prompt is malformed, and reading it would have raised its own error instead."""
+    d = _anchor().with_world(stack).to_dict()
+    bad_first = [{"object": 1, "world": "not an object"}]
+    d.update(schema=SCHEMA_V2, prompts=bad_first + [{"object": 1, "world": {"points_ras": [[0.0, 0.0, 0.0, 1]]}}] * 99_999)
+    with pytest.raises(AnchorError, match="100000 prompts; at most 64"):
+        EvidenceAnchor.from_dict(d, stack)
+    d["prompts"] = bad_first + [{"object": 1, "world": {"points_ras": [[0.0, 0.0, 0.0, 1]] * 10_000}}]
+    with pytest.raises(AnchorError, match="too many points"):
+        EvidenceAnchor.from_dict(d, stack)
+    d["prompts"] = bad_first
+    with pytest.raises(AnchorError, match="'world' must be an object"):
+        EvidenceAnchor.from_dict(d, stack)
