@@ -50,19 +50,16 @@ def _case():
     k = anchor.slice
     z = k + 12
     box = boxes_from_slice_mask(liver[z])[0]
-    ys, xs = np.nonzero(liver[z])
     outside = [int(box[0]), int(box[1]), 0]  # the box's corner: outside the liver on most slices
     kidney = seg == KIDNEY_RIGHT
     zk = int(np.argmax(kidney.reshape(len(kidney), -1).sum(1)))
     ky, kx = (int(np.median(v)) for v in np.nonzero(kidney[zk]))
     prompts = [{"slice": z, "object": 1, "box": [int(v) for v in box], "points": [outside]},
                {"slice": zk, "object": 2, "box": None, "points": [[kx, ky, 1]]}]
-    return stack, anchor, prompts, (int(xs.mean()), int(ys.mean()))
+    return stack, anchor, prompts
 
 
 def _timed(prop, stack, anchor, prompts, store, stop_k):
-    import torch
-
     calls = [0]
     hook = prop.predictor.image_encoder.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     try:
@@ -72,7 +69,6 @@ def _timed(prop, stack, anchor, prompts, store, stop_k):
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     finally:
         hook.remove()
-    del torch
     return r, {"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "encoder_calls": calls[0],
                "slices_encoded": r.slices_encoded, "slices_visited": r.slices_propagated,
                "mask_voxels": int(r.mask.sum())}
@@ -124,7 +120,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    stack, anchor, prompts, _ = _case()
+    stack, anchor, prompts = _case()
     prop = MedSAM2Propagator.from_random(args.seed, image_size=args.image_size)
     # warm-up outside the timed runs: one encoder pass on a slice
     prop.propagate(stack.data[anchor.slice:anchor.slice + 1], 0, anchor.boxes)

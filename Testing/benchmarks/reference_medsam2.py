@@ -29,6 +29,7 @@ As a script it is the whole-process counterpart of ``medvol propagate``::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -90,19 +91,16 @@ def _init_state(model, images, video_height, video_width):
     return state
 
 
-def reference_propagate(propagator_or_model, stack_hu, key_slice, boxes, hu_window=None):
-    """MedSAM2-script-style propagation of ``boxes`` (inclusive pixel boxes on ``key_slice``).
-
-    ``propagator_or_model`` is a ``MedSAM2Propagator`` or any sam2 ``SAM2VideoPredictor``.
-    Returns ``(mask, encoder_calls)``: the (D, H, W) uint8 union and the number of
-    image-encoder forward passes it took.
-    """
+@contextlib.contextmanager
+def _reference_run(propagator_or_model, stack_hu, hu_window):
+    """What both reference loops share: the sam2 model, every frame preprocessed at once (once for
+    all objects: redoing it per object could only slow the reference down), an empty (D, H, W)
+    uint8 result and a counter of image-encoder passes; inside inference mode, bfloat16 autocast
+    on CUDA and sam2's progress bar silenced. Yields ``(model, images, seg, calls)``."""
     import torch
 
     model = getattr(propagator_or_model, "predictor", propagator_or_model)
-    image_size = int(model.image_size)
     stack = np.asarray(stack_hu)
-    d, h, w = stack.shape
     calls = [0]
 
     def _count(_module, _inputs):
@@ -112,27 +110,36 @@ def reference_propagate(propagator_or_model, stack_hu, key_slice, boxes, hu_wind
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if model.device.type == "cuda" else _nullcontext()
     )
-    seg = np.zeros((d, h, w), dtype=np.uint8)
     try:
         with torch.inference_mode(), autocast, _quiet_tqdm():
-            # preprocessed once for all boxes (redoing it per box could only slow the
-            # reference down)
-            images = medsam2_style_frames(stack, image_size, hu_window)
+            images = medsam2_style_frames(stack, int(model.image_size), hu_window)
             if model.device.type == "cuda":
                 images = images.to(model.device)
-            for box in boxes:
-                state = _init_state(model, images, h, w)
-                bbox = np.asarray(box, dtype=np.float32)
-                for reverse in (False, True):
-                    model.add_new_points_or_box(state, frame_idx=key_slice, obj_id=1, box=bbox)
-                    for frame_idx, _ids, logits in model.propagate_in_video(
-                        state, start_frame_idx=key_slice, reverse=reverse
-                    ):
-                        seg[frame_idx][(logits[0, 0] > 0.0).cpu().numpy()] = 1
-                    model.reset_state(state)
-                del state
+            yield model, images, np.zeros(stack.shape, dtype=np.uint8), calls
     finally:
         hook.remove()
+
+
+def reference_propagate(propagator_or_model, stack_hu, key_slice, boxes, hu_window=None):
+    """MedSAM2-script-style propagation of ``boxes`` (inclusive pixel boxes on ``key_slice``).
+
+    ``propagator_or_model`` is a ``MedSAM2Propagator`` or any sam2 ``SAM2VideoPredictor``.
+    Returns ``(mask, encoder_calls)``: the (D, H, W) uint8 union and the number of
+    image-encoder forward passes it took.
+    """
+    with _reference_run(propagator_or_model, stack_hu, hu_window) as (model, images, seg, calls):
+        h, w = seg.shape[1:]
+        for box in boxes:
+            state = _init_state(model, images, h, w)
+            bbox = np.asarray(box, dtype=np.float32)
+            for reverse in (False, True):
+                model.add_new_points_or_box(state, frame_idx=key_slice, obj_id=1, box=bbox)
+                for frame_idx, _ids, logits in model.propagate_in_video(
+                    state, start_frame_idx=key_slice, reverse=reverse
+                ):
+                    seg[frame_idx][(logits[0, 0] > 0.0).cpu().numpy()] = 1
+                model.reset_state(state)
+            del state
     return seg, calls[0]
 
 
@@ -176,55 +183,35 @@ def reference_propagate_prompts(
     With no prompts and no ``z_range`` this is exactly :func:`reference_propagate`.
     Returns ``(mask, encoder_calls)``.
     """
-    import torch
-
-    model = getattr(propagator_or_model, "predictor", propagator_or_model)
-    image_size = int(model.image_size)
     stack = np.asarray(stack_hu)
     d, h, w = stack.shape
     z0, z1 = (0, d - 1) if z_range is None else (int(z_range[0]), int(z_range[1]))
     if not 0 <= z0 <= z1 < d:
         raise ValueError(f"z_range {z_range} is not inside 0..{d - 1}")
     objects = _group_prompts(len(boxes), int(key_slice), boxes, list(prompts or ()))
-    calls = [0]
-
-    def _count(_module, _inputs):
-        calls[0] += 1
-
-    hook = model.image_encoder.register_forward_pre_hook(_count)
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if model.device.type == "cuda" else _nullcontext()
-    )
-    seg = np.zeros((d, h, w), dtype=np.uint8)
-    try:
-        with torch.inference_mode(), autocast, _quiet_tqdm():
-            images = medsam2_style_frames(stack, image_size, hu_window)
-            if model.device.type == "cuda":
-                images = images.to(model.device)
-            for start, per_slice in objects:
-                if not z0 <= start <= z1 or any(not z0 <= z <= z1 for z, _, _ in per_slice):
-                    raise ValueError("every prompted slice must lie inside z_range")
-                state = _init_state(model, images, h, w)
-                for reverse in (False, True):
-                    for z, box, pts in per_slice:
-                        kwargs = {}
-                        if box is not None:
-                            kwargs["box"] = np.asarray(box, dtype=np.float32)
-                        if pts:
-                            kwargs["points"] = np.asarray([p[:2] for p in pts], dtype=np.float32)
-                            kwargs["labels"] = np.asarray([p[2] for p in pts], dtype=np.int32)
-                        model.add_new_points_or_box(state, frame_idx=z, obj_id=1, **kwargs)
-                    for frame_idx, _ids, logits in model.propagate_in_video(
-                        state,
-                        start_frame_idx=start,
-                        reverse=reverse,
-                        max_frame_num_to_track=(start - z0) if reverse else (z1 - start),
-                    ):
-                        seg[frame_idx][(logits[0, 0] > 0.0).cpu().numpy()] = 1
-                    model.reset_state(state)
-                del state
-    finally:
-        hook.remove()
+    with _reference_run(propagator_or_model, stack, hu_window) as (model, images, seg, calls):
+        for start, per_slice in objects:
+            if not z0 <= start <= z1 or any(not z0 <= z <= z1 for z, _, _ in per_slice):
+                raise ValueError("every prompted slice must lie inside z_range")
+            state = _init_state(model, images, h, w)
+            for reverse in (False, True):
+                for z, box, pts in per_slice:
+                    kwargs = {}
+                    if box is not None:
+                        kwargs["box"] = np.asarray(box, dtype=np.float32)
+                    if pts:
+                        kwargs["points"] = np.asarray([p[:2] for p in pts], dtype=np.float32)
+                        kwargs["labels"] = np.asarray([p[2] for p in pts], dtype=np.int32)
+                    model.add_new_points_or_box(state, frame_idx=z, obj_id=1, **kwargs)
+                for frame_idx, _ids, logits in model.propagate_in_video(
+                    state,
+                    start_frame_idx=start,
+                    reverse=reverse,
+                    max_frame_num_to_track=(start - z0) if reverse else (z1 - start),
+                ):
+                    seg[frame_idx][(logits[0, 0] > 0.0).cpu().numpy()] = 1
+                model.reset_state(state)
+            del state
     return seg, calls[0]
 
 

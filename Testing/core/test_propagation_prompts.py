@@ -23,11 +23,9 @@ import pytest
 import torch  # noqa: F401  (installed by the bootstrap: a missing one must fail, not skip)
 import sam2  # noqa: F401
 
-from medvolcore.propagation import MedSAM2Propagator
-from test_propagation import _bbox, _canonical  # noqa: E402  (the same canonical stack and organ boxes)
+from test_propagation import _bbox, _canonical, case, prop  # noqa: E402,F401  (the same stack, boxes and weights)
 
 REPO = Path(__file__).resolve().parents[2]
-SIZE = 64  # model image size for tests
 LIVER, SPLEEN, STOMACH = 5, 1, 6
 KEY = 8  # key slice of the tall stack
 
@@ -54,21 +52,6 @@ def _dice(a, b):
 @pytest.fixture(scope="module")
 def ref():
     return _load("reference_medsam2", "Testing/benchmarks/reference_medsam2.py")
-
-
-@pytest.fixture(scope="module")
-def prop():
-    return MedSAM2Propagator.from_random(0, image_size=SIZE)
-
-
-@pytest.fixture(scope="module")
-def case(ct_sm_path, seg_sm_path):
-    """8 upper-abdomen slices of example_ct_sm, every 2nd row/column (8 × 51 × 61), with organ boxes."""
-    ct = _canonical(ct_sm_path, np.float32)[4:12, ::2, ::2]
-    seg = _canonical(seg_sm_path, np.int16)[4:12, ::2, ::2]
-    k = 4
-    boxes = [_bbox(seg[k] == lab) for lab in (LIVER, SPLEEN, STOMACH)]
-    return np.ascontiguousarray(ct), k, boxes
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from medvolcore.volume import load_volume
 
 pytest.importorskip("slicer_core", reason="slicer-core is not installed (bootstrap.py --no-slicer-core)")
 import slicer  # noqa: E402 - the real package, imported by conftest.py
-from test_mrml_clinician_day import LIVER, ManualClient, nodes_of  # noqa: E402
+from test_mrml_clinician_day import LIVER, client, manual, nodes_of  # noqa: E402,F401  (fixtures)
 from test_mrml_logic import load_node, variant, worker_result  # noqa: E402
 
 V2 = "medvol.anchor/2"
@@ -39,20 +39,6 @@ def oblique(ct_sm_path, seg_sm_path, tmp_path_factory):
     path = folder / "ct.nii.gz"
     nib.save(nib.Nifti1Image(np.ascontiguousarray(arr), aff), str(path))
     return path, np.ascontiguousarray(lab)
-
-
-@pytest.fixture
-def client():
-    return ManualClient()
-
-
-@pytest.fixture
-def manual(slicer_env, scene, client):
-    from MedVolR1SlicerLib.session import Session
-
-    lg = slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: client))
-    yield lg
-    lg.cleanup()
 
 
 @pytest.fixture
