@@ -3,8 +3,9 @@
     .venv/bin/python Testing/benchmarks/abuse.py [--quick] [--json-out FILE] [-- PYTEST ARGS]
 
 Runs every test of ``Testing/core`` marked ``@pytest.mark.probe(item, text)`` (each is one probe,
-tagged with its hardening item's number; ``test_serve_hardening.py``, ``test_volume_hardening.py``,
-``test_cli_outputs.py``, …) including the heavy probes the test suite skips (200 slow
+tagged with its hardening item: "1" … "13" for the first review's, "II.1" … "II.11" for the
+second's; ``test_serve_hardening.py``, ``test_volume_hardening.py``, ``test_cli_outputs.py``, …)
+including the heavy probes the test suite skips (200 slow
 clients; a decompression bomb under the default ``--max-voxels``, cancelled), and prints one row
 per probe: item, what was sent, outcome (refused/handled as required = PASS), seconds of the
 probe itself, and the figures it recorded (memory, connections held, seconds to refuse). Every
@@ -56,7 +57,11 @@ class ProbeTable:
 
 
 def _item_key(row):
-    return (int(row["item"]), row["test"])
+    """Sort the first review's items ("1" … "13") before the second's ("II.1" … "II.11")."""
+    item = str(row["item"])
+    if item.startswith("II."):
+        return (2, int(item[3:]), row["test"])
+    return (1, int(item), row["test"])
 
 
 def main(argv=None) -> int:
@@ -73,15 +78,15 @@ def main(argv=None) -> int:
                         "-c", str(HERE.parent / "pytest.ini"), *args.pytest_args], plugins=[table])
     rows = sorted(table.rows.values(), key=_item_key)
     print()
-    print(f"{'item':>4}  {'outcome':7} {'s':>6}  probe / figures")
+    print(f"{'item':>5}  {'outcome':7} {'s':>6}  probe / figures")
     for r in rows:
         figs = "; ".join(f"{k} {v}" for k, v in r["figures"].items())
         name = r["probe"] + (f" [{r['test'].split('[', 1)[1]}" if "[" in r["test"] else "")
-        print(f"{r['item']:>4}  {r['outcome']:7} {r['seconds']:6.2f}  {name}")
+        print(f"{r['item']:>5}  {r['outcome']:7} {r['seconds']:6.2f}  {name}")
         if figs:
-            print(f"{'':21}{figs}")
+            print(f"{'':22}{figs}")
         if r.get("detail"):
-            print(f"{'':21}{r['detail']}")
+            print(f"{'':22}{r['detail']}")
     n_pass = sum(r["outcome"] == "PASS" for r in rows)
     print(f"\n{n_pass} of {len(rows)} probes passed" + (" (heavy probes left out)" if args.quick else ""))
     if args.json_out:
