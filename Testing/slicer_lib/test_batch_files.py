@@ -174,17 +174,3 @@ def test_reading_a_manifest_compares_paths_a_number_of_times_linear_in_its_rows(
     check_outputs(jobs, False, tmp_path / "anchors", reads=[("the manifest", path)])
     record_property("path_comparisons_check_300_rows", calls[0])
     assert calls[0] <= 300
-
-
-@pytest.mark.probe("II.6", "Slicer batch: a 10,000-row manifest read and checked")
-def test_a_10000_row_manifest_is_read_and_checked_in_seconds(tmp_path, record_property):
-    path = _manifest(tmp_path, 10_000)
-    t0 = time.perf_counter()
-    jobs = read_manifest(path)
-    t1 = time.perf_counter()
-    record_property("seconds_read_10000_rows", round(t1 - t0, 3))
-    assert len(jobs) == 10_000 and t1 - t0 < 10
-    check_outputs(jobs, False, tmp_path / "anchors", reads=[("the manifest", path)])
-    t2 = time.perf_counter()
-    record_property("seconds_check_outputs_and_anchors_10000_rows", round(t2 - t1, 3))
-    assert t2 - t1 < 10
