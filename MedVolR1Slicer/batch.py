@@ -36,23 +36,38 @@ SINGLE_FILE = 4  # vtkSlicerVolumesLogic::SingleFile: read this file only, never
 REGULARIZATION_KEY = "DICOM/ScalarVolume/AcquisitionGeometryRegularization"
 
 
-def _save(logic, node, path):
-    """Write a segmentation (``.seg.nrrd``) or label-map node to ``path`` through a temporary
-    name in the same folder (never half-written)."""
+def _write_atomic(path, write, overwrite):
+    """``write(tmp)`` to a temporary name in ``path``'s folder (same suffix), then rename it to
+    ``path`` (never half-written). Without ``overwrite`` a file that appeared at ``path`` since
+    the batch checked its outputs is left alone and the case fails."""
     folder = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(folder, exist_ok=True)
     name = os.path.basename(path)
-    suffix = next((s for s in batchjobs.OUTPUT_SUFFIXES if name.lower().endswith(s)), os.path.splitext(name)[1])
+    suffix = next((s for s in batchjobs.OUTPUT_SUFFIXES + (".json",) if name.lower().endswith(s)),
+                  os.path.splitext(name)[1])
     tmp = os.path.join(folder, f".{name[:len(name) - len(suffix)]}.part-{os.getpid()}{suffix}")
     try:
-        if node.IsA("vtkMRMLSegmentationNode"):
-            logic.writeSegmentationFile(node, tmp)
-        else:
-            logic.writeVolumeFile(node, tmp)
+        write(tmp)
+        if not overwrite and os.path.lexists(path):
+            raise batchjobs.BatchError(f"{path} appeared while this case ran; it was left as it is "
+                                       "(pass --overwrite to replace it)")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _save(logic, node, path, overwrite=False):
+    """Write a segmentation (``.seg.nrrd``) or label-map node to ``path`` (:func:`_write_atomic`)."""
+    if node.IsA("vtkMRMLSegmentationNode"):
+        _write_atomic(path, lambda tmp: logic.writeSegmentationFile(node, tmp), overwrite)
+    else:
+        _write_atomic(path, lambda tmp: logic.writeVolumeFile(node, tmp), overwrite)
+
+
+def _write_json(path, obj):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
 
 
 @contextlib.contextmanager
@@ -190,8 +205,10 @@ def load_input(path):
     return node
 
 
-def run_job(logic, job, options, anchor_dir):
-    """Segment one case and write its output (and anchor). Removes every node it added."""
+def run_job(logic, job, options, anchor_dir, overwrite=False):
+    """Segment one case and write its output (and anchor, named by
+    :func:`batchjobs.anchor_path`). Removes every node it added. ``overwrite``: replace a file
+    that exists (the batch checked up front that none is an input or another row's file)."""
     volume = load_input(job.input)
     added = []
     try:
@@ -202,15 +219,12 @@ def run_job(logic, job, options, anchor_dir):
             added.append(label)
             if not slicer.modules.segmentations.logic().ExportSegmentsToLabelmapNode(seg, [segment_id], label, volume):
                 raise RuntimeError(f"could not turn the segment into a label map for {job.output}")
-            _save(logic, label, str(job.output))
+            _save(logic, label, str(job.output), overwrite)
         else:
-            _save(logic, seg, str(job.output))
+            _save(logic, seg, str(job.output), overwrite)
         if anchor_dir:
-            path = batchjobs.anchor_path(anchor_dir, job)
-            os.makedirs(anchor_dir, exist_ok=True)
-            with open(str(path) + ".part", "w", encoding="utf-8") as f:
-                json.dump(anchor, f, indent=2)
-            os.replace(str(path) + ".part", path)
+            path = str(batchjobs.anchor_path(anchor_dir, job))
+            _write_atomic(path, lambda tmp: _write_json(tmp, anchor), overwrite)
     finally:
         for node in added + [volume]:
             if node is not None and node.GetScene() is not None:
@@ -225,8 +239,10 @@ def main(argv, logic=None):
         args = batchjobs.parse_args(argv)
         jobs = batchjobs.jobs_from_args(args)
         batchjobs.check_inputs(jobs)
-        batchjobs.check_outputs(jobs, args.overwrite)
-        token = open(args.token_file, encoding="utf-8").read().strip() if args.token_file else ""
+        # every row's output and anchor against every file the batch reads, before anything runs
+        batchjobs.check_outputs(jobs, args.overwrite, args.anchor_dir,
+                                reads=[("the manifest", args.manifest), ("the token file", args.token_file)])
+        token = batchjobs.read_token_file(args.token_file) if args.token_file else ""
         options = params.options_from_panel(args.preset, args.adapter, args.device, args.window,
                                             "remote" if args.worker_url else "local", args.worker_url, token)
     except SystemExit as e:  # argparse already printed its message
@@ -246,7 +262,7 @@ def main(argv, logic=None):
             for i, job in enumerate(jobs, 1):
                 print(f"[{i}/{len(jobs)}] {job.input.name}: {job.query}", flush=True)
                 try:
-                    run_job(logic, job, options, args.anchor_dir)
+                    run_job(logic, job, options, args.anchor_dir, args.overwrite)
                     results.append((job, None))
                 except Exception as e:  # noqa: BLE001 - one case's failure, whatever it is, is reported
                     known = isinstance(e, (batchjobs.BatchError, ValueError, OSError, RuntimeError))

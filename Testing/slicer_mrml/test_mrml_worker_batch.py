@@ -194,7 +194,8 @@ def test_batch_mixed_manifest_writes_each_format_and_reports_each_failure(batch,
     assert "(row 6)" in out and "could not be put in the scene: KeyError" in out
     out_dir = tmp_path / "out"
     assert sorted(os.listdir(out_dir)) == ["a.seg.nrrd", "b.nii.gz", "e.nrrd", "g.nii"]  # no partial files
-    assert sorted(os.listdir(tmp_path / "anchors")) == ["a.anchor.json", "b.anchor.json", "e.anchor.json", "g.anchor.json"]
+    assert sorted(os.listdir(tmp_path / "anchors")) == ["a.row1.anchor.json", "b.row2.anchor.json", "e.row5.anchor.json",
+                                                       "g.row7.anchor.json"]  # one name per row
 
     # each file is in the format its name asks for…
     head = {n: (out_dir / n).read_bytes()[:400] for n in os.listdir(out_dir)}
