@@ -4,7 +4,8 @@ GDCM allocates what a file declares before it finds the file short: a JPEG 2000 
 truncated inside its pixel data makes even the header scan allocate about 1.8 GB, per file. So
 on Linux every GDCM call on the folder's files runs in a child process (``python -m
 medvolcore.dicom``) whose address space (``RLIMIT_AS``) is capped: its size after start-up plus
-:data:`HEADER_BUDGET` while the headers are scanned, then plus what the declared series needs
+:data:`HEADER_BUDGET` and twice the folder's bytes (GDCM keeps each file it scans) while the
+headers are scanned, then plus what the declared series needs
 (:func:`pixel_budget`) while the voxels are decoded. An allocation over the cap fails inside the
 child (GDCM skips that file, or the read fails); the caller's process never grows. Elsewhere
 (no ``RLIMIT_AS``) the series is read in the calling process.
@@ -31,14 +32,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .errors import CancelledError, DependencyError, LimitError, VolumeError
+from .errors import CancelledError, LimitError, VolumeError
 
 log = logging.getLogger(__name__)
 
 HEADER_BUDGET = 256 << 20   # bytes the child may add to its start-up size while scanning headers, plus
 FOLDER_FACTOR = 2           # this many times the folder's bytes (GDCM keeps every file it scans in memory)
 PIXEL_MARGIN = 512 << 20    # decode buffers of one slice and the reader's own, on top of the image
-_ERRORS = {c.__name__: c for c in (VolumeError, LimitError, DependencyError)}
+_ERRORS = {c.__name__: c for c in (VolumeError, LimitError)}
 # one line per message; the child never writes more than a few hundred bytes in one
 _MAX_LINE = 1 << 20
 _IN_CHILD = sys.platform.startswith("linux")  # RLIMIT_AS is enforced on Linux only
@@ -245,11 +246,15 @@ def _read_in_child(path: Path, check_size: Callable, cancel) -> Series:
                 msg = _message(proc, sel, path, cancel)
                 if "size" in msg:
                     check_size(tuple(msg["size"]), int(msg["components"]))
-                    proc.stdin.write(b"go\n")
-                    proc.stdin.flush()
+                    try:
+                        proc.stdin.write(b"go\n")
+                    except BrokenPipeError:  # it stopped: the next message says how
+                        pass
                     msg = _message(proc, sel, path, cancel)
             if "error" in msg:
-                raise _ERRORS.get(msg["error"], VolumeError)(msg["message"])
+                raise _ERRORS.get(msg["error"], VolumeError)(str(msg.get("message")))
+            if "shape" not in msg:
+                raise VolumeError(f"cannot read {path}: the DICOM reader answered {str(msg)[:80]}")
             proc.wait()
             shape = tuple(int(v) for v in msg["shape"])
             array = np.load(out, mmap_mode="r")

@@ -136,7 +136,7 @@ def test_truncated_jpeg2000_series_is_refused_within_a_memory_cap(truncated_jpeg
     record_property("gdcm_child_rss_peak_mb", round(fig["children"]))
     assert fig["error"].startswith("VolumeError: ") and "truncated" in fig["error"], fig["error"]
     assert fig["after"] - fig["start"] < 30, fig       # the caller's process does not grow (was +2,100 MB)
-    assert fig["children"] < 1024, fig                  # GDCM's child stays under its cap (base + 256 MB)
+    assert fig["children"] < 600, fig                   # GDCM's child stays under its cap (start-up + 256 MB + 2x the folder)
 
 
 @heavy
