@@ -10,11 +10,15 @@ NIfTI (``.nii``, ``.nii.gz``) is read with nibabel. NRRD (``.nrrd``, ``.nhdr``),
 'medvolcore[itk]'``); their LPS geometry is converted to RAS.
 
 Reading is bounded: only regular files and folders are opened (never a device, FIFO or
-socket, which could block for ever); the voxel count declared in a header is checked against
-``max_voxels`` before any voxel is decompressed; a DICOM folder is refused above
-``MAX_DICOM_FILES`` files, when it holds several series, or when its slice positions are not
-evenly spaced (a missing or duplicated slice would otherwise be read with an averaged
-spacing: silently wrong geometry); and a ``cancel`` event is honoured between slabs.
+socket, which could block for ever); every dimension and component a header declares (2-D, 4-D
+and vector images alike) is checked against ``max_voxels``, and anything but a 3-D scalar image
+refused, before any voxel is decompressed; NIfTI header extensions are never read, and a header
+placing the voxels more than ``MAX_NIFTI_EXTENSIONS`` bytes in is refused; a DICOM folder is
+refused above ``MAX_DICOM_FILES`` files, when it holds several series, or when its slice
+positions are not evenly spaced (a missing or duplicated slice would otherwise be read with an
+averaged spacing: silently wrong geometry), and GDCM reads it in a child process whose memory is
+capped (:mod:`medvolcore.dicom`); a ``cancel`` event is honoured between slabs (and kills that
+child).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ ITK_SUFFIXES = (".nrrd", ".nhdr", ".mha", ".mhd")
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 MAX_DICOM_FILES = 10000  # a CT series rarely has more than 2000 slices; a bigger folder is a mistake (or a probe)
 _SLAB_BYTES = 32 << 20   # NIfTI voxels are read this much at a time, checking for a cancel between slabs
+# NIfTI header extensions (free text, DICOM headers, AFNI XML) are a few kB; masks carry none
+MAX_NIFTI_EXTENSIONS = 8 << 20
 # NIfTI header fields that are free text, where scanners and converters put patient names or ids.
 _FREE_TEXT_FIELDS = ("descrip", "aux_file", "intent_name", "db_name")
 
@@ -101,41 +107,80 @@ def _check_cancel(cancel, path) -> None:
         raise CancelledError(f"reading {Path(path).name} was cancelled")
 
 
-def _check_voxels(path, shape, max_voxels) -> None:
-    n = int(np.prod([int(v) for v in shape], dtype=object))
+def _check_voxels(path, shape, max_voxels, components: int = 1) -> None:
+    """Refuse a header declaring more than ``max_voxels`` values: every dimension (2-D, 4-D alike)
+    times the components per voxel."""
+    dims = [int(v) for v in shape] + ([int(components)] if components != 1 else [])
+    n = int(np.prod(dims, dtype=object))
     if max_voxels is not None and n > max_voxels:
-        raise LimitError(f"{Path(path).name} declares {'×'.join(str(int(v)) for v in shape)} = {n:,} voxels, over the "
+        what = f" ({int(components)} components per voxel)" if components != 1 else ""
+        raise LimitError(f"{Path(path).name} declares {'×'.join(str(v) for v in dims)} = {n:,} voxels{what}, over the "
                          f"limit of {int(max_voxels):,} (--max-voxels); refused before reading it")
 
 
-def _read_nifti(path: Path, max_voxels=None, cancel=None, dtype=None):
-    """Header first (shape checked against ``max_voxels`` before any voxel is decompressed),
-    then the voxels in slabs along the third axis, checking ``cancel`` between slabs."""
-    import nibabel as nib
+def _check_3d_scalar(path, shape, components: int = 1) -> None:
+    """Refuse anything but one number per voxel on a 3-D grid, from the header."""
+    if len(shape) != 3 or components != 1:
+        what = f"a {len(shape)}-D image of {'×'.join(str(int(v)) for v in shape)} voxels"
+        if components != 1:
+            what += f" with {int(components)} components per voxel (a colour or vector image)"
+        raise VolumeError(f"{path}: not a 3-D scalar CT: the header declares {what}")
 
+
+def _nifti_header(path: Path):
+    """The NIfTI-1 or -2 header of ``path`` without its extensions (nibabel would read every byte
+    before ``vox_offset`` into memory: a bomb in a few kB of ``.nii.gz``), and the image class."""
+    import nibabel as nib
+    from nibabel.openers import ImageOpener
+
+    with ImageOpener(str(path)) as f:
+        raw = f.read(nib.Nifti2Header.sizeof_hdr)
+    for klass in (nib.Nifti1Image, nib.Nifti2Image):
+        hclass = klass.header_class
+        if hclass.may_contain_header(raw):
+            return klass, hclass(raw[:hclass.sizeof_hdr], check=True)
+    raise VolumeError(f"cannot read {path} as NIfTI: no NIfTI-1 or NIfTI-2 header")
+
+
+def _read_nifti(path: Path, max_voxels=None, cancel=None, dtype=None):
+    """Header first (without extensions; every dimension and component checked against
+    ``max_voxels``, the header region against ``MAX_NIFTI_EXTENSIONS``, anything but a 3-D scalar
+    image refused, all before any voxel is decompressed), then the voxels in slabs along the
+    third axis, checking ``cancel`` between slabs. The header returned has no extensions."""
     try:
-        img = nib.load(str(path), keep_file_open=True)
-        shape = tuple(int(v) for v in img.shape)
+        klass, header = _nifti_header(path)
+        full = tuple(int(v) for v in header.get_data_shape())
+        stored = header.get_data_dtype()
+        offset = int(header.get_data_offset())
+    except VolumeError:
+        raise
     except Exception as exc:  # nibabel raises many types for corrupt files
         raise VolumeError(f"cannot read {path} as NIfTI: {exc}") from None
-    if len(shape) == 4 and shape[3] == 1:
-        shape = shape[:3]
-    if len(shape) != 3:
-        raise VolumeError(f"{path}: expected a 3-D image, got {len(shape)}-D with shape {tuple(img.shape)}")
-    _check_voxels(path, shape, max_voxels)
-    stored = img.get_data_dtype()
+    components = len(stored.names) if stored.names else 1  # RGB(A) voxels
+    _check_voxels(path, full, max_voxels, components)
+    extensions = offset - header.single_vox_offset
+    if extensions > MAX_NIFTI_EXTENSIONS:
+        raise LimitError(f"{path.name}: its header places the voxels {offset:,} bytes into the file, after "
+                         f"{extensions / (1 << 20):,.1f} MB of header extensions (at most {MAX_NIFTI_EXTENSIONS >> 20} MB); "
+                         "refused before reading it")
+    shape = full
+    while len(shape) > 3 and shape[-1] == 1:  # (I, J, K, 1): one volume of a series
+        shape = shape[:-1]
+    _check_3d_scalar(path, shape, components)
     if not (np.issubdtype(stored, np.integer) or np.issubdtype(stored, np.floating) or stored == bool):
         raise VolumeError(f"{path}: voxels are {stored}, not numbers")
+    rest = (0,) * (len(full) - 3)
+    proxy = None
     try:
-        proxy = img.dataobj
+        proxy = klass.ImageArrayProxy(str(path), header.copy(), mmap=True, keep_file_open=True)
         if min(shape) < 1:
-            data = np.asanyarray(proxy)
+            data = np.asanyarray(proxy).reshape(shape)
         else:
-            step = max(1, _SLAB_BYTES // max(1, shape[0] * shape[1] * img.get_data_dtype().itemsize))
+            step = max(1, _SLAB_BYTES // max(1, shape[0] * shape[1] * stored.itemsize))
             data = None
             for k in range(0, shape[2], step):
                 _check_cancel(cancel, path)
-                slab = np.asanyarray(proxy[:, :, k:k + step] if len(img.shape) == 3 else proxy[:, :, k:k + step, 0])
+                slab = np.asanyarray(proxy[(slice(None), slice(None), slice(k, k + step)) + rest])
                 if data is None:
                     data = np.empty(shape, dtype=dtype or slab.dtype)
                 data[:, :, k:k + step] = slab
@@ -144,13 +189,13 @@ def _read_nifti(path: Path, max_voxels=None, cancel=None, dtype=None):
     except Exception as exc:
         raise VolumeError(f"cannot read {path} as NIfTI: {exc}") from None
     finally:
-        _close_nifti(img)
-    return data, np.asarray(img.affine, dtype=np.float64), img.header
+        _close_nifti(proxy)
+    return data, np.asarray(header.get_best_affine(), dtype=np.float64), header
 
 
-def _close_nifti(img) -> None:
+def _close_nifti(proxy) -> None:
     """Close the file nibabel keeps open for ``keep_file_open=True`` (not needed once read)."""
-    opener = getattr(getattr(img, "dataobj", None), "_opener", None)
+    opener = getattr(proxy, "_opener", None)
     if opener is not None:
         try:
             opener.close_if_mine()
@@ -169,113 +214,41 @@ def _dicom_files(path: Path) -> None:
                                  "one series (give the folder of that series)")
 
 
-def _tag_floats(reader, tag) -> Optional[np.ndarray]:
-    if not reader.HasMetaDataKey(tag):
-        return None
-    try:
-        return np.array([float(v) for v in reader.GetMetaData(tag).strip().split("\\")], dtype=np.float64)
-    except ValueError:
-        return None
-
-
-def check_dicom_positions(files, sitk) -> None:
-    """Refuse a series whose slices are not one evenly spaced stack.
-
-    Reads ImageOrientationPatient (0020,0037) and ImagePositionPatient (0020,0032) of every file
-    (headers only): all orientations must agree, and the positions along the slice normal must
-    step by the same spacing (within 10 % or 0.01 mm); a gap (missing slice) or a duplicate is
-    named. Files without these tags are not checked (a warning says so).
-    """
-    reader = sitk.ImageFileReader()
-    orients, positions = [], []
-    for f in files:
-        reader.SetFileName(str(f))
-        try:
-            reader.ReadImageInformation()
-        except Exception as exc:  # noqa: BLE001 - SimpleITK raises RuntimeError subclasses
-            raise VolumeError(f"cannot read the DICOM header of {Path(f).name}: {str(exc).strip().splitlines()[-1]}") from None
-        o, p = _tag_floats(reader, "0020|0037"), _tag_floats(reader, "0020|0032")
-        if o is None or p is None or o.size != 6 or p.size != 3:
-            log.warning("%s: no usable slice position/orientation tags; slice spacing not checked", Path(f).name)
-            return
-        orients.append(o)
-        positions.append(p)
-    if len(files) < 2:
-        return
-    ref = orients[0]
-    for f, o in zip(files, orients):
-        if not np.allclose(o, ref, atol=1e-4):
-            raise VolumeError(f"the DICOM series mixes slice orientations ({Path(files[0]).name}: "
-                              f"{np.round(ref, 4).tolist()}, {Path(f).name}: {np.round(o, 4).tolist()}); "
-                              "it is not one stack of parallel slices")
-    normal = np.cross(ref[:3], ref[3:])
-    z = np.array([float(np.dot(normal, p)) for p in positions])
-    order = np.argsort(z, kind="stable")
-    zs = z[order]
-    steps = np.diff(zs)
-    names = [Path(files[i]).name for i in order]
-    for i, d in enumerate(steps):
-        if d < 1e-3:
-            raise VolumeError(f"two DICOM slices are at the same position {zs[i]:.2f} mm ({names[i]} and {names[i + 1]}): "
-                              "duplicated slices or two series in one folder")
-    spacing = float(np.median(steps))
-    bad = np.flatnonzero(np.abs(steps - spacing) > max(0.01, 0.1 * spacing))
-    if bad.size:
-        i = int(bad[0])
-        missing = round(steps[i] / spacing) - 1
-        what = f"about {missing} slice{'s' if missing != 1 else ''} missing" if missing >= 1 else "uneven spacing"
-        raise VolumeError(
-            f"the DICOM series is not evenly spaced: slice positions jump from {zs[i]:.2f} to {zs[i + 1]:.2f} mm "
-            f"({steps[i]:.2f} mm, where the other slices are {spacing:.2f} mm apart; {what} between {names[i]} and "
-            f"{names[i + 1]})" + (f" and {bad.size - 1} more place(s)" if bad.size > 1 else "")
-            + "; reading it would give wrong geometry. Export the complete series again")
-
-
 def _read_itk(path: Path, max_voxels=None, cancel=None):
+    """A DICOM series folder (through :mod:`medvolcore.dicom`, in a child process of bounded memory)
+    or an NRRD/MetaImage file: every dimension and component the header declares is checked
+    against ``max_voxels``, and anything but a 3-D scalar image refused, before a voxel is read."""
     sitk = _require_sitk("DICOM" if path.is_dir() else path.suffix.upper().lstrip(".") + " files")
+    if path.is_dir():
+        from .dicom import read_series
+
+        _dicom_files(path)
+        series = read_series(path, lambda size, components: _check_voxels(path, size, max_voxels, components), cancel)
+        data = series.array.transpose(2, 1, 0)  # (k, j, i) -> (i, j, k)
+        return data, _lps_to_ras(series.spacing, series.origin, series.direction), None
     try:
-        if path.is_dir():
-            _dicom_files(path)
-            reader = sitk.ImageSeriesReader()
-            series = reader.GetGDCMSeriesIDs(str(path))
-            if not series:
-                raise VolumeError(f"{path} is a folder without a DICOM series")
-            if len(series) > 1:
-                raise VolumeError(f"{path} holds {len(series)} DICOM series ({', '.join(series[:4])}"
-                                  f"{' …' if len(series) > 4 else ''}); put each series in its own folder")
-            files = reader.GetGDCMSeriesFileNames(str(path), series[0])
-            info = sitk.ImageFileReader()
-            info.SetFileName(files[0])
-            info.ReadImageInformation()
-            size = info.GetSize()
-            _check_voxels(path, (size[0], size[1], len(files)), max_voxels)
-            _check_cancel(cancel, path)
-            check_dicom_positions(files, sitk)
-            _check_cancel(cancel, path)
-            reader.SetFileNames(files)
-            image = reader.Execute()
-        else:
-            info = sitk.ImageFileReader()
-            info.SetFileName(str(path))
-            info.ReadImageInformation()
-            if info.GetDimension() == 3:
-                _check_voxels(path, info.GetSize(), max_voxels)
-            _check_cancel(cancel, path)
-            image = sitk.ReadImage(str(path))
+        info = sitk.ImageFileReader()
+        info.SetFileName(str(path))
+        info.ReadImageInformation()
+        size, components = info.GetSize(), info.GetNumberOfComponents()
+        _check_voxels(path, size, max_voxels, components)
+        _check_3d_scalar(path, size, components)
+        _check_cancel(cancel, path)
+        image = sitk.ReadImage(str(path))
     except (VolumeError, LimitError, CancelledError):
         raise
     except Exception as exc:
         raise VolumeError(f"cannot read {path}: {str(exc).strip().splitlines()[-1]}") from None
-    if image.GetNumberOfComponentsPerPixel() != 1:
-        raise VolumeError(f"{path}: expected a scalar image, got {image.GetNumberOfComponentsPerPixel()} components per voxel")
-    if image.GetDimension() != 3:
-        raise VolumeError(f"{path}: expected a 3-D image, got {image.GetDimension()}-D")
+    _check_3d_scalar(path, image.GetSize(), image.GetNumberOfComponentsPerPixel())
     data = sitk.GetArrayFromImage(image).transpose(2, 1, 0)  # (k, j, i) -> (i, j, k)
-    direction = np.array(image.GetDirection(), dtype=np.float64).reshape(3, 3)
+    return data, _lps_to_ras(image.GetSpacing(), image.GetOrigin(), image.GetDirection()), None
+
+
+def _lps_to_ras(spacing, origin, direction) -> np.ndarray:
     lps = np.eye(4)
-    lps[:3, :3] = direction @ np.diag(image.GetSpacing())
-    lps[:3, 3] = image.GetOrigin()
-    return data, _LPS_TO_RAS @ lps, None
+    lps[:3, :3] = np.array(direction, dtype=np.float64).reshape(3, 3) @ np.diag(spacing)
+    lps[:3, 3] = origin
+    return _LPS_TO_RAS @ lps
 
 
 def _read_any(path, max_voxels=None, cancel=None, dtype=None) -> tuple:
