@@ -645,7 +645,8 @@ def serve_http(settings: WorkerSettings, http: HttpSettings) -> int:
     how = "shutdown"
     try:
         say(f"ready (protocol {PROTOCOL}) on http://{shown}:{port}" + (" (token required)" if token else "")
-            + (f"; data folder {worker.data_dir}" if worker.data_dir else "; no server paths (volumes come in requests)")
+            + (f"; data folder {worker.data_dir}" if worker.data_dir
+               else "; no server paths (volumes come in requests)")
             + (f"; output folder {worker.out_dir}" if worker.out_dir else "; masks come back in the replies"))
         server.serve_forever(poll_interval=0.25)
     except Stop:
