@@ -25,13 +25,15 @@ def cmd_list(args) -> int:
     from .. import models
 
     rows = models.list_status()
-    header = ("NAME", "STATUS", "GPU MEMORY", "SMOKE", "DESCRIPTION")
+    header = ("NAME", "STATUS", "GPU MEMORY", "SMOKE", "LICENCE (GROUNDER / MEDSAM2)", "DESCRIPTION")
     table = [(r["name"] + (" *" if r["default"] else ""), r["status"], _gpu_text(r), "yes" if r["smoke"] else "no",
-              r["description"]) for r in rows]
-    widths = [max(len(str(x[i])) for x in [header] + table) for i in range(4)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in [header] + table]
+              f"{r.get('grounder_licence') or '?'} / {r.get('medsam2_licence') or '?'}", r["description"])
+             for r in rows]
+    widths = [max(len(str(x[i])) for x in [header] + table) for i in range(5)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5] for row in [header] + table]
     lines.append(f"* default preset. Weights folder: {models.medvol_home() / 'models'}. "
-                 "GPU memory figures are estimates, not measurements.")
+                 "GPU memory figures are estimates, not measurements. Licences are the model cards' own; "
+                 "check each card before use (`--json` gives their addresses).")
     emit({"home": str(models.medvol_home()), "presets": rows}, args.json, "\n".join(lines))
     return 0
 
@@ -103,7 +105,8 @@ def add_models_command(sub, add) -> argparse.ArgumentParser:
         a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
         return a
 
-    action("list", "Every preset: present or missing, estimated GPU memory, smoke-test flag.", cmd_list)
+    action("list", "Every preset: present or missing, estimated GPU memory, smoke-test flag, the weights' licences.",
+           cmd_list)
 
     a = action("download", "Download a preset's weights from the Hugging Face Hub (resumable; sha256-checked).",
                cmd_download)

@@ -9,8 +9,8 @@ import os
 
 from ..errors import InputError
 from ..serve.cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS
-from ..serve.http import (DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT, HttpSettings,
-                          serve_http)
+from ..serve.http import (DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT,
+                          DEFAULT_SESSION_IDLE_S, HttpSettings, check_folders, serve_http)
 from ..serve.lifecycle import setup_logging
 from ..serve.protocol import DEFAULT_MAX_REQUEST_MB
 from ..serve.stdio import serve_stdio
@@ -23,10 +23,11 @@ def cmd_serve(args) -> int:
     if args.max_voxels < 1:
         raise InputError(f"--max-voxels must be positive, got {args.max_voxels}")
     http_only = (args.token_file or args.port is not None or args.host is not None or args.data_dir is not None
-                 or args.allowed_host or args.max_connections is not None or args.client_timeout is not None)
+                 or args.out_dir is not None or args.allowed_host or args.max_connections is not None
+                 or args.client_timeout is not None or args.session_idle_s is not None)
     if not args.http and http_only:
-        raise InputError("--host, --port, --token-file, --data-dir, --allowed-host, --max-connections and "
-                         "--client-timeout apply to --http only")
+        raise InputError("--host, --port, --token-file, --data-dir, --out-dir, --allowed-host, --max-connections, "
+                         "--client-timeout and --session-idle-s apply to --http only")
     http = None
     if args.http:
         http = HttpSettings(host=args.host or DEFAULT_HOST, port=DEFAULT_PORT if args.port is None else args.port,
@@ -34,12 +35,15 @@ def cmd_serve(args) -> int:
                             max_connections=DEFAULT_MAX_CONNECTIONS if args.max_connections is None
                             else args.max_connections,
                             client_timeout=DEFAULT_CLIENT_TIMEOUT_S if args.client_timeout is None
-                            else args.client_timeout)
+                            else args.client_timeout,
+                            session_idle_s=DEFAULT_SESSION_IDLE_S if args.session_idle_s is None
+                            else args.session_idle_s)
         if http.max_connections < 1:
             raise InputError(f"--max-connections must be at least 1, got {http.max_connections}")
         if not http.client_timeout > 0:
             raise InputError(f"--client-timeout must be positive, got {http.client_timeout:g}")
-    setup_logging(bool(getattr(args, "debug", False)))
+        if not http.session_idle_s > 0:
+            raise InputError(f"--session-idle-s must be positive, got {http.session_idle_s:g}")
     threads = args.threads
     if threads is None:
         threads = max(1, (os.cpu_count() or 2) - 1)
@@ -49,11 +53,14 @@ def cmd_serve(args) -> int:
         raise InputError(f"--feature-cache-mb must be 0 or more, got {args.feature_cache_mb:g}")
     settings = WorkerSettings(preset=args.preset, adapter=args.adapter, device=args.device, cache_size=args.cache_size,
                               max_request_mb=args.max_request_mb, threads=threads, max_voxels=args.max_voxels,
-                              data_dir=args.data_dir, debug=bool(getattr(args, "debug", False)),
+                              data_dir=args.data_dir, out_dir=args.out_dir, debug=bool(getattr(args, "debug", False)),
                               feature_cache_mb=args.feature_cache_mb)
     if http is not None:
         if not 0 <= http.port <= 65535:
             raise InputError(f"--port must be 0..65535, got {http.port}")
+        check_folders(settings)  # before anything starts: one line and exit 2 when they overlap
+    setup_logging(bool(getattr(args, "debug", False)))
+    if http is not None:
         return serve_http(settings, http)
     return serve_stdio(settings)
 
@@ -84,8 +91,12 @@ def _add_arguments(sp) -> None:
                     help="largest volume accepted, checked in its header before reading it (default "
                          f"{DEFAULT_MAX_VOXELS:,}: a 1024×1024 CT of 2000 slices)")
     sp.add_argument("--data-dir", metavar="DIR", default=None,
-                    help="HTTP only: the one folder whose files clients may name as 'volume' or 'out' (paths "
-                         "resolved inside it, symbolic links followed); default: no server paths at all")
+                    help="HTTP only: the one folder whose files clients may name as 'volume' (paths resolved "
+                         "inside it, symbolic links followed); default: no server paths at all")
+    sp.add_argument("--out-dir", metavar="DIR", default=None,
+                    help="HTTP only: the one folder clients may write masks to ('out', relative to it; no "
+                         "symbolic link out of it is followed); it may not overlap --data-dir; default: none, "
+                         "the mask comes back in the reply")
     sp.add_argument("--allowed-host", action="append", metavar="NAME",
                     help="HTTP only: another name clients may use in the Host header (e.g. the machine's DNS name "
                          "behind a proxy); repeatable")
@@ -94,6 +105,9 @@ def _add_arguments(sp) -> None:
     sp.add_argument("--client-timeout", type=float, default=None, metavar="S",
                     help="HTTP only: seconds a client has to send a request's line and headers before it is "
                          f"disconnected (default {DEFAULT_CLIENT_TIMEOUT_S:g}; bodies get this plus 1 s per 256 KB)")
+    sp.add_argument("--session-idle-s", type=float, default=None, metavar="S",
+                    help="HTTP only: a session without a request for S seconds is forgotten and its queued "
+                         f"requests are cancelled; a running one finishes (default {DEFAULT_SESSION_IDLE_S:g})")
 
 
 SERVE_HELP = "Run a persistent worker that keeps the models loaded (protocol 1 over --stdio or --http)."

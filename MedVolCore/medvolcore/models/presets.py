@@ -71,7 +71,9 @@ class Preset:
     ``grounder``: ``{"repo_id", "revision", "allow_patterns", "model_type", "adapter"}``, or
     ``{"path", …}`` for a local folder, or ``{"builder": "tiny", …}``. ``medsam2``:
     ``{"repo_id", "revision", "filename", "sha256"}``, ``{"path", "sha256"}`` or
-    ``{"random_seed", "image_size"}``. ``settings`` go to the grounder unchanged.
+    ``{"random_seed", "image_size"}``. ``settings`` go to the grounder unchanged. Either may
+    carry ``licence`` (the weights' licence as their model card declares it, e.g. ``apache-2.0``)
+    and ``licence_source`` (where that was read).
     """
 
     name: str
@@ -112,6 +114,36 @@ class Preset:
         """True when some of its weights come from the Hub (download or import them first)."""
         a = self.adapter
         return self.grounder_kind == "hub" or self.medsam2_kind == "hub" or bool(a and a.get("repo_id"))
+
+    def public_info(self) -> dict:
+        """Where this preset's models come from and their licences, as a remote client may see
+        them (the worker's ``hello``): repo ids, revisions, licences; never a local path. The
+        revision is the commit actually downloaded when the weights are registered, else the
+        manifest's (None: the repo's main branch at download time)."""
+        reg = read_registration(self.name) if self.needs_download else None
+
+        def part(spec: dict, kind: str, registered: Optional[dict]) -> dict:
+            if kind == "hub":
+                d = {"source": "hub", "repo_id": spec.get("repo_id"),
+                     "revision": (registered or {}).get("revision") or spec.get("revision")}
+                if spec.get("filename"):
+                    d["filename"] = spec["filename"]
+            elif kind == "path":
+                d = {"source": "local folder"}
+            else:
+                d = {"source": "built locally (random weights)"}
+            d["licence"] = spec.get("licence")
+            d["licence_source"] = spec.get("licence_source")
+            return d
+
+        return {"description": self.description, "smoke": self.smoke,
+                "grounder": part(self.grounder, self.grounder_kind, (reg or {}).get("grounder")),
+                "medsam2": part(self.medsam2, self.medsam2_kind, (reg or {}).get("medsam2"))}
+
+    @property
+    def licences(self) -> Tuple[Optional[str], Optional[str]]:
+        """The grounder's and MedSAM2's ``licence`` (None where the manifest gives none)."""
+        return self.grounder.get("licence"), self.medsam2.get("licence")
 
     def source_text(self) -> Tuple[str, str]:
         """Short human descriptions of the grounder and MedSAM2 sources."""
@@ -164,6 +196,10 @@ def _preset_from_dict(name: str, d: dict, where: str) -> Preset:
         m["sha256"] = _check_sha(where, m.get("sha256"))
     else:
         raise _bad_table(where, f"preset {name!r}: medsam2 needs repo_id + filename, path, or random_seed + image_size")
+    for part, spec in (("grounder", g), ("medsam2", m)):
+        for key in ("licence", "licence_source"):
+            if spec.get(key) is not None and not isinstance(spec[key], str):
+                raise _bad_table(where, f"preset {name!r}: {part}.{key} must be a string or null")
     gpu = d.get("gpu_memory_gb")
     return Preset(name=name, description=str(d.get("description", "")), grounder=g, medsam2=m,
                   gpu_memory_gb=float(gpu) if gpu is not None else None,
@@ -480,10 +516,13 @@ def list_status() -> List[dict]:
     rows = []
     for p in list_presets():
         gs, ms = p.source_text()
+        gl, ml = p.licences
+        sources = {"grounder_licence_source": p.grounder.get("licence_source"),
+                   "medsam2_licence_source": p.medsam2.get("licence_source")}
         rows.append({"name": p.name, "default": p.name == default, "description": p.description,
                      **preset_status(p.name), "gpu_memory_gb": p.gpu_memory_gb,
                      "gpu_memory_note": p.gpu_memory_note, "smoke": p.smoke, "grounder": gs, "medsam2": ms,
-                     "folder": str(models_dir(p.name))})
+                     "grounder_licence": gl, "medsam2_licence": ml, **sources, "folder": str(models_dir(p.name))})
     return rows
 
 

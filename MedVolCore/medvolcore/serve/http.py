@@ -12,8 +12,18 @@ this transport adds (``docs/architecture.md``, "Worker trust boundary"):
 - at most ``max_connections`` connections are served at once (more get 503 at once); a client
   gets ``client_timeout`` seconds to send its request line and headers, and 1 s more per 256 KB
   of body, else it is disconnected; the listen backlog is 128;
+- framing is strict, so that no proxy in front can read a request differently: a body has
+  exactly one ``Content-Length`` of ASCII digits; ``Transfer-Encoding`` (any), a repeated
+  ``Content-Length`` or a body on GET get a 400 JSON error and the connection is closed;
+- a reply's headers and body leave in one write (and ``TCP_NODELAY``): two small writes on a
+  keep-alive connection would wait for the client's delayed ACK, about 40 ms a reply;
+- sessions are counted per client address (an IPv6 /64 counts as one), at most
+  ``MAX_SESSIONS_PER_CLIENT`` each, so a client that makes many sessions only forgets its own;
+  a session idle for ``session_idle_s`` is forgotten and its queued requests are cancelled
+  (its running request, if any, finishes and is answered);
 - one access-log line per request goes to stderr (client address, op, id, outcome, seconds;
-  never the query, paths or volumes).
+  never the query, paths or volumes); a refusal logs the path without its query string, and
+  control characters from the client are escaped (:func:`.lifecycle.loggable`).
 
 :class:`HttpServer` and :class:`Handler` are the transport; :func:`serve_http` runs it with a
 worker until it stops. ``--port 0`` picks a free port, shown in the ready line
@@ -27,6 +37,7 @@ import hmac
 import ipaddress
 import json
 import os
+import re
 import secrets
 import select
 import socket
@@ -35,17 +46,19 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import InputError
-from .lifecycle import Stop, install_signals, say, stop_worker
+from .lifecycle import Stop, install_signals, loggable, say, stop_worker
 from .protocol import PROTOCOL, encode_line, error_reply, internal_reply
 from .worker import Worker, WorkerSettings, log
 
-__all__ = ["HttpSettings", "HttpServer", "Handler", "serve_http", "read_token", "is_loopback", "allowed_names",
-           "DEFAULT_MAX_CONNECTIONS", "DEFAULT_CLIENT_TIMEOUT_S", "DEFAULT_PORT"]
+__all__ = ["HttpSettings", "HttpServer", "Handler", "SessionTable", "serve_http", "read_token", "is_loopback",
+           "allowed_names", "check_folders", "client_key", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_CLIENT_TIMEOUT_S",
+           "DEFAULT_PORT", "DEFAULT_SESSION_IDLE_S"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -53,8 +66,12 @@ DEFAULT_MAX_CONNECTIONS = 32
 DEFAULT_CLIENT_TIMEOUT_S = 20.0
 BODY_MIN_RATE = 256 << 10  # bytes/s a client must at least sustain while sending a body
 LISTEN_BACKLOG = 128
-MAX_SESSIONS = 4096
+MAX_SESSIONS_PER_CLIENT = 64  # one client address (an IPv6 /64) forgets its own oldest session beyond this
+MAX_SESSIONS = 1 << 16  # all clients together: a bound on memory only
+DEFAULT_SESSION_IDLE_S = 3600.0
 SESSION_HEADER = "X-MedVol-Session"
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")  # ASCII digits only: int() would also take '²' or '١'
+_QUERY = re.compile(r"\?[^\s\"]*")
 
 
 @dataclass
@@ -64,6 +81,8 @@ class HttpSettings:
     ``token_file``: the bearer token every request must carry (required off loopback).
     ``allowed_hosts``: more names clients may put in ``Host`` (a proxy's DNS name).
     ``client_timeout``: seconds for a request's line and headers (a body gets 1 s more per 256 KB).
+    ``session_idle_s``: a session without a request for this long is forgotten and its queued
+    requests are cancelled.
     """
 
     host: str = DEFAULT_HOST
@@ -72,6 +91,7 @@ class HttpSettings:
     allowed_hosts: Sequence[str] = ()
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT_S
+    session_idle_s: float = DEFAULT_SESSION_IDLE_S
 
 
 def is_loopback(host: str) -> bool:
@@ -170,21 +190,128 @@ def allowed_names(host: str, extra: Sequence[str] = ()) -> Optional[set]:
     return allowed
 
 
+def client_key(address: str) -> str:
+    """The client a session is counted under: its IPv4 address, or its IPv6 /64 (one machine
+    usually holds a whole /64, so counting single IPv6 addresses would not bound anything)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class SessionTable:
+    """The session ids this server issued, per client (:func:`client_key`), least recently used
+    first. A client holds at most ``per_client`` sessions: a new one beyond that replaces that
+    client's own oldest, never another client's. ``total`` bounds the memory of all of them
+    (reached only with more than ``total / per_client`` clients; then the client holding the
+    most sessions loses its oldest). Thread-safe."""
+
+    def __init__(self, per_client: int = MAX_SESSIONS_PER_CLIENT, total: int = MAX_SESSIONS):
+        self.per_client = int(per_client)
+        self.total = int(total)
+        self._lock = threading.Lock()
+        self._last = {}  # session id -> [client, last request (monotonic s)]
+        self._by_client: "dict[str, collections.OrderedDict]" = {}
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def session(self, sid: Optional[str], client: str) -> str:
+        """``sid`` when this server issued it and still knows it (now its most recent use), else a
+        new session of ``client``."""
+        now = time.monotonic()
+        with self._lock:
+            entry = self._last.get(sid) if sid else None
+            if entry is not None:
+                entry[1] = now
+                self._by_client[entry[0]].move_to_end(sid)
+                return sid
+            sid = secrets.token_urlsafe(18)
+            mine = self._by_client.setdefault(client, collections.OrderedDict())
+            mine[sid] = None
+            self._last[sid] = [client, now]
+            while len(mine) > self.per_client:
+                self._forget(mine.popitem(last=False)[0])
+            while len(self._last) > self.total:
+                biggest = max(self._by_client.values(), key=len)
+                self._forget(biggest.popitem(last=False)[0])
+            return sid
+
+    def touch(self, sid: Optional[str]) -> None:
+        """Mark ``sid`` as used now (a reply was delivered to it)."""
+        with self._lock:
+            entry = self._last.get(sid) if sid else None
+            if entry is not None:
+                entry[1] = time.monotonic()
+
+    def expire(self, idle_s: float) -> list:
+        """Forget the sessions unused for more than ``idle_s`` seconds; returns their ids."""
+        cutoff = time.monotonic() - idle_s
+        with self._lock:
+            old = [sid for sid, (_, t) in self._last.items() if t < cutoff]
+            for sid in old:
+                self._by_client[self._last[sid][0]].pop(sid, None)
+                self._forget(sid)
+        return old
+
+    def _forget(self, sid: str) -> None:
+        client = self._last.pop(sid)[0]
+        if not self._by_client.get(client):
+            self._by_client.pop(client, None)
+
+
+def check_folders(settings: WorkerSettings) -> None:
+    """``--data-dir`` and ``--out-dir`` must be folders, and must not overlap (the same folder,
+    or one inside the other): a client writing to the output folder can then never replace a
+    volume of the data folder. Raises :class:`InputError`; resolves both in ``settings``."""
+    for option, attr in (("--data-dir", "data_dir"), ("--out-dir", "out_dir")):
+        value = getattr(settings, attr)
+        if value is None:
+            continue
+        d = Path(value).expanduser()
+        if not d.is_dir():
+            raise InputError(f"{option} {d} is not a folder")
+        setattr(settings, attr, d)
+    if settings.data_dir is not None and settings.out_dir is not None:
+        data, out = os.path.realpath(settings.data_dir), os.path.realpath(settings.out_dir)
+        if os.path.commonpath([data, out]) in (data, out):
+            how = "is" if data == out else "is inside" if os.path.commonpath([data, out]) == data else "holds"
+            raise InputError(f"--out-dir {settings.out_dir} {how} the data folder --data-dir {settings.data_dir}; give "
+                             "the masks a folder of their own, outside the data folder, so that no client can "
+                             "replace a volume")
+
+
 class Handler(BaseHTTPRequestHandler):
     """One connection: checks on the headers, then one request at a time handed to the worker."""
 
     server_version = "medvol-serve/1"
     protocol_version = "HTTP/1.1"
     session = None
+    nodelay = True
     server: "HttpServer"
 
     def setup(self):
         self.timeout = self.server.settings.client_timeout  # a read that waits longer drops the connection
         super().setup()
+        if self.nodelay:
+            try:
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
 
     def log_message(self, fmt, *a):  # noqa: D401
-        if self.server.debug:
-            say("http: " + (fmt % a))
+        if self.server.debug:  # the request line's query (a token put there) never reaches the log
+            say("http: " + loggable(_QUERY.sub("?…", fmt % a), 300))
+
+    def _log_path(self) -> str:
+        """The request's path for the log: without its query string, control characters escaped."""
+        path = getattr(self, "path", "") or ""
+        return loggable(path.split("?", 1)[0], 100) + ("?…" if "?" in path else "")
 
     def _access(self, op, rid, outcome, t0) -> None:
         log.info("http %s %s id=%s -> %s (%.2f s)", self.client_address[0], op, json.dumps(rid)[:40], outcome,
@@ -216,19 +343,57 @@ class Handler(BaseHTTPRequestHandler):
         if close:
             self.send_header("Connection", "close")
             self.close_connection = True
-        self.end_headers()
+        self._write_reply(body)
+
+    def _write_reply(self, body: bytes) -> None:
+        """The buffered headers, the blank line and ``body`` in one write: a second small write
+        on a keep-alive connection would wait for the client's delayed ACK (Nagle), ~40 ms."""
+        head = getattr(self, "_headers_buffer", None)
+        data = (b"".join(head) + b"\r\n" if head is not None else b"") + body  # HTTP/0.9 has no headers
+        self._headers_buffer = []
         try:
-            self.wfile.write(body)
+            self.wfile.write(data)
         except OSError:
             pass
 
+    def send_error(self, code, message=None, explain=None):
+        """The base class's own refusals (a malformed request line, headers too long, an unknown
+        method) as a JSON error envelope like every other reply; the connection is closed."""
+        try:
+            status = HTTPStatus(int(code))
+        except ValueError:
+            status = HTTPStatus.BAD_REQUEST
+        kind = "too_large" if status in (HTTPStatus.REQUEST_URI_TOO_LONG,
+                                          HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE) else "bad_request"
+        self._send(status.value, error_reply(None, kind, str(message or status.phrase)[:200]), close=True)
+
     def _refuse(self, status: int, code: str, message: str) -> None:
-        log.warning("http %s %s %s refused: %s", self.client_address[0], self.command, self.path[:80], message)
+        log.warning("http %s %s %s refused: %s", self.client_address[0], loggable(self.command or "-", 20),
+                    self._log_path(), loggable(message, 300))
         self._send(status, error_reply(None, code, message), close=True)
+
+    def _framing_error(self) -> Optional[str]:
+        """Why this request's framing is refused, or None. A body has exactly one Content-Length
+        of ASCII digits; no Transfer-Encoding (chunked or any other); no body on GET. Anything
+        else is read differently by different servers and proxies (request smuggling)."""
+        if self.headers.get_all("Transfer-Encoding"):
+            return "Transfer-Encoding is not supported; send the body with one Content-Length header"
+        lengths = self.headers.get_all("Content-Length") or []
+        if len(lengths) > 1:
+            return "a request may carry one Content-Length header, not several"
+        if lengths and not _CONTENT_LENGTH.fullmatch(lengths[0].strip(" \t")):
+            return "Content-Length must be a number of at most 15 ASCII digits"
+        if lengths and self.command != "POST" and int(lengths[0].strip(" \t")) != 0:
+            return f"a {self.command} request has no body; POST requests go to /rpc"
+        return None
 
     # -- checks done on the headers alone, before any body is read --
     def _checks(self) -> bool:
         self.server.watchdog.disarm(self.connection)  # the headers are in; a body gets its own deadline
+        framing = self._framing_error()
+        if framing is not None:
+            self._refuse(400, "bad_request", framing)
+            return False
         allowed = self.server.allowed
         if allowed is not None:
             host = self.headers.get("Host")
@@ -257,18 +422,10 @@ class Handler(BaseHTTPRequestHandler):
         return True
 
     def _session(self) -> str:
-        """The caller's session id: the one it sent if the server issued it, else a new one."""
-        sid = (self.headers.get(SESSION_HEADER) or "").strip()
-        sessions = self.server.sessions
-        with self.server.sessions_lock:
-            if sid in sessions:
-                sessions.move_to_end(sid)
-                return sid
-            sid = secrets.token_urlsafe(18)
-            sessions[sid] = time.time()
-            while len(sessions) > MAX_SESSIONS:
-                sessions.popitem(last=False)
-            return sid
+        """The caller's session id: the one it sent if the server issued it, else a new one
+        counted under the caller's address."""
+        sid = (self.headers.get(SESSION_HEADER) or "").strip()[:64]
+        return self.server.sessions.session(sid, client_key(self.client_address[0]))
 
     def _client_gone(self) -> bool:
         """True when the client closed its side (a blocking POST /rpc was abandoned)."""
@@ -301,6 +458,7 @@ class Handler(BaseHTTPRequestHandler):
         r = box["reply"]
         op = job.op if job is not None else "-"
         self._access(op, r.get("id"), "ok" if r.get("ok") else r.get("error", {}).get("code"), t0)
+        self.server.sessions.touch(self.session)
         self._send(200, r)
         if self.server.worker.stopped.is_set():
             threading.Thread(target=self.server.shutdown, daemon=True).start()
@@ -313,7 +471,8 @@ class Handler(BaseHTTPRequestHandler):
         except Exception:  # noqa: BLE001 - a bad request never kills the server or goes unanswered
             self.close_connection = True
             try:
-                self._send(500, internal_reply(None, f"HTTP {self.command} {self.path[:80]}"), close=True)
+                self._send(500, internal_reply(None, f"HTTP {loggable(self.command or '-', 20)} {self._log_path()}"),
+                           close=True)
             except Exception:  # noqa: BLE001
                 pass
 
@@ -343,11 +502,11 @@ class Handler(BaseHTTPRequestHandler):
             self._refuse(415, "bad_request", f"Content-Type must be application/json (a request) or "
                                              f"application/octet-stream (a volume), got {ctype or 'none'!r}")
             return
-        length = self.headers.get("Content-Length")
-        if length is None or not length.strip().isdigit() or len(length.strip()) > 15:
+        length = self.headers.get("Content-Length")  # one, of ASCII digits (checked in _checks)
+        if length is None:
             self._send(411, error_reply(None, "bad_request", "a Content-Length header is required"), close=True)
             return
-        n = int(length)
+        n = int(length.strip(" \t"))
         limit = self.server.limit
         if n > limit:
             # read (and drop) a moderately oversized body so the client sees the reply, not a reset
@@ -398,8 +557,9 @@ class HttpServer(ThreadingHTTPServer):
         self.limit = worker.max_request_bytes
         self.allowed = allowed_names(settings.host, settings.allowed_hosts)
         self.watchdog = _Watchdog()
-        self.sessions: "collections.OrderedDict[str, float]" = collections.OrderedDict()
-        self.sessions_lock = threading.Lock()
+        self.sessions = SessionTable()
+        self._reaper_stop = threading.Event()
+        worker.hello_extra = {"session_idle_s": settings.session_idle_s}
         self._active = 0
         self._active_lock = threading.Lock()
         self.peak_connections = 0
@@ -412,6 +572,20 @@ class HttpServer(ThreadingHTTPServer):
         except BaseException:
             self.watchdog.close()
             raise
+        threading.Thread(target=self._reap_sessions, name="medvol-http-sessions", daemon=True).start()
+
+    def _reap_sessions(self) -> None:
+        """Forget sessions idle for ``session_idle_s`` and cancel their queued requests. A running
+        request of such a session is left to finish: its client still waits on its connection
+        for the reply (a client that went away was already cancelled by its handler)."""
+        idle = float(self.settings.session_idle_s)
+        while not self._reaper_stop.wait(max(0.2, min(30.0, idle / 4))):
+            expired = self.sessions.expire(idle)
+            cancelled = sum(self.worker.cancel_session(sid, f"its session was idle for more than {idle:g} s")
+                            for sid in expired)
+            if cancelled:
+                log.info("http: %d session(s) idle for more than %g s forgotten; %d queued request(s) cancelled",
+                         len(expired), idle, cancelled)
 
     def process_request(self, request, client_address):
         with self._active_lock:
@@ -446,6 +620,7 @@ class HttpServer(ThreadingHTTPServer):
 
     def server_close(self):
         self.watchdog.close()
+        self._reaper_stop.set()
         super().server_close()
 
 
@@ -455,11 +630,7 @@ def serve_http(settings: WorkerSettings, http: HttpSettings) -> int:
     if token is None and not is_loopback(http.host):
         raise InputError(f"refusing to listen on {http.host} without a token: binding to a non-loopback address "
                          "needs --token-file FILE (every request must then send 'Authorization: Bearer TOKEN')")
-    if settings.data_dir is not None:
-        d = Path(settings.data_dir).expanduser()
-        if not d.is_dir():
-            raise InputError(f"--data-dir {d} is not a folder")
-        settings.data_dir = d
+    check_folders(settings)
     worker = Worker.from_settings(settings, "http", preload=False)  # the preset loads once the port is ours
     try:
         server = HttpServer(http, worker, token, debug=settings.debug)
@@ -474,7 +645,9 @@ def serve_http(settings: WorkerSettings, http: HttpSettings) -> int:
     how = "shutdown"
     try:
         say(f"ready (protocol {PROTOCOL}) on http://{shown}:{port}" + (" (token required)" if token else "")
-            + (f"; data folder {worker.data_dir}" if worker.data_dir else "; no server paths (volumes come in requests)"))
+            + (f"; data folder {worker.data_dir}" if worker.data_dir
+               else "; no server paths (volumes come in requests)")
+            + (f"; output folder {worker.out_dir}" if worker.out_dir else "; masks come back in the replies"))
         server.serve_forever(poll_interval=0.25)
     except Stop:
         how = "SIGTERM"

@@ -3,8 +3,11 @@
 :class:`Worker` answers ``hello``, ``status``, ``cancel`` and ``shutdown`` at once and queues
 ``load``, ``segment`` and ``propagate``; a volume request runs
 :func:`medvolcore.jobs.run_segment_job` with the worker's loaded pipeline and cached volumes.
-It owns the trust boundary of ``docs/protocol.md``: server paths only over stdio or inside
-``--data-dir``, replies over HTTP without server paths or exception text. Transports
+It owns the trust boundary of ``docs/protocol.md``: server paths only over stdio, or over HTTP
+inputs inside ``--data-dir`` and outputs inside ``--out-dir`` (two folders that never overlap, so
+a client never replaces an input), replies over HTTP without server paths or exception text.
+``hello`` is the capability handshake: versions, ops, the models served (sources and licences,
+no server path) and the limits a client must respect. Transports
 (:mod:`.stdio`, :mod:`.http`) hand it raw request lines and deliver its replies.
 """
 
@@ -15,8 +18,6 @@ import collections
 import logging
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Callable, Optional
 from .. import __version__
 from ..errors import CancelledError, ForbiddenError, MedVolError
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
+from .lifecycle import make_tmp_dir, release_tmp_dir
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
                        ok_reply, parse_request, valid_id)
 
@@ -44,7 +46,9 @@ class WorkerSettings:
     manifest's default preset, loaded on the first request). ``max_request_mb``: the largest
     request line or HTTP body. ``threads``: CPU threads for the models (None: torch's default).
     ``max_voxels``: the largest volume, checked in its header before it is read. ``data_dir``:
-    the one folder HTTP clients may name files in (None: none). ``feature_cache_mb``: memory for
+    the one folder HTTP clients may name input files in (None: none). ``out_dir``: the one folder
+    HTTP clients may write masks in (``out``; None: none, the mask comes back in the reply); it
+    never overlaps ``data_dir``. ``feature_cache_mb``: memory for
     the encoded slices of recent volumes (MedSAM2's image features), so a re-propagation of a
     volume seen before encodes no slice again; 0 keeps none.
     """
@@ -57,6 +61,7 @@ class WorkerSettings:
     threads: Optional[int] = None
     max_voxels: int = DEFAULT_MAX_VOXELS
     data_dir: Optional[Path] = None
+    out_dir: Optional[Path] = None
     debug: bool = False
     feature_cache_mb: float = DEFAULT_FEATURE_CACHE_MB
 
@@ -102,8 +107,10 @@ class Worker:
 
     ``emit(obj)`` sends a message (reply or event) for requests submitted without their own
     ``reply`` callback (stdio). ``default_preset`` is used by segment/propagate when no preset
-    is loaded and the request names none. ``data_dir``: the only folder whose files HTTP
-    requests may name (None: no server path over HTTP). ``max_voxels``: the largest volume
+    is loaded and the request names none (``default_adapter``: the adapter it starts with, shown
+    by ``hello`` by its folder name only). ``data_dir``: the only folder whose files HTTP
+    requests may name as inputs (None: no server path over HTTP); ``out_dir``: the only folder
+    HTTP requests may write to (``out``; None: none). ``max_voxels``: the largest volume
     accepted, checked in its header before reading. ``feature_cache_mb``: the budget of the
     feature cache (the encoded slices of recent volumes, by content sha256, HU window and
     loaded MedSAM2; least recently used volumes go first).
@@ -113,7 +120,7 @@ class Worker:
                  device: str = "auto", cache_size: int = DEFAULT_CACHE_SIZE, transport: str = "stdio",
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_MB << 20, threads: Optional[int] = None,
                  data_dir=None, max_voxels: Optional[int] = DEFAULT_MAX_VOXELS,
-                 feature_cache_mb: float = DEFAULT_FEATURE_CACHE_MB):
+                 feature_cache_mb: float = DEFAULT_FEATURE_CACHE_MB, out_dir=None, default_adapter=None):
         from ..propagation import FeatureCache
 
         self.emit = emit or (lambda obj: None)
@@ -123,11 +130,14 @@ class Worker:
         self.max_request_bytes = int(max_request_bytes)
         self.threads = threads
         self.data_dir = Path(os.path.realpath(data_dir)) if data_dir is not None else None
+        self.out_dir = Path(os.path.realpath(out_dir)) if out_dir is not None else None
+        self.default_adapter = default_adapter
+        self.hello_extra: dict = {}  # what the transport adds to ``hello`` (HTTP: session idle time)
         self.max_voxels = max_voxels
         self.cache = StackCache(cache_size, max_voxels)
         self.features = FeatureCache(int(max(0.0, float(feature_cache_mb)) * (1 << 20)))
         self._pipe_generation = 0  # features belong to one loaded MedSAM2
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix="medvol-serve-"))
+        self.tmp_dir, self._tmp_lock = make_tmp_dir()  # medvol-serve-<pid>-…; stale ones of dead workers go
         self.started = time.monotonic()
         self.pipeline = None
         self._pipe_key = None
@@ -149,7 +159,8 @@ class Worker:
         worker = cls(emit, default_preset=settings.preset, device=settings.device, cache_size=settings.cache_size,
                      transport=transport, max_request_bytes=settings.max_request_bytes, threads=settings.threads,
                      data_dir=settings.data_dir, max_voxels=settings.max_voxels,
-                     feature_cache_mb=settings.feature_cache_mb)
+                     feature_cache_mb=settings.feature_cache_mb, out_dir=settings.out_dir,
+                     default_adapter=settings.adapter)
         if preload and settings.preset:
             worker.preload(settings.preset, settings.adapter)
         return worker
@@ -188,10 +199,7 @@ class Worker:
             if op not in OPS:
                 raise RequestError(f"unknown op {op!r}; known: {', '.join(OPS)}", "unknown_op")
             if op == "hello":
-                hello = {"protocol": PROTOCOL, "medvolcore": __version__, "ops": list(OPS), "transport": transport}
-                if session is not None:
-                    hello["session"] = session
-                reply(ok_reply(rid, hello))
+                reply(ok_reply(rid, self.hello(session, transport)))
             elif op == "status":
                 reply(ok_reply(rid, self.status(session, transport)))
             elif op == "cancel":
@@ -221,6 +229,48 @@ class Worker:
             reply(self._internal_reply(rid, f"a {op!r} request"))
         return None
 
+    def hello(self, session: Optional[str] = None, transport: Optional[str] = None) -> dict:
+        """The capability handshake: protocol, versions, ops, the models this worker serves (or
+        will load) with their sources and licences, and the limits a client must respect. It
+        names no server path (an adapter by its folder name only)."""
+        transport = transport or self.transport
+        out = {"protocol": PROTOCOL, "medvolcore": __version__, "ops": list(OPS), "transport": transport,
+               "models": self._served_models(), "limits": self._limits()}
+        if transport == "http":
+            out["server_paths"] = {"volume": self.data_dir is not None, "out": self.out_dir is not None}
+        out.update(self.hello_extra)
+        if session is not None:
+            out["session"] = session
+        return out
+
+    def _served_models(self) -> dict:
+        """The preset loaded, else the one the first request will load, as a client may see it."""
+        from .. import models
+
+        pipe = self.pipeline
+        try:
+            name = pipe.preset if pipe is not None else (self.default_preset or models.default_preset())
+            info = {"preset": name, "loaded": pipe is not None, "device": pipe.device if pipe is not None else None}
+            info.update(models.get_preset(name).public_info())
+        except MedVolError as e:  # a broken manifest: hello still answers
+            return {"preset": getattr(pipe, "preset", None) or self.default_preset, "loaded": pipe is not None,
+                    "error": self.public_message(str(e), "http")}
+        adapter = None
+        if pipe is not None and getattr(pipe, "models", None) is not None and pipe.models.adapter_dir:
+            adapter = Path(pipe.models.adapter_dir).name
+        elif pipe is None and self.default_adapter:
+            adapter = Path(str(self.default_adapter)).name
+        info["adapter"] = adapter
+        return info
+
+    def _limits(self) -> dict:
+        from ..anchor import MAX_BOXES
+        from ..prompts import MAX_OBJECTS, MAX_POINTS, MAX_PROMPTS
+
+        return {"max_request_mb": round(self.max_request_bytes / (1 << 20), 3), "max_voxels": self.max_voxels,
+                "max_boxes": MAX_BOXES, "max_objects": MAX_OBJECTS, "max_prompts": MAX_PROMPTS,
+                "max_points": MAX_POINTS}
+
     @staticmethod
     def _internal_reply(rid, what: str) -> dict:
         return internal_reply(rid, what)
@@ -228,16 +278,17 @@ class Worker:
     def public_message(self, text: str, transport: Optional[str] = None) -> str:
         """An error message fit for the client: over HTTP, no absolute server path.
 
-        Paths inside ``--data-dir`` become relative to it, the upload temporary file becomes
+        Paths inside ``--data-dir`` or ``--out-dir`` become relative to it, the upload temporary file becomes
         "the uploaded volume", and any other absolute path is cut to its last component.
         """
         if (transport or self.transport) != "http":
             return text
         tmp = re.escape(str(self.tmp_dir))
         text = re.sub(tmp + r"[^\s'\":,;()]*", "the uploaded volume", text)
-        if self.data_dir is not None:
-            root = str(self.data_dir)
-            text = text.replace(root + os.sep, "").replace(root, ".")
+        for folder in (self.data_dir, self.out_dir):
+            if folder is not None:
+                root = str(folder)
+                text = text.replace(root + os.sep, "").replace(root, ".")
         return re.sub(r"(?<![\w.~])/(?:[^\s'\":,;()/]+/)+([^\s'\":,;()/]+)", r"\1", text)
 
     def client_path(self, value: str, transport: str, what: str) -> Path:
@@ -256,6 +307,32 @@ class Worker:
         full = os.path.realpath(os.path.join(self.data_dir, value))
         if os.path.commonpath([full, str(self.data_dir)]) != str(self.data_dir):
             raise ForbiddenError(f"'{what}' {value!r} is outside the server's data folder")
+        return Path(full)
+
+    def output_path(self, value: str, transport: str) -> Path:
+        """Where a client's ``out`` goes. Over stdio: as given (``~`` expanded). Over HTTP: only
+        with ``--out-dir``, relative to it, and refused unless its folder resolves inside it (a
+        symbolic link out of the folder is not followed) and its last component is not a
+        symbolic link (an atomic rename would replace the link, but the existence check before
+        it would look at the target). ``--out-dir`` never overlaps ``--data-dir``, so an
+        output never replaces a volume the data folder serves. Refusals happen before anything
+        is written and do not depend on which files exist, except the link check."""
+        if transport != "http":
+            return Path(os.path.expanduser(value))
+        if self.out_dir is None:
+            raise ForbiddenError("'out' names a file on the server, which this server does not allow: the mask comes "
+                                 "back in the reply ('mask_b64'); an operator can allow one output folder with "
+                                 "`medvol serve --out-dir DIR`")
+        if not value or "\0" in value:
+            raise ForbiddenError("'out' is not a usable path")
+        root = str(self.out_dir)
+        joined = os.path.normpath(os.path.join(root, value))
+        parent = os.path.realpath(os.path.dirname(joined))
+        if parent != root and os.path.commonpath([parent, root]) != root:
+            raise ForbiddenError(f"'out' {value!r} is outside the server's output folder")
+        full = os.path.join(parent, os.path.basename(joined))
+        if os.path.islink(full):
+            raise ForbiddenError(f"'out' {value!r} is a symbolic link; name a new file in the output folder")
         return Path(full)
 
     def _check_queued(self, req: dict, body: Optional[bytes], transport: str) -> None:
@@ -290,7 +367,7 @@ class Worker:
                                + (", or 'volume_b64' / the request body with NIfTI bytes)" if transport == "http" else ")"))
         out = field(req, "out", str)
         vol_path = self.client_path(volume, transport, "volume") if volume is not None else None
-        out_path = self.client_path(out, transport, "out") if out is not None else None
+        out_path = self.output_path(out, transport) if out is not None else None
         if out_path is not None:
             from ..fileio import MASK_SUFFIXES, check_distinct
 
@@ -322,6 +399,20 @@ class Worker:
             job.reply(error_reply(job.id, "cancelled", f"request {target!r} was cancelled before it started"))
             return {"target": target, "found": True, "state": "queued"}
         return {"target": target, "found": False, "state": "not_found"}
+
+    def cancel_session(self, session: str, reason: str) -> int:
+        """Cancel the queued requests of ``session`` (it expired); a running one is left to
+        finish and its reply still goes to its client. Returns how many were cancelled."""
+        with self._cv:
+            mine = [job for job in self._queue if job.session == session]
+            for job in mine:
+                self._queue.remove(job)
+        for job in mine:
+            try:
+                job.reply(error_reply(job.id, "cancelled", f"request cancelled: {reason}"))
+            except Exception:  # noqa: BLE001 - a client that went away must not stop the caller
+                log.warning("could not deliver the reply to request %r", job.id)
+        return len(mine)
 
     def abandon(self, job: _Job) -> None:
         """Cancel ``job`` because nobody waits for its reply (an HTTP client disconnected)."""
@@ -382,7 +473,8 @@ class Worker:
         """Stop, wait for the running request to end (up to ``timeout``), remove the temp folder."""
         self.stop()
         self.join(timeout)
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        release_tmp_dir(self.tmp_dir, self._tmp_lock)
+        self._tmp_lock = None
 
     def preload(self, preset: str, adapter=None) -> None:
         """Queue a model load with no reply (startup ``--preset``); failures are logged."""
@@ -526,7 +618,7 @@ class Worker:
     def _out_path(self, job: _Job) -> tuple:
         out = job.req.get("out")
         if out:
-            return self.client_path(out, job.transport, "out"), bool(job.req.get("overwrite", False)), False
+            return self.output_path(out, job.transport), bool(job.req.get("overwrite", False)), False
         self._counter += 1
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(job.id))[:40] if job.id is not None else "req"
         return self.tmp_dir / f"{job.op}-{self._counter:04d}-{safe}.nii.gz", False, True
@@ -583,7 +675,7 @@ class Worker:
             if is_temp:
                 out.unlink()
             else:
-                result["mask_path"] = os.path.relpath(out, self.data_dir)  # as the client named it, never absolute
+                result["mask_path"] = os.path.relpath(out, self.out_dir)  # relative to --out-dir, never absolute
         else:
             result["mask_path"] = str(out)
         timings = dict(res["timings"])
