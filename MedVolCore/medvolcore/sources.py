@@ -525,7 +525,10 @@ def _copy_file(fd: int, value: str, what: str, folder: Path, cancel) -> Tuple[Pa
     finally:
         os.close(out_fd)
     if suffix in ITK_SUFFIXES:
-        kind, declared = declared_data_files(out)
+        try:
+            kind, declared = declared_data_files(out)
+        except (VolumeError, LimitError) as e:
+            raise type(e)(str(e).replace(out, label)) from None
         if declared is not None:
             raise ForbiddenError(f"{label} is a detached header: its voxels are in other files "
                                  f"({declared[0]!r}{' …' if len(declared) > 1 else ''}), which the server does not "
@@ -544,7 +547,9 @@ def _copy_folder(dir_fd: int, value: str, what: str, folder: Path, cancel) -> Tu
             if len(names) > MAX_SOURCE_FILES:
                 raise LimitError(f"'{what}' {value!r} holds more than {MAX_SOURCE_FILES} files; a DICOM series folder "
                                  "should hold one series (give the folder of that series)")
-    series = folder / "series"
+    # named as the client's folder, so the reader's messages name it too
+    base = os.path.basename(os.path.normpath(value))
+    series = folder / (base if base not in ("", os.curdir, os.pardir) else "series")
     _new_file(lambda: series.mkdir(), f"'{what}' {value!r}")
     manifest = _Manifest("dicom")
     copied = 0

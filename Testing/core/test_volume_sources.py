@@ -207,10 +207,13 @@ def test_cached_volume_that_disagrees_with_its_header_is_not_served(stdio_worker
     wrong, _, _ = stack_for(stdio_worker, outside / "s5", keep=False)
     before = getattr(stdio_worker.cache, "mismatches", 0)
     # the file's own key now holds another volume (a collision, a poisoned entry): never served
-    stdio_worker.cache.put(hashlib.sha256(ct.read_bytes()).hexdigest(), wrong)
+    key = hashlib.sha256(ct.read_bytes()).hexdigest()
+    stdio_worker.cache.put(key, wrong)
+    made_from_wrong = stdio_worker.features.store((key, 40.0, 400.0, 0))  # slices encoded from that volume
     stack, _, cached = stack_for(stdio_worker, ct)
     assert cached is False and stack.volume.shape == (16, 16, 4)
     assert stdio_worker.cache.mismatches == before + 1
+    assert made_from_wrong.closed and stdio_worker.features.store((key, 40.0, 400.0, 0)) is not made_from_wrong
     stack, _, cached = stack_for(stdio_worker, ct)  # the fresh read replaced it
     assert cached is True and stack.volume.shape == (16, 16, 4)
     # an upload is checked the same way

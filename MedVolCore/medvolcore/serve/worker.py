@@ -509,6 +509,18 @@ class Worker:
             torch.cuda.empty_cache()
 
     def _stack_for(self, job: _Job, progress) -> tuple:
+        """``(stack, sha256, cached)`` for the request's volume (see :class:`.cache.StackCache`).
+
+        A cached volume that its file's header contradicted was read again; the encoded slices
+        kept under its key were made from the wrong voxels, so they are dropped too."""
+        mismatches = self.cache.mismatches
+        stack, digest, cached = self._read_stack(job, progress)
+        if self.cache.mismatches != mismatches:
+            for key in [k for k in list(self.features._stores) if isinstance(k, tuple) and k[:1] == (digest,)]:
+                self.features.discard(key)
+        return stack, digest, cached
+
+    def _read_stack(self, job: _Job, progress) -> tuple:
         req = job.req
         b64 = req.get("volume_b64")
         if b64 is not None:
@@ -532,7 +544,10 @@ class Worker:
             try:
                 return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256)
             except MedVolError as e:  # name the client's file, not the private copy
-                raise type(e)(str(e).replace(str(copy.path), repr(value))) from None
+                text = str(e).replace(str(copy.path), repr(value))
+                if copy.path.is_file():  # a folder's copy has the client's folder name already
+                    text = text.replace(copy.path.name, os.path.basename(os.path.normpath(value)))
+                raise type(e)(text) from None
 
     def _out_path(self, job: _Job) -> tuple:
         out = job.req.get("out")
