@@ -504,7 +504,8 @@ def _copy_fd(src_fd: int, out_fd: int, cancel, what: str) -> Tuple[str, int]:
     return h.hexdigest(), size
 
 
-def _new_file(make, what: str) -> Tuple[int, str]:
+def _new_file(make, what: str):
+    """``make()`` (a new file or folder in the private folder); a full disk raises :class:`LimitError`."""
     try:
         return make()
     except OSError as e:
@@ -526,7 +527,7 @@ def _copy_file(fd: int, value: str, what: str, folder: Path, cancel) -> Tuple[Pa
         os.close(out_fd)
     if suffix in ITK_SUFFIXES:
         try:
-            kind, declared = declared_data_files(out)
+            _, declared = declared_data_files(out)
         except (VolumeError, LimitError) as e:
             raise type(e)(str(e).replace(out, label)) from None
         if declared is not None:
@@ -570,8 +571,8 @@ def _copy_folder(dir_fd: int, value: str, what: str, folder: Path, cancel) -> Tu
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise VolumeError(f"'{what}' {value!r} changed while it was opened; try again")
             label = f"'{what}' {value!r}"
-            out_fd = _new_file(lambda: os.open(series / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                                               | os.O_CLOEXEC, 0o600), label)
+            out_fd = _new_file(lambda dst=series / name: os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                                                                 | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), label)
             try:
                 digest, size = _copy_fd(fd, out_fd, cancel, label)
             finally:
@@ -599,7 +600,7 @@ def private_copy(root, value: str, dest_dir, cancel=None, what: str = "volume") 
     for the same content. A full disk raises :class:`LimitError`.
     """
     parts = client_parts(root, value, what)
-    folder = Path(tempfile.mkdtemp(prefix="source-", dir=dest_dir))
+    folder = Path(_new_file(lambda: tempfile.mkdtemp(prefix="source-", dir=dest_dir), f"'{what}' {value!r}"))
     dir_fd = None
     try:
         dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

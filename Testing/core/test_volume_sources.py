@@ -228,7 +228,7 @@ def test_key_covers_data_files_and_rewritten_files(stdio_worker, tmp_path):
     raw = tmp_path / "v.raw"
     raw.write_bytes(np.full((3, 16, 16), 7, np.int16).tobytes())
     hdr = _mhd(tmp_path / "v.mhd", "v.raw")
-    first, _, _ = stack_for(stdio_worker, hdr)
+    stack_for(stdio_worker, hdr)
     raw.write_bytes(np.full((3, 16, 16), 9, np.int16).tobytes())
     second, _, cached = stack_for(stdio_worker, hdr)
     assert cached is False and float(second.volume.array.max()) == 9.0  # before: the header's key, stale voxels
@@ -256,13 +256,12 @@ def test_http_refuses_detached_headers_and_links_without_opening_them(http_worke
         record_property(f"{volume} refused in s", round(time.perf_counter() - t, 3))
     r = reply_to(http_worker, {"volume": "fifo.mhd"})
     assert r["ok"] is False and r["error"]["code"] == "forbidden", r
-    root, outside = material
+    outside = material[1]
     assert "detached header" in r["error"]["message"] and str(outside) not in r["error"]["message"]
     assert list(http_worker.tmp_dir.iterdir()) == []  # the private copies are gone
 
 
-def test_http_reads_single_file_volumes_and_dicom_folders(http_worker, material):
-    root, outside = material
+def test_http_reads_single_file_volumes_and_dicom_folders(http_worker):
     shapes = {v: stack_for(http_worker, v)[0].volume.shape for v in ("ct.nii.gz", "ok.mha", "ok.nrrd", "series3")}
     assert shapes == {"ct.nii.gz": (16, 16, 4), "ok.mha": (16, 16, 6), "ok.nrrd": (16, 16, 7), "series3": (16, 16, 3)}
     # the key of a copy is the key of the same content named over stdio (one cache, one feature store)
@@ -334,7 +333,7 @@ def test_a_file_swapped_for_a_link_after_the_check_is_not_followed(material, mon
 
 # ---- a full temp folder ---------------------------------------------------------------------------------
 
-@pytest.mark.probe("II.1", "full TMPDIR: writing the upload or the private copy (ENOSPC)")
+@pytest.mark.probe("II.10", "full TMPDIR: writing the upload or the private copy (ENOSPC)")
 def test_full_temp_folder_gives_a_clear_error(http_worker, material, monkeypatch):
     real = tempfile.mkstemp
 
