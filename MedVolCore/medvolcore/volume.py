@@ -292,8 +292,14 @@ def load_volume(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVol
 
     ``max_voxels``: refuse (:class:`LimitError`) a volume declaring more voxels, before reading
     them. ``cancel``: a ``threading.Event``; reading stops with :class:`CancelledError` when set.
-    Non-finite voxels are set to the lowest finite value, and ``notes`` says so.
+    Non-finite voxels are set to the lowest finite value, and ``notes`` says so. Every file the
+    reader would open (a detached header's data files, a DICOM folder's files) is checked first
+    (:func:`medvolcore.sources.volume_sources`): a missing one, a FIFO, device or socket is
+    refused before anything is read.
     """
+    from .sources import volume_sources
+
+    volume_sources(path)
     data, affine, header, fmt = _read_any(path, max_voxels, cancel, dtype=np.float32)
     hu = np.asarray(data, dtype=np.float32)
     del data
@@ -312,7 +318,11 @@ def load_volume(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVol
 
 
 def load_label_map(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVolume:
-    """Read a label map (integer ids, 0 = background) on its source grid."""
+    """Read a label map (integer ids, 0 = background) on its source grid (its files checked
+    first, as by :func:`load_volume`)."""
+    from .sources import volume_sources
+
+    volume_sources(path)
     data, affine, header, fmt = _read_any(path, max_voxels, cancel)
     if data.dtype.kind == "f":
         if not np.all(np.isfinite(data)):

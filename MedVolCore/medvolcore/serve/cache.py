@@ -1,24 +1,33 @@
-"""The worker's volume cache: AxialStacks kept by the content sha256 of their file or upload.
+"""The worker's volume cache: AxialStacks kept by the content sha256 of the files they were read from.
 
-A cache never serves another volume: the key is the sha256 of the bytes themselves (a file's, a
-DICOM folder's files' names and bytes, or an upload's), and a stack enters the cache only once its
-request succeeded, so a volume from a failed or cancelled request is never held in memory.
+A cache never serves another volume. The key is the sha256 of what the reader reads
+(:mod:`medvolcore.sources`): a file's bytes, or for a detached header or a DICOM folder the names,
+sizes and sha256s of the header and every data file it names, or of the folder's files (symbolic
+links followed over stdio; a folder with no file is refused before any lookup, so no empty key
+exists). Before a cached volume is served, its shape and affine are checked against the file's
+header (a cheap header read); a volume that does not match is read again. A stack enters the
+cache only once its request succeeded, so a volume from a failed or cancelled request is never
+held in memory.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import os
-import stat
-import tempfile
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import CancelledError, LimitError, VolumeError
+import numpy as np
 
-__all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_FEATURE_CACHE_MB", "DEFAULT_MAX_VOXELS", "StackCache", "file_sha256"]
+from ..errors import VolumeError
+from ..sources import HashMemo, sources_sha256, store_bytes, volume_sources
+
+__all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_FEATURE_CACHE_MB", "DEFAULT_MAX_VOXELS", "StackCache", "file_sha256",
+           "header_geometry"]
+
+log = logging.getLogger("medvolcore.serve")
 
 DEFAULT_CACHE_SIZE = 4
 # MedSAM2 image features of recent volumes: about 4.2 MB a slice at 512 px (fp32), so 2 GB holds
@@ -27,48 +36,65 @@ DEFAULT_FEATURE_CACHE_MB = 2048
 DEFAULT_MAX_VOXELS = 1024 * 1024 * 2000  # a 1024×1024 CT of 2000 slices (8 GB as float32)
 
 
-def _hash_file(path: Path, h, cancel=None) -> None:
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            if cancel is not None and cancel.is_set():
-                raise CancelledError(f"reading {path.name} was cancelled")
-            h.update(chunk)
-
-
 def file_sha256(path: Path, cancel=None) -> str:
-    """sha256 of a regular file's bytes, or of a folder's own regular files (name + bytes, sorted).
+    """The content sha256 of a volume path: of a file's bytes, or of the files the reader reads
+    for a detached header or a DICOM folder (:func:`medvolcore.sources.sources_sha256`).
 
     Only regular files are read (never a device or FIFO, which could block for ever); a folder
-    is not walked recursively (a DICOM series is one folder) and holds at most
-    ``volume.MAX_DICOM_FILES`` entries. ``cancel`` is checked between 1 MB chunks.
+    is not walked recursively (a DICOM series is one folder), holds at most
+    ``volume.MAX_DICOM_FILES`` entries and at least one file. ``cancel`` is checked between 1 MB
+    chunks.
     """
-    from ..volume import MAX_DICOM_FILES
+    return sources_sha256(volume_sources(path), cancel)
 
-    h = hashlib.sha256()
-    st = path.stat()
-    if stat.S_ISDIR(st.st_mode):
-        names = []
-        with os.scandir(path) as it:
-            for entry in it:
-                names.append(entry.name)
-                if len(names) > MAX_DICOM_FILES:
-                    raise LimitError(f"{path.name} holds more than {MAX_DICOM_FILES} files; give the folder of one "
-                                     "DICOM series")
-        for name in sorted(names):
-            f = path / name
-            if f.is_file() and not f.is_symlink():
-                h.update(name.encode("utf-8", "surrogateescape") + b"\0")
-                _hash_file(f, h, cancel)
-        return h.hexdigest()
-    if not stat.S_ISREG(st.st_mode):
-        raise VolumeError(f"{path} is not a regular file or folder (a device, FIFO or socket); give a CT file or "
-                          "a DICOM folder")
-    _hash_file(path, h, cancel)
-    return h.hexdigest()
+
+def header_geometry(path) -> tuple:
+    """``(shape, affine)`` of a volume as its header declares them, without reading voxels:
+    the shape in file index order ``(I, J, K)`` and the voxel→RAS affine, as
+    :func:`medvolcore.volume.load_volume` returns them. A DICOM folder's come from its series'
+    file list and the first and last slice headers (the series reader's spacing)."""
+    from ..volume import _LPS_TO_RAS, NIFTI_SUFFIXES
+
+    p = Path(path)
+    if not p.is_dir() and p.name.lower().endswith(NIFTI_SUFFIXES):
+        import nibabel as nib
+
+        img = nib.load(str(p))
+        shape = tuple(int(v) for v in img.shape)
+        if len(shape) == 4 and shape[3] == 1:
+            shape = shape[:3]
+        return shape, np.asarray(img.affine, dtype=np.float64)
+    import SimpleITK as sitk  # noqa: N813
+
+    def info(f):
+        r = sitk.ImageFileReader()
+        r.SetFileName(str(f))
+        r.ReadImageInformation()
+        return r
+
+    if p.is_dir():
+        ids = sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(p))
+        if len(ids) != 1:
+            raise VolumeError(f"{p} is not one DICOM series")
+        files = sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(p), ids[0])
+        first = info(files[0])
+        size = (first.GetSize()[0], first.GetSize()[1], len(files))
+        spacing = list(first.GetSpacing())
+        if len(files) > 1:
+            step = np.subtract(info(files[-1]).GetOrigin(), first.GetOrigin())
+            if np.linalg.norm(step) > 0:
+                spacing[2] = float(np.linalg.norm(step)) / (len(files) - 1)
+    else:
+        first = info(p)
+        size, spacing = first.GetSize(), first.GetSpacing()
+    lps = np.eye(4)
+    lps[:3, :3] = np.array(first.GetDirection(), dtype=np.float64).reshape(3, 3) @ np.diag(spacing)
+    lps[:3, 3] = first.GetOrigin()
+    return tuple(int(v) for v in size), _LPS_TO_RAS @ lps
 
 
 class StackCache:
-    """A small LRU of AxialStacks keyed by the content sha256 of the volume file.
+    """A small LRU of AxialStacks keyed by the content sha256 of the files they were read from.
 
     ``get_path`` / ``get_bytes`` return a stack without keeping it; the caller adds it with
     :meth:`put` once its request succeeded, so a volume from a failed or cancelled request (say, a
@@ -79,74 +105,69 @@ class StackCache:
         self.size = max(0, int(size))
         self.max_voxels = max_voxels
         self._items: "collections.OrderedDict[str, Any]" = collections.OrderedDict()
-        self._stat_hash: dict = {}  # (path, size, mtime_ns) -> sha256, so a known file is not hashed again
+        self._memo = HashMemo()  # per file: a file known by (path, device, inode, size, mtime, ctime) is not hashed again
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.mismatches = 0  # cached volumes not served because the file's header disagreed
 
-    def _key_for_path(self, path: Path, cancel=None) -> str:
+    def _cached(self, digest: str, path: Path):
+        """The stack cached under ``digest``, if its shape and affine are those ``path``'s header
+        declares (else None: the volume is read again and replaces it)."""
+        with self._lock:
+            stack = self._items.get(digest)
+        if stack is None:
+            return None
         try:
-            st = path.stat()
-        except OSError as e:
-            raise VolumeError(f"{path} cannot be read: {e.strerror or e}") from None
-        memo = (str(path.resolve()), st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
-        if memo is not None and memo in self._stat_hash:
-            return self._stat_hash[memo]
-        try:
-            digest = file_sha256(path, cancel)
-        except OSError as e:
-            raise VolumeError(f"{path} cannot be read: {e.strerror or e}") from None
-        if memo is not None:
-            if len(self._stat_hash) > 256:
-                self._stat_hash.clear()
-            self._stat_hash[memo] = digest
-        return digest
-
-    def _cached(self, digest: str):
+            shape, affine = header_geometry(path)
+        except Exception:  # noqa: BLE001 - an unreadable header is reported by the full read below
+            shape, affine = None, None
+        if shape != stack.volume.shape or not np.allclose(affine, stack.volume.affine, atol=1e-3):
+            self.mismatches += 1
+            log.warning("cached volume %s… does not match the header of the file it was asked for (shape %s, cached "
+                        "%s); reading the file again", digest[:12], shape, stack.volume.shape)
+            return None
         with self._lock:
             if digest in self._items:
                 self._items.move_to_end(digest)
-                self.hits += 1
-                return self._items[digest]
-        return None
+            self.hits += 1
+        return stack
 
-    def get_path(self, path, cancel=None) -> tuple:
-        """``(stack, sha256, cached)`` for a volume path (not added to the cache: see :meth:`put`)."""
+    def get_path(self, path, cancel=None, digest: Optional[str] = None) -> tuple:
+        """``(stack, sha256, cached)`` for a volume path (not added to the cache: see :meth:`put`).
+
+        ``digest``: the path's content key when the caller already has it (a private copy,
+        hashed while copied); else it is computed from the files the reader reads, after checking
+        them (:func:`medvolcore.sources.volume_sources`: a missing data file, a FIFO or a folder
+        with no file is refused here, before any lookup).
+        """
         from ..stack import AxialStack
         from ..volume import load_volume
 
         path = Path(path)
-        digest = self._key_for_path(path, cancel)
-        stack = self._cached(digest)
+        if digest is None:
+            digest = sources_sha256(volume_sources(path), cancel, self._memo)
+        stack = self._cached(digest, path)
         if stack is not None:
             return stack, digest, True
         self.misses += 1
         return AxialStack(load_volume(path, max_voxels=self.max_voxels, cancel=cancel)), digest, False
 
     def get_bytes(self, data: bytes, tmp_dir: Path, cancel=None) -> tuple:
-        """``(stack, sha256, cached)`` for uploaded NIfTI bytes (written to ``tmp_dir`` only to be read)."""
-        from ..stack import AxialStack
-        from ..volume import load_volume
-
+        """``(stack, sha256, cached)`` for uploaded NIfTI bytes, written to a private file in
+        ``tmp_dir`` to be read (or to have its header checked against a cached volume), then
+        removed. A full disk raises :class:`~medvolcore.errors.LimitError`."""
         digest = hashlib.sha256(data).hexdigest()
-        stack = self._cached(digest)
-        if stack is not None:
-            return stack, digest, True
         if len(data) < 348:
             raise VolumeError(f"uploaded volume is {len(data)} bytes: too short to be a NIfTI file")
-        self.misses += 1
-        suffix = ".nii.gz" if data[:2] == b"\x1f\x8b" else ".nii"
-        fd, tmp = tempfile.mkstemp(prefix="upload-", suffix=suffix, dir=tmp_dir)
+        tmp = store_bytes(data, tmp_dir, ".nii.gz" if data[:2] == b"\x1f\x8b" else ".nii")
         try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            stack = AxialStack(load_volume(tmp, max_voxels=self.max_voxels, cancel=cancel))
+            return self.get_path(tmp, cancel, digest=digest)
         finally:
             try:
-                os.unlink(tmp)
+                tmp.unlink()
             except OSError:
                 pass
-        return stack, digest, False
 
     def put(self, digest: str, stack) -> None:
         with self._lock:

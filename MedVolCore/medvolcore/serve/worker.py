@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 from .. import __version__
 from ..errors import CancelledError, ForbiddenError, MedVolError
+from ..sources import client_parts, private_copy
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
 from .lifecycle import make_tmp_dir, release_tmp_dir
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
@@ -293,17 +294,18 @@ class Worker:
 
     def client_path(self, value: str, transport: str, what: str) -> Path:
         """A path named by a client. Over stdio: as given (``~`` expanded). Over HTTP: only
-        with ``--data-dir``, resolved (symbolic links followed, relative to the data folder)
-        and refused unless inside it. Refusals happen before anything is looked up, so they
-        tell nothing about which server files exist."""
+        with ``--data-dir``, relative to the data folder, and refused unless inside it: first
+        from the text alone (``..`` and absolute paths, before anything is looked up, so the
+        refusal tells nothing about which server files exist), then with symbolic links
+        resolved. A volume is then read only through :func:`medvolcore.sources.private_copy`,
+        which follows no link at all (see :meth:`_stack_for`)."""
         if transport != "http":
             return Path(os.path.expanduser(value))
         if self.data_dir is None:
             raise ForbiddenError(f"'{what}' names a file on the server, which this server does not allow; send the "
                                  "volume in the request (volume_b64 or the request body) and take the mask from the "
                                  "reply (an operator can allow one folder with `medvol serve --data-dir DIR`)")
-        if "\0" in value:
-            raise ForbiddenError(f"'{what}' is not a usable path")
+        client_parts(self.data_dir, value, what)
         full = os.path.realpath(os.path.join(self.data_dir, value))
         if os.path.commonpath([full, str(self.data_dir)]) != str(self.data_dir):
             raise ForbiddenError(f"'{what}' {value!r} is outside the server's data folder")
@@ -599,6 +601,18 @@ class Worker:
             torch.cuda.empty_cache()
 
     def _stack_for(self, job: _Job, progress) -> tuple:
+        """``(stack, sha256, cached)`` for the request's volume (see :class:`.cache.StackCache`).
+
+        A cached volume that its file's header contradicted was read again; the encoded slices
+        kept under its key were made from the wrong voxels, so they are dropped too."""
+        mismatches = self.cache.mismatches
+        stack, digest, cached = self._read_stack(job, progress)
+        if self.cache.mismatches != mismatches:
+            for key in [k for k in list(self.features._stores) if isinstance(k, tuple) and k[:1] == (digest,)]:
+                self.features.discard(key)
+        return stack, digest, cached
+
+    def _read_stack(self, job: _Job, progress) -> tuple:
         req = job.req
         b64 = req.get("volume_b64")
         if b64 is not None:
@@ -611,9 +625,21 @@ class Worker:
         if req.get("volume") is None and job.body is not None:
             progress("read", 0.0, f"reading the uploaded volume ({len(job.body)} bytes)")
             return self.cache.get_bytes(job.body, self.tmp_dir, job.cancel)
-        path = self.client_path(req["volume"], job.transport, "volume")
+        value = req["volume"]
+        path = self.client_path(value, job.transport, "volume")
         progress("read", 0.0, f"reading {path.name}")
-        return self.cache.get_path(path, job.cancel)
+        if job.transport != "http":
+            return self.cache.get_path(path, job.cancel)
+        # Over HTTP the client's path is opened once, without following links, and copied into
+        # the private temp folder while hashed; the reader reads only that copy, which is removed.
+        with private_copy(self.data_dir, value, self.tmp_dir, job.cancel, "volume") as copy:
+            try:
+                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256)
+            except MedVolError as e:  # name the client's file, not the private copy
+                text = str(e).replace(str(copy.path), repr(value))
+                if copy.path.is_file():  # a folder's copy has the client's folder name already
+                    text = text.replace(copy.path.name, os.path.basename(os.path.normpath(value)))
+                raise type(e)(text) from None
 
     def _out_path(self, job: _Job) -> tuple:
         out = job.req.get("out")
