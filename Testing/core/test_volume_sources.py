@@ -61,6 +61,13 @@ def _mhd(path: Path, data_file: str, depth: int = 3) -> Path:
     return path
 
 
+def _left_in(worker) -> list:
+    """What the worker's temporary folder holds besides its own lock file: no private copy."""
+    from medvolcore.serve.lifecycle import TMP_LOCK_NAME
+
+    return [p.name for p in worker.tmp_dir.iterdir() if p.name != TMP_LOCK_NAME]
+
+
 @pytest.fixture(scope="module")
 def material(tmp_path_factory, write_dicom_series):
     """``root`` (a data folder) and ``outside`` (a folder next to it), holding:
@@ -258,7 +265,7 @@ def test_http_refuses_detached_headers_and_links_without_opening_them(http_worke
     assert r["ok"] is False and r["error"]["code"] == "forbidden", r
     outside = material[1]
     assert "detached header" in r["error"]["message"] and str(outside) not in r["error"]["message"]
-    assert list(http_worker.tmp_dir.iterdir()) == []  # the private copies are gone
+    assert _left_in(http_worker) == []  # the private copies are gone
 
 
 def test_http_reads_single_file_volumes_and_dicom_folders(http_worker):
@@ -266,7 +273,7 @@ def test_http_reads_single_file_volumes_and_dicom_folders(http_worker):
     assert shapes == {"ct.nii.gz": (16, 16, 4), "ok.mha": (16, 16, 6), "ok.nrrd": (16, 16, 7), "series3": (16, 16, 3)}
     # the key of a copy is the key of the same content named over stdio (one cache, one feature store)
     assert stack_for(http_worker, "ct.nii.gz")[2] is True
-    assert list(http_worker.tmp_dir.iterdir()) == []
+    assert _left_in(http_worker) == []
 
 
 @pytest.mark.probe("II.2", "stdio/CLI: .mhd whose data file is a FIFO, or missing")
@@ -357,7 +364,7 @@ def test_full_temp_folder_gives_a_clear_error(http_worker, material, monkeypatch
         assert "no space left" in r["error"]["message"], r
     with pytest.raises(LimitError):
         stack_for(http_worker, "ok.mha")
-    assert list(http_worker.tmp_dir.iterdir()) == []
+    assert _left_in(http_worker) == []
 
 
 # ---- the parser itself ----------------------------------------------------------------------------------

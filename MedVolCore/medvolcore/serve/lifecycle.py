@@ -32,7 +32,7 @@ __all__ = ["PROG", "STOP_GRACE_S", "TMP_PREFIX", "Stop", "say", "setup_logging",
 PROG = "medvol serve"
 STOP_GRACE_S = 15.0
 TMP_PREFIX = "medvol-serve-"
-_LOCK_NAME = ".medvol-serve.lock"
+TMP_LOCK_NAME = ".medvol-serve.lock"
 _STALE_RE = re.compile(r"^medvol-serve-([0-9]+)-[A-Za-z0-9_]+$")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _CONTROL_BUT_NEWLINE_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
@@ -126,7 +126,7 @@ def make_tmp_dir() -> Tuple[Path, Optional[int]]:
     locks are not available). Stale folders of dead workers are removed first."""
     remove_stale_tmp_dirs()
     folder = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
-    return folder, _lock(folder / _LOCK_NAME, create=True)
+    return folder, _lock(folder / TMP_LOCK_NAME, create=True)
 
 
 def _lock(path: Path, create: bool = False) -> Optional[int]:
@@ -186,7 +186,7 @@ def remove_stale_tmp_dirs(root=None) -> list:
             continue
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or _pid_alive(int(m.group(1))):
             continue
-        fd = _lock(Path(entry.path) / _LOCK_NAME)
+        fd = _lock(Path(entry.path) / TMP_LOCK_NAME)
         if fd is None:  # no lock file (not a worker's folder as we make them) or a live holder
             continue
         try:
