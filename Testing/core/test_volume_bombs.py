@@ -201,9 +201,11 @@ def _nhdr(folder: Path, name: str, sizes, kinds=None) -> Path:
 
 
 def _mhd(folder: Path, name: str, sizes, channels=1) -> Path:
+    """A MetaImage header whose data file exists but is empty: the header alone must be refused."""
     p = folder / name
+    (folder / "empty.raw").touch()
     p.write_text(f"ObjectType = Image\nNDims = {len(sizes)}\nDimSize = {' '.join(map(str, sizes))}\n"
-                 f"ElementNumberOfChannels = {channels}\nElementType = MET_SHORT\nElementDataFile = missing.raw\n")
+                 f"ElementNumberOfChannels = {channels}\nElementType = MET_SHORT\nElementDataFile = empty.raw\n")
     return p
 
 
