@@ -513,7 +513,7 @@ def check_outside_cases(out: Path, ids: Sequence[str], inputs: Sequence[Tuple[st
     if not inputs:
         return
     root = resolve_paths([out])[0]
-    case_dirs = {os.path.join(root, cid): cid for cid in ids}  # no case folder is a link (checked before)
+    case_dirs = {os.path.normcase(os.path.join(root, cid)): cid for cid in ids}  # no case folder is a link (checked)
     resolved = resolve_paths([p for _label, p in inputs])
     out_ids = {r: label for (label, _p), r in zip(outputs, resolve_paths([p for _l, p in outputs]))}
     out_inodes = {}

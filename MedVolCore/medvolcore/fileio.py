@@ -15,11 +15,14 @@ is removed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import functools
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
@@ -180,6 +183,7 @@ def check_distinct(outputs: Iterable[Tuple[str, Optional[PathLike]]],
                 raise InputError(f"{label} {p} is the input {in_label}; write the output elsewhere")
 
 
+@functools.lru_cache(maxsize=1)
 def _host_tag() -> str:
     """Six hex digits naming this machine in temporary names, so a process on another machine
     sharing the folder (a cluster's file system) is never taken for a dead one of ours."""
@@ -189,7 +193,9 @@ def _host_tag() -> str:
     return hashlib.blake2b(socket.gethostname().encode("utf-8", "replace"), digest_size=3).hexdigest()
 
 
-_TMP_OWNER_RE = re.compile(r"(\d+)-([0-9a-f]{6})\.")
+# .NAME.<pid>-<host>.<mkstemp's 8 random characters>.part<suffix>; the greedy NAME makes the owner
+# field the last one that fits, whatever dots and digits the output's own name holds
+_TMP_NAME_RE = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-(?P<host>[0-9a-f]{6})\.[a-z0-9_]{8}\.part")
 
 
 def temporary_prefix(final: PathLike) -> str:
@@ -210,40 +216,65 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# Per folder, the temporaries (name → (pid, host)) found when this process first wrote there:
+# one listing per folder and process, so writing n files into one folder stays O(n). A writer
+# killed later is cleaned up by the next process that writes there.
+_TEMPORARIES: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
+_TEMPORARIES_LOCK = threading.Lock()
+_FOLDERS_KEPT = 1024
+
+
+def _temporaries_in(folder: Path) -> dict:
+    key = os.path.abspath(str(folder))
+    with _TEMPORARIES_LOCK:
+        found = _TEMPORARIES.get(key)
+        if found is not None:
+            _TEMPORARIES.move_to_end(key)
+            return found
+    found = {}
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            m = _TMP_NAME_RE.match(entry.name) if ".part" in entry.name else None
+            if m is not None:
+                found[entry.name] = (int(m.group("pid")), m.group("host"), m.group("name"))
+    with _TEMPORARIES_LOCK:
+        _TEMPORARIES[key] = found
+        while len(_TEMPORARIES) > _FOLDERS_KEPT:
+            _TEMPORARIES.popitem(last=False)
+    return found
+
+
 def remove_stale_temporaries(final: PathLike) -> int:
     """Remove the temporaries of ``final`` left by a killed process (``kill -9``, a power cut):
     those named by :func:`atomic_path` with this machine's tag and the pid of a process that is
     no longer alive. Another live process's temporaries, and those of other machines, are kept.
-    Returns how many were removed."""
+    The folder is listed once per process (see ``_TEMPORARIES``). Returns how many were removed."""
     final = Path(final)
-    head = f".{final.name}."
     host = _host_tag()
+    found = _temporaries_in(final.parent)
     removed = 0
-    try:
-        entries = os.scandir(final.parent)
-    except OSError:
-        return 0
-    with entries:
-        for entry in entries:
-            name = entry.name
-            if not name.startswith(head) or ".part" not in name:
-                continue
-            m = _TMP_OWNER_RE.match(name, len(head))
-            if m is None or m.group(2) != host or _pid_alive(int(m.group(1))):
-                continue
-            if entry.is_symlink() or entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-                    removed += 1
+    for name, (pid, tag, output) in list(found.items()):
+        if output != final.name or tag != host or _pid_alive(pid):
+            continue
+        path = final.parent / name
+        with contextlib.suppress(OSError):
+            if path.is_symlink() or path.is_file():
+                os.unlink(path)
+                removed += 1
+        with _TEMPORARIES_LOCK:
+            found.pop(name, None)
     return removed
 
 
 def _remove_temporary(tmp_path: Path) -> None:
     """Remove a temporary and any sibling a writer made from its name (``.part.mhd`` + ``.zraw``
     where a writer did not know the suffix): every name starting with it up to ``.part``."""
-    stem = tmp_path.name[: tmp_path.name.rindex(".part") + len(".part")]
     with contextlib.suppress(OSError):
         tmp_path.unlink()
+    m = _TMP_NAME_RE.match(tmp_path.name)
+    if m is None:
+        return
+    stem = tmp_path.name[: m.end()]
     with contextlib.suppress(OSError):
         for entry in os.scandir(tmp_path.parent):
             if entry.name.startswith(stem) and entry.is_file(follow_symlinks=False):
