@@ -103,7 +103,7 @@ class Case:
                 "volume_state": input_state(self.volume), "gt_state": input_state(self.gt) if self.gt else None}
 
 
-_DETACHED_DATA_RE = re.compile(rb"^\s*(?:ElementDataFile\s*=|data file\s*:)\s*(\S[^\r\n]*?)\s*$", re.I | re.M)
+_DETACHED_DATA_RE = re.compile(rb"^\s*(?:ElementDataFile\s*=|data file\s*:)\s*(\S[^\r\n]*?)\s*$", re.IGNORECASE | re.MULTILINE)
 
 
 def input_state(path: Optional[Path]) -> Optional[dict]:

@@ -219,7 +219,7 @@ def _pid_alive(pid: int) -> bool:
 # Per folder, the temporaries (name → (pid, host)) found when this process first wrote there:
 # one listing per folder and process, so writing n files into one folder stays O(n). A writer
 # killed later is cleaned up by the next process that writes there.
-_TEMPORARIES: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
+_TEMPORARIES: collections.OrderedDict = collections.OrderedDict()
 _TEMPORARIES_LOCK = threading.Lock()
 _FOLDERS_KEPT = 1024
 

@@ -11,7 +11,6 @@ import numpy as np
 from .errors import InputError
 from .resources import load_json
 
-
 # A window's centre and width in HU are at most this large: CT values span about -1024 to
 # 30,000 HU, and larger numbers (1e308) would overflow the float32 arithmetic of the mapping.
 MAX_HU = 1_000_000.0

@@ -700,7 +700,7 @@ def test_the_worker_answers_huge_numbers_with_a_field_error(tmp_path):
               ({"anchor": world}, "bad_anchor"),
               ({"anchor": ok_anchor, "window": [10**400, 400]}, "bad_input"),
               ({"anchor": ok_anchor, "window": [1e308, 1e308]}, "bad_input")]
-    replies: "queue.Queue" = queue.Queue()
+    replies: queue.Queue = queue.Queue()
     w = Worker(transport="stdio", device="cpu")
     try:
         for i, (fields, _code) in enumerate(probes):

@@ -248,9 +248,8 @@ def test_written_files_are_checked_before_the_rename(tmp_path):
     for name, data, needle in [("m.nii.gz", b"\x1f\x8b not a nifti", "cannot be read back"),
                                ("m.nrrd", b"NRRD0004\nbroken", "cannot be read back"),
                                ("qc.png", b"GIF89a", "not a PNG")]:
-        with pytest.raises(OutputError, match=needle):
-            with atomic_path(tmp_path / name) as tmp:
-                tmp.write_bytes(data)
+        with pytest.raises(OutputError, match=needle), atomic_path(tmp_path / name) as tmp:
+            tmp.write_bytes(data)
         assert os.listdir(tmp_path) == []
     write_text_atomic(tmp_path / "empty.txt", "")  # text is checked to be what was written: empty is fine
     assert (tmp_path / "empty.txt").read_text() == ""
