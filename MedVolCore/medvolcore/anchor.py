@@ -27,9 +27,9 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import AnchorError, InputError, VolumeError
+from .errors import AnchorError, InputError, LimitError, VolumeError
 from .fileio import write_text_atomic
-from .prompts import MAX_POINTS, MAX_PROMPTS, check_prompt_fields, check_z_range, plan_objects
+from .prompts import MAX_INDEX, MAX_POINTS, MAX_PROMPTS, check_prompt_fields, check_z_range, plan_objects
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +44,48 @@ MIN_COMPONENT_FRACTION = 0.05
 # Tolerance (in pixels) when rounding normalised coordinates outward: absorbs the rounding of
 # boxes_norm as written in anchor files (6 decimals) and of integer model outputs.
 _EPS = 1e-3
+# Bounds on numbers read from anchors: no slice is a million pixels wide and no point of a body
+# is a kilometre from the scanner's origin, so larger values (1e308, 10**400) are refused as
+# errors of their field before any arithmetic can overflow.
+MAX_COORD = MAX_INDEX
+MAX_WORLD_MM = 1_000_000.0
+# An anchor file is read only when it is at most this size (checked with stat before reading).
+# The largest anchor the limits allow (8 boxes, 64 prompts with boxes, 256 points, each in pixel
+# and world form, a 2000-character query, 16 kB of reasoning) is about 48 kB: 1 MB is 20 times that.
+MAX_ANCHOR_FILE_BYTES = 1 << 20
 
 Box = List[int]
 
 
 # ---- box geometry ---------------------------------------------------------------------
 
+def _show(value, limit: int = 60) -> str:
+    """``repr`` cut to ``limit`` characters (a 400-digit number must not fill an error line)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int over Python's digit limit for str()
+        return f"<a {type(value).__name__} too long to show>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _in_range(v, bound: float) -> bool:
+    """Whether a number (int, float, numpy scalar; not bool) is finite and within ``±bound``,
+    without converting a huge int to float (which overflows)."""
+    if isinstance(v, (int, np.integer)):
+        return -bound <= int(v) <= bound
+    return math.isfinite(v) and -bound <= float(v) <= bound
+
+
 def _as_numbers(box, what: str = "box") -> list:
     if isinstance(box, (str, bytes)) or not hasattr(box, "__len__") or len(box) != 4:
-        raise InputError(f"{what} must have 4 numbers [x0, y0, x1, y1], got {box!r}")
+        raise InputError(f"{what} must have 4 numbers [x0, y0, x1, y1], got {_show(box)}")
     out = []
     for v in box:
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
-            raise InputError(f"{what} {list(box)!r} has a non-numeric coordinate {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise InputError(f"{what} {_show(list(box))} has a non-numeric coordinate {_show(v)}")
+        if not _in_range(v, MAX_COORD):
+            raise InputError(f"{what} has a coordinate out of range ({_show(v, 30)}): coordinates are finite and at "
+                             f"most {MAX_COORD:,} in size")
         out.append(v)
     return out
 
@@ -121,7 +150,7 @@ def box_to_ras(stack, z: int, box: Sequence[int]) -> List[List[float]]:
 
 def _ras_points_to_stack(stack, points, what: str, tol: float = 0.5):
     """``(z, rows, cols)`` of RAS points that must all lie on one axial slice (within ``tol`` voxels)."""
-    idx = stack.ras_to_stack(np.asarray(points, dtype=np.float64).reshape(-1, 3))
+    idx = _stack_indices(stack, np.asarray(points, dtype=np.float64).reshape(-1, 3), what)
     zs = idx[:, 0]
     z = int(np.rint(zs.mean()))
     if np.any(np.abs(zs - z) > tol):
@@ -148,14 +177,34 @@ def _pixel_prompt(raw, i: int, width: int, height: int, what: str) -> dict:
     return p
 
 
-def _ras_array(value, shape_tail: int, what: str, form: str) -> np.ndarray:
+def _world_array(value) -> Optional[np.ndarray]:
+    """``value`` as float64, or None when it is not numbers (a huge int overflows: None too)."""
     try:
-        a = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError):
-        a = None
-    if a is None or a.ndim != 2 or a.shape[1] != shape_tail or len(a) == 0 or not np.all(np.isfinite(a)):
-        raise AnchorError(f"{what}: must be {form}, got {value!r}")
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _check_world_range(a: np.ndarray, what: str) -> None:
+    if not np.all(np.abs(a) <= MAX_WORLD_MM):  # NaN and inf fail too
+        raise AnchorError(f"{what}: a coordinate is not finite or lies more than {MAX_WORLD_MM:,.0f} mm from the "
+                          "origin; world coordinates are RAS millimetres")
+
+
+def _ras_array(value, shape_tail: int, what: str, form: str) -> np.ndarray:
+    a = _world_array(value)
+    if a is None or a.ndim != 2 or a.shape[1] != shape_tail or len(a) == 0:
+        raise AnchorError(f"{what}: must be {form}, got {_show(value)}")
+    _check_world_range(a, what)
     return a
+
+
+def _stack_indices(stack, ras: np.ndarray, what: str) -> np.ndarray:
+    """Continuous stack indices of RAS points, refused when they lie absurdly far from the volume."""
+    idx = stack.ras_to_stack(ras)
+    if not np.all(np.abs(idx) <= MAX_COORD):
+        raise AnchorError(f"{what}: a point lies far outside the volume (more than {MAX_COORD:,} voxels away)")
+    return idx
 
 
 def ras_to_prompt(stack, world: dict, what: str = "prompt") -> dict:
@@ -195,13 +244,11 @@ def ras_to_box(stack, corners, what: str = "box", tol: float = 0.5):
     Points are rounded to the nearest voxel; both must lie on the same slice (within
     ``tol`` voxels) and inside the stack's depth.
     """
-    try:
-        c = np.asarray(corners, dtype=np.float64)
-    except (TypeError, ValueError):
-        c = None
-    if c is None or c.shape != (2, 3) or not np.all(np.isfinite(c)):
-        raise AnchorError(f"{what}: world box must be two RAS points [[r, a, s], [r, a, s]], got {corners!r}")
-    idx = stack.ras_to_stack(c)
+    c = _world_array(corners)
+    if c is None or c.shape != (2, 3):
+        raise AnchorError(f"{what}: world box must be two RAS points [[r, a, s], [r, a, s]], got {_show(corners)}")
+    _check_world_range(c, what)
+    idx = _stack_indices(stack, c, what)
     zs = idx[:, 0]
     z = int(np.rint(zs.mean()))
     if np.any(np.abs(zs - z) > tol):
@@ -230,6 +277,15 @@ def _is_text(value) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _image_size(size) -> List[int]:
+    """``[W, H]``: two whole numbers of pixels, 1 to :data:`MAX_COORD`."""
+    if (isinstance(size, (str, bytes, dict)) or not hasattr(size, "__len__") or len(size) != 2
+            or not all(not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating))
+                       and _in_range(v, MAX_COORD) and float(v).is_integer() and v >= 1 for v in size)):
+        raise AnchorError(f"image_size must be [W, H] in whole pixels (1 to {MAX_COORD:,}), got {_show(size)}")
+    return [int(v) for v in size]
 
 
 def _check_fields(d: dict, origin: str) -> None:
@@ -294,9 +350,7 @@ class EvidenceAnchor:
         if isinstance(self.slice, bool) or not isinstance(self.slice, (int, np.integer)) or self.slice < 0:
             raise AnchorError(f"anchor slice must be a non-negative integer, got {self.slice!r}")
         self.slice = int(self.slice)
-        if len(self.image_size) != 2 or min(int(v) for v in self.image_size) < 1:
-            raise AnchorError(f"image_size must be [W, H] in pixels, got {self.image_size!r}")
-        self.image_size = [int(v) for v in self.image_size]
+        self.image_size = _image_size(self.image_size)
         if self.source not in SOURCES:
             raise AnchorError(f"anchor source must be one of {', '.join(SOURCES)}, got {self.source!r}")
         if not self.boxes:
@@ -360,7 +414,7 @@ class EvidenceAnchor:
     # -- constructors --
     @classmethod
     def from_norm(cls, slice_index: int, boxes_norm: Iterable[Sequence[float]], image_size: Sequence[int], **kw) -> "EvidenceAnchor":
-        w, h = int(image_size[0]), int(image_size[1])
+        w, h = _image_size(image_size)
         boxes = [norm_to_box(b, w, h, f"box {i + 1}") for i, b in enumerate(boxes_norm)]
         return cls(slice_index, boxes, [w, h], **kw)
 
@@ -485,14 +539,49 @@ class EvidenceAnchor:
 
     @classmethod
     def load(cls, path, stack=None) -> "EvidenceAnchor":
+        """Read an anchor file: at most :data:`MAX_ANCHOR_FILE_BYTES` (checked before reading),
+        strict JSON (no key twice in an object, no NaN or Infinity), then :meth:`from_dict`."""
         p = Path(path)
         if not p.is_file():
             raise AnchorError(f"{p} does not exist" if not p.exists() else f"{p} is not a file")
         try:
-            d = json.loads(p.read_text(encoding="utf-8"))
+            size = p.stat().st_size
+            if size > MAX_ANCHOR_FILE_BYTES:
+                raise LimitError(f"{p} is {size / 2**20:.1f} MB; an anchor file is at most "
+                                 f"{MAX_ANCHOR_FILE_BYTES // 2**20} MB (is it an anchor?)")
+            with open(p, "rb") as f:
+                raw = f.read(MAX_ANCHOR_FILE_BYTES + 1)  # a file growing after the stat is still bounded
+        except OSError as e:
+            raise AnchorError(f"cannot read {p}: {e.strerror or e}") from None
+        if len(raw) > MAX_ANCHOR_FILE_BYTES:
+            raise LimitError(f"{p} is over {MAX_ANCHOR_FILE_BYTES // 2**20} MB; an anchor file is at most that")
+        try:
+            d = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise AnchorError(f"{p} is not valid JSON: {e}") from None
+        except _JSONProblem as e:
+            raise AnchorError(f"{p}: {e}") from None
+        except (ValueError, RecursionError) as e:  # an integer over Python's digit limit; nesting too deep
+            raise AnchorError(f"{p} is not usable JSON: {_show(str(e), 120)}") from None
         return cls.from_dict(d, stack, origin=str(p))
+
+
+class _JSONProblem(ValueError):
+    pass
+
+
+def _unique_keys(pairs) -> dict:
+    """``object_pairs_hook``: refuse an object that names a key twice (json would keep the last silently)."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _JSONProblem(f"the key {_show(k)} appears more than once in one object; give each field once")
+        d[k] = v
+    return d
+
+
+def _no_constant(name: str):
+    raise _JSONProblem(f"holds {name}, which is not a finite number")
 
 
 def _check_counts(prompts: list, origin: str) -> None:

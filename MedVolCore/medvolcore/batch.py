@@ -15,13 +15,15 @@ For each case the run writes, in this order and each atomically (temporary name 
 - ``DIR/<id>/done.json``    status, seconds, metrics and anchor summary: written LAST.
 
 A case is *complete* only when ``done.json`` is present, readable, says ``"status": "done"``,
-matches the manifest entry (same volume, query, gt, label, preset) and the three outputs
-exist. A run killed at any moment therefore never leaves a case that counts as done without
+matches the manifest entry (same volume, query, gt, label, preset, and the volume and gt files
+as they are now: size and modification time of a file, names, sizes and times of a DICOM
+folder's files) and the three outputs exist. A run killed at any moment therefore never leaves a case that counts as done without
 its outputs. A case that fails (missing or corrupt file, model error, …) gets
 ``DIR/<id>/error.json`` (its error code and message) and the run goes on.
 
 ``--resume`` skips complete cases and reruns failed or incomplete ones (their leftovers are
-removed first). Without ``--resume`` or ``--overwrite`` the run refuses to start when any of its
+removed first), and cases whose volume or gt file was replaced since. A case folder that is a
+symbolic link is refused: the run never writes or deletes through a link. Without ``--resume`` or ``--overwrite`` the run refuses to start when any of its
 case folders already holds outputs. ``--overwrite`` reruns every case of the shard.
 
 ``--shard I/N`` (1-based ``I``) takes the cases whose 0-based position in the manifest ``p``
@@ -40,21 +42,24 @@ the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``).
 from __future__ import annotations
 
 import csv
+import hashlib
 import html
 import io
 import json
 import logging
 import os
 import re
+import stat
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
 from .errors import InputError, MedVolError, OutputError, OutputExistsError
-from .fileio import check_distinct, check_folder, is_inside, write_text_atomic
+from .fileio import check_distinct, check_folder, remove_stale_temporaries, resolve_paths, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +95,51 @@ class Case:
     line: int = 0
 
     def fingerprint(self, preset: str = "", adapter=None) -> dict:
-        """What a finished case must match to be skipped by ``--resume``."""
+        """What a finished case must match to be skipped by ``--resume``: its fields, the model,
+        and what its volume and ground truth files are now (:func:`input_state`), so a CT
+        replaced at the same path runs again."""
         return {"volume": str(self.volume), "query": self.query, "gt": str(self.gt) if self.gt else None,
-                "label": self.label, "preset": preset, "adapter": str(adapter) if adapter else None}
+                "label": self.label, "preset": preset, "adapter": str(adapter) if adapter else None,
+                "volume_state": input_state(self.volume), "gt_state": input_state(self.gt) if self.gt else None}
+
+
+_DETACHED_DATA_RE = re.compile(rb"^\s*(?:ElementDataFile\s*=|data file\s*:)\s*(\S[^\r\n]*?)\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def input_state(path: Optional[Path]) -> Optional[dict]:
+    """What an input file or DICOM folder is now, cheaply (no pixel is read): a file's size and
+    ``mtime_ns`` (symbolic links followed; a detached header's data file, ``.mhd``/``.nhdr``, as
+    well); a folder's file count and a sha256 over its files' names, sizes and ``mtime_ns``.
+    None when the path does not exist (the case then fails when it runs)."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        h = hashlib.sha256()
+        n = 0
+        try:
+            with os.scandir(path) as it:
+                entries = sorted((e.name, e.stat()) for e in it if e.is_file())
+        except OSError:
+            return None
+        for name, est in entries:
+            n += 1
+            h.update(f"{name}\0{est.st_size}\0{est.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
+        return {"files": n, "sha256": h.hexdigest()}
+    state = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if str(path).lower().endswith((".mhd", ".nhdr")):
+        try:
+            with open(path, "rb") as f:
+                m = _DETACHED_DATA_RE.search(f.read(64 * 1024))
+        except OSError:
+            m = None
+        if m is not None:
+            data = Path(path).parent / os.fsdecode(m.group(1))
+            state["data"] = input_state(data) if data.is_file() else None
+    return state
 
 
 def check_case_id(value: str) -> Optional[str]:
@@ -148,6 +195,23 @@ def _resolve(value: str, base: Path) -> Path:
     return p if p.is_absolute() else base / p
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs) -> dict:
+    """``object_pairs_hook``: a JSON object that names a key twice is refused (json keeps the last
+    silently, so ``{"volume": "a", "volume": "b"}`` would read as ``b``)."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _DuplicateKey(k)
+        d[k] = v
+    return d
+
+
 def _read_rows(path: Path) -> Tuple[List[Tuple[int, dict]], List[str]]:
     """(line, raw record) pairs of the manifest, and the problems found while reading it."""
     problems: List[str] = []
@@ -168,6 +232,9 @@ def _read_rows(path: Path) -> Tuple[List[Tuple[int, dict]], List[str]]:
         if missing:
             raise ManifestError(f"{path}: missing column(s) {', '.join(missing)} (found: {', '.join(header) or 'none'}); "
                                 f"required: {', '.join(REQUIRED_FIELDS)}, optional: {', '.join(OPTIONAL_FIELDS)}")
+        repeated = sorted(h for h, n in Counter(header).items() if h and n > 1)
+        if repeated:
+            raise ManifestError(f"{path}: the column {repeated[0]!r} appears more than once in the header row")
         reader.fieldnames = header
         for rec in reader:
             line = reader.line_num
@@ -182,9 +249,15 @@ def _read_rows(path: Path) -> Tuple[List[Tuple[int, dict]], List[str]]:
             if not raw.strip():
                 continue
             try:
-                rec = json.loads(raw)
+                rec = json.loads(raw, object_pairs_hook=_unique_keys)
+            except _DuplicateKey as e:
+                problems.append(f"line {line}: the key {e.key!r} appears more than once; give each field once")
+                continue
             except json.JSONDecodeError as e:
                 problems.append(f"line {line}: not valid JSON ({e.msg})")
+                continue
+            except RecursionError:
+                problems.append(f"line {line}: not valid JSON (nested too deeply)")
                 continue
             if not isinstance(rec, dict):
                 problems.append(f"line {line}: expected a JSON object, got {type(rec).__name__}")
@@ -323,7 +396,13 @@ def _has_outputs(case_dir: Path) -> bool:
 
 
 def _clear_case(case_dir: Path) -> None:
-    """Remove this tool's files from a case folder: done.json first, then the rest and leftovers."""
+    """Remove this tool's files from a case folder: done.json first, then the rest and leftovers.
+
+    A case folder that is a symbolic link is refused (:class:`OutputError`), never emptied: its
+    target may be anything (checked when the run is planned, and again here in case it was swapped)."""
+    if os.path.islink(case_dir):
+        raise OutputError(f"the case folder {case_dir} is a symbolic link; medvol batch never writes or deletes "
+                          "through a link")
     for name in (DONE, ERROR) + OUTPUTS:
         try:
             (case_dir / name).unlink()
@@ -331,11 +410,16 @@ def _clear_case(case_dir: Path) -> None:
             pass
     if case_dir.is_dir():
         for name in OUTPUTS + (DONE, ERROR):
-            for tmp in case_dir.glob(f".{name}.*.part*"):  # temporaries of a killed run (fileio.atomic_path)
-                try:
-                    tmp.unlink()
-                except FileNotFoundError:
-                    pass
+            remove_stale_temporaries(case_dir / name)  # a killed run's (fileio.atomic_path names them with its pid)
+            for tmp in case_dir.glob(f".{name}.*.part*"):  # those of versions that named no pid
+                if _LEGACY_TMP_RE.match(tmp.name[len(name) + 2:]):
+                    try:
+                        tmp.unlink()
+                    except FileNotFoundError:
+                        pass
+
+
+_LEGACY_TMP_RE = re.compile(r"[a-z0-9_]{8}\.part")
 
 
 def _one_line(text: str) -> str:
@@ -369,6 +453,120 @@ class BatchResult:
         return 0 if all(r["status"] == "done" for r in self.rows) else 3
 
 
+@dataclass
+class BatchPlan:
+    """What a run will do, decided before any model loads: the manifest's cases, this shard's
+    (``mine``), the summaries' names, the cases already complete (``done_before``, by id, with
+    ``--resume``) and those to run, in manifest order."""
+
+    cases: List[Case]
+    mine: List[Case]
+    out: Path
+    csv_name: str
+    html_name: str
+    done_before: Dict[str, dict] = field(default_factory=dict)
+    to_run: List[Case] = field(default_factory=list)
+
+
+def plan_batch(manifest, out_dir, options: Optional[BatchOptions] = None, preset: str = "") -> BatchPlan:
+    """Read and check the manifest and the output folder and decide which cases run: everything
+    :func:`run_batch` does before it loads a model (no volume is read). ``preset`` is the resolved
+    preset's name (what ``--resume`` compares with finished cases). Linear in the number of cases:
+    each input path and case folder is resolved once."""
+    opts = options or BatchOptions()
+    plan = _check_batch_inputs(manifest, out_dir, opts)
+    _plan_cases(plan, opts, preset)
+    return plan
+
+
+def _check_batch_inputs(manifest, out_dir, opts: BatchOptions) -> BatchPlan:
+    if opts.resume and opts.overwrite:
+        raise InputError("--resume and --overwrite do not go together: --resume keeps finished cases, "
+                         "--overwrite redoes every case")
+    cases = read_manifest(manifest)
+    mine = shard_cases(cases, opts.shard)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"cannot use --out-dir {out}: it is a file, not a folder")
+    csv_name, html_name = summary_names(opts.shard)
+    # a case folder that is a symbolic link would make the run write and delete in its target
+    linked = [c.id for c in mine if os.path.islink(out / c.id)]
+    if linked:
+        shown = ", ".join(linked[:5]) + (f" and {len(linked) - 5} more" if len(linked) > 5 else "")
+        raise OutputError(f"the case folder(s) {shown} in {out} are symbolic links; medvol batch never writes or "
+                          "deletes through a link: remove the link(s) or choose another --out-dir")
+    # nothing a run writes or clears may be one of its inputs: refuse before any work
+    check_distinct([("the summary table", out / csv_name), ("the summary page", out / html_name)],
+                   [("--manifest", manifest)])
+    inputs = [(f"case {c.id} {k}", p) for c in mine for k, p in (("volume", c.volume), ("gt", c.gt)) if p is not None]
+    check_outside_cases(out, [c.id for c in mine], inputs,
+                        [("the summary table", out / csv_name), ("the summary page", out / html_name)])
+    return BatchPlan(cases=cases, mine=mine, out=out, csv_name=csv_name, html_name=html_name)
+
+
+def check_outside_cases(out: Path, ids: Sequence[str], inputs: Sequence[Tuple[str, Path]],
+                        outputs: Sequence[Tuple[str, Path]] = ()) -> None:
+    """Refuse an input that is one of ``outputs`` or lies in one of the case folders ``out/<id>``
+    (whose files a run replaces), symbolic links and ``..`` resolved. O(inputs + ids): each input's
+    folder is resolved once (:func:`~medvolcore.fileio.resolve_paths`) and its ancestors are looked
+    up in a set of the resolved case folders."""
+    if not inputs:
+        return
+    root = resolve_paths([out])[0]
+    case_dirs = {os.path.normcase(os.path.join(root, cid)): cid for cid in ids}  # no case folder is a link (checked)
+    resolved = resolve_paths([p for _label, p in inputs])
+    out_ids = {r: label for (label, _p), r in zip(outputs, resolve_paths([p for _l, p in outputs]))}
+    out_inodes = {}
+    for label, p in outputs:
+        try:
+            st = os.stat(p)
+            out_inodes[(st.st_dev, st.st_ino)] = label
+        except OSError:
+            pass
+    for (label, p), r in zip(inputs, resolved):
+        if r in out_ids:
+            raise InputError(f"{out_ids[r]} {p} is the input {label}; write the output elsewhere")
+        if out_inodes:  # hard links of an existing summary
+            try:
+                st = os.stat(p)
+            except OSError:
+                st = None
+            if st is not None and (st.st_dev, st.st_ino) in out_inodes:
+                raise InputError(f"{out_inodes[(st.st_dev, st.st_ino)]} is the input {label} ({p}); "
+                                 "write the output elsewhere")
+        if not r.startswith(root.rstrip(os.sep) + os.sep):
+            continue
+        folder = r
+        while len(folder) > len(root):
+            if folder in case_dirs:
+                cid = case_dirs[folder]
+                raise InputError(f"{label} {p} is inside the output folder of case {cid} ({out / cid}), whose "
+                                 "files a run replaces; move it out of --out-dir")
+            folder = os.path.dirname(folder)
+
+
+def _plan_cases(plan: BatchPlan, opts: BatchOptions, preset: str) -> None:
+    """Which cases run and which are already complete (``--resume``); refuse a run that would
+    replace outputs it was not asked to replace; the output folder must be writable."""
+    out = plan.out
+    occupied = []
+    for c in plan.mine:
+        cdir = out / c.id
+        if opts.resume:
+            rec = completed_record(cdir, c, c.fingerprint(preset, opts.adapter))
+            if rec is not None:
+                plan.done_before[c.id] = rec
+                continue
+        elif not opts.overwrite and _has_outputs(cdir):
+            occupied.append(c.id)
+        plan.to_run.append(c)
+    if occupied:
+        shown = ", ".join(occupied[:5]) + (f" and {len(occupied) - 5} more" if len(occupied) > 5 else "")
+        raise OutputExistsError(f"{out} already holds outputs for {len(occupied)} case(s) ({shown}); pass --resume to "
+                                "skip finished cases and rerun the others, or --overwrite to redo them all")
+    check_folder(out, "--out-dir")  # exists and writable, before the models load
+
+
 def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipeline=None,
               on_case: Optional[Callable[[dict], None]] = None) -> BatchResult:
     """Run every case of the (shard of the) manifest; write the outputs and the summaries.
@@ -378,28 +576,11 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     """
     opts = options or BatchOptions()
     t_start = time.perf_counter()
-    if opts.resume and opts.overwrite:
-        raise InputError("--resume and --overwrite do not go together: --resume keeps finished cases, "
-                         "--overwrite redoes every case")
     if opts.stop_after_empty is not None:
         from .propagation import check_stop_after_empty
 
         check_stop_after_empty(opts.stop_after_empty, "--stop-after-empty")
-    cases = read_manifest(manifest)
-    mine = shard_cases(cases, opts.shard)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"cannot use --out-dir {out}: it is a file, not a folder")
-    csv_name, html_name = summary_names(opts.shard)
-    # nothing a run writes or clears may be one of its inputs: refuse before any work
-    inputs = [("--manifest", manifest)] + [(f"case {c.id} {k}", p) for c in mine for k, p in (("volume", c.volume),
-                                                                                               ("gt", c.gt))]
-    check_distinct([("the summary table", out / csv_name), ("the summary page", out / html_name)], inputs)
-    for c in mine:
-        for label, p in inputs:
-            if p is not None and label != "--manifest" and is_inside(p, out / c.id):
-                raise InputError(f"{label} {p} is inside the output folder of case {c.id} ({out / c.id}), whose "
-                                 "files a run replaces; move it out of --out-dir")
+    plan = _check_batch_inputs(manifest, out_dir, opts)
 
     from .windowing import get_window
 
@@ -409,26 +590,9 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
 
         pipeline = Pipeline(opts.preset, adapter=opts.adapter, device=opts.device)  # resolves the preset: fails early
     preset = pipeline.preset
-
-    # plan: which cases run, which are already complete
-    done_before: Dict[str, dict] = {}
-    to_run: List[Case] = []
-    occupied = []
-    for c in mine:
-        cdir = out / c.id
-        if opts.resume:
-            rec = completed_record(cdir, c, c.fingerprint(preset, opts.adapter))
-            if rec is not None:
-                done_before[c.id] = rec
-                continue
-        elif not opts.overwrite and _has_outputs(cdir):
-            occupied.append(c.id)
-        to_run.append(c)
-    if occupied:
-        shown = ", ".join(occupied[:5]) + (f" and {len(occupied) - 5} more" if len(occupied) > 5 else "")
-        raise OutputExistsError(f"{out} already holds outputs for {len(occupied)} case(s) ({shown}); pass --resume to "
-                                "skip finished cases and rerun the others, or --overwrite to redo them all")
-    check_folder(out, "--out-dir")  # exists and writable, before the models load
+    _plan_cases(plan, opts, preset)
+    cases, mine, out, csv_name, html_name = plan.cases, plan.mine, plan.out, plan.csv_name, plan.html_name
+    done_before, to_run = plan.done_before, plan.to_run
 
     t_load = time.perf_counter()
     if to_run:
@@ -532,8 +696,13 @@ def _row_from_done(d: dict) -> dict:
 def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress) -> dict:
     """Segment one case and write its files; any failure is recorded in ``error.json``."""
     t0 = time.perf_counter()
-    fingerprint = c.fingerprint(pipe.preset, opts.adapter)
-    _clear_case(cdir)
+    fingerprint = c.fingerprint(pipe.preset, opts.adapter)  # before the volume is read: a file replaced later reruns
+    try:
+        _clear_case(cdir)
+    except OutputError as e:  # a case folder swapped for a link after planning: nothing written into it
+        seconds = round(time.perf_counter() - t0, 3)
+        return _row(c.id, "failed", f"{e.code}: {_one_line(str(e))}", None, None, seconds, None, None, _query=c.query,
+                    _reasoning="", _smoke=None, _skipped=False, _run_seconds=seconds)
     cdir.mkdir(parents=True, exist_ok=True)
     try:
         rec = _segment_case(c, cdir, pipe, opts, hu_window, progress, fingerprint, t0)
@@ -549,7 +718,11 @@ def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress
         else:
             log.debug("case %s failed", c.id, exc_info=True)
             code, message = "internal_error", _one_line(f"{type(e).__name__}: {e}")
-        _clear_case(cdir)  # a failed case keeps only its error.json
+        try:
+            _clear_case(cdir)  # a failed case keeps only its error.json
+        except OutputError:
+            return _row(c.id, "failed", f"{code}: {message}", None, None, seconds, None, None, _query=c.query,
+                        _reasoning="", _smoke=None, _skipped=False, _run_seconds=seconds)
         err = {"schema": CASE_SCHEMA, "id": c.id, "status": "failed", "error": {"code": code, "message": message},
                "seconds": seconds, "case": fingerprint, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         write_text_atomic(cdir / ERROR, json.dumps(err, indent=2) + "\n", overwrite=True)
@@ -671,5 +844,6 @@ def write_summary_html(path: Path, rows: Sequence[dict], **kw) -> Path:
     return write_text_atomic(path, render_summary_html(rows, **kw), overwrite=True)
 
 
-__all__ = ["Case", "ManifestError", "BatchOptions", "BatchResult", "read_manifest", "parse_shard", "shard_cases",
-           "summary_names", "completed_record", "run_batch", "SUMMARY_COLUMNS", "check_case_id", "parse_label"]
+__all__ = ["Case", "ManifestError", "BatchOptions", "BatchPlan", "BatchResult", "read_manifest", "parse_shard",
+           "shard_cases", "summary_names", "completed_record", "plan_batch", "run_batch", "input_state",
+           "check_outside_cases", "SUMMARY_COLUMNS", "check_case_id", "parse_label"]

@@ -5,19 +5,26 @@ folder, write permission; :func:`check_distinct`: no two outputs of one command 
 file and no output is one of its inputs). It is then written under a hidden temporary name in
 its own folder and renamed (:func:`atomic_path`), so a killed or failing process never leaves a
 half-written output under the final name, and an existing output is only replaced when the
-caller asked for it. Write failures (permission, full disk, read-only file system) become one
+caller asked for it. What was written is checked before the rename (:func:`check_written`: not
+empty, a mask's header readable), the temporary carries the writing process's pid so the next
+write of the same output removes what a ``kill -9`` left, and its format suffix is lower case
+so every writer recognises it. Write failures (permission, full disk, read-only file system) become one
 :class:`~medvolcore.errors.OutputError` naming the file and the reason, and the temporary file
 is removed.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import functools
 import os
+import re
 import tempfile
+import threading
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 from .errors import InputError, OutputError, OutputExistsError
 
@@ -116,6 +123,28 @@ def check_folder(path: PathLike, what: str = "output folder") -> Path:
     return p
 
 
+def resolve_paths(paths: Iterable[PathLike]) -> list:
+    """What :func:`is_inside` compares, for many paths at once: each absolute, ``~`` expanded,
+    ``..`` and symbolic links resolved (``os.path.realpath``), ``normcase``-d; each distinct
+    folder is resolved once, so n paths in a few folders cost O(n), not n full resolutions."""
+    folders: dict = {}
+    out = []
+    for p in paths:
+        a = os.path.abspath(os.path.expanduser(str(p)))
+        parent, name = os.path.split(a)
+        if not name:  # the root itself
+            out.append(os.path.normcase(os.path.realpath(a)))
+            continue
+        real_parent = folders.get(parent)
+        if real_parent is None:
+            real_parent = folders[parent] = os.path.realpath(parent)
+        full = os.path.join(real_parent, name)
+        if os.path.islink(full):
+            full = os.path.realpath(full)
+        out.append(os.path.normcase(full))
+    return out
+
+
 def is_inside(path: PathLike, folder: PathLike) -> bool:
     """Whether ``path`` resolves to ``folder`` or something inside it (symbolic links followed)."""
     a, b = _identity(path), _identity(folder)
@@ -154,25 +183,174 @@ def check_distinct(outputs: Iterable[Tuple[str, Optional[PathLike]]],
                 raise InputError(f"{label} {p} is the input {in_label}; write the output elsewhere")
 
 
+@functools.lru_cache(maxsize=1)
+def _host_tag() -> str:
+    """Six hex digits naming this machine in temporary names, so a process on another machine
+    sharing the folder (a cluster's file system) is never taken for a dead one of ours."""
+    import hashlib
+    import socket
+
+    return hashlib.blake2b(socket.gethostname().encode("utf-8", "replace"), digest_size=3).hexdigest()
+
+
+# .NAME.<pid>-<host>.<mkstemp's 8 random characters>.part<suffix>; the greedy NAME makes the owner
+# field the last one that fits, whatever dots and digits the output's own name holds
+_TMP_NAME_RE = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-(?P<host>[0-9a-f]{6})\.[a-z0-9_]{8}\.part")
+
+
+def temporary_prefix(final: PathLike) -> str:
+    """The start of every temporary name of ``final``: ``.NAME.<pid>-<host>.`` (then mkstemp's
+    random part and ``.part`` + the format suffix in lower case)."""
+    return f".{Path(final).name}.{os.getpid()}-{_host_tag()}."
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid we can judge: keep the file
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's process
+        return True
+    return True
+
+
+# Per folder, the temporaries (name → (pid, host)) found when this process first wrote there:
+# one listing per folder and process, so writing n files into one folder stays O(n). A writer
+# killed later is cleaned up by the next process that writes there.
+_TEMPORARIES: collections.OrderedDict = collections.OrderedDict()
+_TEMPORARIES_LOCK = threading.Lock()
+_FOLDERS_KEPT = 1024
+
+
+def _temporaries_in(folder: Path) -> dict:
+    key = os.path.abspath(str(folder))
+    with _TEMPORARIES_LOCK:
+        found = _TEMPORARIES.get(key)
+        if found is not None:
+            _TEMPORARIES.move_to_end(key)
+            return found
+    found = {}
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            m = _TMP_NAME_RE.match(entry.name) if ".part" in entry.name else None
+            if m is not None:
+                found[entry.name] = (int(m.group("pid")), m.group("host"), m.group("name"))
+    with _TEMPORARIES_LOCK:
+        _TEMPORARIES[key] = found
+        while len(_TEMPORARIES) > _FOLDERS_KEPT:
+            _TEMPORARIES.popitem(last=False)
+    return found
+
+
+def remove_stale_temporaries(final: PathLike) -> int:
+    """Remove the temporaries of ``final`` left by a killed process (``kill -9``, a power cut):
+    those named by :func:`atomic_path` with this machine's tag and the pid of a process that is
+    no longer alive. Another live process's temporaries, and those of other machines, are kept.
+    The folder is listed once per process (see ``_TEMPORARIES``). Returns how many were removed."""
+    final = Path(final)
+    host = _host_tag()
+    found = _temporaries_in(final.parent)
+    removed = 0
+    for name, (pid, tag, output) in list(found.items()):
+        if output != final.name or tag != host or _pid_alive(pid):
+            continue
+        path = final.parent / name
+        with contextlib.suppress(OSError):
+            if path.is_symlink() or path.is_file():
+                os.unlink(path)
+                removed += 1
+        with _TEMPORARIES_LOCK:
+            found.pop(name, None)
+    return removed
+
+
+def _remove_temporary(tmp_path: Path) -> None:
+    """Remove a temporary and any sibling a writer made from its name (``.part.mhd`` + ``.zraw``
+    where a writer did not know the suffix): every name starting with it up to ``.part``."""
+    with contextlib.suppress(OSError):
+        tmp_path.unlink()
+    m = _TMP_NAME_RE.match(tmp_path.name)
+    if m is None:
+        return
+    stem = tmp_path.name[: m.end()]
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tmp_path.parent):
+            if entry.name.startswith(stem) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def check_written(path: PathLike, final: PathLike) -> None:
+    """Check a file a writer has just made under a temporary name, before it is renamed to
+    ``final``: it exists and is not empty, and a mask or NIfTI (``.nii``, ``.nii.gz``, ``.nrrd``,
+    ``.mha``) has a header its reader accepts, a PNG its signature. A writer that silently wrote
+    nothing (or elsewhere) is an :class:`OutputError`, never a success."""
+    p = Path(path)
+    why = None
+    try:
+        size = os.stat(p).st_size
+    except OSError as e:
+        raise OutputError(f"cannot write {final}: the writer made no file ({os_reason(e)})") from None
+    if size == 0:
+        why = "the writer wrote nothing (0 bytes)"
+    else:
+        suffix = full_suffix(final).lower()
+        try:
+            if suffix in (".nii", ".nii.gz"):
+                import nibabel as nib
+
+                nib.load(str(p)).header  # noqa: B018 - reads the header only (the first bytes of a .gz)
+            elif suffix in (".nrrd", ".mha"):
+                import SimpleITK as sitk
+
+                reader = sitk.ImageFileReader()
+                reader.SetFileName(str(p))
+                reader.ReadImageInformation()
+            elif suffix == ".png":
+                with open(p, "rb") as f:
+                    if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                        why = "the file written is not a PNG picture"
+        except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is not usable
+            why = f"the file written cannot be read back ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else 'unreadable'})"
+    if why:
+        raise OutputError(f"cannot write {final}: {why}; nothing was written under that name")
+
+
 @contextlib.contextmanager
-def atomic_path(path: PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` (same suffix); rename it into place on success.
+def atomic_path(path: PathLike, overwrite: bool = False, *,
+                verify: Optional[Callable[[Path], None]] = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it into place on success.
+
+    The temporary is ``.NAME.<pid>-<host>.XXXXXXXX.part`` + the format suffix in lower case
+    (``m.Nii`` → ``….part.nii``), since writers choose the format from the suffix and do not all
+    read upper case. Before the rename the file written is checked (``verify(tmp)``, by default
+    :func:`check_written`: not empty, a mask's header readable), so a writer that silently wrote
+    nothing is an :class:`OutputError`. Temporaries of ``path`` left by a killed process on this
+    machine are removed first (:func:`remove_stale_temporaries`).
 
     An ``OSError`` while writing (full disk, permission, read-only file system) becomes an
     :class:`OutputError`; the temporary file is removed whatever happens, including on
     KeyboardInterrupt and on SIGTERM (the CLI turns SIGTERM into an exception that unwinds).
     """
     final = check_output(path, overwrite)
+    remove_stale_temporaries(final)
     tmp_path: Optional[Path] = None
     try:
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".part" + full_suffix(final), dir=final.parent)
+            fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(final), suffix=".part" + full_suffix(final).lower(),
+                                       dir=final.parent)
         except OSError as e:
             raise OutputError(f"cannot write {final}: {os_reason(e)}") from None
         tmp_path = Path(tmp)
         os.close(fd)
         try:
             yield tmp_path
+        except OSError as e:
+            raise OutputError(f"cannot write {final}: {os_reason(e)}") from None
+        try:
+            (verify or (lambda t: check_written(t, final)))(tmp_path)
         except OSError as e:
             raise OutputError(f"cannot write {final}: {os_reason(e)}") from None
         if final.exists() and not overwrite:  # appeared while we were writing
@@ -183,10 +361,10 @@ def atomic_path(path: PathLike, overwrite: bool = False) -> Iterator[Path]:
             os.replace(tmp_path, final)
         except OSError as e:
             raise OutputError(f"cannot write {final}: {os_reason(e)}") from None
+        tmp_path = None
     finally:
         if tmp_path is not None:
-            with contextlib.suppress(OSError):
-                tmp_path.unlink()
+            _remove_temporary(tmp_path)
 
 
 def _umask() -> int:
@@ -196,6 +374,14 @@ def _umask() -> int:
 
 
 def write_text_atomic(path: PathLike, text: str, overwrite: bool = False) -> Path:
-    with atomic_path(path, overwrite) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+    """Write ``text`` (UTF-8) atomically; the file is checked to hold exactly the bytes written."""
+    data = text.encode("utf-8")
+
+    def verify(tmp: Path) -> None:
+        if os.stat(tmp).st_size != len(data):
+            raise OutputError(f"cannot write {path}: the file holds {os.stat(tmp).st_size} bytes, "
+                              f"{len(data)} were written")
+
+    with atomic_path(path, overwrite, verify=verify) as tmp:
+        tmp.write_bytes(data)
     return Path(path)

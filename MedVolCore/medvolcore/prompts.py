@@ -26,11 +26,12 @@ from typing import List, Optional, Sequence, Tuple, Type
 
 from .errors import InputError, MedVolError
 
-__all__ = ["MAX_OBJECTS", "MAX_POINTS", "MAX_PROMPTS", "ObjectPrompts", "check_prompt_fields", "check_z_range", "plan_objects"]
+__all__ = ["MAX_INDEX", "MAX_OBJECTS", "MAX_POINTS", "MAX_PROMPTS", "ObjectPrompts", "check_prompt_fields", "check_z_range", "plan_objects"]
 
 MAX_OBJECTS = 8  # each object is tracked through every slice: bound the work (as anchor boxes)
 MAX_PROMPTS = 64
 MAX_POINTS = 256  # in all prompts together
+MAX_INDEX = 1_000_000  # slices, objects and pixel indices: no stack is this large
 
 
 @dataclass
@@ -53,13 +54,28 @@ class ObjectPrompts:
 
 
 def _index(v, what: str, error: Type[MedVolError]) -> int:
+    """A slice, object or pixel index: a whole number within ±MAX_INDEX (a huge or non-finite
+    number is refused as an error of its field, never converted)."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise error(f"{what} must be an integer, got {v!r}")
+        raise error(f"{what} must be an integer, got {_show(v)}")
     if isinstance(v, numbers.Integral):
+        if not -MAX_INDEX <= int(v) <= MAX_INDEX:
+            raise error(f"{what} is out of range ({_show(v)}); indices are at most {MAX_INDEX:,}")
         return int(v)
-    if math.isfinite(float(v)) and float(v).is_integer():
-        return int(v)
-    raise error(f"{what} must be an integer, got {v!r}")
+    f = float(v)
+    if not math.isfinite(f) or abs(f) > MAX_INDEX:
+        raise error(f"{what} is out of range ({_show(v)}); indices are finite and at most {MAX_INDEX:,}")
+    if f.is_integer():
+        return int(f)
+    raise error(f"{what} must be an integer, got {_show(v)}")
+
+
+def _show(value, limit: int = 30) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int over Python's digit limit for str()
+        return "a number too long to show"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def check_z_range(z_range, depth: Optional[int] = None, error: Type[MedVolError] = InputError) -> Optional[Tuple[int, int]]:
@@ -67,7 +83,7 @@ def check_z_range(z_range, depth: Optional[int] = None, error: Type[MedVolError]
     if z_range is None:
         return None
     if isinstance(z_range, (str, bytes, dict)) or not hasattr(z_range, "__len__") or len(z_range) != 2:
-        raise error(f"z_range must be two slice indices [z0, z1], got {z_range!r}")
+        raise error(f"z_range must be two slice indices [z0, z1], got {_show(z_range, 60)}")
     z0, z1 = (_index(v, "z_range", error) for v in z_range)
     if z0 < 0 or z1 < z0:
         raise error(f"z_range [{z0}, {z1}] is not a slice range: need 0 <= z0 <= z1")
@@ -97,7 +113,7 @@ def check_prompt_fields(prompt, i: int, error: Type[MedVolError] = InputError) -
     box = prompt.get("box")
     if box is not None:
         if isinstance(box, (str, bytes, dict)) or not hasattr(box, "__len__") or len(box) != 4:
-            raise error(f"{what}: box must be [x0, y0, x1, y1] or null, got {box!r}")
+            raise error(f"{what}: box must be [x0, y0, x1, y1] or null, got {_show(box, 60)}")
         box = [_index(v, f"{what}: box coordinate", error) for v in box]
     points = prompt.get("points") or []
     if not isinstance(points, (list, tuple)):
@@ -105,7 +121,7 @@ def check_prompt_fields(prompt, i: int, error: Type[MedVolError] = InputError) -
     pts = []
     for j, p in enumerate(points):
         if isinstance(p, (str, bytes, dict)) or not hasattr(p, "__len__") or len(p) != 3:
-            raise error(f"{what}: point {j + 1} must be [x, y, label], got {p!r}")
+            raise error(f"{what}: point {j + 1} must be [x, y, label], got {_show(p, 60)}")
         x, y, label = (_index(v, f"{what}: point {j + 1}", error) for v in p)
         if label not in (0, 1):
             raise error(f"{what}: point {j + 1} has label {label}; use 1 (inside) or 0 (outside)")

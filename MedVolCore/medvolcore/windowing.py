@@ -11,6 +11,10 @@ import numpy as np
 from .errors import InputError
 from .resources import load_json
 
+# A window's centre and width in HU are at most this large: CT values span about -1024 to
+# 30,000 HU, and larger numbers (1e308) would overflow the float32 arithmetic of the mapping.
+MAX_HU = 1_000_000.0
+
 
 @dataclass(frozen=True)
 class Window:
@@ -21,8 +25,17 @@ class Window:
     name: str = "custom"
 
     def __post_init__(self):
-        if not np.isfinite(self.center) or not np.isfinite(self.width) or self.width <= 0:
-            raise InputError(f"invalid window centre={self.center} width={self.width}: width must be > 0")
+        for name in ("center", "width"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise InputError(f"invalid window: the {'centre' if name == 'center' else name} must be a number "
+                                 f"of HU, got {_show(v)}")
+        if not (abs(self.center) <= MAX_HU and 0 < self.width <= MAX_HU):  # NaN fails too
+            raise InputError(f"invalid window centre={_show(self.center)} width={_show(self.width)}: give finite "
+                             f"HU values, centre within ±{MAX_HU:,.0f} and width > 0 and at most {MAX_HU:,.0f}")
+        # plain floats from here on (a huge int was refused above, so this cannot overflow)
+        object.__setattr__(self, "center", float(self.center))
+        object.__setattr__(self, "width", float(self.width))
 
     @property
     def low(self) -> float:
@@ -34,6 +47,14 @@ class Window:
 
 
 WindowLike = Union[Window, str, tuple, list, None]
+
+
+def _show(value, limit: int = 24) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int over Python's digit limit for str()
+        return "a number too long to show"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def window_presets() -> dict:
@@ -57,8 +78,8 @@ def get_window(spec: WindowLike = None) -> Window:
         return spec
     if isinstance(spec, (tuple, list)):
         if len(spec) != 2:
-            raise InputError(f"a window is (center, width), got {spec!r}")
-        return Window(float(spec[0]), float(spec[1]))
+            raise InputError(f"a window is (center, width), got {_show(spec, 60)}")
+        return Window(spec[0], spec[1])
     if isinstance(spec, str):
         presets = window_presets()
         if spec in presets:
@@ -70,9 +91,9 @@ def get_window(spec: WindowLike = None) -> Window:
             except ValueError:
                 pass
         raise InputError(
-            f"unknown window {spec!r}: use a preset ({', '.join(sorted(presets))}) or 'CENTER,WIDTH' in HU"
+            f"unknown window {_show(spec, 60)}: use a preset ({', '.join(sorted(presets))}) or 'CENTER,WIDTH' in HU"
         )
-    raise InputError(f"cannot interpret window {spec!r}")
+    raise InputError(f"cannot interpret window {_show(spec, 60)}")
 
 
 def window_to_uint8(hu: np.ndarray, window: WindowLike = None) -> np.ndarray:

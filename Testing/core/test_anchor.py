@@ -573,3 +573,145 @@ def test_anchor_box_cap():
     EvidenceAnchor(0, [[0, 0, 1, 1]] * MAX_BOXES, [10, 10])
     with pytest.raises(AnchorError, match="at most 8"):
         EvidenceAnchor(0, [[0, 0, 1, 1]] * (MAX_BOXES + 1), [10, 10])
+
+# ---- hostile numbers, huge files, repeated keys (second review, II.10) ---------------------------
+
+def _small_stack():
+    """A 10×16×20 stack with 2 mm voxels and an offset origin: enough to place world points."""
+    aff = np.diag([2.0, 2.0, 2.0, 1.0])
+    aff[:3, 3] = [-10.0, -16.0, -20.0]
+    return AxialStack(CTVolume(np.zeros((10, 16, 20), dtype=np.float32), aff))
+
+
+def _v2_anchor_dict(stack):
+    a = EvidenceAnchor(5, [[2, 3, 6, 8]], [stack.width, stack.height], source="user",
+                       prompts=[{"slice": 6, "object": 1, "box": [1, 1, 4, 4], "points": [[3, 3, 1]]}], z_range=[2, 8])
+    return a.with_world(stack).to_dict()
+
+
+def _put(d, path, value):
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+
+
+HUGE = [1e308, -1e308, float("inf"), float("nan"), 10**400, -(10**400), 10**30]
+# (what is kept of the anchor, where the number goes)
+HOSTILE_PLACES = [
+    ("pixel", ("boxes", 0, 2)), ("pixel", ("image_size", 0)), ("norm", ("boxes_norm", 0, 1)),
+    ("world", ("world", "boxes_ras", 0, 1, 0)), ("pixel", ("prompts", 0, "box", 0)),
+    ("pixel", ("prompts", 0, "points", 0, 1)), ("world", ("prompts", 0, "world", "points_ras", 0, 2)),
+    ("world", ("prompts", 0, "world", "box_ras", 1, 1)), ("world", ("world", "z_range_ras", 0, 2)),
+]
+
+
+@pytest.mark.probe("II.10", "1e308, inf, nan, 10**400 in anchor boxes, world points, prompts, image_size")
+@pytest.mark.parametrize("form,place", HOSTILE_PLACES, ids=["/".join(map(str, p)) for _f, p in HOSTILE_PLACES])
+def test_huge_numbers_in_an_anchor_are_field_errors(form, place):
+    """Each value is one AnchorError of its field, never an OverflowError, ValueError or a box silently
+    clamped from a coordinate that overflowed (world 1e308 used to become x0 = -2**63 → 0)."""
+    stack = _small_stack()
+    base = _v2_anchor_dict(stack)
+    if form == "pixel":
+        del base["world"]
+        for p in base["prompts"]:
+            p.pop("world")
+    elif form == "norm":
+        del base["world"], base["boxes"]
+        for p in base["prompts"]:
+            p.pop("world")
+    else:
+        del base["boxes"], base["boxes_norm"]
+        for p in base["prompts"]:
+            del p["slice"], p["box"], p["points"]
+    for value in HUGE:
+        d = json.loads(json.dumps(base))
+        _put(d, place, value)
+        with pytest.raises(AnchorError) as ei:
+            EvidenceAnchor.from_dict(d, stack)
+        assert len(str(ei.value)) < 400, str(ei.value)[:100]  # a 400-digit number is not echoed whole
+
+
+@pytest.mark.probe("II.10", "window (10**400, 400), (1e308, 1e308), ('a', 3), 'nan,400'")
+def test_huge_numbers_in_a_window_are_input_errors():
+    from medvolcore.windowing import get_window
+
+    for spec in [(10**400, 400), (1e308, 1e308), (40, float("inf")), ("a", 3), "nan,400", "1e400,400", "40,1e308",
+                 (40, 0), [True, 400]]:
+        with pytest.raises(InputError, match="window"):
+            get_window(spec)
+    assert get_window((40, 400)) == get_window("40,400") and get_window([-1000, 10**5]).width == 1e5
+
+
+@pytest.mark.probe("II.10", "a 2 MB anchor file is refused from its size, before it is read")
+def test_anchor_file_size_is_capped_before_reading(tmp_path, monkeypatch, record_property):
+    from medvolcore import anchor as anchor_mod
+    from medvolcore.errors import LimitError
+
+    big = tmp_path / "big.anchor.json"
+    with open(big, "wb") as f:  # 2 MB: a sparse file, nothing to read
+        f.truncate(2 << 20)
+    reads = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda *a, **k: reads.append(a[0]) or real_open(*a, **k))
+    with pytest.raises(LimitError, match="at most 1 MB"):
+        EvidenceAnchor.load(big)
+    assert str(big) not in map(str, reads)  # refused from stat, never opened
+    monkeypatch.undo()
+
+    # the largest anchor the limits allow is far under the cap
+    stack = _small_stack()
+    prompts = [{"slice": z, "object": k, "box": [0, 0, 5, 5], "points": [[1, 1, 1]] * 4}
+               for z in (0, 1, 2, 3, 4, 6, 7, 8) for k in range(1, 9)]  # 64 prompts, 256 points, 8 objects
+    biggest = EvidenceAnchor(5, [[2, 3, 6, 8]] * 8, [stack.width, stack.height], source="user", prompts=prompts,
+                             query="q" * 2000, reasoning="r" * 16000, z_range=[0, 9])
+    size = len(biggest.with_world(stack).to_json().encode())
+    record_property("largest_anchor_bytes", size)
+    assert size < anchor_mod.MAX_ANCHOR_FILE_BYTES // 8
+
+
+@pytest.mark.probe("II.10", "anchor file naming a key twice")
+def test_anchor_file_with_a_repeated_key_is_refused(tmp_path):
+    p = tmp_path / "dup.anchor.json"
+    p.write_text('{"schema": "medvol.anchor/1", "slice": 4, "boxes": [[2, 3, 6, 8]], "image_size": [20, 16], '
+                 '"boxes": [[1, 1, 2, 2]]}')
+    with pytest.raises(AnchorError, match="'boxes' appears more than once"):
+        EvidenceAnchor.load(p)
+    p.write_text('{"schema": "medvol.anchor/1", "slice": 4, "boxes": [[2, 3, NaN, 8]], "image_size": [20, 16]}')
+    with pytest.raises(AnchorError, match="NaN"):
+        EvidenceAnchor.load(p)
+    p.write_text('{"schema": "medvol.anchor/1", "slice": 4, "boxes": [[2, 3, ' + "9" * 5000 + ', 8]], "image_size": [20, 16]}')
+    with pytest.raises(AnchorError, match="not usable JSON"):
+        EvidenceAnchor.load(p)
+
+
+@pytest.mark.probe("II.10", "worker: anchor box 10**400, world point 1e308, window [10**400, 400] / [1e308, 1e308]")
+def test_the_worker_answers_huge_numbers_with_a_field_error(tmp_path):
+    """One error reply of the field's kind (bad_anchor, bad_input), never ``internal``; no model loads."""
+    import queue
+
+    from medvolcore.serve import Worker
+
+    ct = tmp_path / "ct.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((20, 16, 10), dtype=np.int16), np.diag([2.0, 2.0, 2.0, 1.0])), str(ct))
+    ok_anchor = {"schema": "medvol.anchor/1", "slice": 4, "boxes": [[2, 3, 6, 8]], "source": "user"}
+    world = {"schema": "medvol.anchor/1", "source": "user", "world": {"boxes_ras": [[[1e308, 2.0, 2.0], [4.0, 6.0, 2.0]]]}}
+    probes = [({"anchor": dict(ok_anchor, boxes=[[2, 3, 10**400, 8]])}, "bad_anchor"),
+              ({"anchor": world}, "bad_anchor"),
+              ({"anchor": ok_anchor, "window": [10**400, 400]}, "bad_input"),
+              ({"anchor": ok_anchor, "window": [1e308, 1e308]}, "bad_input")]
+    replies: queue.Queue = queue.Queue()
+    w = Worker(transport="stdio", device="cpu")
+    try:
+        for i, (fields, _code) in enumerate(probes):
+            w.handle_line(json.dumps({"id": i, "op": "propagate", "volume": str(ct), **fields}), reply=replies.put)
+        got = {}
+        while len(got) < len(probes):
+            r = replies.get(timeout=60)
+            if "event" not in r:  # progress events come on the same channel
+                got[r["id"]] = r
+        for i, (_fields, code) in enumerate(probes):
+            assert got[i]["ok"] is False and got[i]["error"]["code"] == code, got[i]
+        assert w.pipeline is None  # refused before any model was asked for
+    finally:
+        w.close(10)

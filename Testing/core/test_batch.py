@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 from medvolcore.batch import (OUTPUTS, SUMMARY_COLUMNS, Case, completed_record, parse_label, parse_shard,
                               read_manifest, shard_cases, summary_names)
 from medvolcore.cli_batch import main_batch
+from medvolcore.errors import OutputError
 from medvolcore.metrics import overlap
 
 from conftest import LIVER
@@ -337,3 +339,144 @@ def test_missing_manifest_and_resume_with_overwrite(capsys, tmp_path):
         main_batch(["--manifest", str(tmp_path / "nope.csv"), "--out-dir", str(tmp_path / "out"), "--resume", "--overwrite"])
     assert ei.value.code == 2
     assert "not allowed with" in capsys.readouterr().err
+
+
+# ---- second review: planning cost, --resume after a replaced CT, symlinked case folders -----------
+
+class _StopAtLoad:
+    """A pipeline stand-in: run_batch plans with it, and loading models (the first step after the
+    plan, taken only when some case must run) raises :class:`_Loading`."""
+
+    preset, smoke = "tiny", True
+
+    def load(self):
+        raise _Loading()
+
+
+class _Loading(Exception):
+    pass
+
+
+def _tiny_ct(path: Path, depth: int = 4) -> Path:
+    nib.save(nib.Nifti1Image(np.zeros((6, 5, depth), dtype=np.int16), np.eye(4)), str(path))
+    return path
+
+
+@pytest.mark.probe("II.6", "planning a manifest: os.path.realpath calls for 50 and 200 rows")
+def test_planning_is_linear_in_the_manifest(tmp_path, monkeypatch, record_property):
+    """Before, every (case folder × input) pair was resolved: 200 rows cost 16× the calls of 50
+    (10,000 rows never started). Planning reads no volume: the files need not exist."""
+    from medvolcore.batch import BatchOptions, run_batch
+
+    real = os.path.realpath
+    calls = [0]
+
+    def counting(p, *a, **k):
+        calls[0] += 1
+        return real(p, *a, **k)
+
+    counts = {}
+    for n in (50, 200):
+        manifest = write_manifest(tmp_path / f"m{n}.csv", [{"id": f"c{i}", "volume": f"ct{i}.nii.gz", "query": QUERY,
+                                                             "gt": f"seg{i}.nii.gz", "label": 5} for i in range(n)], "csv")
+        calls[0] = 0
+        monkeypatch.setattr(os.path, "realpath", counting)
+        t = time.perf_counter()
+        with pytest.raises(_Loading):
+            run_batch(manifest, tmp_path / f"out{n}", BatchOptions(progress=False), pipeline=_StopAtLoad())
+        seconds = time.perf_counter() - t
+        monkeypatch.setattr(os.path, "realpath", real)
+        counts[n] = calls[0]
+        record_property(f"realpath_calls_{n}_rows", calls[0])
+        record_property(f"planning_s_{n}_rows", round(seconds, 3))
+    assert counts[200] <= 4 * counts[50] + 10, counts  # linear (quadratic would be 16×)
+
+
+def _complete_case(out: Path, case, preset="tiny") -> Path:
+    """A finished case folder as a run leaves it (outputs, then done.json with the case's fingerprint)."""
+    cdir = out / case.id
+    cdir.mkdir(parents=True)
+    for name in OUTPUTS:
+        (cdir / name).write_bytes(b"x")
+    (cdir / "done.json").write_text(json.dumps({
+        "schema": "medvol.batch-case/1", "id": case.id, "status": "done", "seconds": 1.0,
+        "case": case.fingerprint(preset, None), "metrics": None, "anchor": {"slice": 1, "n_boxes": 1},
+        "reasoning": "", "smoke": True}))
+    return cdir
+
+
+@pytest.mark.probe("II.7", "--resume after the CT (or the gt) was replaced at the same path")
+@pytest.mark.parametrize("replaced", ["volume", "gt"])
+def test_resume_reruns_a_case_whose_input_was_replaced(tmp_path, replaced):
+    from medvolcore.batch import BatchOptions, run_batch
+
+    ct, seg = _tiny_ct(tmp_path / "ct.nii.gz"), _tiny_ct(tmp_path / "seg.nii.gz")
+    manifest = write_manifest(tmp_path / "m.csv", [{"id": "a", "volume": "ct.nii.gz", "query": QUERY,
+                                                     "gt": "seg.nii.gz"}], "csv")
+    out = tmp_path / "out"
+    _complete_case(out, read_manifest(manifest)[0])
+    opts = BatchOptions(resume=True, progress=False)
+    res = run_batch(manifest, out, opts, pipeline=_StopAtLoad())  # unchanged: skipped, nothing loads
+    assert (res.info["skipped"], res.info["ran"]) == (1, 0)
+    _tiny_ct(ct if replaced == "volume" else seg, depth=7)  # another scan under the same name
+    with pytest.raises(_Loading):  # the case runs again: models load
+        run_batch(manifest, out, opts, pipeline=_StopAtLoad())
+
+
+def test_input_state_follows_files_and_dicom_folders(tmp_path):
+    from medvolcore.batch import input_state
+
+    f = _tiny_ct(tmp_path / "ct.nii.gz")
+    before = input_state(f)
+    os.utime(f, ns=(1, 1))  # same bytes, another time: counts as replaced
+    assert input_state(f) != before and input_state(tmp_path / "absent.nii.gz") is None
+    d = tmp_path / "series"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.dcm").write_bytes(b"x" * (10 + i))
+    state = input_state(d)
+    assert state["files"] == 3 and input_state(d) == state
+    (d / "1.dcm").write_bytes(b"y" * 11)
+    os.utime(d / "1.dcm", ns=(5, 5))
+    assert input_state(d) != state
+    raw = tmp_path / "ct.raw"
+    raw.write_bytes(b"\0" * 8)
+    mhd = tmp_path / "ct.mhd"
+    mhd.write_text("ObjectType = Image\nNDims = 3\nElementDataFile = ct.raw\n")
+    state = input_state(mhd)
+    raw.write_bytes(b"\1" * 9)  # a detached header's data file replaced
+    assert state["data"] is not None and input_state(mhd) != state
+
+
+@pytest.mark.probe("II.10", "case folder that is a symlink to another folder, with --overwrite")
+def test_a_case_folder_that_is_a_symlink_is_refused(capsys, tmp_path):
+    from medvolcore.batch import _clear_case
+
+    _tiny_ct(tmp_path / "ct.nii.gz")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("mask.nii.gz", "done.json", "anchor.json", "keep.txt"):
+        (victim / name).write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a").symlink_to(victim, target_is_directory=True)
+    manifest = write_manifest(tmp_path / "m.csv", [{"id": "a", "volume": "ct.nii.gz", "query": QUERY}], "csv")
+    code, _, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--overwrite")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "symbolic link" in err, err
+    with pytest.raises(OutputError, match="symbolic link"):  # swapped for a link after the plan: refused too
+        _clear_case(out / "a")
+    assert sorted(p.name for p in victim.iterdir()) == ["anchor.json", "done.json", "keep.txt", "mask.nii.gz"]
+    assert all(p.read_text() == "precious" for p in victim.iterdir())
+
+
+@pytest.mark.probe("II.10", "manifest naming a key (JSONL) or a column (CSV) twice")
+@pytest.mark.parametrize("fmt,text,needle", [
+    ("jsonl", '{"id": "a", "volume": "ct.nii.gz", "query": "liver", "volume": "other.nii.gz"}\n',
+     "line 1: the key 'volume' appears more than once"),
+    ("csv", "id,volume,query,volume\na,ct.nii.gz,liver,other.nii.gz\n", "the column 'volume' appears more than once"),
+], ids=["jsonl", "csv"])
+def test_manifest_with_a_repeated_key_is_refused(capsys, tmp_path, fmt, text, needle):
+    manifest = tmp_path / f"cases.{fmt}"
+    manifest.write_text(text, encoding="utf-8")
+    code, _, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", tmp_path / "out", *BASE)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from medvolcore.errors import OutputError
@@ -179,3 +180,144 @@ def test_output_error_type_for_folder_collisions(tmp_path):
     (tmp_path / "d.nii.gz").mkdir()
     with pytest.raises(OutputError, match="is a folder"):
         check_output(tmp_path / "d.nii.gz")
+
+
+# ---- second review: upper-case suffixes, writers that write nothing, kill -9, terminal text --------
+
+def _run_cli_or_exit(capsys, *argv):
+    """:func:`run_cli`, with argparse's own refusals (SystemExit) turned into their exit code."""
+    try:
+        return run_cli(capsys, *argv)
+    except SystemExit as e:
+        out, err = capsys.readouterr()
+        return e.code, out, err
+
+
+def _tiny_volume():
+    from medvolcore.volume import CTVolume
+
+    return CTVolume(np.zeros((6, 5, 4), dtype=np.float32), np.diag([1.5, 1.5, 2.0, 1.0]))
+
+
+def _mask():
+    m = np.zeros((6, 5, 4), dtype=np.uint8)
+    m[1:4, 2:4, 1:3] = 1
+    return m
+
+
+@pytest.mark.probe("II.5", "mask named .Nii, .Mha, .MHA, .NII.GZ, .Nrrd")
+@pytest.mark.parametrize("name", ["m.Nii", "m.Mha", "m.MHA", "m.NII.GZ", "m.Nrrd"])
+def test_upper_case_mask_suffixes_hold_the_mask(tmp_path, name):
+    """The writers choose the format from the suffix and do not read upper case: the temporary's
+    suffix is lower case, so the file under the user's name holds the mask (it used to be 0 bytes,
+    the data left in a hidden .part file)."""
+    import shutil
+
+    import SimpleITK as sitk
+
+    from medvolcore.volume import save_mask
+
+    save_mask(_mask(), _tiny_volume(), tmp_path / name)
+    assert os.listdir(tmp_path) == [name]  # nothing hidden left beside it
+    copy = tmp_path / "check" / ("m." + name.split(".", 1)[1].lower())  # the readers want lower case
+    copy.parent.mkdir()
+    shutil.copy(tmp_path / name, copy)
+    if ".nii" in copy.name:
+        import nibabel as nib
+
+        got = np.asarray(nib.load(str(copy)).dataobj)
+    else:
+        got = sitk.GetArrayFromImage(sitk.ReadImage(str(copy))).transpose(2, 1, 0)
+    assert np.array_equal(got, _mask())
+
+
+@pytest.mark.probe("II.5", "a mask writer that silently writes nothing (CLI)")
+def test_a_writer_that_writes_nothing_is_an_error_not_a_success(capsys, tmp_path, small_ct, monkeypatch):
+    import nibabel
+
+    monkeypatch.setattr(nibabel, "save", lambda img, path: None)  # as the writers did with m.Nii
+    code, _, err = run_cli(capsys, "propagate", "--volume", small_ct[0], "--slice", "3", "--box", "30", "30", "90", "80",
+                           "--random-weights", "0", "--image-size", "32", "--out", tmp_path / "m.nii.gz", "--no-progress")
+    one_line(code, err, f"cannot write {tmp_path / 'm.nii.gz'}: the writer wrote nothing (0 bytes)")
+    assert os.listdir(tmp_path) == []
+
+
+def test_written_files_are_checked_before_the_rename(tmp_path):
+    from medvolcore.fileio import atomic_path, write_text_atomic
+
+    for name, data, needle in [("m.nii.gz", b"\x1f\x8b not a nifti", "cannot be read back"),
+                               ("m.nrrd", b"NRRD0004\nbroken", "cannot be read back"),
+                               ("qc.png", b"GIF89a", "not a PNG")]:
+        with pytest.raises(OutputError, match=needle), atomic_path(tmp_path / name) as tmp:
+            tmp.write_bytes(data)
+        assert os.listdir(tmp_path) == []
+    write_text_atomic(tmp_path / "empty.txt", "")  # text is checked to be what was written: empty is fine
+    assert (tmp_path / "empty.txt").read_text() == ""
+
+
+@pytest.mark.probe("II.10", "kill -9 while an output is written, then the same output again")
+def test_temporaries_of_a_killed_writer_are_removed_by_the_next_write(tmp_path, record_property):
+    """The temporary carries its writer's pid; the next write of the same output removes those of
+    dead writers on this machine, and keeps a live process's."""
+    from medvolcore.fileio import atomic_path, write_text_atomic
+
+    out = tmp_path / "m.anchor.json"
+    script = ("import sys, time\nfrom medvolcore.fileio import atomic_path\n"
+              f"with atomic_path({str(out)!r}) as tmp:\n"
+              "    tmp.write_text('{}')\n    print(tmp.name, flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    left = proc.stdout.readline().strip()
+    proc.kill()  # SIGKILL: no finally runs
+    proc.wait(30)
+    proc.stdout.close()
+    assert left.startswith(f".m.anchor.json.{proc.pid}-") and (tmp_path / left).exists()
+    before = len(os.listdir(tmp_path))
+    with atomic_path(out, overwrite=True) as tmp:
+        assert tmp.name.startswith(f".m.anchor.json.{os.getpid()}-")
+        # another write of the same output meanwhile removes the killed writer's temporary and
+        # keeps ours, a live process's
+        write_text_atomic(out, "{}")
+        assert (tmp_path / tmp.name).exists() and not (tmp_path / left).exists()
+        tmp.write_text("{}")
+    assert sorted(os.listdir(tmp_path)) == ["m.anchor.json"]
+    record_property("hidden_files_after_kill_9", before)
+    record_property("hidden_files_after_the_next_write", 0)
+
+
+@pytest.mark.probe("II.10", "ESC, CR, C1 and bidi controls in a path, a window and a case error printed by the CLI")
+def test_the_cli_never_prints_terminal_controls(capsys, tmp_path):
+    from medvolcore.cli.batch import _text
+    from medvolcore.cli.common import emit
+
+    evil = "\x1b[2J\x1b]0;owned\x07\rreal\x9b31m\u202eevil"
+    code, out, err = run_cli(capsys, "info", tmp_path / f"{evil}.nii.gz")
+    one_line(code, err, "\\x1b[2J", "\\x0d", "\\x9b", "\\u202e")
+    code, out, err = _run_cli_or_exit(capsys, "propagate", "--volume", tmp_path / "v.nii.gz", "--slice", evil)  # argparse's
+    assert code == 2 and "\\x1b" in err
+    emit({}, False, f"query: {evil}\nnext line")
+    info = {"cases": 1, "done": 0, "failed": 1, "skipped": 0, "seconds": 1.0, "summary_csv": "s.csv",
+            "summary_html": "s.html", "failures": [{"id": "a", "error": f"bad_volume: {evil}.nii.gz\ndoes not exist"}]}
+    text = _text(info)
+    out = capsys.readouterr().out
+    for printed in (err, out, text):
+        assert not any(c in printed for c in "\x1b\x07\r\x9b\u202e"), repr(printed)
+    assert out.count("\n") == 2 and "failed a: bad_volume: \\x1b[2J" in text and "\\x0adoes not exist" in text
+
+
+@pytest.mark.probe("II.10", "--ct-window 1e308,1e308, --box with a 30-digit coordinate, --random-weights 10**30")
+@pytest.mark.parametrize("args,needle", [
+    (["--ct-window", "1e308,1e308"], "invalid window"),
+    (["--ct-window", "nan,400"], "invalid window"),
+    (["--box", "0", "0", "1" + "0" * 30, "5"], "out of range"),
+    (["--add-box", "3", "1", "0", "0", "-" + "9" * 30, "5"], "out of range"),
+    (["--random-weights", "9" * 30], "not a seed"),
+])
+def test_huge_numbers_on_the_command_line_are_one_line(capsys, tmp_path, small_ct, args, needle):
+    base = ["propagate", "--volume", small_ct[0], "--slice", "3", "--out", tmp_path / "m.nii.gz", "--no-progress"]
+    if "--box" not in args:
+        base += ["--box", "30", "30", "90", "80"]
+    if "--random-weights" not in args:
+        base += ["--random-weights", "0", "--image-size", "32"]
+    code, _, err = _run_cli_or_exit(capsys, *base, *args)
+    one_line(code, err, needle)
+    assert not (tmp_path / "m.nii.gz").exists()

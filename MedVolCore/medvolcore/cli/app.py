@@ -1,7 +1,8 @@
 """The ``medvol`` command line: the parser, and ``main`` that turns every failure into one line.
 
 Every command has ``--help``. Errors are one line on stderr and a non-zero exit code
-(``--debug`` shows the traceback). Long work shows a progress bar on stderr; ``--json``
+(``--debug`` shows the traceback). Text printed for people goes through
+:func:`~.common.terminal_safe`, so user text (queries, file names, case ids) cannot drive the terminal. Long work shows a progress bar on stderr; ``--json``
 prints a machine-readable result on stdout. The commands live in one module per group
 (:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`), each of which imports only
 :mod:`.common` of this package; heavy libraries are imported by the command that needs them.
@@ -19,7 +20,7 @@ from typing import List, Optional
 from .. import __version__
 from ..errors import MedVolError
 from .batch import add_batch_command
-from .common import PROG
+from .common import PROG, terminal_safe
 from .models import add_models_command
 from .serve import add_serve_command
 from .volume import add_metrics_command, add_volume_commands
@@ -35,12 +36,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage dump)."""
 
     def error(self, message):  # noqa: D401
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, terminal_safe(f"{self.prog}: error: {message} (see {self.prog} --help)", one_line=True) + "\n")
 
 
 class _OneLineWarnings(logging.Handler):
     def emit(self, record):
-        sys.stderr.write(f"{PROG}: warning: {record.getMessage()}\n")
+        sys.stderr.write(terminal_safe(f"{PROG}: warning: {record.getMessage()}", one_line=True) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +81,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except MedVolError as e:
         if args.debug:
             raise
-        sys.stderr.write(f"{PROG} {args.command}: error: {e}\n")
+        sys.stderr.write(terminal_safe(f"{PROG} {args.command}: error: {e}", one_line=True) + "\n")
         return e.exit_code
     except KeyboardInterrupt as e:
         hint = getattr(args, "interrupt_hint", "")
@@ -90,7 +91,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as e:  # an unexpected failure: still one line, with a hint
         if args.debug:
             raise
-        sys.stderr.write(f"{PROG} {args.command}: internal error: {type(e).__name__}: {e} (rerun with --debug for details)\n")
+        sys.stderr.write(terminal_safe(f"{PROG} {args.command}: internal error: {type(e).__name__}: {e} "
+                                       "(rerun with --debug for details)", one_line=True) + "\n")
         return 1
     finally:
         if previous is not None:

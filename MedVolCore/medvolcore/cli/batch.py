@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from .common import add_preset_option, add_stop_option
+from .common import add_preset_option, add_stop_option, seed_arg, terminal_safe
 
 HELP = "Segment every case of a manifest (CSV or JSONL); resumable, shardable, with a summary table and page."
 
@@ -52,7 +52,7 @@ def add_batch_command(sub, add):
     g = sp.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="skip finished cases (done.json); rerun failed or incomplete ones")
     g.add_argument("--overwrite", action="store_true", help="redo every case of the shard, replacing its outputs")
-    sp.add_argument("--seed", type=int, help="random seed for --sample (reproducible sampling)")
+    sp.add_argument("--seed", type=seed_arg, help="random seed for --sample (reproducible sampling)")
     sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
     add_stop_option(sp)
@@ -68,7 +68,7 @@ def _text(info: dict) -> str:
     lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info['failed']} failed, "
                  f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
     for f in info["failures"]:
-        lines.append(f"failed {f['id']}: {f['error']}")
+        lines.append(terminal_safe(f"failed {f['id']}: {f['error']}", one_line=True))
     lines.append(f"summary: {info['summary_csv']}, {info['summary_html']}")
     return "\n".join(lines)
 
@@ -87,5 +87,5 @@ def cmd_batch(args) -> int:
     if args.json:
         sys.stdout.write(json.dumps(res.info, indent=2) + "\n")
     else:
-        sys.stdout.write(_text(res.info) + "\n")
+        sys.stdout.write(terminal_safe(_text(res.info)) + "\n")
     return res.exit_code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import List, Optional
 
@@ -11,12 +12,63 @@ from ..errors import InputError
 PROG = "medvol"
 
 
+# What a terminal may act on in printed text: C0 controls (ESC, CR, BS, BEL, …), DEL, C1 controls
+# (U+0080–U+009F, CSI among them) and the bidirectional overrides that reorder what is shown.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNSAFE_LINE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+
+
+def _escape(m) -> str:
+    c = ord(m.group(0))
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def terminal_safe(text, *, one_line: bool = False) -> str:
+    """``text`` with every character a terminal would act on shown as an escape (``\\x1b``,
+    ``\\x9b``, ``\\u202e``), so a query, a case id or a file name printed by the CLI cannot
+    move the cursor, clear the screen or rewrite what was printed before. Newlines and tabs are
+    kept, unless ``one_line`` (error and warning lines): then they are escaped too."""
+    return (_UNSAFE_LINE if one_line else _UNSAFE).sub(_escape, str(text))
+
+
 def emit(result: dict, as_json: bool, text: str) -> None:
-    """The command's result on stdout: JSON with ``--json``, else the text for people."""
+    """The command's result on stdout: JSON with ``--json`` (control characters escaped by JSON),
+    else the text for people, with :func:`terminal_safe`."""
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
-        sys.stdout.write(text + "\n")
+        sys.stdout.write(terminal_safe(text) + "\n")
+
+
+def index_arg(text: str) -> int:
+    """argparse ``type`` for slice, pixel and count options: an integer within ±MAX_INDEX, so
+    ``--box 0 0 99999999999999999999 5`` is one clear error, not an overflow later."""
+    import argparse
+
+    from ..prompts import MAX_INDEX
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text[:30]!r}") from None
+    if not -MAX_INDEX <= value <= MAX_INDEX:
+        shown = text if len(text) <= 24 else text[:23] + "…"
+        raise argparse.ArgumentTypeError(f"{shown} is out of range (at most {MAX_INDEX:,} in size)")
+    return value
+
+
+def seed_arg(text: str) -> int:
+    """argparse ``type`` for random seeds: 0 ≤ seed < 2**32 (what every generator here takes)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text[:30]!r}") from None
+    if not 0 <= value < 2**32:
+        shown = text if len(text) <= 24 else text[:23] + "…"
+        raise argparse.ArgumentTypeError(f"{shown} is not a seed (0 to {2**32 - 1})")
+    return value
 
 
 def peak_memory_mb() -> Optional[float]:

@@ -14,7 +14,8 @@ import sys
 import time
 
 from ..errors import InputError, MedVolError
-from .common import PROG, add_preset_option, add_stop_option, emit, parse_labels, peak_memory_mb, stop_text
+from .common import (PROG, add_preset_option, add_stop_option, emit, index_arg, parse_labels, peak_memory_mb, seed_arg,
+                     stop_text, terminal_safe)
 
 VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder"
 
@@ -180,7 +181,7 @@ def _progress(bar):
         if bar is not None:
             bar.set_description(stage)
             bar.n = int(100 * fraction)
-            bar.set_postfix_str(message)
+            bar.set_postfix_str(terminal_safe(message, one_line=True))
             bar.refresh()
 
     return progress
@@ -259,7 +260,7 @@ def cmd_demo(args) -> int:
     preset, notice = models.best_available_preset(args.preset)
     out_dir = check_folder(Path(args.out_dir), "--out-dir")
     if notice:
-        sys.stderr.write(f"{PROG} demo: {notice}\n")
+        sys.stderr.write(terminal_safe(f"{PROG} demo: {notice}", one_line=True) + "\n")
     res = _run_segment(volume, query, out_dir / "demo_mask.nii.gz", out_dir / "demo.anchor.json",
                        out_dir / "demo_qc.png", args, preset, notice)
     text = f"demo on {volume.name} with preset '{preset}', query: {query!r}\n" + _segment_text(res)
@@ -306,7 +307,7 @@ def _add_segment_options(sp) -> None:
     sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for the grounder (overrides the preset's)")
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
                     help="cpu (fp32) or cuda (bfloat16); auto picks cuda when available")
-    sp.add_argument("--seed", type=int, help="random seed for --sample (reproducible sampling)")
+    sp.add_argument("--seed", type=seed_arg, help="random seed for --sample (reproducible sampling)")
     sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     sp.add_argument("--no-constrain", action="store_true", help="no grammar-constrained decoding (parse and retry instead)")
     sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
@@ -325,8 +326,8 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--mask", required=True, help="label map (.nii.gz, …)")
     sp.add_argument("--label", action="append", metavar="N",
                     help="label id(s), e.g. 5 or 2,3 (repeatable); default: every non-zero voxel")
-    sp.add_argument("--top-k", type=int, default=1, help="draw the key slice from the K largest-area slices (default 1: the largest)")
-    sp.add_argument("--seed", type=int, default=0, help="random seed for --top-k > 1 (default 0)")
+    sp.add_argument("--top-k", type=index_arg, default=1, help="draw the key slice from the K largest-area slices (default 1: the largest)")
+    sp.add_argument("--seed", type=seed_arg, default=0, help="random seed for --top-k > 1 (default 0)")
     sp.add_argument("--query", help="query text to store in the anchor")
     sp.add_argument("--out", help="anchor file to write (*.anchor.json); default: print it")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -334,26 +335,26 @@ def add_volume_commands(add) -> None:
     sp = add("propagate", "Propagate an evidence anchor through the CT with MedSAM2 into a 3-D mask.", cmd_propagate)
     sp.add_argument("--volume", required=True, help=VOLUME_HELP)
     sp.add_argument("--anchor", help="anchor file (*.anchor.json; 'boxes' or 'world')")
-    sp.add_argument("--slice", type=int, help="key slice z of the canonical axial stack (0 = most superior)")
-    sp.add_argument("--box", type=int, nargs=4, action="append", metavar=("X0", "Y0", "X1", "Y1"),
+    sp.add_argument("--slice", type=index_arg, help="key slice z of the canonical axial stack (0 = most superior)")
+    sp.add_argument("--box", type=index_arg, nargs=4, action="append", metavar=("X0", "Y0", "X1", "Y1"),
                     help="inclusive pixel box on the key slice (repeatable)")
     sp.add_argument("--out", required=True, help="mask to write (.nii.gz, .nii or .nrrd), on the volume's grid")
     c = sp.add_argument_group("corrections (added to the anchor's own; objects are numbered from 1 in the anchor's "
                               "box order, the next free number adds an object)")
-    c.add_argument("--add-box", type=int, nargs=6, action=_PromptAction, metavar=("Z", "K", "X0", "Y0", "X1", "Y1"),
+    c.add_argument("--add-box", type=index_arg, nargs=6, action=_PromptAction, metavar=("Z", "K", "X0", "Y0", "X1", "Y1"),
                    help="a box on slice Z for object K (inclusive pixel box; repeatable)")
-    c.add_argument("--inside-point", type=int, nargs=4, action=_PromptAction, metavar=("Z", "K", "X", "Y"),
+    c.add_argument("--inside-point", type=index_arg, nargs=4, action=_PromptAction, metavar=("Z", "K", "X", "Y"),
                    help="a point inside object K on slice Z (pixel x, y; repeatable)")
-    c.add_argument("--outside-point", type=int, nargs=4, action=_PromptAction, metavar=("Z", "K", "X", "Y"),
+    c.add_argument("--outside-point", type=index_arg, nargs=4, action=_PromptAction, metavar=("Z", "K", "X", "Y"),
                    help="a point outside object K on slice Z (repeatable)")
-    c.add_argument("--z-range", type=int, nargs=2, metavar=("Z0", "Z1"),
+    c.add_argument("--z-range", type=index_arg, nargs=2, metavar=("Z0", "Z1"),
                    help="propagate only inside slices Z0..Z1 (inclusive; replaces the anchor's range)")
     sp.set_defaults(prompts=None)
     w = sp.add_mutually_exclusive_group()
     w.add_argument("--sam-checkpoint", metavar="PATH", help="MedSAM2 checkpoint, e.g. MedSAM2_latest.pt")
-    w.add_argument("--random-weights", type=int, metavar="SEED", help="seeded random weights (tests, benchmarks)")
-    sp.add_argument("--image-size", type=int, help="model input size for --random-weights (default 512)")
-    sp.add_argument("--window", type=int, metavar="W", help="propagate only slices [k-W, k+W] (default: all)")
+    w.add_argument("--random-weights", type=seed_arg, metavar="SEED", help="seeded random weights (tests, benchmarks)")
+    sp.add_argument("--image-size", type=index_arg, help="model input size for --random-weights (default 512)")
+    sp.add_argument("--window", type=index_arg, metavar="W", help="propagate only slices [k-W, k+W] (default: all)")
     sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W",
                     help="display window for the frames: soft_tissue (default), lung, bone, … or CENTER,WIDTH in HU")
     sp.add_argument("--largest-component", action="store_true", help="keep each box's largest 3-D connected component")
