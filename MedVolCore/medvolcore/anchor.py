@@ -30,6 +30,7 @@ import numpy as np
 from .errors import AnchorError, InputError, LimitError, VolumeError
 from .fileio import write_text_atomic
 from .prompts import MAX_INDEX, MAX_POINTS, MAX_PROMPTS, check_prompt_fields, check_z_range, plan_objects
+from .strictjson import DuplicateKeyError, unique_keys
 
 log = logging.getLogger(__name__)
 
@@ -556,9 +557,12 @@ class EvidenceAnchor:
         if len(raw) > MAX_ANCHOR_FILE_BYTES:
             raise LimitError(f"{p} is over {MAX_ANCHOR_FILE_BYTES // 2**20} MB; an anchor file is at most that")
         try:
-            d = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+            d = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys, parse_constant=_no_constant)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise AnchorError(f"{p} is not valid JSON: {e}") from None
+        except DuplicateKeyError as e:
+            raise AnchorError(f"{p}: the key {_show(e.key)} appears more than once in one object; give each field "
+                              "once") from None
         except _JSONProblem as e:
             raise AnchorError(f"{p}: {e}") from None
         except (ValueError, RecursionError) as e:  # an integer over Python's digit limit; nesting too deep
@@ -568,16 +572,6 @@ class EvidenceAnchor:
 
 class _JSONProblem(ValueError):
     pass
-
-
-def _unique_keys(pairs) -> dict:
-    """``object_pairs_hook``: refuse an object that names a key twice (json would keep the last silently)."""
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise _JSONProblem(f"the key {_show(k)} appears more than once in one object; give each field once")
-        d[k] = v
-    return d
 
 
 def _no_constant(name: str):

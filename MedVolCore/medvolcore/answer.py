@@ -49,6 +49,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import AnchorError, AnswerFormatError, InputError
+from .strictjson import DuplicateKeyError, unique_keys
 
 __all__ = ["ParsedAnswer", "parse_answer", "format_answer", "answer_from_anchor"]
 
@@ -113,15 +114,6 @@ def _block(text: str, name: str) -> tuple:
     return opens[0].end(), closes[0].start(), opens[0].start(), closes[0].end()
 
 
-def _no_duplicates(pairs):
-    result = {}
-    for key, value in pairs:
-        if key in result:
-            raise AnswerFormatError(f"answer entry has the {key!r} field more than once")
-        result[key] = value
-    return result
-
-
 def _reject_constant(name):
     raise AnswerFormatError(f"<answer> content contains {name}, which is not a finite number")
 
@@ -176,7 +168,9 @@ def parse_answer(text: str) -> ParsedAnswer:
     if not content:
         raise AnswerFormatError(f"<answer> block is empty; {_EXPECTED}")
     try:
-        data = json.loads(content, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        data = json.loads(content, object_pairs_hook=unique_keys, parse_constant=_reject_constant)
+    except DuplicateKeyError as exc:
+        raise AnswerFormatError(f"answer entry has the {exc.key!r} field more than once") from None
     except json.JSONDecodeError as exc:
         raise AnswerFormatError(
             f"<answer> content is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})") from None

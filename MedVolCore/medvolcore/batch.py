@@ -60,6 +60,7 @@ from urllib.parse import quote
 
 from .errors import InputError, MedVolError, OutputError, OutputExistsError
 from .fileio import check_distinct, check_folder, remove_stale_temporaries, resolve_paths, write_text_atomic
+from .strictjson import DuplicateKeyError, unique_keys
 
 log = logging.getLogger(__name__)
 
@@ -195,23 +196,6 @@ def _resolve(value: str, base: Path) -> Path:
     return p if p.is_absolute() else base / p
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs) -> dict:
-    """``object_pairs_hook``: a JSON object that names a key twice is refused (json keeps the last
-    silently, so ``{"volume": "a", "volume": "b"}`` would read as ``b``)."""
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise _DuplicateKey(k)
-        d[k] = v
-    return d
-
-
 def _read_rows(path: Path) -> Tuple[List[Tuple[int, dict]], List[str]]:
     """(line, raw record) pairs of the manifest, and the problems found while reading it."""
     problems: List[str] = []
@@ -249,8 +233,8 @@ def _read_rows(path: Path) -> Tuple[List[Tuple[int, dict]], List[str]]:
             if not raw.strip():
                 continue
             try:
-                rec = json.loads(raw, object_pairs_hook=_unique_keys)
-            except _DuplicateKey as e:
+                rec = json.loads(raw, object_pairs_hook=unique_keys)
+            except DuplicateKeyError as e:
                 problems.append(f"line {line}: the key {e.key!r} appears more than once; give each field once")
                 continue
             except json.JSONDecodeError as e:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import MedVolError
+from ..strictjson import DuplicateKeyError, unique_keys
 
 log = logging.getLogger("medvolcore.serve")
 
@@ -125,21 +126,6 @@ def _describe_bad_id(value) -> str:
     return f"'id' must be a string or an integer, got {type(value).__name__}"
 
 
-class _DuplicateKey(Exception):
-    """Raised by :func:`_unique_keys`; not a ValueError, so it is not mistaken for bad JSON."""
-
-
-def _unique_keys(pairs):
-    """``object_pairs_hook`` refusing an object that names a key twice (at any depth): JSON
-    parsers disagree on which value wins, so a proxy and the worker could read two requests."""
-    obj = {}
-    for key, value in pairs:
-        if key in obj:
-            raise _DuplicateKey(key)
-        obj[key] = value
-    return obj
-
-
 def parse_request(raw) -> dict:
     """bytes/str → request dict (``id`` checked); raises RequestError with the right code.
 
@@ -151,9 +137,9 @@ def parse_request(raw) -> dict:
         except UnicodeDecodeError as e:
             raise RequestError(f"request is not UTF-8 text: {e}", "bad_json") from None
     try:
-        req = json.loads(raw, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
-        key = str(e.args[0])
+        req = json.loads(raw, object_pairs_hook=unique_keys)
+    except DuplicateKeyError as e:
+        key = str(e.key)
         shown = json.dumps(key[:100]) + ("…" if len(key) > 100 else "")
         raise RequestError(f"the request names the key {shown} twice; send each key once") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, or an integer over Python's digit limit
