@@ -227,14 +227,17 @@ def _read_itk(path: Path, max_voxels=None, cancel=None):
         data = series.array.transpose(2, 1, 0)  # (k, j, i) -> (i, j, k)
         return data, _lps_to_ras(series.spacing, series.origin, series.direction), None
     try:
-        info = sitk.ImageFileReader()
-        info.SetFileName(str(path))
-        info.ReadImageInformation()
-        size, components = info.GetSize(), info.GetNumberOfComponents()
+        reader = sitk.ImageFileReader()
+        # the reader of the suffix, whatever its case (ITK matches ".mha" only in lower case) and
+        # never another one ITK would pick from the content
+        reader.SetImageIO(_ITK_IO[path.suffix.lower()])
+        reader.SetFileName(str(path))
+        reader.ReadImageInformation()
+        size, components = reader.GetSize(), reader.GetNumberOfComponents()
         _check_voxels(path, size, max_voxels, components)
         _check_3d_scalar(path, size, components)
         _check_cancel(cancel, path)
-        image = sitk.ReadImage(str(path))
+        image = reader.Execute()
     except (VolumeError, LimitError, CancelledError):
         raise
     except Exception as exc:
@@ -242,6 +245,9 @@ def _read_itk(path: Path, max_voxels=None, cancel=None):
     _check_3d_scalar(path, image.GetSize(), image.GetNumberOfComponentsPerPixel())
     data = sitk.GetArrayFromImage(image).transpose(2, 1, 0)  # (k, j, i) -> (i, j, k)
     return data, _lps_to_ras(image.GetSpacing(), image.GetOrigin(), image.GetDirection()), None
+
+
+_ITK_IO = {".nrrd": "NrrdImageIO", ".nhdr": "NrrdImageIO", ".mha": "MetaImageIO", ".mhd": "MetaImageIO"}
 
 
 def _lps_to_ras(spacing, origin, direction) -> np.ndarray:
