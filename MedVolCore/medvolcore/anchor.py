@@ -27,7 +27,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .errors import AnchorError, InputError, LimitError, VolumeError
+from .errors import AnchorError, InputError, LimitError, VolumeError, shown
 from .fileio import write_text_atomic
 from .prompts import MAX_INDEX, MAX_POINTS, MAX_PROMPTS, check_prompt_fields, check_z_range, plan_objects
 from .strictjson import DuplicateKeyError, unique_keys
@@ -61,12 +61,7 @@ Box = List[int]
 # ---- box geometry ---------------------------------------------------------------------
 
 def _show(value, limit: int = 60) -> str:
-    """``repr`` cut to ``limit`` characters (a 400-digit number must not fill an error line)."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int over Python's digit limit for str()
-        return f"<a {type(value).__name__} too long to show>"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return shown(value, limit)
 
 
 def _in_range(v, bound: float) -> bool:

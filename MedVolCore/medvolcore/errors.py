@@ -104,3 +104,13 @@ class GenerationError(MedVolError):
 
     code = "generation_failed"
     exit_code = 3
+
+
+def shown(value, limit: int = 60) -> str:
+    """``value`` as an error message quotes it: its ``repr`` cut to ``limit`` characters, so a
+    400-digit number or a megabyte string sent by a client never fills an error line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int over Python's digit limit for str()
+        return "a number too long to show"
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Type
 
-from .errors import InputError, MedVolError
+from .errors import InputError, MedVolError, shown
 
 __all__ = ["MAX_INDEX", "MAX_OBJECTS", "MAX_POINTS", "MAX_PROMPTS", "ObjectPrompts", "check_prompt_fields", "check_z_range", "plan_objects"]
 
@@ -71,11 +71,7 @@ def _index(v, what: str, error: Type[MedVolError]) -> int:
 
 
 def _show(value, limit: int = 30) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an int over Python's digit limit for str()
-        return "a number too long to show"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return shown(value, limit)
 
 
 def check_z_range(z_range, depth: Optional[int] = None, error: Type[MedVolError] = InputError) -> Optional[Tuple[int, int]]:

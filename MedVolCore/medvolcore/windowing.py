@@ -8,7 +8,7 @@ from typing import Union
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, shown
 from .resources import load_json
 
 # A window's centre and width in HU are at most this large: CT values span about -1024 to
@@ -50,11 +50,7 @@ WindowLike = Union[Window, str, tuple, list, None]
 
 
 def _show(value, limit: int = 24) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an int over Python's digit limit for str()
-        return "a number too long to show"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return shown(value, limit)
 
 
 def window_presets() -> dict:
