@@ -188,6 +188,14 @@ class FeatureCache:
         if st is not None:
             st.owner, st.closed = None, True
 
+    def discard_prefix(self, first) -> None:
+        """Drop every store whose key is a tuple starting with ``first`` (a volume's stores under
+        all of its HU windows and generations)."""
+        with self._lock:
+            keys = [k for k in self._stores if isinstance(k, tuple) and k[:1] == (first,)]
+        for key in keys:
+            self.discard(key)
+
     def clear(self) -> None:
         with self._lock:
             for st in self._stores.values():

@@ -608,8 +608,7 @@ class Worker:
         mismatches = self.cache.mismatches
         stack, digest, cached = self._read_stack(job, progress)
         if self.cache.mismatches != mismatches:
-            for key in [k for k in list(self.features._stores) if isinstance(k, tuple) and k[:1] == (digest,)]:
-                self.features.discard(key)
+            self.features.discard_prefix(digest)
         return stack, digest, cached
 
     def _read_stack(self, job: _Job, progress) -> tuple:
