@@ -206,18 +206,25 @@ def _stat_or_none(path: Path) -> Optional[os.stat_result]:
         raise VolumeError(f"{path} cannot be read: {e.strerror or e}") from None
 
 
+def _entry_names(folder, shown: str) -> List[str]:
+    """The names in ``folder`` (a path or a descriptor), refused with a :class:`LimitError` naming
+    ``shown`` past :data:`MAX_SOURCE_FILES` entries, before any is looked at."""
+    names = []
+    with os.scandir(folder) as it:
+        for entry in it:
+            names.append(entry.name)
+            if len(names) > MAX_SOURCE_FILES:
+                raise LimitError(f"{shown} holds more than {MAX_SOURCE_FILES} files; a DICOM series folder should "
+                                 "hold one series (give the folder of that series)")
+    return names
+
+
 def _folder_sources(path: Path) -> VolumeSources:
     """A DICOM folder: its files (symbolic links followed), sorted by name. Subfolders are not
     part of the series (the series reader does not look into them); anything else that is not a
     regular file is refused."""
-    names = []
     try:
-        with os.scandir(path) as it:
-            for entry in it:
-                names.append(entry.name)
-                if len(names) > MAX_SOURCE_FILES:
-                    raise LimitError(f"{path} holds more than {MAX_SOURCE_FILES} files; a DICOM series folder should "
-                                     "hold one series (give the folder of that series)")
+        names = _entry_names(path, str(path))
     except OSError as e:
         raise VolumeError(f"{path} cannot be read: {e.strerror or e}") from None
     files, kept = [], []
@@ -541,13 +548,7 @@ def _copy_file(fd: int, value: str, what: str, folder: Path, cancel) -> Tuple[Pa
 def _copy_folder(dir_fd: int, value: str, what: str, folder: Path, cancel) -> Tuple[Path, str]:
     """A DICOM folder: every entry must be a regular file (a symbolic link is refused, a subfolder
     is not part of the series and is skipped); each is copied under its own name."""
-    names = []
-    with os.scandir(dir_fd) as it:
-        for entry in it:
-            names.append(entry.name)
-            if len(names) > MAX_SOURCE_FILES:
-                raise LimitError(f"'{what}' {value!r} holds more than {MAX_SOURCE_FILES} files; a DICOM series folder "
-                                 "should hold one series (give the folder of that series)")
+    names = _entry_names(dir_fd, f"'{what}' {value!r}")
     # named as the client's folder, so the reader's messages name it too
     base = os.path.basename(os.path.normpath(value))
     series = folder / (base if base not in ("", os.curdir, os.pardir) else "series")
