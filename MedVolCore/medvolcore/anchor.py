@@ -11,8 +11,10 @@ Geometry, on the canonical slice of width ``W`` and height ``H``:
   ``(z, y0, x0)`` and ``(z, y1, x1)`` on the stack.
 
 The anchor file (``*.anchor.json``) has schema ``medvol.anchor/1``, or ``medvol.anchor/2`` when it
-carries correction prompts or a slice range (:mod:`medvolcore.prompts`): readers take both, writers
-write ``/2`` only then.
+carries correction prompts or a slice range (:mod:`medvolcore.prompts`), or ``medvol.anchor/3`` when
+it is an *absent* anchor (``"absent": true``: the grounder answered that the target is not in this
+volume; ``slice`` is null and there are no boxes). Readers take all three; writers write the lowest
+that holds the anchor.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 
 SCHEMA = "medvol.anchor/1"
 SCHEMA_V2 = "medvol.anchor/2"
-SCHEMAS = (SCHEMA, SCHEMA_V2)
+SCHEMA_V3 = "medvol.anchor/3"
+SCHEMAS = (SCHEMA, SCHEMA_V2, SCHEMA_V3)
 SOURCES = ("grounder", "mask", "user")
 NORM = 1000.0
 MAX_BOXES = 8
@@ -328,9 +331,14 @@ class EvidenceAnchor:
     ``prompts`` (pixel form, see :mod:`medvolcore.prompts`) correct objects 1..N on any slice or add
     new objects; ``z_range`` limits propagation to ``[z0, z1]``. With either, the file's schema is
     ``medvol.anchor/2``; :meth:`with_world` fills each prompt's ``world`` form.
+
+    ``absent`` (schema ``medvol.anchor/3``): the grounder answered that the target is not in this
+    volume. Such an anchor has ``slice`` None, no boxes, prompts or range, and nothing to
+    propagate; it keeps the query, the reasoning, the notes and the slice size (so it is still
+    checked against the volume it was made for). Use :meth:`absent_for` to make one.
     """
 
-    slice: int
+    slice: Optional[int]
     boxes: List[Box]
     image_size: Sequence[int]
     query: str = ""
@@ -341,8 +349,22 @@ class EvidenceAnchor:
     propagation: Optional[dict] = None
     prompts: List[dict] = field(default_factory=list)
     z_range: Optional[List[int]] = None
+    absent: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.absent, bool):
+            raise AnchorError(f"anchor 'absent' must be true or false, got {_show(self.absent)}")
+        if self.absent:
+            if self.slice is not None or self.boxes or self.prompts or self.z_range is not None:
+                raise AnchorError("an absent anchor (the target is not in this volume) has no slice, boxes, prompts "
+                                  "or slice range")
+            self.boxes, self.prompts = [], []
+            self.image_size = _image_size(self.image_size)
+            if self.source not in SOURCES:
+                raise AnchorError(f"anchor source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+            return
+        if self.slice is None:
+            raise AnchorError("the anchor has no slice (only an absent anchor has none)")
         if isinstance(self.slice, bool) or not isinstance(self.slice, (int, np.integer)) or self.slice < 0:
             raise AnchorError(f"anchor slice must be a non-negative integer, got {self.slice!r}")
         self.slice = int(self.slice)
@@ -379,7 +401,11 @@ class EvidenceAnchor:
         return out
 
     def plan(self, depth: Optional[int] = None):
-        """The objects to propagate (:func:`medvolcore.prompts.plan_objects`); checks every prompt rule."""
+        """The objects to propagate (:func:`medvolcore.prompts.plan_objects`); checks every prompt rule.
+        An absent anchor has none to propagate: :class:`AnchorError`."""
+        if self.absent:
+            raise AnchorError("this anchor says the target is not in this volume: there is nothing to propagate "
+                              "(draw a box on the slice where it is to correct it)")
         return plan_objects(self.slice, self.boxes, self.pixel_prompts(), width=self.width, height=self.height,
                             depth=depth, z_range=self.z_range, error=AnchorError)
 
@@ -389,6 +415,8 @@ class EvidenceAnchor:
 
     @property
     def schema(self) -> str:
+        if self.absent:
+            return SCHEMA_V3
         return SCHEMA_V2 if (self.prompts or self.z_range is not None) else SCHEMA
 
     @property
@@ -408,6 +436,11 @@ class EvidenceAnchor:
         return [box_to_norm(b, self.width, self.height) for b in self.boxes]
 
     # -- constructors --
+    @classmethod
+    def absent_for(cls, image_size: Sequence[int], **kw) -> "EvidenceAnchor":
+        """An absent anchor for slices of ``image_size`` (``[W, H]``)."""
+        return cls(None, [], image_size, absent=True, **kw)
+
     @classmethod
     def from_norm(cls, slice_index: int, boxes_norm: Iterable[Sequence[float]], image_size: Sequence[int], **kw) -> "EvidenceAnchor":
         w, h = _image_size(image_size)
@@ -435,6 +468,9 @@ class EvidenceAnchor:
                 f"the anchor is for a {self.width}×{self.height} slice but the volume's axial slices are "
                 f"{stack.width}×{stack.height}; was it made for another volume?"
             )
+        if self.absent:
+            self.world = None
+            return self
         if not 0 <= self.slice < stack.depth:
             raise AnchorError(f"anchor slice {self.slice} is outside the stack (0..{stack.depth - 1})")
         self.plan(stack.depth)
@@ -452,6 +488,13 @@ class EvidenceAnchor:
 
     # -- file format --
     def to_dict(self) -> dict:
+        if self.absent:
+            d = {"schema": self.schema, "absent": True, "slice": None, "boxes": [], "boxes_norm": [],
+                 "image_size": list(self.image_size), "query": self.query, "reasoning": self.reasoning,
+                 "source": self.source}
+            if self.notes:
+                d["notes"] = list(self.notes)
+            return d
         d = {
             "schema": self.schema,
             "slice": self.slice,
@@ -488,10 +531,12 @@ class EvidenceAnchor:
         if not isinstance(d, dict):
             raise AnchorError(f"{origin}: expected a JSON object, got {type(d).__name__}")
         if d.get("schema") not in SCHEMAS:
-            raise AnchorError(f"{origin}: schema is {d.get('schema')!r}, expected {SCHEMA!r} or {SCHEMA_V2!r}")
+            raise AnchorError(f"{origin}: schema is {_show(d.get('schema'))}, expected one of {', '.join(SCHEMAS)}")
         _check_fields(d, origin)
         kw = dict(query=str(d.get("query") or ""), reasoning=str(d.get("reasoning") or ""),
                   source=d.get("source") or "user", notes=list(d.get("notes") or []))
+        if d.get("absent", False) is not False or d.get("schema") == SCHEMA_V3:  # "absent": false is an ordinary anchor
+            return cls._absent_from_dict(d, stack, origin, kw)
         world = d.get("world")
         kw.update(_read_corrections(d, stack, origin))
         has_boxes = d.get("boxes") is not None or d.get("boxes_norm") is not None
@@ -532,6 +577,30 @@ class EvidenceAnchor:
         elif world is not None:
             anchor.world = world
         return anchor
+
+    @classmethod
+    def _absent_from_dict(cls, d: dict, stack, origin: str, kw: dict) -> "EvidenceAnchor":
+        if d.get("absent") is not True:
+            raise AnchorError(f"{origin}: 'absent' must be true in a {SCHEMA_V3!r} anchor, got {_show(d.get('absent'))}"
+                              if d.get("schema") == SCHEMA_V3 else
+                              f"{origin}: 'absent' needs schema {SCHEMA_V3!r}, not {_show(d.get('schema'))}")
+        if d.get("schema") != SCHEMA_V3:
+            raise AnchorError(f"{origin}: 'absent' needs schema {SCHEMA_V3!r}, not {_show(d.get('schema'))}")
+        for name in ("boxes", "boxes_norm", "prompts"):
+            if d.get(name):
+                raise AnchorError(f"{origin}: an absent anchor has no {name!r}; remove them or 'absent'")
+        if d.get("slice") is not None or d.get("z_range") is not None:
+            raise AnchorError(f"{origin}: an absent anchor has no 'slice' or 'z_range'; remove them or 'absent'")
+        image_size = d.get("image_size")
+        if image_size is None and stack is not None:
+            image_size = [stack.width, stack.height]
+        if image_size is None:
+            raise AnchorError(f"{origin}: has no 'image_size'")
+        try:
+            anchor = cls.absent_for(image_size, **kw)
+            return anchor.with_world(stack) if stack is not None else anchor
+        except AnchorError as e:
+            raise AnchorError(f"{origin}: {e}") from None
 
     @classmethod
     def load(cls, path, stack=None) -> "EvidenceAnchor":
@@ -724,6 +793,6 @@ def anchor_from_mask(
 
 
 __all__ = [
-    "SCHEMA", "SCHEMA_V2", "SCHEMAS", "EvidenceAnchor", "anchor_from_mask", "boxes_from_slice_mask", "rank_slices", "slice_areas",
+    "SCHEMA", "SCHEMA_V2", "SCHEMA_V3", "SCHEMAS", "EvidenceAnchor", "anchor_from_mask", "boxes_from_slice_mask", "rank_slices", "slice_areas",
     "check_box", "box_to_norm", "norm_to_box", "box_iou", "box_to_ras", "ras_to_box", "ras_to_prompt",
 ]

@@ -5,7 +5,8 @@ Format (MedVol-R1, docs/architecture.md, "Answer format")::
     <think>REASONING</think><answer>[{"slice": z, "bbox_2d_list": [[x0, y0, x1, y1], ...]}]</answer>
 
 ``z`` is the 0-based key-slice index and every box is ``[x0, y0, x1, y1]`` normalised to
-0..1000 over the slice image.
+0..1000 over the slice image. The empty list, ``<answer>[]</answer>``, is the *absent* answer:
+the target is not present in this volume (no slice, no boxes).
 
 :func:`parse_answer` is strict: anything that does not follow the format raises
 :class:`~medvolcore.errors.AnswerFormatError` with a message naming the problem. The rules:
@@ -14,7 +15,8 @@ Format (MedVol-R1, docs/architecture.md, "Answer format")::
   think block first; only whitespace may sit between ``</think>`` and ``<answer>``;
 * the answer content is strict JSON (no single quotes, no trailing commas, no duplicate
   keys, no ``NaN``/``Infinity``) holding exactly one entry with the fields
-  ``slice`` and ``bbox_2d_list`` (other fields, e.g. a ``label``, are ignored);
+  ``slice`` and ``bbox_2d_list`` (other fields, e.g. a ``label``, are ignored), or no entry
+  at all (``[]``, the absent answer);
 * ``slice`` is a non-negative whole number; ``bbox_2d_list`` holds at least one box of four
   finite coordinates, each within 0..1000. Booleans are never numbers.
 
@@ -33,7 +35,8 @@ or a degenerate one is *not* a format error here; the stage that converts boxes 
 reorders them.
 
 :func:`format_answer` writes the canonical text (integer coordinates rounded half away from
-zero, compact JSON); ``parse_answer(format_answer(...))`` round-trips.
+zero, compact JSON); ``parse_answer(format_answer(...))`` round-trips. ``format_answer(None, [])``
+(or :func:`absent_answer`) writes the absent answer.
 :func:`answer_from_anchor` does the same for any object with ``slice``, ``boxes_norm`` and
 ``reasoning`` attributes (an evidence anchor).
 
@@ -47,14 +50,17 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import AnchorError, AnswerFormatError, InputError
 from .strictjson import DuplicateKeyError, unique_keys
 
-__all__ = ["ParsedAnswer", "parse_answer", "format_answer", "answer_from_anchor"]
+__all__ = ["ParsedAnswer", "parse_answer", "format_answer", "absent_answer", "answer_from_anchor", "ABSENT_JSON"]
 
 NORM_MAX = 1000.0
-_EXPECTED = 'expected <think>…</think><answer>[{"slice": z, "bbox_2d_list": [[x0, y0, x1, y1]]}]</answer>'
+_EXPECTED = ('expected <think>…</think><answer>[{"slice": z, "bbox_2d_list": [[x0, y0, x1, y1]]}]</answer> '
+             '(or <answer>[]</answer>: not present)')
+ABSENT_JSON = "[]"
 _FIELDS = ("slice", "bbox_2d_list")
 _NUMBER_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 _TAGS = {name: (re.compile(rf"<\s*{name}\s*>"), re.compile(rf"<\s*/\s*{name}\s*>"))
@@ -63,12 +69,19 @@ _TAGS = {name: (re.compile(rf"<\s*{name}\s*>"), re.compile(rf"<\s*/\s*{name}\s*>
 
 @dataclass(frozen=True)
 class ParsedAnswer:
-    """A parsed model answer. ``boxes_norm`` are 0..1000 floats, as given (not reordered)."""
+    """A parsed model answer. ``boxes_norm`` are 0..1000 floats, as given (not reordered).
 
-    slice: int
+    The absent answer (``[]``) has ``slice`` None and no boxes; :attr:`absent` says so."""
+
+    slice: Optional[int]
     boxes_norm: list
     reasoning: str
     raw: str
+
+    @property
+    def absent(self) -> bool:
+        """True for ``<answer>[]</answer>``: the model says the target is not in this volume."""
+        return self.slice is None
 
 
 def _show(value) -> str:
@@ -178,6 +191,8 @@ def parse_answer(text: str) -> ParsedAnswer:
         data = [data]  # tolerated: the list wrapper is missing
     if not isinstance(data, list):
         raise AnswerFormatError(f"<answer> content must be a list with one entry, got {_show(data)}")
+    if not data:  # the absent answer
+        return ParsedAnswer(slice=None, boxes_norm=[], reasoning=text[t_start:t_end].strip(), raw=text)
     if len(data) != 1:
         raise AnswerFormatError(f"answer lists {len(data)} entries; exactly one key slice is expected")
     entry = data[0]
@@ -195,20 +210,35 @@ def _round(v: float) -> int:
     return int(math.floor(v + 0.5))
 
 
+def _checked_reasoning(reasoning) -> str:
+    reasoning = "" if reasoning is None else str(reasoning).strip()
+    for name in ("think", "answer"):
+        if any(rx.search(reasoning) for rx in _TAGS[name]):
+            raise InputError(f"reasoning must not contain a <{name}> or </{name}> tag")
+    return reasoning
+
+
+def absent_answer(reasoning: str | None = "") -> str:
+    """Canonical text of the absent answer: ``<think>…</think><answer>[]</answer>``."""
+    return f"<think>{_checked_reasoning(reasoning)}</think><answer>{ABSENT_JSON}</answer>"
+
+
 def format_answer(slice_index, boxes_norm, reasoning: str | None = "") -> str:
     """Canonical answer text for a key slice and its 0..1000 boxes.
 
     ``boxes_norm`` is a sequence of ``[x0, y0, x1, y1]`` (a single flat box is accepted too);
     coordinates are rounded half up to integers and written as given (not reordered).
+    ``slice_index`` None with no boxes writes the absent answer (:func:`absent_answer`).
     Raises :class:`InputError` for values the format cannot hold.
     """
+    if slice_index is None:
+        if boxes_norm is not None and len(list(boxes_norm)):
+            raise InputError("an absent answer (slice None) has no boxes")
+        return absent_answer(reasoning)
     if isinstance(slice_index, bool) or not isinstance(slice_index, numbers.Real) \
             or not 0 <= slice_index < math.inf or slice_index != int(slice_index):
         raise InputError(f"slice {slice_index!r} must be a non-negative whole number")
-    reasoning = "" if reasoning is None else str(reasoning).strip()
-    for name in ("think", "answer"):
-        if any(rx.search(reasoning) for rx in _TAGS[name]):
-            raise InputError(f"reasoning must not contain a <{name}> or </{name}> tag")
+    reasoning = _checked_reasoning(reasoning)
     try:
         boxes = list(boxes_norm)
     except TypeError:
@@ -237,12 +267,18 @@ def format_answer(slice_index, boxes_norm, reasoning: str | None = "") -> str:
 
 def answer_from_anchor(anchor, reasoning: str | None = None) -> str:
     """Answer text for an evidence anchor (any object with ``slice``, ``boxes_norm`` and
-    ``reasoning``); ``reasoning`` overrides the anchor's own. Raises :class:`AnchorError`."""
+    ``reasoning``); ``reasoning`` overrides the anchor's own. An anchor whose ``absent`` is true
+    gives the absent answer. Raises :class:`AnchorError`."""
+    if reasoning is None:
+        reasoning = getattr(anchor, "reasoning", None) or ""
+    if getattr(anchor, "absent", False):
+        try:
+            return absent_answer(reasoning)
+        except InputError as exc:
+            raise AnchorError(f"anchor cannot be written as a model answer: {exc}") from None
     for attr in ("slice", "boxes_norm"):
         if getattr(anchor, attr, None) is None:
             raise AnchorError(f"anchor has no {attr!r}; cannot write it as a model answer")
-    if reasoning is None:
-        reasoning = getattr(anchor, "reasoning", None) or ""
     try:
         return format_answer(anchor.slice, anchor.boxes_norm, reasoning)
     except InputError as exc:

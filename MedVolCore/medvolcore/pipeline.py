@@ -27,6 +27,13 @@ SMOKE_NOTE = ("made with the untrained 'tiny' smoke model: the anchor and mask a
               "run `medvol models download medvol-r1` for real results")
 
 VolumeLike = Union[str, Path, CTVolume, AxialStack]
+
+
+def absent_note(query: str) -> str:
+    """The line every front door shows when the grounder answers that the target is absent."""
+    q = " ".join(str(query).split())
+    return f"not found in this CT: {q[:200] + '…' if len(q) > 200 else q}"
+
 Progress = Callable[[str, float, str], None]  # (stage, fraction 0..1, message)
 
 
@@ -36,6 +43,8 @@ class Segmentation:
 
     ``mask`` is uint8 on the volume's source grid (same shape and affine as the input);
     ``mask_stack`` the same mask on the canonical stack. ``timings`` are seconds per stage.
+    When the grounder answered that the target is not in the volume (:attr:`absent`), nothing
+    was propagated and both masks are all zero.
     """
 
     anchor: EvidenceAnchor
@@ -50,9 +59,14 @@ class Segmentation:
     notes: list = field(default_factory=list)
     propagation: object = None
 
+    @property
+    def absent(self) -> bool:
+        """True when the grounder answered that the target is not in this volume."""
+        return bool(self.anchor.absent)
+
     def summary(self) -> dict:
         return {
-            "preset": self.preset, "smoke": self.smoke, "anchor": self.anchor.to_dict(),
+            "preset": self.preset, "smoke": self.smoke, "absent": self.absent, "anchor": self.anchor.to_dict(),
             "reasoning": self.reasoning, "raw_text": self.raw_text, "notes": list(self.notes),
             "mask_voxels": int(self.mask.sum()), "timings": {k: round(v, 4) if isinstance(v, float) else v
                                                               for k, v in self.timings.items()},
@@ -181,8 +195,17 @@ class Pipeline:
             if self.smoke or getattr(grounder, "is_smoke", False):
                 self.smoke = True
                 notes.append(SMOKE_NOTE)
+            if anchor.absent:
+                notes.append(absent_note(query))
             anchor.notes = list(dict.fromkeys(list(anchor.notes) + notes))
-            seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, features=features)
+            if anchor.absent:
+                seg = Segmentation(anchor=anchor, mask=np.zeros(stack.volume.shape, np.uint8),
+                                   mask_stack=np.zeros(stack.data.shape, np.uint8), stack=stack, preset=self.preset,
+                                   smoke=self.smoke, timings={"propagate_s": 0.0, "slices_encoded": 0,
+                                                              "slices_propagated": 0, "encoder_calls": 0})
+                _stage(progress, "propagate", 1.0, "not present: nothing to propagate")
+            else:
+                seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, features=features)
             seg.reasoning, seg.raw_text = g.reasoning, g.raw_text
             seg.timings.update({f"ground_{k}": v for k, v in g.timings.items()})
             seg.timings["ground_s"] = t_ground
@@ -208,6 +231,7 @@ class Pipeline:
                 anchor = EvidenceAnchor.from_dict(anchor, stack)
             else:
                 anchor = anchor.with_world(stack)
+            anchor.plan(stack.depth)  # an absent anchor has nothing to propagate: one clear AnchorError
             seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, span, largest_component,
                                   features=features)
             seg.reasoning = anchor.reasoning

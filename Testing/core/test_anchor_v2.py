@@ -189,3 +189,49 @@ def test_a_huge_prompt_list_is_refused_before_it_is_read(stack):
     d["prompts"] = bad_first
     with pytest.raises(AnchorError, match="'world' must be an object"):
         EvidenceAnchor.from_dict(d, stack)
+
+
+# ---- absent anchors (schema /3) --------------------------------------------------------------------
+
+def _absent_dict(**over):
+    d = {"schema": "medvol.anchor/3", "absent": True, "slice": None, "boxes": [], "boxes_norm": [],
+         "image_size": [W, H], "query": "the kidney cyst", "reasoning": "none seen", "source": "grounder"}
+    d.update(over)
+    return d
+
+
+def test_absent_anchor_round_trips_through_a_file(tmp_path, stack):
+    a = EvidenceAnchor.absent_for([W, H], query="the kidney cyst", reasoning="none seen", source="grounder",
+                                  notes=["not found in this CT: the kidney cyst"])
+    p = a.save(tmp_path / "a.anchor.json")
+    d = json.loads(p.read_text())
+    assert d == _absent_dict(notes=["not found in this CT: the kidney cyst"])
+    b = EvidenceAnchor.load(p, stack)
+    assert b.absent and b.slice is None and b.boxes == [] and b.query == "the kidney cyst"
+    assert EvidenceAnchor.from_dict(_absent_dict(slice=None, boxes=None, boxes_norm=None)).absent
+    assert not EvidenceAnchor.from_dict({"schema": SCHEMA, "absent": False, "slice": 3, "boxes": [[1, 1, 5, 5]],
+                                         "image_size": [W, H]}).absent  # "absent": false is an ordinary anchor
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(schema=SCHEMA_V2), "'absent' needs schema 'medvol.anchor/3'"),
+    (dict(absent="yes"), "'absent' must be true"),
+    (dict(absent=False), "'absent' must be true in a 'medvol.anchor/3' anchor"),
+    (dict(slice=4), "an absent anchor has no 'slice'"),
+    (dict(boxes=[[1, 1, 5, 5]]), "an absent anchor has no 'boxes'"),
+    (dict(z_range=[1, 4]), "no 'slice' or 'z_range'"),
+    (dict(image_size=[W + 1, H]), "was it made for another volume"),
+])
+def test_contradictory_absent_anchors_are_refused(stack, over, message):
+    with pytest.raises(AnchorError, match=message):
+        EvidenceAnchor.from_dict(_absent_dict(**over), stack)
+
+
+def test_an_absent_anchor_plans_nothing_and_old_schemas_say_so():
+    a = EvidenceAnchor.absent_for([W, H])
+    with pytest.raises(AnchorError, match="nothing to propagate"):
+        a.plan()
+    with pytest.raises(AnchorError, match="has no slice"):
+        EvidenceAnchor(None, [[1, 1, 5, 5]], [W, H])
+    with pytest.raises(AnchorError, match="has no slice, boxes"):
+        EvidenceAnchor(None, [[1, 1, 5, 5]], [W, H], absent=True)

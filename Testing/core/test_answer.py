@@ -102,7 +102,6 @@ BAD = [
     ("huge_exponent", _ans('[{"slice": 1, "bbox_2d_list": [[1e999, 2, 3, 4]]}]'), "not a finite number"),
     ("duplicate_key", _ans('[{"slice": 1, "slice": 2, %s}]' % OK_BOX), "'slice' field more than once"),
     ("json_scalar", _ans("42"), "must be a list with one entry"),
-    ("no_entries", _ans("[]"), "answer lists 0 entries; exactly one key slice is expected"),
     ("two_entries", _ans('[{"slice": 1, %s}, {"slice": 2, %s}]' % (OK_BOX, OK_BOX)),
      "answer lists 2 entries; exactly one key slice is expected"),
     ("entry_not_object", _ans("[[1, 2, 3, 4]]"), "answer entry must be a JSON object"),
@@ -237,3 +236,33 @@ def test_import_is_cheap():
             "heavy = {'numpy', 'torch', 'SimpleITK', 'sam2'} & set(sys.modules); "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- the absent answer ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", ["[]", " [ ] ", "[\n]"])
+def test_empty_list_is_the_absent_answer(content):
+    p = parse_answer(f"<think>no cyst on any slice</think><answer>{content}</answer>")
+    assert p.absent and p.slice is None and p.boxes_norm == [] and p.reasoning == "no cyst on any slice"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[{}]", "no 'slice' field"),
+    ('[{"slice": 3, "bbox_2d_list": []}]', "bbox_2d_list is empty"),  # an entry without boxes is not "absent"
+    ("{}", "no 'slice' field"),
+    ("[[]]", "must be a JSON object"),
+])
+def test_near_absent_answers_stay_errors(content, message):
+    with pytest.raises(AnswerFormatError, match=message):
+        parse_answer(f"<think></think><answer>{content}</answer>")
+
+
+def test_absent_answer_round_trips_and_is_canonical():
+    from medvolcore.answer import absent_answer
+
+    text = format_answer(None, [], "  not in this CT ")
+    assert text == absent_answer("not in this CT") == "<think>not in this CT</think><answer>[]</answer>"
+    assert parse_answer(text).absent
+    assert not parse_answer(format_answer(2, [[1, 2, 3, 4]])).absent
+    with pytest.raises(InputError, match="absent answer .* has no boxes"):
+        format_answer(None, [[1, 2, 3, 4]])

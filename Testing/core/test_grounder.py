@@ -227,7 +227,11 @@ def test_grammar_accepts_exactly_the_answer_format(grounder):
 
     assert accepts('<think>liver, right</think><answer>[{"slice": 57, "bbox_2d_list": [[0, 10, 1000, 999]]}]</answer>')
     assert accepts('<think></think><answer>[{"slice": 111, "bbox_2d_list": [[1, 2, 3, 4], [5, 6, 7, 8]]}]</answer>')
+    assert accepts('<think>no cyst here</think><answer>[]</answer>')  # the absent answer
     rejected = [
+        '<think>x</think><answer>[ ]</answer>',  # not the canonical absent answer
+        '<think>x</think><answer>[{}]</answer>',
+        '<think>x</think><answer></answer>',
         '<think>x</think><answer>[{"slice": 3, "bbox_2d_list": [[0, 0, 1, 1]]}]</answer>',  # not shown
         '<think>x</think><answer>[{"slice": 57, "bbox_2d_list": [[0, 0, 1001, 1]]}]</answer>',  # > 1000
         '<think>x</think><answer>[{"slice": 57, "bbox_2d_list": [[0, 0, 01, 1]]}]</answer>',  # leading zero
@@ -267,6 +271,10 @@ def test_constrained_sampling_always_parses_for_20_seeds(grounder, ct_inputs):
         text, timings = grounder._generate_text(inputs, shown, constrain=True, do_sample=True, seed=seed,
                                                 max_new_tokens=max_new)
         parsed = parse_answer(text)  # raises on any format error
+        if parsed.absent:  # the random model may sample "[]"
+            assert text.endswith("<answer>[]</answer>"), text
+            texts.append(text)
+            continue
         assert parsed.slice in shown, text
         assert 1 <= len(parsed.boxes_norm) <= 8
         assert all(float(c).is_integer() and 0 <= c <= 1000 for b in parsed.boxes_norm for c in b)
@@ -565,3 +573,11 @@ def test_window_is_a_parameter_of_the_prompt(grounder, stack, ct_inputs):
     assert not torch.equal(lung["pixel_values"], inputs["pixel_values"])
     with pytest.raises(InputError, match="unknown window"):
         grounder.build_inputs(stack, QUERY, window="sunset")
+
+
+def test_scripted_absent_answer_is_an_absent_anchor_on_the_first_attempt(grounder, stack, scripted):
+    calls = scripted("<think>the brain is not in an abdominal CT</think><answer>[]</answer>")
+    r = grounder.ground(stack, "the brain", constrain=True)
+    assert r.attempts == 1 and len(calls) == 1  # "not present" is an answer, not a failure to retry
+    assert r.anchor.absent and r.anchor.slice is None and r.anchor.boxes == [] and r.anchor.world is None
+    assert r.anchor.query == "the brain" and r.reasoning == "the brain is not in an abdominal CT"

@@ -168,3 +168,34 @@ def test_generation_that_never_parses_exits_3(capsys, tmp_path, monkeypatch):
                            "--preset", "tiny", "--device", "cpu", "--no-progress", "--no-constrain")
     _one_line(code, err, "raw text", exit_code=3)
     assert not (tmp_path / "m.nii.gz").exists()
+
+
+# ---- "not present" ------------------------------------------------------------------------------
+
+ABSENT = "<think>no kidney cyst on any shown slice</think><answer>[]</answer>"
+
+
+def test_absent_answer_gives_an_empty_result_and_propagates_nothing(tiny, monkeypatch):
+    stack = as_stack(SAMPLE)
+    prop = tiny.propagator
+    monkeypatch.setattr(tiny.grounder, "_generate_text", lambda *a, **k: (ABSENT, {"new_tokens": 12}))
+    monkeypatch.setattr(prop, "propagate", lambda *a, **k: pytest.fail("an absent anchor was propagated"))
+    seg = tiny.segment(stack, "the kidney that contains the cyst")
+    assert seg.absent and seg.anchor.absent and seg.anchor.slice is None and seg.anchor.boxes == []
+    assert seg.mask.shape == stack.volume.shape and seg.mask.dtype == np.uint8 and not seg.mask.any()
+    assert seg.mask_stack.shape == stack.data.shape and not seg.mask_stack.any()
+    assert "not found in this CT: the kidney that contains the cyst" in seg.notes
+    assert seg.timings["slices_encoded"] == 0 and seg.summary()["absent"] is True
+    assert seg.reasoning == "no kidney cyst on any shown slice"
+    d = seg.anchor.to_dict()
+    assert d["schema"] == "medvol.anchor/3" and d["absent"] is True and d["slice"] is None and d["boxes"] == []
+
+
+def test_an_absent_anchor_cannot_be_repropagated(tiny):
+    from medvolcore.anchor import EvidenceAnchor
+    from medvolcore.errors import AnchorError
+
+    stack = as_stack(SAMPLE)
+    absent = EvidenceAnchor.absent_for([stack.width, stack.height], query="the brain", source="grounder")
+    with pytest.raises(AnchorError, match="not in this volume: there is nothing to propagate"):
+        tiny.repropagate(stack, absent.to_dict())

@@ -592,6 +592,8 @@ class QwenVLGrounder:
     # -- the request ------------------------------------------------------------------------------
     def _check_answer(self, text: str, shown: Sequence[int]):
         parsed = parse_answer(text)
+        if parsed.absent:
+            return parsed, [], []
         if parsed.slice not in set(shown):
             raise _Unusable(f"slice {parsed.slice} is not one of the shown slices")
         boxes, notes = clean_boxes(parsed.boxes_norm)
@@ -634,8 +636,11 @@ class QwenVLGrounder:
                 notes = list(self.notes)
                 notes += [f"attempt {i + 1} was unusable: {reason}" for i, reason in enumerate(failures)]
                 notes += box_notes
-                anchor = EvidenceAnchor.from_norm(parsed.slice, boxes, [stack.width, stack.height], query=query,
-                                                  reasoning=parsed.reasoning, source="grounder", notes=notes)
+                kw = dict(query=query, reasoning=parsed.reasoning, source="grounder", notes=notes)
+                if parsed.absent:
+                    anchor = EvidenceAnchor.absent_for([stack.width, stack.height], **kw)
+                else:
+                    anchor = EvidenceAnchor.from_norm(parsed.slice, boxes, [stack.width, stack.height], **kw)
                 anchor.with_world(stack)
             except (AnswerFormatError, _Unusable, InputError, AnchorError) as e:
                 failures.append(str(e))

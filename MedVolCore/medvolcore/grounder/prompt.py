@@ -19,8 +19,9 @@ By default the answer is forced by a grammar built per request from the shown ta
 (:func:`answer_grammar`)::
 
     <think>TEXT</think><answer>[{"slice": TAG, "bbox_2d_list": [[X, Y, X, Y], ...]}]</answer><stop>
+    <think>TEXT</think><answer>[]</answer><stop>
 
-``TAG`` is one of the shown tags, each coordinate an integer 0..1000 (no leading zeros), 1 to
+the second being the absent answer (the target is not in this volume). ``TAG`` is one of the shown tags, each coordinate an integer 0..1000 (no leading zeros), 1 to
 ``max_boxes`` boxes, with the exact separators of :func:`~medvolcore.answer.format_answer` (the
 canonical text the SFT targets use). ``TEXT`` has no ``<`` and at most ``think_max_chars``
 characters.
@@ -53,9 +54,13 @@ __all__ = ["MAX_QUERY_CHARS", "THINK_OPEN", "THINK_CLOSE", "load_prompts", "reso
 PROMPTS_FILE = ("prompts", "grounder.json")
 MAX_QUERY_CHARS = 2000
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_ANSWER_HEAD = '</think><answer>[{"slice": '
+_ANSWER_OPEN = "</think><answer>["
+_ENTRY_HEAD = '{"slice": '
+_ANSWER_HEAD = _ANSWER_OPEN + _ENTRY_HEAD
 _ANSWER_MID = ', "bbox_2d_list": ['
-_ANSWER_TAIL = "]}]</answer>"
+_ENTRY_TAIL = "]}"
+_ANSWER_CLOSE = "]</answer>"
+_ANSWER_TAIL = _ENTRY_TAIL + _ANSWER_CLOSE
 _BOX_WORST = "[1000, 1000, 1000, 1000]"
 _BOX_SEP = ", "
 _UTF8_SLACK = 3  # continuation bytes a multi-byte character may still need before "</think>" fits
@@ -187,11 +192,11 @@ def answer_grammar(tags: Sequence[int], think_chars: int, max_boxes: int) -> str
     tag_texts = _tag_texts(tags)
     if not 1 <= max_boxes <= MAX_BOXES:
         raise InputError(f"max_boxes must be 1..{MAX_BOXES}, got {max_boxes}")
-    think = f" think {_ebnf_literal(_ANSWER_HEAD)}" if think_chars > 0 else f" {_ebnf_literal(_ANSWER_HEAD)}"
+    think = f" think {_ebnf_literal(_ANSWER_OPEN)}" if think_chars > 0 else f" {_ebnf_literal(_ANSWER_OPEN)}"
     more = f" ({_ebnf_literal(_BOX_SEP)} box){{0,{max_boxes - 1}}}" if max_boxes > 1 else ""
     lines = [
-        f"root ::= {_ebnf_literal(THINK_OPEN)}{think} tag {_ebnf_literal(_ANSWER_MID)} box{more} "
-        f"{_ebnf_literal(_ANSWER_TAIL)}",
+        f"root ::= {_ebnf_literal(THINK_OPEN)}{think} entry? {_ebnf_literal(_ANSWER_CLOSE)}",
+        f"entry ::= {_ebnf_literal(_ENTRY_HEAD)} tag {_ebnf_literal(_ANSWER_MID)} box{more} {_ebnf_literal(_ENTRY_TAIL)}",
         "tag ::= " + " | ".join(_ebnf_literal(t) for t in dict.fromkeys(tag_texts)),
         'box ::= "[" num ", " num ", " num ", " num "]"',
         'num ::= "0" | [1-9] [0-9]{0,2} | "1000"',
