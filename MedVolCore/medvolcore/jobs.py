@@ -17,7 +17,10 @@ The steps, in this order, so that nothing is loaded or written for a job that ca
 4. ground + propagate (``query``) or propagate the given anchor (``anchor``, or ``key_slice`` +
    ``boxes``: the language model is not used);
 5. the mask (uint8, on the volume's own grid), then the anchor file, then the QC picture, each
-   written atomically (temporary name, then rename).
+   written atomically (temporary name, then rename). When the grounder answered that the target is
+   not in the volume (an *absent* result), no mask file is written unless the outputs ask for an
+   all-zero one (``empty_mask_on_absent``); the anchor file (schema ``medvol.anchor/3``) and the QC
+   picture are written as usual and say so.
 
 The result (:func:`run_segment_job`) is one JSON-ready dict:
 
@@ -26,6 +29,9 @@ The result (:func:`run_segment_job`) is one JSON-ready dict:
 ``query``        the query (``""`` when propagating an anchor without one)
 ``preset``       the model preset's name (``""`` for a propagation-only pipeline)
 ``smoke``        True when an untrained smoke model made the anchor or mask
+``absent``       True when the grounder answered that the target is not in this volume: the mask
+                 is all zero, nothing was propagated, and ``out`` is None unless an empty mask was
+                 asked for
 ``anchor``       the evidence anchor as written to its file (``medvol.anchor/1``, or ``/2`` with
                  correction prompts or a slice range), with
                  ``propagation``: early stop's K and where each direction stopped
@@ -41,7 +47,8 @@ The result (:func:`run_segment_job`) is one JSON-ready dict:
 ``timings``      seconds per stage (``ground_*``, ``propagate_s``, ``propagate_s_per_slice``,
                  ``slices_encoded``, ``slices_propagated``, ``encoder_calls``, ``total_s`` (the pipeline's),
                  ``write_s`` and ``job_s`` (the whole job: reading, models, writing))
-``out``, ``anchor_out``, ``qc``  the files written (None for those not asked for)
+``out``, ``anchor_out``, ``qc``  the files written (None for those not asked for, and ``out`` None
+                 for an absent result without ``empty_mask_on_absent``)
 """
 
 from __future__ import annotations
@@ -107,7 +114,9 @@ class SegmentOutputs:
     """Where the job writes: the ``mask`` (``.nii.gz``, ``.nii``, ``.nrrd``, ``.mha``), optionally the
     ``anchor`` file and the ``qc`` picture (``.png``). ``names`` are how messages call them (the
     CLI's options by default). ``create_folders``: make missing parent folders (False for a
-    remote client, who must not create folders on the server)."""
+    remote client, who must not create folders on the server). ``empty_mask_on_absent``: when the
+    grounder answers that the target is not in the volume, still write the mask (all zero, on the
+    CT's grid); by default no mask file is written then."""
 
     mask: PathLike
     anchor: Optional[PathLike] = None
@@ -115,6 +124,7 @@ class SegmentOutputs:
     overwrite: bool = False
     create_folders: bool = True
     names: Tuple[str, str, str] = ("--out", "--anchor-out", "--qc")
+    empty_mask_on_absent: bool = False
 
 
 def default_anchor_path(mask_path: PathLike) -> str:
@@ -233,7 +243,9 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     if progress is not None:
         progress("write", 0.0, "writing the mask")
     t_write = time.perf_counter()
-    save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite)
+    wrote_mask = not seg.absent or outputs.empty_mask_on_absent
+    if wrote_mask:
+        save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite)
     if outputs.anchor:
         seg.anchor.save(outputs.anchor, outputs.overwrite)
     if outputs.qc:
@@ -258,10 +270,11 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         "mode": "segment" if request.grounded else "propagate",
         "volume": str(stack.volume.path or volume_path) if (stack.volume.path or volume_path) else None,
         "query": seg.anchor.query or (query or ""), "preset": seg.preset, "smoke": bool(seg.smoke),
+        "absent": bool(seg.absent),
         "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
         "notes": list(seg.notes), "shape": [int(s) for s in stack.volume.shape], "mask_voxels": int(seg.mask.sum()),
         "propagation": seg.anchor.propagation, "metrics": metrics, "timings": timings,
         "slices_encoded": int(seg.timings.get("slices_encoded", 0)),
-        "out": str(outputs.mask), "anchor_out": str(outputs.anchor) if outputs.anchor else None,
+        "out": str(outputs.mask) if wrote_mask else None, "anchor_out": str(outputs.anchor) if outputs.anchor else None,
         "qc": str(outputs.qc) if outputs.qc else None,
     }

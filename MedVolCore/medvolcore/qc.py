@@ -26,15 +26,18 @@ def _outline(mask2d: np.ndarray) -> np.ndarray:
 def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: str = "", reasoning: str = "",
               banner: str = "", window=None, scale: Optional[int] = None, panel_width: int = 360):
     """A PIL image: the key slice (radiological view, patient right on the left) with each box
-    and the mask outline of that slice, and a text panel (title, banner, reasoning)."""
+    and the mask outline of that slice, and a text panel (title, banner, reasoning). For an absent
+    anchor (the model answered that the target is not in this CT) it shows the middle slice, with
+    no box and no outline, and the panel says so."""
     from PIL import Image, ImageDraw, ImageFont
 
-    z = anchor.slice
+    absent = bool(getattr(anchor, "absent", False))
+    z = stack.depth // 2 if absent else anchor.slice
     gray = stack.windowed(z, window)
     h, w = gray.shape
     s = scale or max(1, int(np.ceil(512 / max(h, w))))
     rgb = np.repeat(gray[:, :, None], 3, axis=2)
-    if mask_stack is not None:
+    if mask_stack is not None and not absent:
         rgb[_outline(mask_stack[z])] = _MASK_COLOUR
     img = Image.fromarray(rgb).resize((w * s, h * s), Image.NEAREST)
     draw = ImageDraw.Draw(img)
@@ -57,7 +60,11 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
         lines.append(("", None))
     for ln in textwrap.wrap(title, chars):
         lines.append((ln, (255, 255, 255)))
-    lines.append((f"key slice z={z} of {stack.depth}; {len(anchor.boxes)} box(es)", (200, 200, 200)))
+    if absent:
+        lines.append(("NOT FOUND: the model answered that the target is not in this CT", (255, 200, 60)))
+        lines.append((f"no key slice; showing the middle slice z={z} of {stack.depth}", (200, 200, 200)))
+    else:
+        lines.append((f"key slice z={z} of {stack.depth}; {len(anchor.boxes)} box(es)", (200, 200, 200)))
     lines.append(("", None))
     if reasoning:
         lines.append(("reasoning:", (200, 200, 200)))

@@ -199,3 +199,32 @@ def test_an_absent_anchor_cannot_be_repropagated(tiny):
     absent = EvidenceAnchor.absent_for([stack.width, stack.height], query="the brain", source="grounder")
     with pytest.raises(AnchorError, match="not in this volume: there is nothing to propagate"):
         tiny.repropagate(stack, absent.to_dict())
+
+
+@pytest.fixture
+def answers_absent(monkeypatch):
+    from medvolcore.grounder import QwenVLGrounder
+
+    monkeypatch.setattr(QwenVLGrounder, "_generate_text", lambda self, *a, **k: (ABSENT, {"new_tokens": 12}))
+
+
+def test_segment_cli_absent_writes_no_mask_and_says_not_found(capsys, tmp_path, answers_absent):
+    out, qc = tmp_path / "cyst.nii.gz", tmp_path / "qc.png"
+    code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "the kidney that contains the cyst",
+                                "--out", out, "--qc", qc, "--preset", "tiny", "--device", "cpu", "--no-progress")
+    assert code == 0, err
+    assert "not found in this CT: the kidney that contains the cyst" in stdout.splitlines()
+    assert "no mask written" in stdout and not out.exists() and qc.exists()
+    anchor = json.loads((tmp_path / "cyst.anchor.json").read_text())
+    assert anchor["absent"] is True and anchor["slice"] is None and anchor["schema"] == "medvol.anchor/3"
+
+
+def test_segment_cli_absent_with_empty_mask_writes_zeros_on_the_grid(capsys, tmp_path, answers_absent):
+    out = tmp_path / "cyst.nii.gz"
+    code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "the kidney cyst", "--out", out,
+                                "--empty-mask-on-absent", "--preset", "tiny", "--device", "cpu", "--no-progress", "--json")
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["absent"] is True and res["out"] == str(out) and res["mask_voxels"] == 0
+    src, m = nib.load(str(SAMPLE)), nib.load(str(out))
+    assert m.shape == src.shape and np.array_equal(m.affine, src.affine) and not np.asarray(m.dataobj).any()

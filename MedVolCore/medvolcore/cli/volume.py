@@ -197,7 +197,8 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     query = validate_query(query)
     check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
     adapter = getattr(args, "adapter", None)
-    outputs = SegmentOutputs(out, anchor=anchor_out, qc=qc, overwrite=args.overwrite)
+    outputs = SegmentOutputs(out, anchor=anchor_out, qc=qc, overwrite=args.overwrite,
+                             empty_mask_on_absent=args.empty_mask_on_absent)
     # every output checked before the models load: distinct files, not an input, writable, right type
     check_outputs(outputs, [("--volume", volume), ("--adapter", adapter)])
     request = SegmentRequest(query=query, hu_window=args.ct_window, stop_after_empty=args.stop_after_empty,
@@ -216,7 +217,7 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     finally:
         if bar is not None:
             bar.close()
-    keep = ("preset", "smoke", "anchor", "reasoning", "raw_text", "notes", "mask_voxels", "timings")
+    keep = ("preset", "smoke", "absent", "anchor", "reasoning", "raw_text", "notes", "mask_voxels", "timings")
     out_res = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"], "volume": res["volume"] or str(volume),
                **{k: res[k] for k in keep},
                "model_load_s": {k: round(v, 3) for k, v in pipes[0].load_seconds.items()},
@@ -231,6 +232,15 @@ def _segment_text(res: dict) -> str:
     lines = []
     if res.get("smoke"):
         lines.append("NOTE: " + next((n for n in res["notes"] if "smoke" in n), "untrained smoke model"))
+    if res.get("absent"):
+        from ..pipeline import absent_note
+
+        written = [f for f in (res["out"], res["anchor_out"], res["qc"]) if f]
+        lines += [terminal_safe(absent_note(a.get("query") or ""), one_line=True),
+                  f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)",
+                  ("wrote an all-zero mask " + res["out"] + ", " if res["out"] else "no mask written (--empty-mask-on-absent "
+                   "writes an all-zero one); wrote ") + ", ".join(str(f) for f in written if f != res["out"])]
+        return "\n".join(lines)
     lines += [f"key slice {a['slice']}, {len(a['boxes'])} box(es) {a['boxes']}",
               f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)",
               f"wrote {res['out']} ({res['mask_voxels']} voxels), {res['anchor_out']}" + (f", {res['qc']}" if res["qc"] else ""),
@@ -313,6 +323,9 @@ def _add_segment_options(sp) -> None:
     sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
     sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
     add_stop_option(sp)
+    sp.add_argument("--empty-mask-on-absent", action="store_true",
+                    help="when the model answers that the target is not in this CT, still write the mask, all zero, "
+                         "on the CT's grid (default: no mask file; the anchor and QC picture say 'not found')")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 
