@@ -14,10 +14,15 @@ For each case the run writes, in this order and each atomically (temporary name 
 - ``DIR/<id>/qc.png``       the QC picture,
 - ``DIR/<id>/done.json``    status, seconds, metrics and anchor summary: written LAST.
 
-A case is *complete* only when ``done.json`` is present, readable, says ``"status": "done"``,
+A case whose query the model answers with "not present in this CT" finishes with status ``absent``:
+its ``anchor.json`` (schema ``medvol.anchor/3``) and ``qc.png`` say so, and no ``mask.nii.gz`` is
+written unless ``--empty-mask-on-absent`` asks for an all-zero one. ``done.json`` lists the outputs
+the case wrote.
+
+A case is *complete* only when ``done.json`` is present, readable, says ``"status": "done"`` (or ``"absent"``),
 matches the manifest entry (same volume, query, gt, label, preset, and the volume and gt files
 as they are now: size and modification time of a file, names, sizes and times of a DICOM
-folder's files) and the three outputs exist. A run killed at any moment therefore never leaves a case that counts as done without
+folder's files) and the outputs it lists exist. A run killed at any moment therefore never leaves a case that counts as done without
 its outputs. A case that fails (missing or corrupt file, model error, …) gets
 ``DIR/<id>/error.json`` (its error code and message) and the run goes on.
 
@@ -35,8 +40,10 @@ named ``summary.shard-I-of-N.csv`` / ``.html`` (``summary.csv`` / ``summary.html
 
 The summary covers every case of the shard, including those skipped by ``--resume`` (read back
 from their ``done.json``). ``summary.csv`` has exactly the columns
-``id,status,error,slice,boxes,seconds,dice,iou`` (``status`` ``done`` or ``failed``; ``boxes`` is
-the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``).
+``id,status,error,slice,boxes,seconds,dice,iou`` (``status`` ``done``, ``absent`` or ``failed``; ``boxes`` is
+the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``; an absent case is scored
+as an all-zero mask, so Dice is 0 when the ground truth has the target and 1 when it has none).
+The exit code is 0 when no case failed: ``absent`` is an answer, not a failure.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ log = logging.getLogger(__name__)
 CASE_SCHEMA = "medvol.batch-case/1"
 SUMMARY_COLUMNS = ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou")
 OUTPUTS = ("mask.nii.gz", "anchor.json", "qc.png")
+FINISHED = ("done", "absent")  # statuses of a complete case
 DONE, ERROR = "done.json", "error.json"
 REQUIRED_FIELDS = ("id", "volume", "query")
 OPTIONAL_FIELDS = ("gt", "label")
@@ -366,9 +374,12 @@ def _read_json(path: Path) -> Optional[dict]:
 def completed_record(case_dir: Path, case: Case, fingerprint: Optional[dict] = None) -> Optional[dict]:
     """``done.json`` of a complete case (all outputs present, same inputs), else None."""
     d = _read_json(case_dir / DONE)
-    if not d or d.get("status") != "done" or d.get("id") != case.id:
+    if not d or d.get("status") not in FINISHED or d.get("id") != case.id:
         return None
-    if not all((case_dir / name).is_file() for name in OUTPUTS):
+    listed = d.get("outputs") if d.get("status") == "absent" else OUTPUTS
+    if not isinstance(listed, list) or not set(OUTPUTS[1:]) <= set(listed) or not set(listed) <= set(OUTPUTS):
+        listed = OUTPUTS
+    if not all((case_dir / name).is_file() for name in listed):
         return None
     if fingerprint is not None and d.get("case") != fingerprint:
         return None
@@ -425,6 +436,7 @@ class BatchOptions:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+    empty_mask_on_absent: bool = False  # write an all-zero mask for a case the model answers "not present"
 
 
 @dataclass
@@ -434,7 +446,7 @@ class BatchResult:
 
     @property
     def exit_code(self) -> int:
-        return 0 if all(r["status"] == "done" for r in self.rows) else 3
+        return 0 if all(r["status"] in FINISHED for r in self.rows) else 3
 
 
 @dataclass
@@ -594,11 +606,12 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         if bar.disable:  # a log file (cluster job): one line per case instead
             bar = None
             log_lines = True
-    counts = {"done": len(done_before), "failed": 0}
+    counts = Counter({"done": 0, "absent": 0, "failed": 0})
+    counts.update(rec.get("status", "done") for rec in done_before.values())
 
     def show(case_id: str = "", stage: str = "") -> None:
         if bar is not None:
-            text = f"done {counts['done']}, failed {counts['failed']}"
+            text = f"done {counts['done']}, absent {counts['absent']}, failed {counts['failed']}"
             if case_id:
                 text += f" | {case_id} {stage}"
             bar.set_postfix_str(text, refresh=False)
@@ -626,11 +639,12 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
             if bar is not None:
                 bar.update(1)
             elif log_lines:
-                finished = counts["done"] + counts["failed"]
+                finished = sum(counts.values())
                 per_case = (time.perf_counter() - t_loop) / ran
                 left = per_case * (len(to_run) - ran)
                 sys.stderr.write(f"batch: [{finished}/{len(mine)}] {c.id} {row['status']} ({row['seconds']:.1f} s); "
-                                 f"done {counts['done']}, failed {counts['failed']}, about {left / 60:.1f} min left\n")
+                                 f"done {counts['done']}, absent {counts['absent']}, failed {counts['failed']}, "
+                                 f"about {left / 60:.1f} min left\n")
                 sys.stderr.flush()
             show()
             if on_case is not None:
@@ -650,7 +664,8 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         "manifest": str(manifest), "out_dir": str(out), "preset": preset, "smoke": smoke,
         "shard": f"{opts.shard[0]}/{opts.shard[1]}" if opts.shard else None,
         "cases": len(mine), "manifest_cases": len(cases),
-        "done": sum(r["status"] == "done" for r in rows), "failed": sum(r["status"] == "failed" for r in rows),
+        "done": sum(r["status"] == "done" for r in rows), "absent": sum(r["status"] == "absent" for r in rows),
+        "failed": sum(r["status"] == "failed" for r in rows),
         "skipped": len(done_before), "ran": ran,
         "seconds": round(seconds, 3), "model_load_s": round(load_s, 3), "cases_seconds": round(run_s, 3),
         "cases_per_minute": round(60.0 * ran / seconds, 3) if ran and seconds > 0 else None,
@@ -672,7 +687,8 @@ def _row(case_id, status, error="", slice_=None, boxes=None, seconds=None, dice=
 def _row_from_done(d: dict) -> dict:
     a = d.get("anchor") or {}
     m = d.get("metrics") or {}
-    return _row(d["id"], "done", "", a.get("slice"), a.get("n_boxes"), d.get("seconds"), m.get("dice"), m.get("iou"),
+    return _row(d["id"], d.get("status", "done"), "", a.get("slice"), a.get("n_boxes"), d.get("seconds"), m.get("dice"),
+                m.get("iou"),
                 _query=d.get("case", {}).get("query", ""), _reasoning=d.get("reasoning", ""), _smoke=d.get("smoke"),
                 _skipped=True, _run_seconds=None)
 
@@ -690,7 +706,7 @@ def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress
     cdir.mkdir(parents=True, exist_ok=True)
     try:
         rec = _segment_case(c, cdir, pipe, opts, hu_window, progress, fingerprint, t0)
-        return _row(c.id, "done", "", rec["anchor"]["slice"], rec["anchor"]["n_boxes"], rec["seconds"],
+        return _row(c.id, rec["status"], "", rec["anchor"]["slice"], rec["anchor"]["n_boxes"], rec["seconds"],
                     (rec["metrics"] or {}).get("dice"), (rec["metrics"] or {}).get("iou"), _query=c.query,
                     _reasoning=rec["reasoning"], _smoke=rec["smoke"], _skipped=False, _run_seconds=rec["seconds"])
     except (KeyboardInterrupt, SystemExit):
@@ -730,16 +746,18 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
     request = SegmentRequest(query=c.query, hu_window=hu_window, stop_after_empty=opts.stop_after_empty,
                              sample=opts.sample, seed=opts.seed, reference=target, qc_title=f"{c.id} · query: {c.query}")
     outputs = SegmentOutputs(cdir / OUTPUTS[0], anchor=cdir / OUTPUTS[1], qc=cdir / OUTPUTS[2], overwrite=True,
-                             names=OUTPUTS)
+                             names=OUTPUTS, empty_mask_on_absent=opts.empty_mask_on_absent)
     res = run_segment_job(pipe, stack, request, outputs, inputs=[("volume", c.volume), ("gt", c.gt)],
                           progress=progress)
     a = res["anchor"]
+    written = [name for name, path in zip(OUTPUTS, (res["out"], res["anchor_out"], res["qc"])) if path]
     rec = {
-        "schema": CASE_SCHEMA, "id": c.id, "status": "done", "seconds": round(time.perf_counter() - t0, 3),
+        "schema": CASE_SCHEMA, "id": c.id, "status": "absent" if res["absent"] else "done",
+        "seconds": round(time.perf_counter() - t0, 3),
         "case": fingerprint, "metrics": res["metrics"],
         "anchor": {"slice": a["slice"], "n_boxes": len(a["boxes"]), "boxes": [list(b) for b in a["boxes"]]},
         "reasoning": res["reasoning"], "mask_voxels": res["mask_voxels"], "smoke": res["smoke"],
-        "notes": res["notes"], "outputs": list(OUTPUTS), "propagation": res["propagation"],
+        "notes": res["notes"], "outputs": written, "propagation": res["propagation"],
         "timings": {k: v for k, v in res["timings"].items() if isinstance(v, float)},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -776,7 +794,7 @@ color:#222;background:#fafafa;padding:0 1em}
 h1{font-size:1.4em} table{border-collapse:collapse;font-size:.9em} td,th{border:1px solid #ccc;padding:.2em .5em}
 th{background:#eee} .banner{background:#b00020;color:#fff;padding:.6em 1em;font-weight:bold;border-radius:4px}
 .case{background:#fff;border:1px solid #ddd;border-radius:6px;margin:1.2em 0;padding:.8em 1em}
-.case h2{font-size:1.1em;margin:.2em 0 .5em} .done{color:#087f23} .failed{color:#b00020}
+.case h2{font-size:1.1em;margin:.2em 0 .5em} .done{color:#087f23} .failed{color:#b00020} .absent{color:#8a5a00}
 .case img{max-width:100%;height:auto;border:1px solid #333;display:block;margin:.5em 0}
 .reasoning{white-space:pre-wrap;background:#f4f4f4;padding:.5em;border-radius:4px;font-size:.9em}
 .error{white-space:pre-wrap;color:#b00020} .meta{color:#555;font-size:.9em}
@@ -786,13 +804,15 @@ th{background:#eee} .banner{background:#b00020;color:#fff;padding:.6em 1em;font-
 def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", preset: str = "", smoke: bool = False) -> str:
     esc = html.escape
     n_done = sum(r["status"] == "done" for r in rows)
-    n_failed = len(rows) - n_done
+    n_absent = sum(r["status"] == "absent" for r in rows)
+    n_failed = len(rows) - n_done - n_absent
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{esc(title)}</title>",
              f"<style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>"]
     if smoke:
         parts.append("<p class=\"banner\">Made with the untrained 'tiny' smoke model: every anchor, mask and metric "
                      "on this page is meaningless. Use a real preset (medvol models download medvol-r1) for results.</p>")
-    parts.append(f"<p class=\"meta\">preset {esc(preset)} · {len(rows)} case(s): {n_done} done, {n_failed} failed · "
+    parts.append(f"<p class=\"meta\">preset {esc(preset)} · {len(rows)} case(s): {n_done} done, {n_absent} not found, "
+                 f"{n_failed} failed · "
                  f"written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>")
     parts.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS) + "</tr>")
     for r, cells in zip(rows, summary_csv_rows(rows)):
@@ -815,6 +835,13 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
             metrics.append(f"{_fmt(r['seconds'], 2)} s" + (" (from an earlier run)" if r.get("_skipped") else ""))
             parts.append(f"<p class=\"meta\">{esc(' · '.join(metrics))} · <a href=\"{link}/mask.nii.gz\">mask</a> · "
                          f"<a href=\"{link}/anchor.json\">anchor</a></p>")
+            parts.append(f"<img src=\"{link}/qc.png\" alt=\"QC picture of {esc(cid)}\" loading=\"lazy\">")
+            parts.append(f"<div class=\"reasoning\"><b>reasoning:</b> {esc(r.get('_reasoning') or '(none)')}</div>")
+        elif r["status"] == "absent":
+            metrics = ["not found in this CT: the model answered that the target is not present; no mask"]
+            if r["dice"] is not None:
+                metrics.append(f"scored as an empty mask: Dice {r['dice']:.4f}")
+            parts.append(f"<p class=\"meta\">{esc(' · '.join(metrics))} · <a href=\"{link}/anchor.json\">anchor</a></p>")
             parts.append(f"<img src=\"{link}/qc.png\" alt=\"QC picture of {esc(cid)}\" loading=\"lazy\">")
             parts.append(f"<div class=\"reasoning\"><b>reasoning:</b> {esc(r.get('_reasoning') or '(none)')}</div>")
         else:

@@ -480,3 +480,36 @@ def test_manifest_with_a_repeated_key_is_refused(capsys, tmp_path, fmt, text, ne
     manifest.write_text(text, encoding="utf-8")
     code, _, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", tmp_path / "out", *BASE)
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+# ---- cases the model answers "not present" --------------------------------------------------------
+
+def test_absent_cases_finish_as_absent_count_apart_and_resume(capsys, tmp_path, data_dir, monkeypatch):
+    from medvolcore.grounder import QwenVLGrounder
+
+    monkeypatch.setattr(QwenVLGrounder, "_generate_text",
+                        lambda self, *a, **k: ("<think>not in this CT</think><answer>[]</answer>", {"new_tokens": 9}))
+    rows = [{"id": "cyst", "volume": "ct8.nii.gz", "query": "the kidney cyst", "gt": "seg8.nii.gz", "label": LIVER},
+            {"id": "brain", "volume": "ct8.nii.gz", "query": "the brain"}]
+    manifest = write_manifest(tmp_path / "absent.jsonl", [dict(r, volume=str(data_dir / r["volume"]),
+                                                               **({"gt": str(data_dir / r["gt"])} if "gt" in r else {}))
+                                                          for r in rows], "jsonl")
+    out = tmp_path / "out"
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--json")
+    assert code == 0, err  # "not present" is an answer, not a failure
+    info = json.loads(stdout)
+    assert (info["done"], info["absent"], info["failed"]) == (0, 2, 0)
+    for cid in ("cyst", "brain"):
+        assert sorted(p.name for p in (out / cid).iterdir()) == ["anchor.json", "done.json", "qc.png"]  # no mask
+        done = json.loads((out / cid / "done.json").read_text())
+        assert done["status"] == "absent" and done["outputs"] == ["anchor.json", "qc.png"]
+        assert json.loads((out / cid / "anchor.json").read_text())["absent"] is True
+    cyst = json.loads((out / "cyst" / "done.json").read_text())
+    assert cyst["metrics"]["dice"] == 0.0 and cyst["metrics"]["gt_voxels"] > 0  # a miss, scored as an empty mask
+    header, table = read_summary(out / "summary.csv")
+    assert [r[:5] for r in table] == [["cyst", "absent", "", "", "0"], ["brain", "absent", "", "", "0"]]
+    page = (out / "summary.html").read_text(encoding="utf-8")
+    assert "2 not found" in page and page.count("not found in this CT") == 2 and page.count("<img") == 2
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--resume", "--json")
+    info = json.loads(stdout)
+    assert code == 0 and (info["skipped"], info["ran"], info["absent"]) == (2, 0, 2)  # complete without a mask

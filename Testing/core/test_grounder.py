@@ -243,6 +243,20 @@ def test_grammar_accepts_exactly_the_answer_format(grounder):
     ]
     for text in rejected:
         assert not accepts(text), text
+    boxes_only = grounder._compile(answer_grammar(tags, think_chars=20, max_boxes=2, allow_absent=False))
+    m = xgr.GrammarMatcher(boxes_only)
+    assert not (m.accept_string("<think>x</think><answer>[]</answer>") and m.is_completed())
+    m = xgr.GrammarMatcher(boxes_only)
+    assert m.accept_string('<think>x</think><answer>[{"slice": 2, "bbox_2d_list": [[1, 2, 3, 4]]}]</answer>')
+
+
+def test_allow_absent_is_a_checked_setting():
+    from medvolcore.grounder.prompt import resolve_settings
+
+    assert resolve_settings("real")["allow_absent"] is True and resolve_settings("tiny")["allow_absent"] is False
+    assert resolve_settings("tiny", {"allow_absent": True})["allow_absent"] is True
+    with pytest.raises(InputError, match="allow_absent must be true or false"):
+        resolve_settings("real", {"allow_absent": "yes"})
 
 
 def test_budget_plan():
@@ -271,11 +285,7 @@ def test_constrained_sampling_always_parses_for_20_seeds(grounder, ct_inputs):
         text, timings = grounder._generate_text(inputs, shown, constrain=True, do_sample=True, seed=seed,
                                                 max_new_tokens=max_new)
         parsed = parse_answer(text)  # raises on any format error
-        if parsed.absent:  # the random model may sample "[]"
-            assert text.endswith("<answer>[]</answer>"), text
-            texts.append(text)
-            continue
-        assert parsed.slice in shown, text
+        assert parsed.slice in shown, text  # the tiny preset's grammar has no absent answer (allow_absent false)
         assert 1 <= len(parsed.boxes_norm) <= 8
         assert all(float(c).is_integer() and 0 <= c <= 1000 for b in parsed.boxes_norm for c in b)
         assert text.startswith("<think>") and text.endswith("</answer>")

@@ -27,12 +27,15 @@ names (letters, digits, '.', '_', '-').
 
 outputs: DIR/<id>/mask.nii.gz, anchor.json, qc.png, then done.json (written last: a case counts
 as finished only with it); a failed case gets DIR/<id>/error.json and the run continues.
+A case the model answers with "not present in this CT" finishes with status 'absent': its
+anchor.json and qc.png say so and no mask.nii.gz is written (--empty-mask-on-absent writes an
+all-zero one).
 DIR/summary.csv (id,status,error,slice,boxes,seconds,dice,iou) and DIR/summary.html; with
 --shard I/N they are summary.shard-I-of-N.csv/.html.
 
 --shard I/N (1-based I) takes the cases at 0-based manifest positions p with p % N == I-1.
 
-exit codes: 0 all cases done, 3 some failed, 2 the run could not start, 130 interrupted,
+exit codes: 0 no case failed (done or absent), 3 some failed, 2 the run could not start, 130 interrupted,
 143 terminated (SIGTERM)."""
 
 
@@ -56,6 +59,8 @@ def add_batch_command(sub, add):
     sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
     add_stop_option(sp)
+    sp.add_argument("--empty-mask-on-absent", action="store_true",
+                    help="for a case the model answers 'not present', still write mask.nii.gz, all zero")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return sp
 
@@ -65,7 +70,8 @@ def _text(info: dict) -> str:
     if info.get("notice"):
         lines.append("NOTE: " + info["notice"])
     shard = f" (shard {info['shard']} of {info['manifest_cases']})" if info.get("shard") else ""
-    lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info['failed']} failed, "
+    lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info['absent']} not found in their CT, "
+                 f"{info['failed']} failed, "
                  f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
     for f in info["failures"]:
         lines.append(terminal_safe(f"failed {f['id']}: {f['error']}", one_line=True))
@@ -79,7 +85,8 @@ def cmd_batch(args) -> int:
     opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
                         sample=args.sample, ct_window=args.ct_window, stop_after_empty=args.stop_after_empty,
                         shard=parse_shard(args.shard),
-                        resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+                        resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
+                        empty_mask_on_absent=args.empty_mask_on_absent)
 
     # a cluster's time limit (SIGTERM) stops the run like Ctrl-C: cli.main turns it into an
     # exception, so temporary files are removed and --resume finishes the rest

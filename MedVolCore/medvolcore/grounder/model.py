@@ -554,7 +554,8 @@ class QwenVLGrounder:
         if constrain:
             xgr, _, _, vocab, close_ids = self._xgr()
             plan = plan_budget(shown, max_new_tokens, self.settings)
-            compiled = self._compile(answer_grammar(shown, plan["think_chars"], plan["max_boxes"]))
+            compiled = self._compile(answer_grammar(shown, plan["think_chars"], plan["max_boxes"],
+                                                    bool(self.settings.get("allow_absent", True))))
             guide = GrammarGuide(xgr, torch, compiled, batch, vocab, close_ids, max_new_tokens,
                                   plan["force_close_at"])
         step = StepProcessor(guide)

@@ -21,7 +21,9 @@ By default the answer is forced by a grammar built per request from the shown ta
     <think>TEXT</think><answer>[{"slice": TAG, "bbox_2d_list": [[X, Y, X, Y], ...]}]</answer><stop>
     <think>TEXT</think><answer>[]</answer><stop>
 
-the second being the absent answer (the target is not in this volume). ``TAG`` is one of the shown tags, each coordinate an integer 0..1000 (no leading zeros), 1 to
+the second being the absent answer (the target is not in this volume), allowed when the setting
+``allow_absent`` is true (the real presets; the untrained tiny smoke model keeps to box answers so that
+smoke runs exercise the whole pipeline). ``TAG`` is one of the shown tags, each coordinate an integer 0..1000 (no leading zeros), 1 to
 ``max_boxes`` boxes, with the exact separators of :func:`~medvolcore.answer.format_answer` (the
 canonical text the SFT targets use). ``TEXT`` has no ``<`` and at most ``think_max_chars``
 characters.
@@ -66,7 +68,7 @@ _BOX_SEP = ", "
 _UTF8_SLACK = 3  # continuation bytes a multi-byte character may still need before "</think>" fits
 _PLACEHOLDER = re.compile(r"\{(query|window|num_shown|depth)\}")
 _SETTING_KEYS = ("max_new_tokens", "think_max_chars", "min_think_tokens", "max_boxes", "temperature", "top_p",
-                 "top_k")
+                 "top_k", "allow_absent")
 
 
 
@@ -112,6 +114,9 @@ def resolve_settings(preset: str = "real", overrides: Optional[dict] = None) -> 
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key in ("max_new_tokens", "max_boxes") else 0):
             raise InputError(f"grounder setting {key} must be a whole number ≥ 0 (≥ 1 for {key}), got {v!r}")
     out["max_boxes"] = min(out["max_boxes"], MAX_BOXES)
+    out["allow_absent"] = out.get("allow_absent", True)
+    if not isinstance(out["allow_absent"], bool):
+        raise InputError(f"grounder setting allow_absent must be true or false, got {out['allow_absent']!r}")
     return out
 
 
@@ -187,15 +192,16 @@ def _ebnf_literal(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def answer_grammar(tags: Sequence[int], think_chars: int, max_boxes: int) -> str:
-    """EBNF (xgrammar / GBNF dialect) of the answer format for the given shown tags."""
+def answer_grammar(tags: Sequence[int], think_chars: int, max_boxes: int, allow_absent: bool = True) -> str:
+    """EBNF (xgrammar / GBNF dialect) of the answer format for the given shown tags; with
+    ``allow_absent`` the absent answer (``[]``) too."""
     tag_texts = _tag_texts(tags)
     if not 1 <= max_boxes <= MAX_BOXES:
         raise InputError(f"max_boxes must be 1..{MAX_BOXES}, got {max_boxes}")
     think = f" think {_ebnf_literal(_ANSWER_OPEN)}" if think_chars > 0 else f" {_ebnf_literal(_ANSWER_OPEN)}"
     more = f" ({_ebnf_literal(_BOX_SEP)} box){{0,{max_boxes - 1}}}" if max_boxes > 1 else ""
     lines = [
-        f"root ::= {_ebnf_literal(THINK_OPEN)}{think} entry? {_ebnf_literal(_ANSWER_CLOSE)}",
+        f"root ::= {_ebnf_literal(THINK_OPEN)}{think} entry{'?' if allow_absent else ''} {_ebnf_literal(_ANSWER_CLOSE)}",
         f"entry ::= {_ebnf_literal(_ENTRY_HEAD)} tag {_ebnf_literal(_ANSWER_MID)} box{more} {_ebnf_literal(_ENTRY_TAIL)}",
         "tag ::= " + " | ".join(_ebnf_literal(t) for t in dict.fromkeys(tag_texts)),
         'box ::= "[" num ", " num ", " num ", " num "]"',
