@@ -351,3 +351,39 @@ def test_http_token_required(tmp_path):
         assert s.proc.wait(30) == 0
     finally:
         s.stop()
+
+
+# ---- "not present" ------------------------------------------------------------------------------
+
+def test_absent_answer_replies_absent_and_writes_no_mask_unless_asked(ct_sm_path, tmp_path, monkeypatch):
+    """An in-process worker whose grounder answers "[]": the reply says absent, names no mask, and
+    an all-zero mask is written only with empty_mask_on_absent."""
+    from medvolcore.grounder import QwenVLGrounder
+    from medvolcore.serve import Worker
+
+    monkeypatch.setattr(QwenVLGrounder, "_generate_text",
+                        lambda self, *a, **k: ("<think>no cyst</think><answer>[]</answer>", {"new_tokens": 9}))
+    w = Worker(transport="stdio", device="cpu")
+    try:
+        def call(req):
+            done = threading.Event()
+            got = []
+            w.handle(req, reply=lambda r: (got.append(r), done.set()) if "event" not in r else None)
+            assert done.wait(TIMEOUT)
+            return got[0]
+
+        base = {"op": "segment", "volume": str(ct_sm_path), "query": "the kidney cyst", "preset": "tiny"}
+        r = call(dict(base, id=1, out=str(tmp_path / "no.nii.gz")))
+        assert r["ok"] is True, r
+        res = r["result"]
+        assert res["absent"] is True and res["mask_path"] is None and res["mask_voxels"] == 0
+        assert res["anchor"]["absent"] is True and res["anchor"]["slice"] is None
+        assert "not found in this CT: the kidney cyst" in res["notes"] and not (tmp_path / "no.nii.gz").exists()
+        r = call(dict(base, id=2, out=str(tmp_path / "zero.nii.gz"), empty_mask_on_absent=True))
+        assert r["ok"] is True and r["result"]["mask_path"] == str(tmp_path / "zero.nii.gz")
+        m = nib.load(str(tmp_path / "zero.nii.gz"))
+        assert m.shape == _ct_shape(ct_sm_path) and not np.asarray(m.dataobj).any()
+        r = call(dict(base, id=3, empty_mask_on_absent="yes"))
+        assert r["ok"] is False and r["error"]["code"] == "bad_request" and "empty_mask_on_absent" in r["error"]["message"]
+    finally:
+        w.close(5)

@@ -378,6 +378,7 @@ class Worker:
             check_distinct([("out", out_path)], [("volume", vol_path)])
         if op == "segment":
             field(req, "query", str, required=True)
+            field(req, "empty_mask_on_absent", bool)
             field(req, "seed", int)
             field(req, "constrain", bool)
             field(req, "sample", bool)
@@ -666,7 +667,8 @@ class Worker:
             constrain=req.get("constrain", True), sample=bool(req.get("sample", False)), seed=req.get("seed"))
         # over HTTP no folder is created for a client
         outputs = SegmentOutputs(out, overwrite=overwrite, create_folders=job.transport != "http",
-                                 names=("out", "anchor_out", "qc"))
+                                 names=("out", "anchor_out", "qc"),
+                                 empty_mask_on_absent=bool(req.get("empty_mask_on_absent", False)))
         load = {"reloaded": False, "load_s": 0.0}
 
         def pipeline():
@@ -692,10 +694,12 @@ class Worker:
             raise
         if not cached:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
-        result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "notes", "preset")}
+        result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "absent", "notes", "preset")}
         result.update(volume_sha256=digest, shape=res["shape"], mask_voxels=res["mask_voxels"],
                       propagation=res["propagation"], slices_encoded=res["slices_encoded"])
-        if job.transport == "http":
+        if res["out"] is None:  # the model answered "not present" and no empty mask was asked for
+            result["mask_b64" if job.transport == "http" else "mask_path"] = None
+        elif job.transport == "http":
             result["mask_b64"] = base64.b64encode(out.read_bytes()).decode("ascii")
             if is_temp:
                 out.unlink()
