@@ -1140,6 +1140,13 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         notes = list(result.get("notes") or [])
         if result.get("smoke"):
             notes.insert(0, "made with the random-weight 'tiny' preset: a smoke test, not a segmentation")
+        if result.get("absent") or anchor.get("absent"):
+            # "not present": nothing is added to the scene and the last result (boxes, segment,
+            # reasoning, Undo) stays as it was; the notes carry the answer and its reasoning
+            notes = [n for n in notes if not n.startswith("not found in this CT:")]
+            why = anchor.get("reasoning") or ""
+            return [params.absent_message(anchor.get("query") or target.query)] + \
+                ([f"the model's reasoning: {why}"] if why else []) + notes
         geo = self.geometry(volumeNode)
         rois, k = rois_from_anchor(geo, anchor)
         prompts, zRange = prompts_from_anchor(geo, anchor)  # the corrections that ran (medvol.anchor/2)
@@ -1719,8 +1726,10 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     # -- blocking use (Python console, headless batch) --
     def segmentBlocking(self, volumeNode, query, options: Optional[Options] = None, segmentationNode=None,
                         timeout: Optional[float] = None):
-        """Segment and wait. Returns ``(segmentationNode, segmentId, roiNodes, anchor)``;
-        raises :class:`WorkerError` on failure."""
+        """Segment and wait. Returns ``(segmentationNode, segmentId, roiNodes, anchor)``, the anchor
+        being this request's own; when the model answered that the target is not in this CT
+        (``anchor["absent"]``) nothing was added: ``(None, "", [], anchor)``. Raises
+        :class:`WorkerError` on failure."""
         p = self.getParameterNode()
         p.inputVolume = volumeNode
         p.query = query
@@ -1730,7 +1739,7 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self.session.wait(job, timeout)
         if job.error is not None:
             raise job.error
-        return p.outputSegmentation, p.segmentId, list(p.boxes), json.loads(p.anchorJson)
+        return self._blockingResult(p, job)
 
     def repropagateBlocking(self, options: Optional[Options] = None, timeout: Optional[float] = None):
         """Re-propagate the (edited) boxes of the last result and wait; the same segment is
@@ -1740,7 +1749,15 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self.session.wait(job, timeout)
         if job.error is not None:
             raise job.error
-        return p.outputSegmentation, p.segmentId, list(p.boxes), json.loads(p.anchorJson)
+        return self._blockingResult(p, job)
+
+    @staticmethod
+    def _blockingResult(p, job):
+        """What the blocking calls return, from ``job``'s own result (never an earlier one's)."""
+        anchor = (job.result or {}).get("anchor") or {}
+        if anchor.get("absent"):
+            return None, "", [], anchor
+        return p.outputSegmentation, p.segmentId, list(p.boxes), anchor
 
 
 # ---- self-test -------------------------------------------------------------------------------

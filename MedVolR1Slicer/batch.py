@@ -208,11 +208,18 @@ def load_input(path):
 def run_job(logic, job, options, anchor_dir, overwrite=False):
     """Segment one case and write its output (and anchor, named by
     :func:`batchjobs.anchor_path`). Removes every node it added. ``overwrite``: replace a file
-    that exists (the batch checked up front that none is an input or another row's file)."""
+    that exists (the batch checked up front that none is an input or another row's file).
+    Returns ``"done"``, or ``"absent"`` when the model answered that the target is not in this CT:
+    then no output is written (the anchor is, when asked for: it records the answer)."""
     volume = load_input(job.input)
     added = []
     try:
         seg, segment_id, rois, anchor = logic.segmentBlocking(volume, job.query, options)
+        if anchor.get("absent"):
+            if anchor_dir:
+                path = str(batchjobs.anchor_path(anchor_dir, job))
+                _write_atomic(path, lambda tmp: _write_json(tmp, anchor), overwrite)
+            return "absent"
         added += [seg] + list(rois)
         if job.as_labelmap:
             label = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLLabelMapVolumeNode")
@@ -225,6 +232,7 @@ def run_job(logic, job, options, anchor_dir, overwrite=False):
         if anchor_dir:
             path = str(batchjobs.anchor_path(anchor_dir, job))
             _write_atomic(path, lambda tmp: _write_json(tmp, anchor), overwrite)
+        return "done"
     finally:
         for node in added + [volume]:
             if node is not None and node.GetScene() is not None:
@@ -251,7 +259,7 @@ def main(argv, logic=None):
         print(f"medvol batch (Slicer): error: {e}", file=sys.stderr)
         return 2
 
-    results = []
+    results, absent = [], []
     try:
         own = logic is None
         if own:
@@ -262,7 +270,9 @@ def main(argv, logic=None):
             for i, job in enumerate(jobs, 1):
                 print(f"[{i}/{len(jobs)}] {job.input.name}: {job.query}", flush=True)
                 try:
-                    run_job(logic, job, options, args.anchor_dir, args.overwrite)
+                    if run_job(logic, job, options, args.anchor_dir, args.overwrite) == "absent":
+                        absent.append(job)
+                        print(f"  not found in this CT: {job.query} (no output written)", flush=True)
                     results.append((job, None))
                 except Exception as e:  # noqa: BLE001 - one case's failure, whatever it is, is reported
                     known = isinstance(e, (batchjobs.BatchError, ValueError, OSError, RuntimeError))
@@ -276,7 +286,7 @@ def main(argv, logic=None):
     except Exception as e:  # noqa: BLE001 - outside any case: still one line and a code
         print(f"medvol batch (Slicer): error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
-    text, code = batchjobs.summary(results)
+    text, code = batchjobs.summary(results, absent)
     if len(results) < len(jobs):
         text += f"\n  not run: {len(jobs) - len(results)} (stopped at the first failure; --keep-going goes on)"
         code = 1

@@ -351,11 +351,14 @@ def anchor_path(anchor_dir, job: BatchJob) -> Path:
     return Path(anchor_dir) / (re.sub(r"[^\w.-]+", "_", name) + ".anchor.json")
 
 
-def summary(results: Sequence[tuple]) -> Tuple[str, int]:
-    """``results``: ``(job, error or None)``. Returns the summary text and the exit code
-    (0 all done, 1 some failed)."""
+def summary(results: Sequence[tuple], absent: Sequence = ()) -> Tuple[str, int]:
+    """``results``: ``(job, error or None)``; ``absent``: the jobs among them the model answered
+    "not present" (finished, no output). Returns the summary text and the exit code (0 none
+    failed, 1 some failed)."""
     failed = [(j, e) for j, e in results if e is not None]
-    lines = [f"medvol batch (Slicer): {len(results) - len(failed)} of {len(results)} done"]
+    done = len(results) - len(failed) - len(absent)
+    lines = [f"medvol batch (Slicer): {done} of {len(results)} done"
+             + (f", {len(absent)} not found in their CT (no output written)" if absent else "")]
     for j, e in failed:
         where = f" (row {j.row})" if j.row else ""
         lines.append(f"  failed{where}: {j.input.name}: {e}")

@@ -71,6 +71,14 @@ def segment_name(query: str) -> str:
     return q
 
 
+def absent_message(query: str) -> str:
+    """What the panel says when the model answered that the target is not in this CT: no segment
+    is added, and the clinician is told how to go on."""
+    q = " ".join(str(query or "").split()) or "the target"
+    return (f"Not found in this CT: {q}. The model answered that it is not present, so no segment was added. "
+            "It may be wrong: if you can see it, rephrase the query, or draw it with the Segment Editor.")
+
+
 def unique_name(name: str, existing: Sequence[str]) -> str:
     """``name`` or ``name (2)``, ``name (3)``… whichever is not in ``existing``."""
     taken = set(existing)

@@ -163,3 +163,32 @@ def test_a_file_that_appears_while_a_case_runs_is_left_as_it_is(batch, scene, sl
     assert code == 1 and "appeared while this case ran" in captured.err, captured
     assert out.read_text() == "written by someone else meanwhile"
     assert sorted(os.listdir(tmp_path)) == ["ct.nii.gz", "liver.seg.nrrd"]  # no temporary file left
+
+
+class AbsentForSomeLogic(StandInLogic):
+    """Answers "not present" for queries that start with "no ", as the logic does for an absent result."""
+
+    def segmentBlocking(self, volume, query, options=None):
+        if query.startswith("no "):
+            self.queries.append(query)
+            return None, "", [], {"schema": "medvol.anchor/3", "absent": True, "slice": None, "boxes": [],
+                                  "query": query, "reasoning": "not seen"}
+        return super().segmentBlocking(volume, query, options)
+
+
+def test_a_row_answered_not_present_writes_no_output_and_is_counted_apart(
+        batch, scene, slicer_env, tmp_path, capsys):
+    cts = [tmp_path / "a.nii.gz", tmp_path / "b.nii.gz"]
+    for i, ct in enumerate(cts):
+        _ct(ct, i)
+    manifest = _manifest(tmp_path / "m.csv", [[str(cts[0]), "the liver", str(tmp_path / "a.seg.nrrd")],
+                                              [str(cts[1]), "no such cyst", str(tmp_path / "b.seg.nrrd")]])
+    anchors = tmp_path / "anchors"
+    code = batch.main(["--manifest", str(manifest), "--anchor-dir", str(anchors)], logic=AbsentForSomeLogic(slicer_env))
+    out = capsys.readouterr().out
+    assert code == 0, out  # "not present" is an answer, not a failure
+    assert (tmp_path / "a.seg.nrrd").is_file() and not (tmp_path / "b.seg.nrrd").exists()
+    assert "not found in this CT: no such cyst (no output written)" in out
+    assert "1 of 2 done, 1 not found in their CT (no output written)" in out
+    written = {p.name: json.loads(p.read_text()) for p in anchors.iterdir()}
+    assert len(written) == 2 and sum(bool(a.get("absent")) for a in written.values()) == 1

@@ -400,3 +400,40 @@ def test_slicer_util_export_node_reuses_its_default_properties(slicer_env, monke
         defaults.clear()
         defaults.update(saved)
     assert calls == [("a.seg.nrrd", "Segmentation (.seg.nrrd)"), ("b.nii.gz", "Segmentation (.seg.nrrd)")]
+
+
+def test_an_absent_answer_adds_nothing_and_keeps_the_last_result(logic, variant_files, tmp_path):
+    ct_path, _, _, labels = variant_files["lps"]
+    node = load_node(ct_path)
+    p = logic.getParameterNode()
+    p.inputVolume, p.query = node, "the liver"
+    liver, _, stack = worker_result(logic, node, labels, [LIVER], tmp_path)
+    logic.applyResult(p, node, liver, replaceSegment=False)
+    before = (p.outputSegmentation, p.segmentId, p.keySlice, p.anchorJson, p.reasoning, len(p.boxes))
+    n_seg_nodes = len(slicer.util.getNodesByClass("vtkMRMLSegmentationNode"))
+    absent = {"absent": True, "mask_path": None, "smoke": False,
+              "notes": ["not found in this CT: the kidney cyst"],
+              "anchor": {"schema": "medvol.anchor/3", "absent": True, "slice": None, "boxes": [], "boxes_norm": [],
+                         "image_size": [stack.width, stack.height], "query": "the kidney cyst",
+                         "reasoning": "no cyst on any slice", "source": "grounder"}}
+    notes = logic.applyResult(p, node, absent, replaceSegment=False)
+    assert notes[0].startswith("Not found in this CT: the kidney cyst.") and "no segment was added" in notes[0]
+    assert "the model's reasoning: no cyst on any slice" in notes and len(notes) == 2  # the core's line not repeated
+    assert (p.outputSegmentation, p.segmentId, p.keySlice, p.anchorJson, p.reasoning, len(p.boxes)) == before
+    assert p.outputSegmentation.GetSegmentation().GetNumberOfSegments() == 1
+    assert len(slicer.util.getNodesByClass("vtkMRMLSegmentationNode")) == n_seg_nodes
+
+
+def test_blocking_calls_return_their_own_jobs_anchor_never_an_earlier_one(logic, variant_files, tmp_path):
+    from types import SimpleNamespace
+
+    ct_path, _, _, labels = variant_files["lps"]
+    node = load_node(ct_path)
+    p = logic.getParameterNode()
+    p.inputVolume, p.query = node, "the liver"
+    liver, _, _ = worker_result(logic, node, labels, [LIVER], tmp_path)
+    logic.applyResult(p, node, liver, replaceSegment=False)  # p.anchorJson now holds the liver's anchor
+    absent = {"schema": "medvol.anchor/3", "absent": True, "slice": None, "boxes": [], "query": "the brain"}
+    assert logic._blockingResult(p, SimpleNamespace(result={"absent": True, "anchor": absent})) == (None, "", [], absent)
+    seg, sid, rois, anchor = logic._blockingResult(p, SimpleNamespace(result=liver))
+    assert anchor == liver["anchor"] and seg is p.outputSegmentation and sid == p.segmentId
