@@ -61,8 +61,10 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
     for ln in textwrap.wrap(title, chars):
         lines.append((ln, (255, 255, 255)))
     if absent:
-        lines.append(("NOT FOUND: the model answered that the target is not in this CT", (255, 200, 60)))
-        lines.append((f"no key slice; showing the middle slice z={z} of {stack.depth}", (200, 200, 200)))
+        for ln in textwrap.wrap("NOT FOUND: the model answered that the target is not in this CT", chars):
+            lines.append((ln, (255, 200, 60)))
+        for ln in textwrap.wrap(f"no key slice; showing the middle slice z={z} of {stack.depth}", chars):
+            lines.append((ln, (200, 200, 200)))
     else:
         lines.append((f"key slice z={z} of {stack.depth}; {len(anchor.boxes)} box(es)", (200, 200, 200)))
     lines.append(("", None))
