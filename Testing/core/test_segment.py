@@ -152,7 +152,7 @@ def test_cuda_without_gpu(capsys, tmp_path):
 
 def test_missing_weights_name_download_and_import(capsys, tmp_path):
     code, _, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "liver", "--out", tmp_path / "m.nii.gz",
-                           "--preset", "medvol-r1", "--device", "cpu", "--no-progress")
+                           "--preset", "qwen3-vl-4b", "--device", "cpu", "--no-progress")
     assert code != 0
     _one_line(code, err, "medvol models download", "medvol models import", exit_code=code)
 
