@@ -98,6 +98,7 @@ def test_segment_cli_text_output_says_smoke(capsys, tmp_path):
                                 "--preset", "tiny", "--device", "cpu", "--no-progress")
     assert code == 0, err
     assert stdout.startswith("NOTE:") and "smoke" in stdout.splitlines()[0]
+    assert stdout.splitlines()[1] == "model: untrained tiny smoke model (random weights): results are meaningless"
 
 
 def test_demo_falls_back_to_tiny_with_notice(capsys, tmp_path):

@@ -233,8 +233,6 @@ def _segment_text(res: dict) -> str:
     a = res["anchor"]
     lines = []
     ident = res.get("identity") or {}
-    if ident.get("label"):
-        lines.append(f"model: {ident['label']}")
     if res.get("smoke"):
         lines.append("NOTE: " + next((n for n in res["notes"] if "smoke" in n), "untrained smoke model"))
     elif not ident.get("trained_for_task"):
@@ -243,6 +241,8 @@ def _segment_text(res: dict) -> str:
         note = identity_note(ident)
         if note:
             lines.append("NOTE: " + note)
+    if ident.get("label"):
+        lines.append(f"model: {ident['label']}")
     lines += [f"key slice {a['slice']}, {len(a['boxes'])} box(es) {a['boxes']}",
               f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)",
               f"wrote {res['out']} ({res['mask_voxels']} voxels), {res['anchor_out']}" + (f", {res['qc']}" if res["qc"] else ""),

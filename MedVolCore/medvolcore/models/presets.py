@@ -440,10 +440,12 @@ def check_adapter_given(name: Optional[str] = None, adapter=None) -> None:
 
 
 def preset_status(name: str) -> dict:
-    """``{"present", "available", "status"}`` without building or downloading anything.
+    """``{"present", "available", "status", "needs_adapter"}`` without building or downloading anything.
 
-    ``present``: the weights are on disk now. ``available``: :func:`resolve` needs no network
-    (true for present presets and for ``tiny``, which is built on first use).
+    ``present``: the weights are on disk now. ``available``: :func:`resolve` needs no network and
+    no more arguments (true for present presets and for ``tiny``, which is built on first use;
+    false for ``medvol-r1`` until it has an adapter). ``needs_adapter``: a ``requires_adapter``
+    preset with no adapter of its own (give ``--adapter``).
     """
     p = get_preset(name)
     if p.grounder_kind == "builder":
