@@ -42,7 +42,7 @@ from MedVolR1SlicerLib.corrections import (MAX_OBJECTS, CorrectionBox, Correctio
                                            parse_point_label, point_label, prompts_from_anchor, range_text)
 from MedVolR1SlicerLib.guibinding import GuiBinding
 from MedVolR1SlicerLib.geometry import GeometryError, RoiBox, VolumeGeometry, anchor_from_rois, check_untransformed, rois_from_anchor
-from MedVolR1SlicerLib.presets import model_presets, sample_ct
+from MedVolR1SlicerLib.presets import model_presets, model_text, result_model_text, sample_ct
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options, Session
 
 SETTINGS_HISTORY = "MedVolR1Slicer/QueryHistory"
@@ -337,6 +337,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._setText(self.ui.adapterPathLineEdit, "currentPath", p.adapter)
         for w, b in zip(blockers, old):
             w.blockSignals(b)
+        self.ui.modelLabel.text = model_text(p.preset, p.adapter)  # zero-shot, MedVol-R1 needs an adapter, …
         # Check the radio button that should be on: in an exclusive pair, setChecked(False)
         # on the other one does nothing, so Remote could never be switched back to Local.
         radio = self.ui.workerRemoteRadioButton if p.worker == "remote" else self.ui.workerLocalRadioButton
@@ -1138,8 +1139,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
                              self._generation, [])
         anchor = result["anchor"]
         notes = list(result.get("notes") or [])
-        if result.get("smoke"):
-            notes.insert(0, "made with the random-weight 'tiny' preset: a smoke test, not a segmentation")
+        model = result_model_text(result)  # what made it, as the worker says: zero-shot, MedVol-R1, smoke
+        if model:
+            notes.insert(0, model)
         if result.get("absent") or anchor.get("absent"):
             # "not present": nothing is added to the scene and the last result (boxes, segment,
             # reasoning, Undo) stays as it was; the notes carry the answer and its reasoning

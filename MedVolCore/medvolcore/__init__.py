@@ -5,3 +5,7 @@ functions that use them.
 """
 
 __version__ = "0.1.0"
+
+#: Said by every front door that shows results to people: ``medvol --help``, the QC picture, the
+#: batch report, the worker's ``hello``, the Slicer panel and ``medvol-train --help``.
+RESEARCH_USE_NOTICE = "Research use only — not a medical device."

@@ -38,6 +38,10 @@ Shards of one manifest may share ``DIR``: case folders never clash, and the summ
 named ``summary.shard-I-of-N.csv`` / ``.html`` (``summary.csv`` / ``summary.html`` without
 ``--shard`` or with ``N = 1``).
 
+``summary.html`` opens with the research-use notice and the model that made the run
+(:func:`medvolcore.models.identity`: a zero-shot base model gets a warning banner); the run's
+``info`` (``--json``) carries the same ``identity``, ``model_label`` and ``research_use``.
+
 The summary covers every case of the shard, including those skipped by ``--resume`` (read back
 from their ``done.json``). ``summary.csv`` has exactly the columns
 ``id,status,error,slice,boxes,seconds,dice,iou`` (``status`` ``done``, ``absent`` or ``failed``; ``boxes`` is
@@ -65,8 +69,10 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
+from . import RESEARCH_USE_NOTICE
 from .errors import InputError, MedVolError, OutputError, OutputExistsError
 from .fileio import check_distinct, check_folder, remove_stale_temporaries, resolve_paths, write_text_atomic
+from .models.identity import identity_note
 from .strictjson import DuplicateKeyError, unique_keys
 
 log = logging.getLogger(__name__)
@@ -655,13 +661,16 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
 
     rows = [rows_by_id[c.id] for c in mine if c.id in rows_by_id]
     smoke = bool(getattr(pipeline, "smoke", False)) or any(r.get("_smoke") for r in rows)
+    identity = _run_identity(pipeline, smoke)
     write_summary_csv(out / csv_name, rows)
     write_summary_html(out / html_name, rows, title=f"MedVol batch: {Path(str(manifest)).name}"
-                       + (f", shard {opts.shard[0]}/{opts.shard[1]}" if opts.shard else ""), preset=preset, smoke=smoke)
+                       + (f", shard {opts.shard[0]}/{opts.shard[1]}" if opts.shard else ""), preset=preset, smoke=smoke,
+                       identity=identity)
     seconds = time.perf_counter() - t_start
     run_s = sum(r["_run_seconds"] for r in rows if r.get("_run_seconds") is not None)
     info = {
-        "manifest": str(manifest), "out_dir": str(out), "preset": preset, "smoke": smoke,
+        "manifest": str(manifest), "out_dir": str(out), "preset": preset, "smoke": smoke, "identity": identity,
+        "model_label": (identity or {}).get("label"), "research_use": RESEARCH_USE_NOTICE,
         "shard": f"{opts.shard[0]}/{opts.shard[1]}" if opts.shard else None,
         "cases": len(mine), "manifest_cases": len(cases),
         "done": sum(r["status"] == "done" for r in rows), "absent": sum(r["status"] == "absent" for r in rows),
@@ -674,7 +683,18 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     }
     if smoke:
         info["notice"] = "made with the untrained 'tiny' smoke model: anchors, masks and metrics are meaningless"
+    elif identity_note(identity):
+        info["notice"] = identity_note(identity)
     return BatchResult(rows=rows, info=info)
+
+
+def _run_identity(pipeline, smoke: bool) -> Optional[dict]:
+    """What made this run's anchors (the pipeline's models; a smoke run is said to be one)."""
+    ident = getattr(pipeline, "identity", None)
+    if ident is not None and smoke and not ident.get("smoke"):
+        ident = dict(ident, smoke=True, zero_shot=False, trained_for_task=False,
+                     label="untrained tiny smoke model (random weights): results are meaningless")
+    return ident
 
 
 def _row(case_id, status, error="", slice_=None, boxes=None, seconds=None, dice=None, iou=None, **extra) -> dict:
@@ -757,6 +777,7 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
         "case": fingerprint, "metrics": res["metrics"],
         "anchor": {"slice": a["slice"], "n_boxes": len(a["boxes"]), "boxes": [list(b) for b in a["boxes"]]},
         "reasoning": res["reasoning"], "mask_voxels": res["mask_voxels"], "smoke": res["smoke"],
+        "identity": res.get("identity"),
         "notes": res["notes"], "outputs": written, "propagation": res["propagation"],
         "timings": {k: v for k, v in res["timings"].items() if isinstance(v, float)},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -798,22 +819,30 @@ th{background:#eee} .banner{background:#b00020;color:#fff;padding:.6em 1em;font-
 .case img{max-width:100%;height:auto;border:1px solid #333;display:block;margin:.5em 0}
 .reasoning{white-space:pre-wrap;background:#f4f4f4;padding:.5em;border-radius:4px;font-size:.9em}
 .error{white-space:pre-wrap;color:#b00020} .meta{color:#555;font-size:.9em}
+.notice{font-weight:bold;color:#7a4d00}
 """
 
 
-def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", preset: str = "", smoke: bool = False) -> str:
+def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", preset: str = "", smoke: bool = False,
+                        identity: Optional[dict] = None) -> str:
+    """The batch report: the research-use notice, which model made it (``identity``, see
+    :func:`medvolcore.models.identity`) with a warning banner unless a MedVol-R1 adapter did, a
+    table of the cases and one section per case."""
     esc = html.escape
     n_done = sum(r["status"] == "done" for r in rows)
     n_absent = sum(r["status"] == "absent" for r in rows)
     n_failed = len(rows) - n_done - n_absent
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{esc(title)}</title>",
-             f"<style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>"]
+             f"<style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>",
+             f"<p class=\"notice\">{esc(RESEARCH_USE_NOTICE)}</p>"]
     if smoke:
         parts.append("<p class=\"banner\">Made with the untrained 'tiny' smoke model: every anchor, mask and metric "
-                     "on this page is meaningless. Use a real preset (medvol models download medvol-r1) for results.</p>")
-    parts.append(f"<p class=\"meta\">preset {esc(preset)} · {len(rows)} case(s): {n_done} done, {n_absent} not found, "
-                 f"{n_failed} failed · "
-                 f"written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>")
+                     "on this page is meaningless. Use a real preset (medvol models download qwen3-vl-4b) for results.</p>")
+    elif identity and not identity.get("trained_for_task"):
+        parts.append(f"<p class=\"banner\">{esc(identity_note(identity) or identity['label'])}.</p>")
+    model = f"model: {identity['label']} · " if identity else ""
+    parts.append(f"<p class=\"meta\">{esc(model)}preset {esc(preset)} · {len(rows)} case(s): {n_done} done, "
+                 f"{n_absent} not found, {n_failed} failed · written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>")
     parts.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS) + "</tr>")
     for r, cells in zip(rows, summary_csv_rows(rows)):
         anchor = "case-" + quote(r["id"])
@@ -847,6 +876,7 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
         else:
             parts.append(f"<p class=\"error\"><b>error:</b> {esc(r['error'] or '')}</p>")
         parts.append("</section>")
+    parts.append(f"<footer class=\"notice\">{esc(RESEARCH_USE_NOTICE)}</footer>")
     parts.append("</body></html>\n")
     return "\n".join(parts)
 

@@ -51,6 +51,13 @@ class ModelNotFoundError(MedVolError):
     code = "model_not_found"
 
 
+class AdapterRequiredError(InputError):
+    """A preset that names a trained method (``medvol-r1``) was asked for without its LoRA adapter:
+    without one it would be the untrained base model under the method's name."""
+
+    code = "adapter_required"
+
+
 class DependencyError(MedVolError):
     """An optional dependency needed for this operation is not installed."""
 

@@ -32,6 +32,8 @@ The result (:func:`run_segment_job`) is one JSON-ready dict:
 ``absent``       True when the grounder answered that the target is not in this volume: the mask
                  is all zero, nothing was propagated, and ``out`` is None unless an empty mask was
                  asked for
+``identity``     what the models are (:func:`medvolcore.models.identity`: ``label``, ``zero_shot``,
+                 ``trained_for_task``, …), None for a MedSAM2-only pipeline
 ``anchor``       the evidence anchor as written to its file (``medvol.anchor/1``, or ``/2`` with
                  correction prompts or a slice range), with
                  ``propagation``: early stop's K and where each direction stopped
@@ -60,11 +62,11 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 from .errors import InputError
 from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix
+from .models.identity import SMOKE_BANNER  # re-exported here, where it always was
 
 __all__ = ["SegmentRequest", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "default_anchor_path",
            "run_segment_job"]
 
-SMOKE_BANNER = "UNTRAINED SMOKE MODEL: meaningless output"
 
 PathLike = Union[str, Path]
 Progress = Callable[[str, float, str], None]  # (stage, fraction 0..1, message), as Pipeline's
@@ -198,6 +200,19 @@ def _given_anchor(request: SegmentRequest, stack):
     return anchor.with_world(stack)
 
 
+def _qc_identity(seg, grounded: bool) -> dict:
+    """The QC picture's banner and model line: who drew the anchor (a given anchor was not drawn
+    by the model now), with the smoke model's or a zero-shot model's warning."""
+    from .models.identity import identity_banner
+
+    if not grounded:
+        return {"banner": SMOKE_BANNER if seg.smoke else "",
+                "model": "anchor given (no language model ran); mask by MedSAM2"}
+    ident = seg.identity
+    banner = SMOKE_BANNER if seg.smoke else identity_banner(ident)
+    return {"banner": banner, "model": f"model: {ident['label']}" if ident else ""}
+
+
 def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentOutputs, *,
                     inputs: Sequence[Tuple[str, Optional[PathLike]]] = (), progress: Optional[Progress] = None,
                     cancel=None, features=None) -> dict:
@@ -253,7 +268,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
 
         title = request.qc_title if request.qc_title is not None else f"query: {seg.anchor.query or query or ''}"
         save_qc(outputs.qc, stack, seg.anchor, seg.mask_stack, overwrite=outputs.overwrite, title=title,
-                reasoning=seg.reasoning, banner=SMOKE_BANNER if seg.smoke else "", window=window)
+                reasoning=seg.reasoning, window=window, **_qc_identity(seg, request.grounded))
     metrics = None
     if request.reference is not None:
         from .metrics import overlap
@@ -271,6 +286,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         "volume": str(stack.volume.path or volume_path) if (stack.volume.path or volume_path) else None,
         "query": seg.anchor.query or (query or ""), "preset": seg.preset, "smoke": bool(seg.smoke),
         "absent": bool(seg.absent),
+        "identity": seg.identity,
         "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
         "notes": list(seg.notes), "shape": [int(s) for s in stack.volume.shape], "mask_voxels": int(seg.mask.sum()),
         "propagation": seg.anchor.propagation, "metrics": metrics, "timings": timings,

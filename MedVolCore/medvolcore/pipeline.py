@@ -24,7 +24,8 @@ from .volume import CTVolume, load_volume
 log = logging.getLogger(__name__)
 
 SMOKE_NOTE = ("made with the untrained 'tiny' smoke model: the anchor and mask are meaningless; "
-              "run `medvol models download medvol-r1` for real results")
+              "for a real model run `medvol models download qwen3-vl-4b` (zero-shot: no trained MedVol-R1 adapter is "
+              "published)")
 
 VolumeLike = Union[str, Path, CTVolume, AxialStack]
 
@@ -58,6 +59,7 @@ class Segmentation:
     smoke: bool = False
     notes: list = field(default_factory=list)
     propagation: object = None
+    identity: Optional[dict] = None  # the models that made it (medvolcore.models.identity); None: MedSAM2 only
 
     @property
     def absent(self) -> bool:
@@ -66,7 +68,8 @@ class Segmentation:
 
     def summary(self) -> dict:
         return {
-            "preset": self.preset, "smoke": self.smoke, "absent": self.absent, "anchor": self.anchor.to_dict(),
+            "preset": self.preset, "smoke": self.smoke, "absent": self.absent, "identity": self.identity,
+            "anchor": self.anchor.to_dict(),
             "reasoning": self.reasoning, "raw_text": self.raw_text, "notes": list(self.notes),
             "mask_voxels": int(self.mask.sum()), "timings": {k: round(v, 4) if isinstance(v, float) else v
                                                               for k, v in self.timings.items()},
@@ -84,8 +87,11 @@ def as_stack(volume: VolumeLike) -> AxialStack:
 class Pipeline:
     """Grounder + propagator for one model preset, loaded lazily and kept loaded.
 
-    ``preset``: a name from ``Resources/models.json`` (``medvol-r1``, ``qwen3-vl-2b``, ``tiny``); None
-    (the default) is the manifest's default preset (:func:`medvolcore.models.default_preset`).
+    ``preset``: a name from ``Resources/models.json`` (``qwen3-vl-4b``, ``qwen3-vl-2b``, ``medvol-r1`` with an
+    adapter, ``tiny``); None (the default) is the manifest's default preset
+    (:func:`medvolcore.models.default_preset`). ``identity`` says what the models are
+    (:func:`medvolcore.models.identity`); grounded results carry its note when no task-trained
+    model made them.
     ``adapter``: a LoRA adapter folder overriding the preset's. ``low_memory``: on CUDA, move
     the language model off the GPU while MedSAM2 runs. ``propagator``: a loaded
     :class:`~medvolcore.propagation.MedSAM2Propagator` to use instead of the preset's MedSAM2
@@ -119,6 +125,7 @@ class Pipeline:
         self.models = resolved
         self.preset = resolved.name if resolved is not None else ""
         self.smoke = bool(resolved.smoke) if resolved is not None else False
+        self.identity = _identity(resolved) if resolved is not None else None  # what every output names
         self.device = str(resolve_device(device))
         self.low_memory = bool(low_memory)
         self.grounder_dtype = grounder_dtype
@@ -193,16 +200,20 @@ class Pipeline:
             anchor = g.anchor.with_world(stack)
             notes = list(stack.volume.notes) + list(g.notes)
             if self.smoke or getattr(grounder, "is_smoke", False):
+                if not self.smoke:
+                    self.identity = _identity(self.models, smoke=True)
                 self.smoke = True
                 notes.append(SMOKE_NOTE)
+            notes += _identity_notes(self.identity)
             if anchor.absent:
                 notes.append(absent_note(query))
             anchor.notes = list(dict.fromkeys(list(anchor.notes) + notes))
             if anchor.absent:
                 seg = Segmentation(anchor=anchor, mask=np.zeros(stack.volume.shape, np.uint8),
                                    mask_stack=np.zeros(stack.data.shape, np.uint8), stack=stack, preset=self.preset,
-                                   smoke=self.smoke, timings={"propagate_s": 0.0, "slices_encoded": 0,
-                                                              "slices_propagated": 0, "encoder_calls": 0})
+                                   smoke=self.smoke, identity=self.identity,
+                                   timings={"propagate_s": 0.0, "slices_encoded": 0, "slices_propagated": 0,
+                                            "encoder_calls": 0})
                 _stage(progress, "propagate", 1.0, "not present: nothing to propagate")
             else:
                 seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, features=features)
@@ -262,7 +273,8 @@ class Pipeline:
                    "slices_encoded": r.slices_encoded, "slices_propagated": r.slices_propagated,
                    "encoder_calls": r.encoder_calls}
         return Segmentation(anchor=anchor, mask=mask, mask_stack=r.mask, stack=stack, timings=timings,
-                            preset=self.preset, smoke=self.smoke, notes=list(anchor.notes), propagation=r)
+                            preset=self.preset, smoke=self.smoke, notes=list(anchor.notes), propagation=r,
+                            identity=self.identity)
 
     def _lvlm_to(self, device: str) -> None:
         if self._grounder is None or not str(self.device).startswith("cuda"):
@@ -274,6 +286,20 @@ class Pipeline:
                 import torch
 
                 torch.cuda.empty_cache()
+
+
+def _identity(resolved, smoke=None) -> dict:
+    from .models.identity import identity
+
+    return identity(resolved, smoke=smoke)
+
+
+def _identity_notes(ident) -> list:
+    """The note of a grounded result that no task-trained model made (zero-shot, unknown adapter)."""
+    from .models.identity import identity_note
+
+    note = identity_note(ident)
+    return [note] if note else []
 
 
 def _stage(progress, stage, fraction, message):

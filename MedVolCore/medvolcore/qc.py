@@ -1,5 +1,7 @@
 """Quality-control picture of a segmentation: the key slice with the evidence boxes and the
-mask outline, next to the query and the model's reasoning."""
+mask outline, next to the query, the model that made it and its reasoning, with the research-use
+notice as its last line. The PNG also carries them as text chunks (``Source``: the model line,
+``Warning``: the banner, ``Disclaimer``: the notice), so a picture read back says what made it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import RESEARCH_USE_NOTICE, __version__
 from .fileio import atomic_path
 
 _BOX_COLOURS = [(255, 215, 0), (0, 200, 255), (255, 80, 200), (120, 255, 120),
@@ -24,11 +27,13 @@ def _outline(mask2d: np.ndarray) -> np.ndarray:
 
 
 def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: str = "", reasoning: str = "",
-              banner: str = "", window=None, scale: Optional[int] = None, panel_width: int = 360):
+              banner: str = "", model: str = "", footer: str = RESEARCH_USE_NOTICE, window=None,
+              scale: Optional[int] = None, panel_width: int = 360):
     """A PIL image: the key slice (radiological view, patient right on the left) with each box
-    and the mask outline of that slice, and a text panel (title, banner, reasoning). For an absent
-    anchor (the model answered that the target is not in this CT) it shows the middle slice, with
-    no box and no outline, and the panel says so."""
+    and the mask outline of that slice, and a text panel (banner, title, ``model`` — which model
+    made it —, reasoning) whose last line is always ``footer`` (the research-use notice). For an
+    absent anchor (the model answered that the target is not in this CT) it shows the middle slice,
+    with no box and no outline, and the panel says so."""
     from PIL import Image, ImageDraw, ImageFont
 
     absent = bool(getattr(anchor, "absent", False))
@@ -60,6 +65,8 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
         lines.append(("", None))
     for ln in textwrap.wrap(title, chars):
         lines.append((ln, (255, 255, 255)))
+    for ln in textwrap.wrap(model, chars):
+        lines.append((ln, (255, 200, 120)))
     if absent:
         for ln in textwrap.wrap("NOT FOUND: the model answered that the target is not in this CT", chars):
             lines.append((ln, (255, 200, 60)))
@@ -73,18 +80,33 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
         for para in reasoning.splitlines():
             for ln in textwrap.wrap(para, chars) or [""]:
                 lines.append((ln, (230, 230, 230)))
+    foot = textwrap.wrap(footer, chars)
+    bottom = canvas.height - 16 * len(foot) - 6  # the footer's lines are never cut
     for text, colour in lines:
-        if y > canvas.height - 14:
+        if y > bottom - 14:
             d.text((x, y), "…", fill=(200, 200, 200), font=font)
             break
         if colour:
             d.text((x, y), text, fill=colour, font=font)
         y += 16
+    for i, ln in enumerate(foot):
+        d.text((x, bottom + 16 * i), ln, fill=(255, 255, 160), font=font)
     return canvas
 
 
 def save_qc(path, stack, anchor, mask_stack=None, overwrite: bool = False, **kw) -> Path:
+    """Write :func:`render_qc`'s picture as a PNG whose text chunks repeat the model line, the
+    banner and the notice (read them back with ``PIL.Image.open(path).text``)."""
+    from PIL.PngImagePlugin import PngInfo
+
     img = render_qc(stack, anchor, mask_stack, **kw)
+    info = PngInfo()
+    info.add_text("Software", f"medvolcore {__version__}")
+    if kw.get("model"):
+        info.add_text("Source", kw["model"])
+    if kw.get("banner"):
+        info.add_text("Warning", kw["banner"])
+    info.add_text("Disclaimer", kw.get("footer", RESEARCH_USE_NOTICE))
     with atomic_path(path, overwrite) as tmp:
-        img.save(str(tmp), format="PNG")
+        img.save(str(tmp), format="PNG", pnginfo=info)
     return Path(path)

@@ -6,7 +6,7 @@ For each preset whose weights are present (``tiny`` always is: it is built local
 loading — and prints model load times, grounding (prefill, decode), propagation and total
 seconds, and peak memory (process RSS; CUDA peak on a GPU).
 
-    .venv/bin/python Testing/benchmarks/segment.py [--volume CT] [--query Q] [--presets tiny medvol-r1] [--device cpu]
+    .venv/bin/python Testing/benchmarks/segment.py [--volume CT] [--query Q] [--presets tiny qwen3-vl-4b] [--device cpu]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--volume", default=str(resource_path("samples", sample["file"])))
     ap.add_argument("--query", default=sample["query"])
-    ap.add_argument("--presets", nargs="+", default=["tiny", "qwen3-vl-2b", "medvol-r1"])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "qwen3-vl-2b", "qwen3-vl-4b"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)

@@ -27,7 +27,7 @@ def test_without_an_override_the_default_is_the_shipped_manifests():
     from medvolcore.resources import resource_path
 
     shipped = json.loads(resource_path("models.json").read_text(encoding="utf-8"))
-    assert models.default_preset() == shipped["default"] == "medvol-r1"
+    assert models.default_preset() == shipped["default"] == "qwen3-vl-4b"
 
 
 def test_pipeline_without_a_preset(tiny_default):

@@ -28,6 +28,7 @@ from probes import ANCHOR, b64, one_line, run_cli
 from worker_clients import HttpServer as ServeProcess
 from worker_clients import StdioClient
 
+from medvolcore import RESEARCH_USE_NOTICE
 from medvolcore.errors import CancelledError
 from medvolcore.serve.http import HttpServer, HttpSettings, Handler
 from medvolcore.serve.protocol import RequestError, parse_request
@@ -425,6 +426,11 @@ def test_hello_of_a_hub_preset_names_repos_and_licences(tmp_path):
     assert m["preset"] == "medvol-r1" and m["loaded"] is False and m["adapter"] == "my-adapter"
     assert m["grounder"]["repo_id"] == "Qwen/Qwen3-VL-4B-Instruct" and m["grounder"]["licence"] == "apache-2.0"
     assert m["medsam2"]["repo_id"] == "wanglab/MedSAM2" and m["medsam2"]["licence"] == "cc-by-sa-4.0"
+    # an adapter without medvol-train's record is not called MedVol-R1, and the notice is there
+    assert h["model_label"] == m["identity"]["label"] == (
+        "Qwen3-VL-4B-Instruct + LoRA adapter my-adapter (not made by medvol-train: not known to be trained for "
+        "this task)")
+    assert not m["identity"]["trained_for_task"] and h["research_use"] == RESEARCH_USE_NOTICE
     assert str(tmp_path) not in json.dumps(h)
 
 

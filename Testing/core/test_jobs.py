@@ -79,6 +79,13 @@ def test_a_given_anchor_file_and_a_reference_mask(tmp_path, small_ct, calls):
     assert (res["metrics"]["pred_voxels"], res["metrics"]["gt_voxels"]) == (int(pred.sum()), int(target.sum()))
     assert res["query"] == "the liver" and res["anchor"]["slice"] == 4
     assert (tmp_path / "qc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    from medvolcore import RESEARCH_USE_NOTICE
+
+    with Image.open(tmp_path / "qc.png") as im:  # a given anchor: no language model ran, and it says so
+        assert im.text["Disclaimer"] == RESEARCH_USE_NOTICE and "no language model ran" in im.text["Source"]
+    assert res["identity"] is None and "Warning" not in im.text
 
 
 def test_outputs_are_refused_before_the_volume_is_read(tmp_path, calls):

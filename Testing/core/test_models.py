@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from medvolcore import models
+from medvolcore import RESEARCH_USE_NOTICE, models
 from medvolcore.models import fetch
 from medvolcore.cli import main
-from medvolcore.errors import InputError, ModelError, ModelNotFoundError
+from medvolcore.errors import AdapterRequiredError, InputError, ModelError, ModelNotFoundError
 
 SAM_BYTES = b"not really a MedSAM2 checkpoint, but bytes with a known sha256"
 SAM_SHA = hashlib.sha256(SAM_BYTES).hexdigest()
@@ -96,12 +96,17 @@ def test_importing_models_loads_nothing_heavy():
 
 def test_shipped_presets():
     presets = {p.name: p for p in models.list_presets()}
-    assert list(presets) == ["medvol-r1", "qwen3-vl-2b", "tiny"]
-    assert models.default_preset() == "medvol-r1"
-    r1, q2, tiny = presets["medvol-r1"], presets["qwen3-vl-2b"], presets["tiny"]
-    assert r1.grounder["repo_id"] == "Qwen/Qwen3-VL-4B-Instruct" and r1.adapter is None
+    assert list(presets) == ["qwen3-vl-4b", "qwen3-vl-2b", "medvol-r1", "tiny"]
+    assert models.default_preset() == "qwen3-vl-4b"
+    q4, q2, r1, tiny = presets["qwen3-vl-4b"], presets["qwen3-vl-2b"], presets["medvol-r1"], presets["tiny"]
+    assert q4.grounder["repo_id"] == "Qwen/Qwen3-VL-4B-Instruct" and q4.adapter is None
     assert q2.grounder["repo_id"] == "Qwen/Qwen3-VL-2B-Instruct"
-    for p in (r1, q2):
+    # medvol-r1: qwen3-vl-4b's weights and folder (one download), plus an adapter it cannot run without
+    assert r1.requires_adapter and r1.same_weights_as == "qwen3-vl-4b" and r1.adapter is None
+    assert (r1.grounder, r1.medsam2, r1.settings) == (q4.grounder, q4.medsam2, q4.settings)
+    assert r1.weights_folder_name == q4.weights_folder_name == "qwen3-vl-4b"
+    assert q4.weights_also_in == ("medvol-r1",) and not (q4.requires_adapter or q2.requires_adapter)
+    for p in (q4, q2, r1):
         assert (p.medsam2["repo_id"], p.medsam2["filename"]) == ("wanglab/MedSAM2", "MedSAM2_latest.pt")
         assert p.grounder_kind == "hub" and p.medsam2_kind == "hub" and p.needs_download and not p.smoke
         assert p.settings == {"think_budget": "real"}
@@ -109,7 +114,7 @@ def test_shipped_presets():
     assert (tiny.medsam2["random_seed"], tiny.medsam2["image_size"]) == (0, 64) and not tiny.needs_download
     assert tiny.settings == {"think_budget": "tiny"}
     assert all(p.gpu_memory_note == "estimated" and p.gpu_memory_gb > 0 for p in presets.values())
-    assert q2.gpu_memory_gb < r1.gpu_memory_gb
+    assert q2.gpu_memory_gb < q4.gpu_memory_gb
 
 
 def test_unknown_preset_lists_known_ones():
@@ -134,11 +139,12 @@ def test_medvol_home(monkeypatch, home):
 
 def test_resolve_missing_names_download_and_import(home):
     with pytest.raises(ModelNotFoundError) as e:
-        models.resolve("medvol-r1")
+        models.resolve("qwen3-vl-4b")
     msg = str(e.value)
-    assert "medvol models download medvol-r1" in msg and "medvol models import medvol-r1 FOLDER" in msg
+    assert "medvol models download qwen3-vl-4b" in msg and "medvol models import qwen3-vl-4b FOLDER" in msg
     assert "\n" not in msg
-    assert models.preset_status("medvol-r1") == {"present": False, "available": False, "status": "missing"}
+    assert models.preset_status("qwen3-vl-4b") == {"present": False, "available": False, "status": "missing",
+                                                   "needs_adapter": False}
 
 
 def test_tiny_is_built_on_first_use(monkeypatch, home):
@@ -176,14 +182,14 @@ def test_download_offline_names_import(monkeypatch, home):
 
 
 def test_download_offline_keeps_an_earlier_import(tmp_path, monkeypatch, home):
-    models.import_weights("medvol-r1", make_import_folder(tmp_path / "src"), progress=False)
+    models.import_weights("qwen3-vl-4b", make_import_folder(tmp_path / "src"), progress=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelNotFoundError):
-        models.download("medvol-r1", progress=False)
-    assert models.resolve("medvol-r1").sam_checkpoint.read_bytes() == SAM_BYTES
+        models.download("qwen3-vl-4b", progress=False)
+    assert models.resolve("qwen3-vl-4b").sam_checkpoint.read_bytes() == SAM_BYTES
 
 
 def test_download_offline_cli_subprocess(tmp_path, home):
@@ -294,26 +300,26 @@ def test_hub_metadata_parsing_gives_lfs_sha256():
 
 def test_import_copies_and_resolve_returns_the_copies(tmp_path, home):
     src = make_import_folder(tmp_path / "usb")
-    res = models.import_weights("medvol-r1", src, progress=False)
-    d = home / "models" / "medvol-r1"
-    r = models.resolve("medvol-r1")
+    res = models.import_weights("qwen3-vl-4b", src, progress=False)
+    d = home / "models" / "qwen3-vl-4b"
+    r = models.resolve("qwen3-vl-4b")
     assert r.grounder_dir == d / "grounder" and r.sam_checkpoint == d / "medsam2" / "MedSAM2_latest.pt"
     assert r.sam_random is None and not r.smoke and r.adapter_dir is None and r.settings == {"think_budget": "real"}
     assert (r.grounder_dir / "model.safetensors").read_bytes() == WEIGHT_BYTES
     assert r.sam_checkpoint.read_bytes() == SAM_BYTES and res["medsam2"] == str(r.sam_checkpoint)
-    reg = models.read_registration("medvol-r1")
+    reg = models.read_registration("qwen3-vl-4b")
     assert reg["method"] == "import (copied)" and reg["medsam2"]["sha256"] == SAM_SHA
     assert reg["medsam2"]["sha256_checked_against"] is None  # the shipped preset pins no sha256
     assert reg["grounder"]["source"] == str(src / "grounder") and reg["registered"]
-    assert models.preset_status("medvol-r1")["present"]
+    assert models.preset_status("qwen3-vl-4b")["present"]
     assert not models.preset_status("qwen3-vl-2b")["present"]
 
 
 def test_import_folder_is_the_qwen_folder_itself(tmp_path, home):
     src = make_grounder(tmp_path / "Qwen3-VL-4B-Instruct")
     (src / "MedSAM2_latest.pt").write_bytes(SAM_BYTES)
-    models.import_weights("medvol-r1", src, progress=False)
-    r = models.resolve("medvol-r1")
+    models.import_weights("qwen3-vl-4b", src, progress=False)
+    r = models.resolve("qwen3-vl-4b")
     assert not (r.grounder_dir / "MedSAM2_latest.pt").exists()  # the checkpoint is not copied twice
     assert r.sam_checkpoint.read_bytes() == SAM_BYTES
 
@@ -322,10 +328,14 @@ def test_import_link_registers_in_place(tmp_path, home):
     src = make_import_folder(tmp_path / "big_disk")
     make_adapter(src / "adapter")
     models.import_weights("medvol-r1", src, link=True, progress=False)
-    r = models.resolve("medvol-r1")
+    r = models.resolve("medvol-r1")  # its registered adapter: no --adapter needed
     assert r.grounder_dir == src / "grounder" and r.sam_checkpoint == src / "MedSAM2_latest.pt"
     assert r.adapter_dir == src / "adapter"
-    assert not (home / "models" / "medvol-r1" / "grounder").exists()
+    assert not (home / "models" / "qwen3-vl-4b" / "grounder").exists()
+    assert models.registration_path("medvol-r1") == home / "models" / "qwen3-vl-4b" / "medvol_weights.json"
+    # the same weights serve the zero-shot preset, which never takes medvol-r1's adapter
+    zero_shot = models.resolve("qwen3-vl-4b")
+    assert zero_shot.grounder_dir == r.grounder_dir and zero_shot.adapter_dir is None
     (src / "MedSAM2_latest.pt").unlink()  # the linked file went away: the preset is missing again
     with pytest.raises(ModelNotFoundError, match="MedSAM2"):
         models.resolve("medvol-r1")
@@ -355,9 +365,9 @@ def test_import_sha256_mismatch_registers_nothing(tmp_path, monkeypatch, home):
 
 def test_import_wrong_model_type(tmp_path, home):
     with pytest.raises(ModelError) as e:
-        models.import_weights("medvol-r1", make_import_folder(tmp_path / "llama", model_type="llama"), progress=False)
+        models.import_weights("qwen3-vl-4b", make_import_folder(tmp_path / "llama", model_type="llama"), progress=False)
     assert "'llama'" in str(e.value) and "qwen3_vl" in str(e.value)
-    assert not models.registration_path("medvol-r1").exists()
+    assert not models.registration_path("qwen3-vl-4b").exists()
 
 
 @pytest.mark.parametrize("break_it, needle", [
@@ -372,13 +382,13 @@ def test_import_incomplete_folder(tmp_path, home, break_it, needle):
     src = make_import_folder(tmp_path / "src")
     break_it(src)
     with pytest.raises(ModelError, match=needle):
-        models.import_weights("medvol-r1", src, progress=False)
-    assert not models.registration_path("medvol-r1").exists()
+        models.import_weights("qwen3-vl-4b", src, progress=False)
+    assert not models.registration_path("qwen3-vl-4b").exists()
 
 
 def test_import_missing_folder_and_tiny(tmp_path):
     with pytest.raises(InputError, match="is not a folder"):
-        models.import_weights("medvol-r1", tmp_path / "nope")
+        models.import_weights("qwen3-vl-4b", tmp_path / "nope")
     with pytest.raises(InputError, match="built locally"):
         models.import_weights("tiny", tmp_path)
 
@@ -386,7 +396,7 @@ def test_import_missing_folder_and_tiny(tmp_path):
 # ---- adapters ----------------------------------------------------------------------------
 
 def test_adapter_checks(tmp_path, home):
-    models.import_weights("medvol-r1", make_import_folder(tmp_path / "src"), progress=False)
+    models.import_weights("qwen3-vl-4b", make_import_folder(tmp_path / "src"), progress=False)
     with pytest.raises(ModelError, match="does not exist"):
         models.resolve("medvol-r1", adapter=tmp_path / "no_such_adapter")
     (tmp_path / "empty").mkdir()
@@ -399,20 +409,128 @@ def test_adapter_checks(tmp_path, home):
     assert models.resolve("medvol-r1", adapter=good).adapter_dir == good
 
 
+# ---- medvol-r1, qwen3-vl-4b and the folder older versions downloaded into ----------------------
+
+def old_medvol_r1_folder(home: Path, repo_id="Qwen/Qwen3-VL-4B-Instruct", adapter=False) -> Path:
+    """What `medvol models download medvol-r1` left before the presets were renamed: the 4B weights
+    in models/medvol-r1/, registered for preset medvol-r1 (relative paths)."""
+    d = home / "models" / "medvol-r1"
+    make_grounder(d / "grounder")
+    (d / "medsam2").mkdir(parents=True)
+    (d / "medsam2" / "MedSAM2_latest.pt").write_bytes(SAM_BYTES)
+    reg = {"schema": models.REGISTRATION_SCHEMA, "preset": "medvol-r1", "method": "download",
+           "grounder": {"path": "grounder", "repo_id": repo_id, "revision": FakeHub.COMMIT},
+           "medsam2": {"path": "medsam2/MedSAM2_latest.pt", "repo_id": "wanglab/MedSAM2", "sha256": SAM_SHA}}
+    if adapter:
+        make_adapter(d / "adapter")
+        reg["adapter"] = {"path": "adapter"}
+    (d / "medvol_weights.json").write_text(json.dumps(reg))
+    return d
+
+
+def test_medvol_r1_without_an_adapter_is_one_clear_line(tmp_path, capsys, home):
+    """No trained adapter is published: medvol-r1 alone would be the base model under the method's
+    name, so it is refused, before any weights or volume are looked at, naming what to do instead."""
+    with pytest.raises(AdapterRequiredError) as e:
+        models.resolve("medvol-r1")
+    msg = str(e.value)
+    assert "no trained MedVol-R1 adapter is published" in msg and "--adapter DIR" in msg
+    assert "'qwen3-vl-4b'" in msg and "Training/README.md" in msg and "\n" not in msg
+    for argv in (["models", "path", "medvol-r1"],
+                 ["segment", "--volume", tmp_path / "no_such_ct.nii.gz", "--query", "the liver", "--out",
+                  tmp_path / "m.nii.gz", "--preset", "medvol-r1", "--device", "cpu", "--no-progress"]):
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 2 and out == ""
+        line = one_error_line(err)
+        assert line.startswith(f"medvol {argv[0]}: error: model preset 'medvol-r1' needs a trained") and \
+            "no_such_ct" not in line
+    assert models.preset_status("medvol-r1")["needs_adapter"] and not models.preset_status("medvol-r1")["available"]
+
+
+def test_qwen3_vl_4b_finds_the_weights_an_older_version_put_in_models_medvol_r1(tmp_path, monkeypatch, home):
+    old = old_medvol_r1_folder(home, adapter=True)
+    r = models.resolve("qwen3-vl-4b")
+    assert r.grounder_dir == old / "grounder" and r.sam_checkpoint == old / "medsam2" / "MedSAM2_latest.pt"
+    assert r.adapter_dir is None  # the zero-shot preset never borrows medvol-r1's registered adapter
+    assert models.preset_status("qwen3-vl-4b")["present"] and models.weights_dir("qwen3-vl-4b") == old
+    assert models.resolve("medvol-r1").adapter_dir == old / "adapter"  # the old medvol-r1 keeps its adapter
+    assert not (home / "models" / "qwen3-vl-4b").exists()
+    # a download completes the old folder in place: no second copy of the weights anywhere else
+    FakeHub({"Qwen/Qwen3-VL-4B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}}
+            ).install(monkeypatch)
+    res = models.download("qwen3-vl-4b", progress=False)
+    assert res["grounder"] == str(old / "grounder") and res["registration"] == str(old / "medvol_weights.json")
+    assert not (home / "models" / "qwen3-vl-4b").exists()
+
+
+def test_an_old_folder_of_other_weights_is_not_taken(home):
+    old_medvol_r1_folder(home, repo_id="Qwen/Qwen3-VL-2B-Instruct")  # an old override's medvol-r1, say
+    with pytest.raises(ModelNotFoundError, match="qwen3-vl-4b"):
+        models.resolve("qwen3-vl-4b")
+    assert models.weights_dir("qwen3-vl-4b") == home / "models" / "qwen3-vl-4b"
+
+
+def test_download_medvol_r1_fetches_what_qwen3_vl_4b_needs(monkeypatch, capsys, tmp_path, home):
+    FakeHub({"Qwen/Qwen3-VL-4B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}}
+            ).install(monkeypatch)
+    code, out, err = run_cli(capsys, "models", "download", "medvol-r1", "--no-progress")
+    assert code == 0, err
+    title = out.splitlines()[0]
+    assert title.startswith("downloaded what qwen3-vl-4b needs (sha256 checked): medvol-r1 uses the same weights")
+    assert "--adapter DIR (none is published" in title
+    d = home / "models" / "qwen3-vl-4b"
+    assert models.resolve("qwen3-vl-4b").grounder_dir == d / "grounder"
+    adapter = make_adapter(tmp_path / "run" / "adapter")
+    assert models.resolve("medvol-r1", adapter=adapter).grounder_dir == d / "grounder"
+    assert not (home / "models" / "medvol-r1").exists()
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ({"same_weights_as": "nope"}, "must name another preset"),
+    ({"same_weights_as": "qwen3-vl-4b", "medsam2": {"random_seed": 1, "image_size": 64}}, "no medsam2"),
+    ({"same_weights_as": "qwen3-vl-4b", "grounder": {"repo_id": "x/y"}}, "may give grounder.adapter"),
+    ({"same_weights_as": "medvol-r1"}, "weights of its own"),
+])
+def test_same_weights_as_is_checked(tmp_path, monkeypatch, entry, needle):
+    override_table(tmp_path, monkeypatch, {"mine": dict({"description": "x"}, **entry)})
+    with pytest.raises(ModelError, match=needle):
+        models.list_presets()
+
+
+def test_medvol_r1_follows_a_replaced_qwen3_vl_4b_and_takes_an_adapter_from_the_table(tmp_path, monkeypatch):
+    adapter = make_adapter(tmp_path / "runs" / "grpo" / "adapter")
+    override_table(tmp_path, monkeypatch, {
+        "qwen3-vl-4b": dict(pinned_preset(SAM_SHA), weights_also_in=["medvol-r1"]),
+        "medvol-r1": {"same_weights_as": "qwen3-vl-4b", "requires_adapter": True, "description": "mine",
+                      "grounder": {"adapter": str(adapter)}}})
+    r1 = models.get_preset("medvol-r1")
+    assert r1.medsam2["sha256"] == SAM_SHA and r1.adapter == {"path": str(adapter)}
+    assert not models.preset_status("medvol-r1")["needs_adapter"]
+    models.check_adapter_given("medvol-r1")  # its own adapter: nothing to give
+
+
 # ---- CLI ---------------------------------------------------------------------------------
 
 def test_cli_list_text_and_json(capsys, tmp_path, home):
     code, out, err = run_cli(capsys, "models", "list")
     assert code == 0, err
-    rows = {l.split()[0]: l for l in out.splitlines()[1:4]}
-    assert set(rows) == {"medvol-r1", "qwen3-vl-2b", "tiny"}
-    assert "missing" in rows["medvol-r1"] and "est." in rows["medvol-r1"] and "built on first use" in rows["tiny"]
+    lines = out.splitlines()
+    rows = {l.split()[0]: (l, lines[i + 1]) for i, l in enumerate(lines[1:9], 1) if not l.startswith(" ")}
+    assert set(rows) == {"qwen3-vl-4b", "qwen3-vl-2b", "medvol-r1", "tiny"}
+    assert rows["qwen3-vl-4b"][0].startswith("qwen3-vl-4b *")  # the default
+    assert "missing" in rows["qwen3-vl-4b"][0] and "est." in rows["qwen3-vl-4b"][0]
+    assert "built on first use" in rows["tiny"][0] and "needs --adapter" in rows["medvol-r1"][0]
+    # what each preset runs as, on the line below it
+    assert rows["qwen3-vl-4b"][1].strip() == "runs as: Qwen3-VL-4B-Instruct, zero-shot, not trained for this task"
+    assert "cannot run" in rows["medvol-r1"][1] and "meaningless" in rows["tiny"][1]
+    assert "No trained MedVol-R1 adapter is published" in out and RESEARCH_USE_NOTICE in out
     models.import_weights("qwen3-vl-2b", make_import_folder(tmp_path / "src"), progress=False)
     code, out, err = run_cli(capsys, "models", "list", "--json")
     assert code == 0, err
     d = {r["name"]: r for r in json.loads(out)["presets"]}
-    assert (d["medvol-r1"]["present"], d["qwen3-vl-2b"]["present"]) == (False, True)
-    assert d["tiny"]["smoke"] and d["tiny"]["available"] and d["medvol-r1"]["default"]
+    assert (d["qwen3-vl-4b"]["present"], d["qwen3-vl-2b"]["present"]) == (False, True)
+    assert d["tiny"]["smoke"] and d["tiny"]["available"] and d["qwen3-vl-4b"]["default"]
+    assert d["qwen3-vl-2b"]["identity"]["zero_shot"] and d["medvol-r1"]["identity"]["needs_adapter"]
     assert d["qwen3-vl-2b"]["gpu_memory_note"] == "estimated"
     code, out2, _ = run_cli(capsys, "models", "--json", "list")  # --json before the action works too
     assert code == 0 and json.loads(out2)["presets"]
@@ -420,21 +538,22 @@ def test_cli_list_text_and_json(capsys, tmp_path, home):
 
 def test_cli_import_then_path(capsys, tmp_path, home):
     src = make_import_folder(tmp_path / "src")
-    code, out, err = run_cli(capsys, "models", "import", "medvol-r1", src, "--no-progress", "--json")
+    code, out, err = run_cli(capsys, "models", "import", "qwen3-vl-4b", src, "--no-progress", "--json")
     assert code == 0, err
-    assert json.loads(out)["medsam2"] == str(home / "models" / "medvol-r1" / "medsam2" / "MedSAM2_latest.pt")
-    code, out, err = run_cli(capsys, "models", "path", "medvol-r1", "--json")
+    assert json.loads(out)["medsam2"] == str(home / "models" / "qwen3-vl-4b" / "medsam2" / "MedSAM2_latest.pt")
+    code, out, err = run_cli(capsys, "models", "path", "qwen3-vl-4b", "--json")
     assert code == 0, err
     d = json.loads(out)
-    assert d["grounder"] == str(home / "models" / "medvol-r1" / "grounder") and d["preset"] == "medvol-r1"
-    assert d["registration"] == str(home / "models" / "medvol-r1" / "medvol_weights.json")
+    assert d["grounder"] == str(home / "models" / "qwen3-vl-4b" / "grounder") and d["preset"] == "qwen3-vl-4b"
+    assert d["registration"] == str(home / "models" / "qwen3-vl-4b" / "medvol_weights.json")
+    assert d["identity"]["label"] == "Qwen3-VL-4B-Instruct, zero-shot, not trained for this task"
 
 
 def test_cli_errors_are_one_line(capsys, tmp_path, home):
     code, _, err = run_cli(capsys, "models", "path", "qwen3-vl-2b")
     line = one_error_line(err)
     assert code == 2 and "medvol models download qwen3-vl-2b" in line and "medvol models import qwen3-vl-2b" in line
-    code, _, err = run_cli(capsys, "models", "import", "medvol-r1", make_import_folder(tmp_path / "x", "qwen2_vl"))
+    code, _, err = run_cli(capsys, "models", "import", "qwen3-vl-4b", make_import_folder(tmp_path / "x", "qwen2_vl"))
     assert code == 2 and "qwen2_vl" in one_error_line(err)
     code, _, err = run_cli(capsys, "models", "path", "nope")
     assert code == 2 and "known presets" in one_error_line(err)

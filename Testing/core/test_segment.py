@@ -98,6 +98,7 @@ def test_segment_cli_text_output_says_smoke(capsys, tmp_path):
                                 "--preset", "tiny", "--device", "cpu", "--no-progress")
     assert code == 0, err
     assert stdout.startswith("NOTE:") and "smoke" in stdout.splitlines()[0]
+    assert stdout.splitlines()[1] == "model: untrained tiny smoke model (random weights): results are meaningless"
 
 
 def test_demo_falls_back_to_tiny_with_notice(capsys, tmp_path):
@@ -152,7 +153,7 @@ def test_cuda_without_gpu(capsys, tmp_path):
 
 def test_missing_weights_name_download_and_import(capsys, tmp_path):
     code, _, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "liver", "--out", tmp_path / "m.nii.gz",
-                           "--preset", "medvol-r1", "--device", "cpu", "--no-progress")
+                           "--preset", "qwen3-vl-4b", "--device", "cpu", "--no-progress")
     assert code != 0
     _one_line(code, err, "medvol models download", "medvol models import", exit_code=code)
 

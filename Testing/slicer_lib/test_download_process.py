@@ -118,7 +118,7 @@ class EndedProcess:
         return self._message
 
 
-CMD = ["/opt/Slicer/bin/PythonSlicer", "-m", "medvolcore.cli", "models", "download", "medvol-r1"]
+CMD = ["/opt/Slicer/bin/PythonSlicer", "-m", "medvolcore.cli", "models", "download", "qwen3-vl-4b"]
 
 
 @pytest.mark.parametrize("code", [0, 255])
@@ -129,23 +129,23 @@ def test_a_download_that_never_started_is_not_ready(code):
     ok, message = install.download_outcome(proc, QProcessEnums, CMD)
     assert not ok
     assert message == ("Could not start `/opt/Slicer/bin/PythonSlicer -m medvolcore.cli models download "
-                       "medvol-r1`: No such file or directory.")
+                       "qwen3-vl-4b`: No such file or directory.")
     # the wait loop ends at once for it (it is not running)
     assert install.wait_for_process(proc, QProcessEnums.NotRunning, lambda: None, lambda: False)
 
 
 def test_a_download_that_ran_and_exited_with_0_is_ready_though_the_waits_timed_out():
     ok, message = install.download_outcome(EndedProcess(QProcessEnums.Timedout), QProcessEnums, CMD)
-    assert ok and "models download medvol-r1" in message
+    assert ok and "models download qwen3-vl-4b" in message
     assert install.download_outcome(EndedProcess(), QProcessEnums, CMD)[0]
 
 
 def test_a_download_that_failed_or_crashed_says_so_and_names_the_command():
     ok, message = install.download_outcome(EndedProcess(code=3), QProcessEnums, CMD)
-    assert not ok and message.endswith("models download medvol-r1` failed (exit code 3).")
+    assert not ok and message.endswith("models download qwen3-vl-4b` failed (exit code 3).")
     ok, message = install.download_outcome(EndedProcess(QProcessEnums.Crashed, QProcessEnums.CrashExit, 6),
                                            QProcessEnums, CMD)
-    assert not ok and message.endswith("medvol-r1` crashed.") and "exit code" not in message
+    assert not ok and message.endswith("qwen3-vl-4b` crashed.") and "exit code" not in message
 
 
 def test_a_fake_without_error_string_still_gets_a_message():

@@ -133,12 +133,12 @@ def test_current_plan_reads_this_python():
 
 
 def test_weights_download_command_and_progress():
-    cmd = install.download_command("/opt/Slicer/bin/PythonSlicer", "medvol-r1")
-    assert cmd == ["/opt/Slicer/bin/PythonSlicer", "-m", "medvolcore.cli", "models", "download", "medvol-r1"]
+    cmd = install.download_command("/opt/Slicer/bin/PythonSlicer", "qwen3-vl-4b")
+    assert cmd == ["/opt/Slicer/bin/PythonSlicer", "-m", "medvolcore.cli", "models", "download", "qwen3-vl-4b"]
     assert install.download_progress("model.safetensors:  42%|████▏     | 3.4G/8.1G [01:02<01:30]") == 0.42
     assert install.download_progress("a  10%|█ | b  75%|███ |") == 0.75
     assert install.download_progress("Fetching 12 files") is None
-    assert "models import medvol-r1" in install.import_hint("medvol-r1")
+    assert "models import qwen3-vl-4b" in install.import_hint("qwen3-vl-4b")
 
 
 def test_the_download_command_is_a_real_medvol_command(tmp_path):
@@ -184,7 +184,7 @@ def test_segment_names_and_uniqueness():
 
 def test_panel_options_are_validated():
     o = params.options_from_panel("", device="cuda:1", window="40, 400")
-    assert (o.preset, o.device, o.window) == ("medvol-r1", "cuda:1", [40.0, 400.0])
+    assert (o.preset, o.device, o.window) == ("qwen3-vl-4b", "cuda:1", [40.0, 400.0])
     assert params.options_from_panel("tiny", window="lung").window == "lung"
     with pytest.raises(ValueError, match="positive width"):
         params.parse_window("40,-5")

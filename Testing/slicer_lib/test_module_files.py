@@ -132,7 +132,7 @@ def test_loading_the_module_imports_no_heavy_package(tmp_path):
     r = subprocess.run([sys.executable, str(script), str(MODULE)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "HEAVY []" in r.stdout
-    assert "DEFAULTS medvol-r1 auto soft_tissue local" in r.stdout
+    assert "DEFAULTS qwen3-vl-4b auto soft_tissue local" in r.stdout
 
 
 def test_the_parameter_nodes_default_preset_follows_models_json(tmp_path):

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODULE = REPO / "MedVolR1Slicer"
 MANIFEST = REPO / "Resources" / "models.json"
 SHIPPED = json.loads(MANIFEST.read_text(encoding="utf-8"))
-SHIPPED_NAMES = tuple(SHIPPED["presets"])  # medvol-r1, qwen3-vl-2b, tiny
+SHIPPED_NAMES = tuple(SHIPPED["presets"])  # qwen3-vl-4b, qwen3-vl-2b, medvol-r1, tiny
 ENV_NAMES = (presets.OVERRIDE_ENV, presets.RESOURCES_ENV)
 
 
@@ -211,3 +211,47 @@ def test_the_sample_ct_is_found_beside_a_checkout_and_in_a_built_module(tmp_path
     built = sample_ct(module)
     assert built.path == module / "Resources" / "samples" / "abdomen_ct_30slices.nii.gz"
     assert built.sha256 == here.sha256 and built.query == "the organ that secretes bile"
+
+
+# ---- what the panel says a preset runs as (the logic behind modelLabel and the status line) --------
+
+def test_the_panels_labels_are_the_workers_identity_labels(engine_env):
+    """The Lib reads the manifest without medvolcore; its labels must still be the worker's."""
+    got = presets.read_presets(environ={})
+    assert got.labels == {p.name: engine_env.preset_identity(p.name)["label"] for p in engine_env.list_presets()}
+    assert presets.FALLBACK.labels == got.labels
+
+
+def test_model_text_before_a_run_says_zero_shot_needs_an_adapter_or_smoke():
+    table = presets.read_presets(environ={})
+    assert presets.model_text("qwen3-vl-4b", "", table) == (
+        "Model: Qwen3-VL-4B-Instruct, zero-shot, not trained for this task: results are often wrong; check every "
+        "result.")
+    r1 = presets.model_text("medvol-r1", "", table)
+    assert "needs a trained adapter" in r1 and "none is published" in r1 and "qwen3-vl-4b" in r1
+    assert "meaningless" in presets.model_text("tiny", "", table)
+    # with an adapter only the worker knows whether medvol-train made it: the panel does not claim MedVol-R1
+    with_adapter = presets.model_text("medvol-r1", "/data/runs/grpo1/adapter", table)
+    assert "LoRA adapter grpo1/adapter" in with_adapter and not with_adapter.startswith("Model: MedVol-R1")
+
+
+def test_result_model_text_after_a_run_is_the_workers_label():
+    label = "MedVol-R1 (adapter: grpo1/adapter, medvol-train grpo stage, on Qwen3-VL-4B-Instruct)"
+    assert presets.result_model_text({"model_label": label, "smoke": False}) == "Model: " + label
+    assert presets.result_model_text({"identity": {"label": "x, zero-shot"}}) == "Model: x, zero-shot"
+    assert presets.result_model_text({"smoke": True}) == "Model: " + presets.SMOKE_LABEL
+    assert presets.result_model_text({"smoke": False}) == ""  # a propagation of a given anchor names no model
+
+
+def test_the_panel_shows_the_research_use_notice_first():
+    import xml.etree.ElementTree as ET
+
+    from medvolcore import RESEARCH_USE_NOTICE
+
+    ui = ET.parse(MODULE / "Resources" / "UI" / "MedVolR1Slicer.ui").getroot()
+    widgets = {w.get("name"): w for w in ui.iter("widget")}
+    text = {n: w.find("property[@name='text']/string").text for n, w in widgets.items()
+            if w.find("property[@name='text']/string") is not None}
+    assert text["noticeLabel"] == RESEARCH_USE_NOTICE
+    assert ui.find("widget/layout/item/widget").get("name") == "noticeLabel"  # first in the panel, always visible
+    assert "modelLabel" in widgets  # filled from model_text (Testing/slicer_mrml/test_mrml_widget.py)

@@ -77,7 +77,7 @@ UI_NAMES = ["queryEdit", "presetComboBox", "deviceComboBox", "windowComboBox", "
             "jumpButton", "editButton", "show3DCheckBox", "inputVolumeSelector", "historyComboBox",
             "outputSegmentationSelector", "progressBar", "statusLabel", "objectComboBox", "placePointsButton",
             "negativePointsButton", "clearCorrectionsButton", "rangeLabel", "setRangeStartButton", "setRangeEndButton",
-            "clearRangeButton"]
+            "clearRangeButton", "modelLabel"]
 
 
 @pytest.fixture
@@ -333,3 +333,24 @@ def test_the_correction_controls_follow_the_result_and_the_scene(panel, ct_sm_pa
     assert "drawn on PatientA_CT" in ui.addBoxButton.toolTip and "drawn on PatientA_CT" in ui.setRangeEndButton.toolTip
     p.inputVolume = a
     assert all(w.enabled for w in correction_buttons) and "drawn on" not in ui.addBoxButton.toolTip
+
+
+def test_the_panel_names_the_model_before_and_after_a_run(panel, ct_sm_path, tmp_path, labels_ijk, tiny):
+    """No trained MedVol-R1 adapter is published: the model line says what the selected preset runs
+    as (``MedVolR1SlicerLib.presets.model_text``), and the status after a run names the model that
+    made the result, as the worker reports it."""
+    from MedVolR1SlicerLib.presets import model_text
+
+    p, ui = panel._parameterNode, panel.ui
+    p.preset = "qwen3-vl-4b"
+    assert ui.modelLabel.text == model_text("qwen3-vl-4b", "") and "zero-shot" in ui.modelLabel.text
+    p.preset = "medvol-r1"
+    assert "needs a trained adapter" in ui.modelLabel.text
+    p.adapter = str(tmp_path / "run1" / "adapter")
+    assert "LoRA adapter run1/adapter" in ui.modelLabel.text
+    p.inputVolume, p.query = load_ct(ct_sm_path, "PatientA_CT"), "the liver"
+    job = panel.logic.startSegment(p, tiny, panel._onJobFinished)
+    result, _ = answer_for(panel.logic, p.inputVolume, labels_ijk, [LIVER], tmp_path, "the liver")
+    result["model_label"] = "Qwen3-VL-4B-Instruct, zero-shot, not trained for this task"
+    panel.client.answer(job, result)
+    assert ui.statusLabel.text.startswith("Done.  Model: Qwen3-VL-4B-Instruct, zero-shot, not trained for this task")

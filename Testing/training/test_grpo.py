@@ -25,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 def test_defaults_are_the_papers_and_the_yaml_spells_them_out():
     assert GRPOSettings().preset is None  # the manifest's default, resolved when settings are loaded
     s = load_settings(cls=GRPOSettings)
-    assert s.preset == "medvol-r1"
+    assert s.preset == "qwen3-vl-4b"
     assert (s.num_generations, s.beta, s.learning_rate, s.num_train_epochs, s.prompts_per_device, s.warmup_ratio,
             s.lr_scheduler_type, s.optim, s.bf16, s.gradient_checkpointing, s.max_completion_length, s.delta) == \
         (4, 0.01, 2e-6, 3.0, 1, 0.1, "cosine", "adamw_torch", "auto", True, 256, 5)

@@ -86,7 +86,7 @@ def test_defaults_are_the_papers_and_the_yaml_spells_them_out():
     s = load_settings()
     assert (s.lora_r, s.learning_rate, s.num_train_epochs, s.per_device_train_batch_size, s.optim,
             s.warmup_ratio, s.lr_scheduler_type, s.bf16, s.gradient_checkpointing, s.preset) == \
-        (128, 2e-5, 1.0, 2, "adamw_torch", 0.1, "cosine", "auto", True, "medvol-r1")
+        (128, 2e-5, 1.0, 2, "adamw_torch", 0.1, "cosine", "auto", True, "qwen3-vl-4b")
     assert load_settings(str(REPO / "Training" / "configs" / "sft.yaml")) == s
     data = yaml.safe_load((REPO / "Training" / "configs" / "sft.yaml").read_text(encoding="utf-8"))
     assert set(data) == set(s.to_dict())

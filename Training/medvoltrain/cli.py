@@ -14,6 +14,7 @@ import logging
 import sys
 from typing import List, Optional
 
+from medvolcore import RESEARCH_USE_NOTICE
 from medvolcore.errors import MedVolError
 
 from . import __version__
@@ -151,7 +152,11 @@ def cmd_bench_learning(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="MedVol-R1 training: prepare data, cold-start SFT with LoRA.")
+    p = _Parser(prog=PROG, description="MedVol-R1 training: prepare data, cold-start SFT with LoRA, GRPO, evaluate. "
+                + RESEARCH_USE_NOTICE,
+                epilog="The adapter a run writes (RUN/adapter, with medvol_adapter.json) is what `medvol segment "
+                       "--preset medvol-r1 --adapter RUN/adapter` runs as MedVol-R1; no trained adapter is published. "
+                       + RESEARCH_USE_NOTICE)
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 

@@ -24,7 +24,7 @@ class ModelSettings:
     """The base model and the LoRA both stages use."""
 
     # -- model: a preset of Resources/models.json, or a Qwen3-VL folder (model_path wins) --
-    # None: the manifest's default preset (medvol-r1 = Qwen3-VL-4B-Instruct, the paper's base model),
+    # None: the manifest's default preset (qwen3-vl-4b = Qwen3-VL-4B-Instruct, the paper's base model),
     # resolved by load_settings so that a run's recorded settings name it
     preset: Optional[str] = None
     model_path: Optional[str] = None

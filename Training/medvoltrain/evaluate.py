@@ -215,6 +215,8 @@ def _resolve_settings(data_dir: Path, split: str, oracle: bool, preset: Optional
         raise InputError("--unconstrained has no effect with --oracle (no language model runs); drop one of them")
     preset_name = preset or models.default_preset()
     p = models.get_preset(preset_name)  # an unknown preset is one line, before anything loads
+    if not oracle:  # medvol-r1 without --adapter: one line, before anything loads
+        models.check_adapter_given(preset_name, adapter)
     adapter_path = None
     if adapter is not None:
         adapter_path = Path(adapter).expanduser().resolve()
@@ -287,7 +289,7 @@ def _build_propagator(settings: EvalSettings, device: str):
     if settings.sam.startswith("random:"):
         _, seed, size = settings.sam.split(":")
         return MedSAM2Propagator.from_random(int(seed), image_size=int(size), device=device)
-    resolved = models.resolve(settings.preset)
+    resolved = models.resolve(settings.preset, require_adapter=False)  # its MedSAM2 only
     if resolved.sam_checkpoint is not None:
         return MedSAM2Propagator.from_checkpoint(resolved.sam_checkpoint, device=device)
     seed, size = resolved.sam_random

@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import List, Optional
 
-from .. import __version__
+from .. import RESEARCH_USE_NOTICE, __version__
 from ..errors import MedVolError
 from .batch import add_batch_command
 from .common import PROG, terminal_safe
@@ -45,7 +45,12 @@ class _OneLineWarnings(logging.Handler):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="MedVol-R1 engine: CT → evidence anchor → MedSAM2 3-D mask.")
+    p = _Parser(prog=PROG, description=f"MedVol engine: CT → evidence anchor → MedSAM2 3-D mask. "
+                                       f"{RESEARCH_USE_NOTICE}",
+                epilog="No trained MedVol-R1 adapter is published: the shipped default preset (qwen3-vl-4b) is "
+                       "Qwen3-VL-4B-Instruct answering zero-shot, not trained for this task, and often wrong; every "
+                       "output says which model made it. Preset medvol-r1 needs an adapter made with medvol-train "
+                       "(Training/README.md). " + RESEARCH_USE_NOTICE)
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -66,7 +66,7 @@ def add_batch_command(sub, add):
 
 
 def _text(info: dict) -> str:
-    lines = []
+    lines = [f"model: {info['model_label']}"] if info.get("model_label") else []
     if info.get("notice"):
         lines.append("NOTE: " + info["notice"])
     shard = f" (shard {info['shard']} of {info['manifest_cases']})" if info.get("shard") else ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import RESEARCH_USE_NOTICE
 from ..errors import InputError
 from .common import emit
 
@@ -30,10 +31,15 @@ def cmd_list(args) -> int:
               f"{r.get('grounder_licence') or '?'} / {r.get('medsam2_licence') or '?'}", r["description"])
              for r in rows]
     widths = [max(len(str(x[i])) for x in [header] + table) for i in range(5)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5] for row in [header] + table]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header[:5], widths)) + "  " + header[5]]
+    for row, r in zip(table, rows):
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5])
+        lines.append(f"    runs as: {r['identity']['label']}")
     lines.append(f"* default preset. Weights folder: {models.medvol_home() / 'models'}. "
                  "GPU memory figures are estimates, not measurements. Licences are the model cards' own; "
                  "check each card before use (`--json` gives their addresses).")
+    lines.append(f"No trained MedVol-R1 adapter is published: the Qwen3-VL presets answer zero-shot and are often "
+                 f"wrong; make an adapter with medvol-train (Training/README.md). {RESEARCH_USE_NOTICE}")
     emit({"home": str(models.medvol_home()), "presets": rows}, args.json, "\n".join(lines))
     return 0
 
@@ -42,10 +48,23 @@ def cmd_download(args) -> int:
     from .. import models
 
     res = models.download(args.name, progress=not args.no_progress)
-    built = models.get_preset(args.name).grounder_kind == "builder"
-    emit(res, args.json, _paths_text(res, f"{args.name}: built locally, nothing to download" if built
-                                      else f"downloaded {args.name} (sha256 checked)"))
+    p = models.get_preset(args.name)
+    if p.grounder_kind == "builder":
+        title = f"{args.name}: built locally, nothing to download"
+    elif p.same_weights_as:
+        title = (f"downloaded what {p.same_weights_as} needs (sha256 checked): {args.name} uses the same weights"
+                 + _adapter_tail(p, res))
+    else:
+        title = f"downloaded {args.name} (sha256 checked)"
+    emit(res, args.json, _paths_text(res, title))
     return 0
+
+
+def _adapter_tail(p, res) -> str:
+    """For a preset that needs an adapter and has none yet: what to give."""
+    if p.requires_adapter and not res.get("adapter"):
+        return ", plus a trained adapter you give with --adapter DIR (none is published; Training/README.md)"
+    return ""
 
 
 def cmd_import(args) -> int:
@@ -53,7 +72,10 @@ def cmd_import(args) -> int:
 
     res = models.import_weights(args.name, args.folder, link=args.link, progress=not args.no_progress)
     how = "registered in place (--link: keep the folder where it is)" if args.link else "copied"
-    emit(res, args.json, _paths_text(res, f"imported {args.name} from {args.folder}, {how}"))
+    p = models.get_preset(args.name)
+    shared = f"; {args.name} shares these weights with {p.same_weights_as}" if p.same_weights_as else ""
+    emit(res, args.json, _paths_text(res, f"imported {args.name} from {args.folder}, {how}{shared}"
+                                          + _adapter_tail(p, res)))
     return 0
 
 
@@ -77,6 +99,8 @@ def _paths_text(res: dict, title) -> str:
         lines.append(f"medsam2:  random weights (seed {seed}, image size {size})")
     if res.get("smoke"):
         lines.append("smoke-test model: results made with it are meaningless")
+    if res.get("identity"):
+        lines.append(f"runs as:  {res['identity']['label']}")
     return "\n".join(lines)
 
 
@@ -105,8 +129,8 @@ def add_models_command(sub, add) -> argparse.ArgumentParser:
         a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
         return a
 
-    action("list", "Every preset: present or missing, estimated GPU memory, smoke-test flag, the weights' licences.",
-           cmd_list)
+    action("list", "Every preset: present or missing, estimated GPU memory, smoke-test flag, the weights' licences, "
+           "and what it runs as (zero-shot base model, MedVol-R1 adapter, smoke model).", cmd_list)
 
     a = action("download", "Download a preset's weights from the Hugging Face Hub (resumable; sha256-checked).",
                cmd_download)
@@ -116,7 +140,8 @@ def add_models_command(sub, add) -> argparse.ArgumentParser:
     from ..models import import_layout
 
     a = action("import", "Register weights copied by hand (machines without internet). Layout: "
-               + import_layout() + " (for medvol-r1; other presets use their own repo name).", cmd_import)
+               + import_layout() + " (for qwen3-vl-4b and medvol-r1; other presets use their own repo name).",
+               cmd_import)
     a.add_argument("name", metavar="NAME", help="preset name (see `medvol models list`)")
     a.add_argument("folder", metavar="FOLDER", help="folder holding the weights (layout above)")
     a.add_argument("--link", action="store_true",

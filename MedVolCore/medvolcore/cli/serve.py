@@ -51,6 +51,10 @@ def cmd_serve(args) -> int:
         raise InputError(f"--threads must be at least 1, got {threads}")
     if not args.feature_cache_mb >= 0:
         raise InputError(f"--feature-cache-mb must be 0 or more, got {args.feature_cache_mb:g}")
+    if args.preset is not None:
+        from ..models import check_adapter_given
+
+        check_adapter_given(args.preset, args.adapter)  # medvol-r1 without --adapter: one line, exit 2
     settings = WorkerSettings(preset=args.preset, adapter=args.adapter, device=args.device, cache_size=args.cache_size,
                               max_request_mb=args.max_request_mb, threads=threads, max_voxels=args.max_voxels,
                               data_dir=args.data_dir, out_dir=args.out_dir, debug=bool(getattr(args, "debug", False)),

@@ -201,6 +201,9 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
                              empty_mask_on_absent=args.empty_mask_on_absent)
     # every output checked before the models load: distinct files, not an input, writable, right type
     check_outputs(outputs, [("--volume", volume), ("--adapter", adapter)])
+    from ..models import check_adapter_given
+
+    check_adapter_given(preset, adapter)  # medvol-r1 without an adapter: one line, before anything is read
     request = SegmentRequest(query=query, hu_window=args.ct_window, stop_after_empty=args.stop_after_empty,
                              constrain=not args.no_constrain, sample=args.sample, seed=args.seed)
     pipes = []
@@ -217,7 +220,7 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     finally:
         if bar is not None:
             bar.close()
-    keep = ("preset", "smoke", "absent", "anchor", "reasoning", "raw_text", "notes", "mask_voxels", "timings")
+    keep = ("preset", "smoke", "absent", "identity", "anchor", "reasoning", "raw_text", "notes", "mask_voxels", "timings")
     out_res = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"], "volume": res["volume"] or str(volume),
                **{k: res[k] for k in keep},
                "model_load_s": {k: round(v, 3) for k, v in pipes[0].load_seconds.items()},
@@ -230,8 +233,17 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
 def _segment_text(res: dict) -> str:
     a = res["anchor"]
     lines = []
+    ident = res.get("identity") or {}
     if res.get("smoke"):
         lines.append("NOTE: " + next((n for n in res["notes"] if "smoke" in n), "untrained smoke model"))
+    elif not ident.get("trained_for_task"):
+        from ..models.identity import identity_note
+
+        note = identity_note(ident)
+        if note:
+            lines.append("NOTE: " + note)
+    if ident.get("label"):
+        lines.append(f"model: {ident['label']}")
     if res.get("absent"):
         from ..pipeline import absent_note
 

@@ -4,6 +4,8 @@
   preset's weights live, whether they are present, and :func:`resolve` to local paths;
 - :mod:`.fetch` — getting weights onto the machine: :func:`download` from the Hugging Face Hub,
   :func:`import_weights` from a folder copied by hand;
+- :mod:`.identity` — what made a result, said honestly (:func:`identity`: zero-shot base model,
+  MedVol-R1 adapter, LoRA adapter of unknown training, smoke model);
 - :mod:`.tiny` — the untrained ``tiny`` smoke model, built locally (imported only when needed).
 
 Importing this package is cheap: ``huggingface_hub``, torch and transformers are imported only by
@@ -11,15 +13,18 @@ the functions that need them, and nothing is downloaded unless :func:`download` 
 """
 
 from .fetch import IMPORT_LAYOUT, ImportLayout, download, find_import_layout, import_layout, import_weights, sha256_file
+from .identity import identity, identity_banner, identity_note
 from .presets import (OVERRIDE_ENV, REGISTRATION, REGISTRATION_SCHEMA, SCHEMA, Preset, ResolvedModels,
-                      best_available_preset, check_adapter_dir, check_grounder_dir, default_preset, folder_listing,
-                      get_preset, list_presets, list_status, medvol_home, models_dir, path, preset_status,
-                      read_registration, registration_path, resolve)
+                      best_available_preset, check_adapter_dir, check_adapter_given, check_grounder_dir,
+                      default_preset, folder_listing, get_preset, list_presets, list_status, medvol_home, models_dir,
+                      path, preset_identity, preset_status, read_registration, registration_path, resolve,
+                      weights_dir)
 
 __all__ = [
     "IMPORT_LAYOUT", "OVERRIDE_ENV", "REGISTRATION", "REGISTRATION_SCHEMA", "SCHEMA", "ImportLayout", "Preset",
-    "ResolvedModels", "best_available_preset", "check_adapter_dir", "check_grounder_dir", "default_preset", "download",
-    "find_import_layout", "folder_listing", "get_preset", "import_layout", "import_weights", "list_presets",
-    "list_status", "medvol_home", "models_dir", "path", "preset_status", "read_registration", "registration_path",
-    "resolve", "sha256_file",
+    "ResolvedModels", "best_available_preset", "check_adapter_dir", "check_adapter_given", "check_grounder_dir",
+    "default_preset", "download", "find_import_layout", "folder_listing", "get_preset", "identity",
+    "identity_banner", "identity_note", "import_layout", "import_weights", "list_presets", "list_status",
+    "medvol_home", "models_dir", "path", "preset_identity", "preset_status", "read_registration",
+    "registration_path", "resolve", "sha256_file", "weights_dir",
 ]

@@ -24,8 +24,8 @@ from typing import Optional, Tuple
 from .. import __version__
 from ..errors import InputError, MedVolError, ModelError, ModelNotFoundError
 from ..fileio import write_text_atomic
-from .presets import (REGISTRATION, REGISTRATION_SCHEMA, Preset, _check_not_lfs_pointer, check_adapter_dir,
-                      check_grounder_dir, get_preset, log, models_dir, path, registration_path)
+from .presets import (REGISTRATION, REGISTRATION_SCHEMA, Preset, _check_not_lfs_pointer, _weights_folder,
+                      check_adapter_dir, check_grounder_dir, get_preset, log, path)
 
 # ---- hashing -----------------------------------------------------------------------------
 
@@ -64,19 +64,20 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _write_registration(name: str, method: str, entries: dict) -> Path:
+def _write_registration(folder: Path, name: str, method: str, entries: dict) -> Path:
+    """Register ``entries`` in ``folder`` for preset ``name`` (which owns any adapter entry)."""
     reg = {"schema": REGISTRATION_SCHEMA, "preset": name, "method": method, "registered": _now(),
            "medvolcore_version": __version__, **entries}
-    out = registration_path(name)
+    out = Path(folder) / REGISTRATION
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(reg, indent=2) + "\n", overwrite=True)
     return out
 
 
-def _unregister(name: str) -> None:
+def _unregister(folder: Path) -> None:
     """Forget the registration first: a failed transfer must leave the preset missing, not stale."""
     try:
-        registration_path(name).unlink()
+        (Path(folder) / REGISTRATION).unlink()
     except FileNotFoundError:
         pass
 
@@ -264,14 +265,18 @@ def _download_medsam2(hf, info, name: str, spec: dict, dest_dir: Path, progress:
 
 
 def download(name: str, progress: bool = True) -> dict:
-    """Fetch a preset's weights from the Hugging Face Hub into ``models_dir(name)`` and register them.
+    """Fetch a preset's weights from the Hugging Face Hub into its weights folder and register them.
 
     Resumable (huggingface_hub keeps partial files and skips complete ones). Each repo is read at
     one commit; every LFS file is checked by sha256 (the pinned one, else the Hub's); a mismatch
     deletes the file and raises :class:`ModelError`. No network, offline mode, or a Hub error:
     :class:`ModelNotFoundError` naming ``medvol models import`` (when the Hub cannot be reached at
-    all, an earlier registration is left as it was). ``tiny`` is just built.
-    Returns what :func:`path` returns plus ``registration``.
+    all, an earlier registration is left as it was). ``tiny`` is just built. A preset with
+    ``same_weights_as`` downloads into that preset's folder (``medvol-r1`` fetches what
+    ``qwen3-vl-4b`` needs; the adapter is yours to give); weights already in an older folder
+    (``weights_also_in``) are completed there, not fetched again elsewhere.
+    Returns what :func:`path` returns plus ``registration`` (for a ``requires_adapter`` preset
+    without one: its base weights).
     """
     p = get_preset(name)
     if not p.needs_download:
@@ -280,7 +285,7 @@ def download(name: str, progress: bool = True) -> dict:
         raise InputError(f"model preset {name!r} uses local files only; nothing to download")
     hf = _import_hub()
     types = _hub_error_types()
-    home = models_dir(name)
+    home = _weights_folder(p)  # decided once: unregistering below must not move it
     parts = []  # (key, what, spec)
     if p.grounder_kind == "hub":
         parts.append(("grounder", "grounder", p.grounder))
@@ -298,7 +303,7 @@ def download(name: str, progress: bool = True) -> dict:
             for key, what, spec in parts:
                 infos[key] = api.model_info(spec["repo_id"], revision=spec.get("revision"), files_metadata=True)
             home.mkdir(parents=True, exist_ok=True)
-            _unregister(name)
+            _unregister(home)
             for key, what, spec in parts:
                 if key == "medsam2":
                     entries[key] = _download_medsam2(hf, infos[key], name, spec, home / "medsam2", progress)
@@ -312,8 +317,8 @@ def download(name: str, progress: bool = True) -> dict:
         if translated is None:
             raise
         raise translated from None
-    _write_registration(name, "download", entries)
-    return path(name)
+    _write_registration(home, name, "download", entries)
+    return path(name, require_adapter=False)
 
 
 # ---- import ------------------------------------------------------------------------------
@@ -441,9 +446,11 @@ def import_weights(name: str, folder, link: bool = False, progress: bool = True)
     Everything is checked before anything is touched: the grounder's config.json model_type,
     weights, tokenizer and processor; the MedSAM2 file (and its sha256 when the preset pins
     one: a mismatch is a :class:`ModelError` and nothing is registered); an optional adapter.
-    ``link=False`` copies the files into ``models_dir(name)``; ``link=True`` registers them
+    ``link=False`` copies the files into its weights folder; ``link=True`` registers them
     where they are (absolute paths, no copy, no symlink — so it works on Windows too), and
-    they must stay there. Returns what :func:`path` returns.
+    they must stay there. The weights go where :func:`~.presets.weights_dir` says (shared with
+    the ``same_weights_as`` preset); an adapter registered with them belongs to ``name`` only.
+    Returns what :func:`path` returns.
     """
     p = get_preset(name)
     if not p.needs_download:
@@ -463,9 +470,9 @@ def import_weights(name: str, folder, link: bool = False, progress: bool = True)
                      "sha256_checked_against": "preset" if pinned else None,
                      "bytes": layout.medsam2.stat().st_size}
 
-    home = models_dir(name)
+    home = _weights_folder(p)  # decided once: unregistering below must not move it
     home.mkdir(parents=True, exist_ok=True)
-    _unregister(name)
+    _unregister(home)
     entries = {}
     if layout.grounder is not None:
         n, size = _folder_stats(layout.grounder)
@@ -493,5 +500,5 @@ def import_weights(name: str, folder, link: bool = False, progress: bool = True)
                 else:
                     _copy_file(src, dst)
             entries[key]["path"] = str(dst.relative_to(home))
-    _write_registration(name, "import (linked in place)" if link else "import (copied)", entries)
-    return path(name)
+    _write_registration(home, name, "import (linked in place)" if link else "import (copied)", entries)
+    return path(name, require_adapter=False)

@@ -6,16 +6,25 @@ Face repo id, a local ``path``, or the local ``tiny`` builder; optionally a LoRA
 ``$MEDVOL_MODELS_JSON`` may name a file of the same shape whose presets are added to, or replace,
 the shipped ones, and whose ``default`` replaces the shipped default.
 
-Weights live under ``medvol_home()/models/<preset>/`` (``$MEDVOL_HOME``, default ``~/.medvol``)::
+Weights live under ``medvol_home()/models/<folder>/`` (``$MEDVOL_HOME``, default ``~/.medvol``),
+where ``<folder>`` is the preset's name, or for a preset with ``same_weights_as`` the other
+preset's (``medvol-r1`` is ``qwen3-vl-4b`` plus an adapter, so both use ``models/qwen3-vl-4b/``)::
 
-    models/<preset>/grounder/                 the Qwen3-VL folder (config.json, *.safetensors, tokenizer…)
-    models/<preset>/adapter/                  a LoRA adapter, when the preset or an import brings one
-    models/<preset>/medsam2/MedSAM2_latest.pt
-    models/<preset>/medvol_weights.json       the registration: what, where from, sha256, when
+    models/<folder>/grounder/                 the Qwen3-VL folder (config.json, *.safetensors, tokenizer…)
+    models/<folder>/adapter/                  a LoRA adapter, when the preset or an import brings one
+    models/<folder>/medsam2/MedSAM2_latest.pt
+    models/<folder>/medvol_weights.json       the registration: what, where from, sha256, when
+
+``weights_also_in`` names older folders of the same weights, read (and updated in place) when the
+preset's own folder holds no registration: before the presets were renamed, Qwen3-VL-4B-Instruct
+was downloaded into ``models/medvol-r1/``, and ``qwen3-vl-4b`` still finds it there.
 
 A preset counts as present only when its registration exists and every file it names is still
 there; :mod:`medvolcore.models.fetch` writes the registration last, so an interrupted or rejected
-transfer leaves the preset missing. Nothing here downloads anything.
+transfer leaves the preset missing. A registered adapter belongs to the preset the registration
+names (``"preset"``): a zero-shot preset reading the same folder never picks it up. A preset with
+``requires_adapter`` (``medvol-r1``) does not resolve without an adapter. Nothing here downloads
+anything.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import InputError, ModelError, ModelNotFoundError
+from ..errors import AdapterRequiredError, InputError, ModelError, ModelNotFoundError
 from ..resources import load_json
+from .identity import describe, identity
 
 log = logging.getLogger("medvolcore.models")
 
@@ -59,7 +69,15 @@ def models_dir(name: str) -> Path:
 
 
 def registration_path(name: str) -> Path:
-    return models_dir(name) / REGISTRATION
+    """The registration file of preset ``name``, in :func:`weights_dir` (present or not)."""
+    return weights_dir(name) / REGISTRATION
+
+
+def weights_dir(name: str) -> Path:
+    """The folder that holds (or will hold) preset ``name``'s weights: its own weights folder
+    (``models/<name>``, or the ``same_weights_as`` preset's), unless that holds no registration
+    and one of its ``weights_also_in`` folders holds the same weights (see the module docstring)."""
+    return _weights_folder(get_preset(name))
 
 
 # ---- presets -----------------------------------------------------------------------------
@@ -84,6 +102,14 @@ class Preset:
     gpu_memory_note: str = "estimated"
     smoke: bool = False
     settings: dict = field(default_factory=dict)
+    same_weights_as: Optional[str] = None  # another preset whose grounder, MedSAM2 and folder this one uses
+    weights_also_in: Tuple[str, ...] = ()  # older folders of the same weights (read when its own is empty)
+    requires_adapter: bool = False  # a trained method: never resolved without its LoRA adapter
+
+    @property
+    def weights_folder_name(self) -> str:
+        """``models/<this>/``: the preset's own weights folder name."""
+        return self.same_weights_as or self.name
 
     @property
     def grounder_kind(self) -> str:
@@ -120,7 +146,7 @@ class Preset:
         them (the worker's ``hello``): repo ids, revisions, licences; never a local path. The
         revision is the commit actually downloaded when the weights are registered, else the
         manifest's (None: the repo's main branch at download time)."""
-        reg = read_registration(self.name) if self.needs_download else None
+        reg = _registration_in(_weights_folder(self)) if self.needs_download else None
 
         def part(spec: dict, kind: str, registered: Optional[dict]) -> dict:
             if kind == "hub":
@@ -136,7 +162,7 @@ class Preset:
             d["licence_source"] = spec.get("licence_source")
             return d
 
-        return {"description": self.description, "smoke": self.smoke,
+        return {"description": self.description, "smoke": self.smoke, "requires_adapter": self.requires_adapter,
                 "grounder": part(self.grounder, self.grounder_kind, (reg or {}).get("grounder")),
                 "medsam2": part(self.medsam2, self.medsam2_kind, (reg or {}).get("medsam2"))}
 
@@ -201,10 +227,39 @@ def _preset_from_dict(name: str, d: dict, where: str) -> Preset:
             if spec.get(key) is not None and not isinstance(spec[key], str):
                 raise _bad_table(where, f"preset {name!r}: {part}.{key} must be a string or null")
     gpu = d.get("gpu_memory_gb")
+    also = d.get("weights_also_in") or []
+    if not isinstance(also, list) or not all(isinstance(a, str) and _NAME_RE.match(a) for a in also):
+        raise _bad_table(where, f"preset {name!r}: weights_also_in must be a list of folder names")
+    if not isinstance(d.get("requires_adapter", False), bool):
+        raise _bad_table(where, f"preset {name!r}: requires_adapter must be true or false")
     return Preset(name=name, description=str(d.get("description", "")), grounder=g, medsam2=m,
                   gpu_memory_gb=float(gpu) if gpu is not None else None,
                   gpu_memory_note=str(d.get("gpu_memory_note", "estimated")), smoke=bool(d.get("smoke", False)),
-                  settings=dict(d.get("settings") or {}))
+                  settings=dict(d.get("settings") or {}), same_weights_as=d.get("same_weights_as"),
+                  weights_also_in=tuple(also), requires_adapter=bool(d.get("requires_adapter", False)))
+
+
+def _with_shared_weights(name: str, d: dict, table: Dict[str, tuple], where: str) -> dict:
+    """A ``same_weights_as`` preset: the other preset's grounder (with this one's ``adapter``, if
+    any), MedSAM2, settings and weights folders, so the two can never drift apart."""
+    other = d["same_weights_as"]
+    if not isinstance(other, str) or other == name or other not in table:
+        raise _bad_table(where, f"preset {name!r}: same_weights_as must name another preset, got {other!r}")
+    base, base_where = table[other]
+    if not isinstance(base, dict) or base.get("same_weights_as") is not None:
+        raise _bad_table(base_where, f"preset {other!r} (same_weights_as of {name!r}) must be a preset with weights "
+                         "of its own")
+    own = d.get("grounder") or {}
+    if not isinstance(own, dict) or set(own) - {"adapter"} or "medsam2" in d or "weights_also_in" in d:
+        raise _bad_table(where, f"preset {name!r} takes its weights from {other!r} (same_weights_as): it may give "
+                         "grounder.adapter, but no other grounder key, no medsam2 and no weights_also_in")
+    merged = dict(base)
+    merged.update({k: v for k, v in d.items() if k not in ("grounder",)})
+    base_grounder = dict(base.get("grounder") or {})
+    merged["grounder"] = dict(base_grounder, adapter=own.get("adapter", base_grounder.get("adapter")))
+    merged["medsam2"] = base.get("medsam2")
+    merged["weights_also_in"] = base.get("weights_also_in") or []
+    return merged
 
 
 def _load_table() -> Tuple[Dict[str, Preset], str]:
@@ -224,8 +279,13 @@ def _load_table() -> Tuple[Dict[str, Preset], str]:
             raise _bad_table(where, "must be an object with a 'presets' object, like Resources/models.json")
         raw += [(name, d, where) for name, d in extra["presets"].items()]
         default = extra.get("default") or default
+    table: Dict[str, tuple] = {}
+    for name, d, where in raw:  # a later entry replaces an earlier one in its place
+        table[name] = (d, where)
     presets: Dict[str, Preset] = {}
-    for name, d, where in raw:
+    for name, (d, where) in table.items():
+        if isinstance(d, dict) and d.get("same_weights_as") is not None:
+            d = _with_shared_weights(name, d, table, where)
         presets[name] = _preset_from_dict(name, d, where)
     return presets, default
 
@@ -264,13 +324,14 @@ class ResolvedModels:
     sam_random: Optional[Tuple[int, int]]
     smoke: bool
     settings: dict
+    base_model: str = ""  # what the grounder is, for people: "Qwen3-VL-4B-Instruct" (see models.identity)
 
     def to_dict(self) -> dict:
         return {"preset": self.name, "grounder": str(self.grounder_dir),
                 "adapter": str(self.adapter_dir) if self.adapter_dir else None,
                 "medsam2": str(self.sam_checkpoint) if self.sam_checkpoint else None,
                 "medsam2_random": list(self.sam_random) if self.sam_random else None,
-                "smoke": self.smoke, "settings": dict(self.settings)}
+                "smoke": self.smoke, "settings": dict(self.settings), "base_model": self.base_model}
 
 
 def _how_to_get(name: str) -> str:
@@ -279,8 +340,12 @@ def _how_to_get(name: str) -> str:
 
 
 def read_registration(name: str) -> Optional[dict]:
-    """The preset's ``medvol_weights.json``, or None when absent or unreadable."""
-    p = registration_path(name)
+    """Preset ``name``'s ``medvol_weights.json`` (in :func:`weights_dir`), or None when absent or unreadable."""
+    return _registration_in(weights_dir(name))
+
+
+def _registration_in(folder: Path) -> Optional[dict]:
+    p = Path(folder) / REGISTRATION
     try:
         reg = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -291,16 +356,38 @@ def read_registration(name: str) -> Optional[dict]:
     return reg if isinstance(reg, dict) and reg.get("schema") == REGISTRATION_SCHEMA else None
 
 
-def _registered_path(name: str, entry: Optional[dict]) -> Optional[Path]:
-    """An entry's path: relative ones are under ``models_dir(name)``; linked imports are absolute."""
+def _weights_folder(p: Preset) -> Path:
+    """See :func:`weights_dir`. An older folder counts only when its registration is of the same
+    grounder (a downloaded one names its repo id; an imported one names none and is taken)."""
+    own = models_dir(p.weights_folder_name)
+    if _registration_in(own) is not None:
+        return own
+    for old in p.weights_also_in:
+        reg = _registration_in(models_dir(old))
+        repo = ((reg or {}).get("grounder") or {}).get("repo_id")
+        if reg is not None and (repo is None or repo == p.grounder.get("repo_id")):
+            return models_dir(old)
+    return own
+
+
+def _registered_path(folder: Path, entry: Optional[dict]) -> Optional[Path]:
+    """An entry's path: relative ones are under the registration's ``folder``; linked imports are absolute."""
     if not entry or not entry.get("path"):
         return None
     p = Path(entry["path"])
-    return p if p.is_absolute() else models_dir(name) / p
+    return p if p.is_absolute() else Path(folder) / p
 
 
-def _missing_parts(preset: Preset, reg: Optional[dict]) -> List[str]:
-    """What a hub preset lacks locally (empty: present)."""
+def _registered_adapter(preset: Preset, reg: Optional[dict]) -> Optional[dict]:
+    """The registration's adapter entry when it belongs to ``preset`` (the registration names it):
+    a folder shared with a zero-shot preset never lends that preset its adapter."""
+    if not reg or reg.get("preset", preset.name) != preset.name:
+        return None
+    return reg.get("adapter") or None
+
+
+def _missing_parts(preset: Preset, reg: Optional[dict], folder: Path) -> List[str]:
+    """What a hub preset lacks locally in ``folder`` (empty: present)."""
     missing = []
     if reg is None:
         if preset.grounder_kind == "hub":
@@ -309,41 +396,73 @@ def _missing_parts(preset: Preset, reg: Optional[dict]) -> List[str]:
             missing.append("MedSAM2")
         return missing
     if preset.grounder_kind == "hub":
-        g = _registered_path(preset.name, reg.get("grounder"))
+        g = _registered_path(folder, reg.get("grounder"))
         if g is None or not (g / "config.json").is_file():
             missing.append(f"grounder ({g or 'not registered'})")
     if preset.medsam2_kind == "hub":
-        m = _registered_path(preset.name, reg.get("medsam2"))
+        m = _registered_path(folder, reg.get("medsam2"))
         if m is None or not m.is_file():
             missing.append(f"MedSAM2 ({m or 'not registered'})")
-    a = reg.get("adapter")
+    a = _registered_adapter(preset, reg)
     if not a and preset.adapter and preset.adapter.get("repo_id"):
         missing.append("adapter (not registered)")
     if a:
-        ap = _registered_path(preset.name, a)
+        ap = _registered_path(folder, a)
         if ap is None or not (ap / "adapter_config.json").is_file():
             missing.append(f"adapter ({ap})")
     return missing
 
 
-def preset_status(name: str) -> dict:
-    """``{"present", "available", "status"}`` without building or downloading anything.
+def adapter_required_message(preset: Preset) -> str:
+    """Why a ``requires_adapter`` preset cannot run without one, and what to do instead (one line)."""
+    instead = preset.same_weights_as or "qwen3-vl-4b"
+    return (f"model preset {preset.name!r} needs a trained MedVol-R1 LoRA adapter (--adapter DIR), and no trained "
+            f"MedVol-R1 adapter is published: train one with medvol-train (Training/README.md), or use preset "
+            f"{instead!r} for zero-shot runs of the same base model (not trained for this task)")
 
-    ``present``: the weights are on disk now. ``available``: :func:`resolve` needs no network
-    (true for present presets and for ``tiny``, which is built on first use).
+
+def _has_own_adapter(p: Preset, reg: Optional[dict]) -> bool:
+    return bool(p.adapter) or _registered_adapter(p, reg) is not None
+
+
+def _check_adapter_given(p: Preset, adapter, reg: Optional[dict]) -> None:
+    if p.requires_adapter and adapter is None and not _has_own_adapter(p, reg):
+        raise AdapterRequiredError(adapter_required_message(p))
+
+
+def check_adapter_given(name: Optional[str] = None, adapter=None) -> None:
+    """:class:`AdapterRequiredError` when preset ``name`` (None: the default) needs an adapter and
+    has none, neither ``adapter`` nor one of its own; reads no weights, so a front door can say so
+    before it reads anything else."""
+    p = get_preset(name or default_preset())
+    reg = _registration_in(_weights_folder(p)) if p.requires_adapter and p.needs_download else None
+    _check_adapter_given(p, adapter, reg)
+
+
+def preset_status(name: str) -> dict:
+    """``{"present", "available", "status", "needs_adapter"}`` without building or downloading anything.
+
+    ``present``: the weights are on disk now. ``available``: :func:`resolve` needs no network and
+    no more arguments (true for present presets and for ``tiny``, which is built on first use;
+    false for ``medvol-r1`` until it has an adapter). ``needs_adapter``: a ``requires_adapter``
+    preset with no adapter of its own (give ``--adapter``).
     """
     p = get_preset(name)
     if p.grounder_kind == "builder":
         built = (models_dir(name) / "grounder" / "config.json").is_file()
-        return {"present": built, "available": True, "status": "present" if built else "built on first use"}
-    if p.needs_download:
-        missing = _missing_parts(p, read_registration(name))
-        if missing:
-            return {"present": False, "available": False, "status": "missing"}
+        return {"present": built, "available": True, "status": "present" if built else "built on first use",
+                "needs_adapter": False}
+    folder = _weights_folder(p)
+    reg = _registration_in(folder) if p.needs_download else None
+    needs_adapter = p.requires_adapter and not _has_own_adapter(p, reg)
+    tail = "; needs --adapter" if needs_adapter else ""
+    if p.needs_download and _missing_parts(p, reg, folder):
+        return {"present": False, "available": False, "status": "missing" + tail, "needs_adapter": needs_adapter}
     for key, spec in (("grounder", p.grounder), ("medsam2", p.medsam2)):
         if spec.get("path") and not Path(spec["path"]).expanduser().exists():
-            return {"present": False, "available": False, "status": f"missing ({key} path)"}
-    return {"present": True, "available": True, "status": "present"}
+            return {"present": False, "available": False, "status": f"missing ({key} path)" + tail,
+                    "needs_adapter": needs_adapter}
+    return {"present": True, "available": not needs_adapter, "status": "present" + tail, "needs_adapter": needs_adapter}
 
 
 def folder_listing(folder: Path, limit: int = 8) -> str:
@@ -440,20 +559,25 @@ def check_adapter_dir(folder, preset: Optional[Preset] = None) -> Path:
     return p
 
 
-def resolve(name: Optional[str] = None, adapter=None) -> ResolvedModels:
+def resolve(name: Optional[str] = None, adapter=None, *, require_adapter: bool = True) -> ResolvedModels:
     """Local paths of a preset's weights (``name`` None: the default preset).
 
     ``adapter``: a LoRA adapter folder that overrides the preset's (checked: it must exist and
-    hold adapter_config.json). Hub presets must have been downloaded or imported
+    hold adapter_config.json). A preset with ``requires_adapter`` and no adapter of its own is an
+    :class:`AdapterRequiredError` first (``require_adapter=False``: its base weights alone, for
+    reports of what was downloaded). Hub presets must have been downloaded or imported
     (:class:`ModelNotFoundError` otherwise, naming both commands); ``tiny`` is built on first use.
     """
     p = get_preset(name or default_preset())
-    reg = read_registration(p.name) if p.needs_download else None
+    folder = _weights_folder(p)
+    reg = _registration_in(folder) if p.needs_download else None
+    if require_adapter:
+        _check_adapter_given(p, adapter, reg)
     if p.needs_download:
-        missing = _missing_parts(p, reg)
+        missing = _missing_parts(p, reg, folder)
         if missing:
             have = "no weights" if reg is None else f"incomplete weights (missing {', '.join(missing)})"
-            raise ModelNotFoundError(f"model preset {p.name!r} has {have} in {models_dir(p.name)}; {_how_to_get(p.name)}")
+            raise ModelNotFoundError(f"model preset {p.name!r} has {have} in {folder}; {_how_to_get(p.name)}")
 
     if p.grounder_kind == "builder":
         grounder_dir = _build_tiny(p)
@@ -462,12 +586,13 @@ def resolve(name: Optional[str] = None, adapter=None) -> ResolvedModels:
         if not (grounder_dir / "config.json").is_file():
             raise ModelNotFoundError(f"model preset {p.name!r}: grounder folder {grounder_dir} has no config.json")
     else:
-        grounder_dir = _registered_path(p.name, reg["grounder"])
+        grounder_dir = _registered_path(folder, reg["grounder"])
 
+    registered_adapter = _registered_adapter(p, reg)
     if adapter is not None:
         adapter_dir = check_adapter_dir(adapter, p)
-    elif reg and reg.get("adapter"):
-        adapter_dir = _registered_path(p.name, reg["adapter"])
+    elif registered_adapter:
+        adapter_dir = _registered_path(folder, registered_adapter)
     elif p.adapter and p.adapter.get("path"):
         adapter_dir = check_adapter_dir(p.adapter["path"], p)
     else:
@@ -481,10 +606,38 @@ def resolve(name: Optional[str] = None, adapter=None) -> ResolvedModels:
         if not sam_checkpoint.is_file():
             raise ModelNotFoundError(f"model preset {p.name!r}: MedSAM2 checkpoint {sam_checkpoint} does not exist")
     else:
-        sam_checkpoint = _registered_path(p.name, reg["medsam2"])
+        sam_checkpoint = _registered_path(folder, reg["medsam2"])
     return ResolvedModels(name=p.name, grounder_dir=grounder_dir, adapter_dir=adapter_dir,
                           sam_checkpoint=sam_checkpoint, sam_random=sam_random, smoke=p.smoke,
-                          settings=dict(p.settings))
+                          settings=dict(p.settings), base_model=base_model_name(p))
+
+
+def preset_identity(name: Optional[str] = None, adapter=None) -> dict:
+    """The identity (:mod:`.identity`) preset ``name`` (None: the default) would run with, given
+    ``adapter`` (a folder, or None for the preset's own), without resolving or loading weights:
+    ``medvol models list`` and the worker's ``hello`` before its models load."""
+    p = get_preset(name or default_preset())
+    folder = _weights_folder(p)
+    reg = _registration_in(folder) if p.needs_download else None
+    if adapter is None:
+        own = _registered_adapter(p, reg)
+        if own:
+            adapter = _registered_path(folder, own)
+        elif p.adapter:
+            adapter = p.adapter.get("path") or p.adapter.get("repo_id")
+    return describe(p.name, base_model_name(p), adapter, smoke=p.smoke,
+                    needs_adapter=p.requires_adapter and adapter is None)
+
+
+def base_model_name(p: Preset) -> str:
+    """What a preset's grounder is, for people: the Hub repo's name (``Qwen3-VL-4B-Instruct``), a
+    local folder's name, or the tiny smoke model."""
+    g = p.grounder
+    if p.grounder_kind == "hub":
+        return str(g["repo_id"]).rstrip("/").split("/")[-1]
+    if p.grounder_kind == "path":
+        return f"the Qwen3-VL model in folder {Path(g['path']).name!r}"
+    return "tiny untrained Qwen3-VL"
 
 
 def _build_tiny(p: Preset) -> Path:
@@ -497,13 +650,16 @@ def _build_tiny(p: Preset) -> Path:
     return Path(out) if out is not None else root
 
 
-def path(name: Optional[str] = None, adapter=None) -> dict:
-    """Resolved local paths of a preset, plus its registration file (or an error)."""
-    r = resolve(name, adapter)
+def path(name: Optional[str] = None, adapter=None, *, require_adapter: bool = True) -> dict:
+    """Resolved local paths of a preset, plus its registration file (or an error; see :func:`resolve`)."""
+    r = resolve(name, adapter, require_adapter=require_adapter)
     d = r.to_dict()
-    reg = registration_path(r.name)
+    folder = weights_dir(r.name)
+    reg = folder / REGISTRATION
     d["registration"] = str(reg) if reg.is_file() else None
-    d["home"] = str(models_dir(r.name))
+    d["home"] = str(folder)
+    d["identity"] = identity(r) if r.adapter_dir or not get_preset(r.name).requires_adapter else \
+        preset_identity(r.name)
     return d
 
 
@@ -522,7 +678,9 @@ def list_status() -> List[dict]:
         rows.append({"name": p.name, "default": p.name == default, "description": p.description,
                      **preset_status(p.name), "gpu_memory_gb": p.gpu_memory_gb,
                      "gpu_memory_note": p.gpu_memory_note, "smoke": p.smoke, "grounder": gs, "medsam2": ms,
-                     "grounder_licence": gl, "medsam2_licence": ml, **sources, "folder": str(models_dir(p.name))})
+                     "grounder_licence": gl, "medsam2_licence": ml, **sources, "folder": str(_weights_folder(p)),
+                     "requires_adapter": p.requires_adapter, "same_weights_as": p.same_weights_as,
+                     "identity": preset_identity(p.name)})
     return rows
 
 
@@ -538,12 +696,12 @@ def best_available_preset(requested: Optional[str] = None) -> Tuple[str, str]:
     real = [p.name for p in list_presets() if not p.smoke]
     order = sorted(real, key=lambda n: n != default_preset())
     for name in order:
-        if preset_status(name)["present"]:
+        if preset_status(name)["available"]:
             return name, ""
     smoke = next((p.name for p in list_presets() if p.smoke), "tiny")
     d = default_preset()
     return smoke, (
         f"no real model weights found ({', '.join(order)}): using the untrained '{smoke}' smoke model, whose output "
-        f"is meaningless. For real results run `medvol models download {d}` "
+        f"is meaningless. For a real model run `medvol models download {d}` "
         f"(offline: `medvol models import {d} FOLDER`)"
     )

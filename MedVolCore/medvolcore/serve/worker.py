@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .. import __version__
+from .. import RESEARCH_USE_NOTICE, __version__
 from ..errors import CancelledError, ForbiddenError, MedVolError
 from ..sources import client_parts, private_copy
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
@@ -232,11 +232,14 @@ class Worker:
 
     def hello(self, session: Optional[str] = None, transport: Optional[str] = None) -> dict:
         """The capability handshake: protocol, versions, ops, the models this worker serves (or
-        will load) with their sources and licences, and the limits a client must respect. It
-        names no server path (an adapter by its folder name only)."""
+        will load) with their sources, licences and identity (``model_label``: e.g. zero-shot,
+        not trained for this task), the research-use notice, and the limits a client must
+        respect. It names no server path (an adapter by its folder name only)."""
         transport = transport or self.transport
+        served = self._served_models()
         out = {"protocol": PROTOCOL, "medvolcore": __version__, "ops": list(OPS), "transport": transport,
-               "models": self._served_models(), "limits": self._limits()}
+               "models": served, "model_label": (served.get("identity") or {}).get("label"),
+               "research_use": RESEARCH_USE_NOTICE, "limits": self._limits()}
         if transport == "http":
             out["server_paths"] = {"volume": self.data_dir is not None, "out": self.out_dir is not None}
         out.update(self.hello_extra)
@@ -262,6 +265,11 @@ class Worker:
         elif pipe is None and self.default_adapter:
             adapter = Path(str(self.default_adapter)).name
         info["adapter"] = adapter
+        try:  # what the models are (zero-shot base model, MedVol-R1 adapter, smoke model)
+            info["identity"] = (getattr(pipe, "identity", None) if pipe is not None
+                                else models.preset_identity(name, self.default_adapter))
+        except MedVolError as e:
+            info["identity"], info["error"] = None, self.public_message(str(e), "http")
         return info
 
     def _limits(self) -> dict:
@@ -443,6 +451,7 @@ class Worker:
         st = {"protocol": PROTOCOL, "busy": cur is not None, "current": current, "queued": queued,
               "queue_length": queue_length, "preset": pipe.preset if pipe else None,
               "device": pipe.device if pipe else None, "smoke": bool(pipe.smoke) if pipe else None,
+              "model_label": (getattr(pipe, "identity", None) or {}).get("label") if pipe else None,
               "uptime_s": round(time.monotonic() - self.started, 3), "cached_volumes": len(self.cache),
               "requests_done": self.requests_done, "threads": self.threads,
               "feature_cache": self.features.describe()}
@@ -558,8 +567,10 @@ class Worker:
             t = time.perf_counter()
             reloaded = self._ensure_pipeline(req.get("preset"), req.get("adapter"), req.get("device"), progress,
                                              explicit=True)
+            ident = getattr(self.pipeline, "identity", None)
             return {"preset": self.pipeline.preset, "device": self.pipeline.device, "smoke": bool(self.pipeline.smoke),
-                    "reloaded": reloaded, "load_s": round(time.perf_counter() - t, 4),
+                    "identity": ident, "model_label": (ident or {}).get("label"), "reloaded": reloaded,
+                    "load_s": round(time.perf_counter() - t, 4),
                     "load_detail_s": dict(self.pipeline.load_seconds)}
         return self._run_volume_job(job, progress)
 
@@ -695,6 +706,7 @@ class Worker:
         if not cached:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
         result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "absent", "notes", "preset")}
+        result.update(identity=res.get("identity"), model_label=(res.get("identity") or {}).get("label"))
         result.update(volume_sha256=digest, shape=res["shape"], mask_voxels=res["mask_voxels"],
                       propagation=res["propagation"], slices_encoded=res["slices_encoded"])
         if res["out"] is None:  # the model answered "not present" and no empty mask was asked for
