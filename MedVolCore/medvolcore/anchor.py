@@ -336,6 +336,14 @@ class EvidenceAnchor:
     volume. Such an anchor has ``slice`` None, no boxes, prompts or range, and nothing to
     propagate; it keeps the query, the reasoning, the notes and the slice size (so it is still
     checked against the volume it was made for). Use :meth:`absent_for` to make one.
+
+    What the grounder says about its own answer (written when set, never read back: like
+    ``propagation`` they describe how this anchor was made, and an edited anchor is no longer
+    that answer): ``signal``, the answer's token signal (``answer_mean_logprob``,
+    ``answer_mean_prob``, ``answer_scored_tokens``: :meth:`QwenVLGrounder._answer_signal`);
+    ``confidence``, the agreement of a consensus's samples in [0, 1], and ``samples``, each
+    sampled answer in compact form (:mod:`medvolcore.consensus`). Readers of every schema accept
+    these keys and ignore them.
     """
 
     slice: Optional[int]
@@ -350,6 +358,9 @@ class EvidenceAnchor:
     prompts: List[dict] = field(default_factory=list)
     z_range: Optional[List[int]] = None
     absent: bool = False
+    signal: Optional[dict] = None
+    confidence: Optional[float] = None
+    samples: Optional[List[dict]] = None
 
     def __post_init__(self):
         if not isinstance(self.absent, bool):
@@ -494,7 +505,7 @@ class EvidenceAnchor:
                  "source": self.source}
             if self.notes:
                 d["notes"] = list(self.notes)
-            return d
+            return self._with_grounder_facts(d)
         d = {
             "schema": self.schema,
             "slice": self.slice,
@@ -511,8 +522,19 @@ class EvidenceAnchor:
         d.update(query=self.query, reasoning=self.reasoning, source=self.source)
         if self.notes:
             d["notes"] = list(self.notes)
+        self._with_grounder_facts(d)
         if self.propagation is not None:
             d["propagation"] = self.propagation
+        return d
+
+    def _with_grounder_facts(self, d: dict) -> dict:
+        """``d`` with the answer signal, the confidence and the samples, each only when set."""
+        if self.signal:
+            d.update(self.signal)
+        if self.confidence is not None:
+            d["confidence"] = round(float(self.confidence), 4)
+        if self.samples is not None:
+            d["samples"] = [dict(s) for s in self.samples]
         return d
 
     def to_json(self) -> str:

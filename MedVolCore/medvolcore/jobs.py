@@ -46,11 +46,18 @@ The result (:func:`run_segment_job`) is one JSON-ready dict:
                  every slice the propagation visited)
 ``metrics``      with a ``reference``: ``{"dice", "iou", "pred_voxels", "gt_voxels"}`` (Dice and IoU
                  rounded to 6 places), else None
+``answer_mean_logprob``, ``answer_mean_prob`` the greedy answer's token signal (the anchor's; None when
+                 not measured, e.g. propagating a given anchor): how peaked the decoder's choice was,
+                 not a probability that the answer is right
+``consensus``    the number of samples G (1: no consensus); ``consensus_mask`` ``greedy`` or ``majority``
+``confidence``   with G > 1, the samples' mean pairwise agreement in [0, 1] (:mod:`medvolcore.consensus`),
+                 else None; ``samples`` each sample in compact form (None without a consensus)
 ``timings``      seconds per stage (``ground_*``, ``propagate_s``, ``propagate_s_per_slice``,
                  ``slices_encoded``, ``slices_propagated``, ``encoder_calls``, ``total_s`` (the pipeline's),
                  ``write_s`` and ``job_s`` (the whole job: reading, models, writing))
-``out``, ``anchor_out``, ``qc``  the files written (None for those not asked for, and ``out`` None
-                 for an absent result without ``empty_mask_on_absent``)
+``out``, ``anchor_out``, ``qc``, ``agreement_out``  the files written (None for those not asked for, and
+                 ``out`` None for an absent result without ``empty_mask_on_absent``; the agreement map
+                 of a consensus is written whenever asked, absent or not)
 """
 
 from __future__ import annotations
@@ -88,6 +95,8 @@ class SegmentRequest:
     ``prompts`` (pixel-form correction prompts, :mod:`medvolcore.prompts`) are added after the
     given anchor's own, and ``z_range`` replaces its slice range (``medvol propagate``'s
     ``--add-box``, ``--add-point`` and ``--z-range``); both need a given anchor or key slice.
+    ``consensus``: G answers instead of one (1..8; 1 = off; a query only) and ``consensus_mask``
+    (``greedy`` or ``majority``), as :meth:`~medvolcore.pipeline.Pipeline.segment` takes them.
     """
 
     query: Optional[str] = None
@@ -105,6 +114,8 @@ class SegmentRequest:
     reference: object = None
     prompts: Optional[Sequence[dict]] = None
     z_range: Optional[Sequence[int]] = None
+    consensus: int = 1
+    consensus_mask: str = "greedy"
 
     @property
     def grounded(self) -> bool:
@@ -114,8 +125,9 @@ class SegmentRequest:
 @dataclass
 class SegmentOutputs:
     """Where the job writes: the ``mask`` (``.nii.gz``, ``.nii``, ``.nrrd``, ``.mha``), optionally the
-    ``anchor`` file and the ``qc`` picture (``.png``). ``names`` are how messages call them (the
-    CLI's options by default). ``create_folders``: make missing parent folders (False for a
+    ``anchor`` file, the ``qc`` picture (``.png``) and, with a consensus, the ``agreement`` map (a
+    mask format). ``names`` are how messages call the first three (the CLI's options by default),
+    ``agreement_name`` the fourth. ``create_folders``: make missing parent folders (False for a
     remote client, who must not create folders on the server). ``empty_mask_on_absent``: when the
     grounder answers that the target is not in the volume, still write the mask (all zero, on the
     CT's grid); by default no mask file is written then."""
@@ -127,6 +139,8 @@ class SegmentOutputs:
     create_folders: bool = True
     names: Tuple[str, str, str] = ("--out", "--anchor-out", "--qc")
     empty_mask_on_absent: bool = False
+    agreement: Optional[PathLike] = None
+    agreement_name: str = "--agreement"
 
 
 def default_anchor_path(mask_path: PathLike) -> str:
@@ -140,9 +154,13 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
     """Refuse, before any work, outputs that clash with each other or with an input, that exist
     (without ``overwrite``), that cannot be written, or whose suffix is not of their kind."""
     m, a, q = outputs.names
-    check_distinct([(m, outputs.mask), (a, outputs.anchor), (q, outputs.qc)], list(inputs))
+    check_distinct([(m, outputs.mask), (a, outputs.anchor), (q, outputs.qc), (outputs.agreement_name, outputs.agreement)],
+                   list(inputs))
     create = outputs.create_folders
     check_output(outputs.mask, outputs.overwrite, suffixes=MASK_SUFFIXES, what="mask", create_folder=create)
+    if outputs.agreement:
+        check_output(outputs.agreement, outputs.overwrite, suffixes=MASK_SUFFIXES, what="agreement map",
+                     create_folder=create)
     if outputs.anchor:
         check_output(outputs.anchor, outputs.overwrite, create_folder=create)
     if outputs.qc:
@@ -168,6 +186,16 @@ def _check_request(request: SegmentRequest):
     if request.grounded and (request.prompts or request.z_range is not None):
         raise InputError("correction prompts and a slice range apply to a given anchor (medvol propagate), "
                          "not to a query")
+    if request.consensus != 1 or request.consensus_mask != "greedy":
+        from .consensus import check_mask_mode
+        from .grounder import check_samples
+
+        check_samples(request.consensus, "consensus (the number of samples)")
+        check_mask_mode(request.consensus_mask)
+        if not request.grounded:
+            raise InputError("a consensus samples the model's answers to a query; a given anchor has none")
+        if request.consensus > 1 and request.sample:
+            raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
     if request.stop_after_empty is not None:
         check_stop_after_empty(request.stop_after_empty)
     if request.span is not None and (isinstance(request.span, bool) or not isinstance(request.span, int)
@@ -233,6 +261,9 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
 
     t0 = time.perf_counter()
     query, window = _check_request(request)
+    if outputs.agreement and request.consensus < 2:
+        raise InputError(f"{outputs.agreement_name} writes the agreement of a consensus: it needs a consensus of 2 "
+                         "or more samples")
     # an in-memory volume still names the file it was read from: no output may replace it
     volume_path = volume if isinstance(volume, (str, Path)) else getattr(getattr(volume, "volume", volume), "path", None)
     check_outputs(outputs, [("--volume", volume_path)] + list(inputs))
@@ -244,7 +275,8 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     if request.grounded:
         seg = pipe.segment(stack, query, constrain=request.constrain, seed=request.seed, do_sample=request.sample,
                            hu_window=window, progress=progress, cancel=cancel,
-                           stop_after_empty=request.stop_after_empty, features=store)
+                           stop_after_empty=request.stop_after_empty, features=store, consensus=request.consensus,
+                           consensus_mask=request.consensus_mask)
     else:
         seg = pipe.repropagate(stack, anchor, hu_window=window, progress=progress, cancel=cancel,
                                stop_after_empty=request.stop_after_empty, span=request.span,
@@ -261,6 +293,8 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     wrote_mask = not seg.absent or outputs.empty_mask_on_absent
     if wrote_mask:
         save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite)
+    if outputs.agreement:
+        save_mask(seg.agreement, stack.volume, outputs.agreement, overwrite=outputs.overwrite)
     if outputs.anchor:
         seg.anchor.save(outputs.anchor, outputs.overwrite)
     if outputs.qc:
@@ -291,6 +325,11 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         "notes": list(seg.notes), "shape": [int(s) for s in stack.volume.shape], "mask_voxels": int(seg.mask.sum()),
         "propagation": seg.anchor.propagation, "metrics": metrics, "timings": timings,
         "slices_encoded": int(seg.timings.get("slices_encoded", 0)),
+        "answer_mean_logprob": (seg.anchor.signal or {}).get("answer_mean_logprob"),
+        "answer_mean_prob": (seg.anchor.signal or {}).get("answer_mean_prob"),
+        "consensus": seg.consensus, "consensus_mask": seg.consensus_mask,
+        "confidence": None if seg.confidence is None else round(seg.confidence, 4), "samples": seg.samples,
         "out": str(outputs.mask) if wrote_mask else None, "anchor_out": str(outputs.anchor) if outputs.anchor else None,
         "qc": str(outputs.qc) if outputs.qc else None,
+        "agreement_out": str(outputs.agreement) if outputs.agreement else None,
     }

@@ -46,6 +46,14 @@ class Segmentation:
     ``mask_stack`` the same mask on the canonical stack. ``timings`` are seconds per stage.
     When the grounder answered that the target is not in the volume (:attr:`absent`), nothing
     was propagated and both masks are all zero.
+
+    With a consensus of G > 1 samples (``consensus``): ``agreement`` (source grid) and
+    ``agreement_stack`` hold per voxel the number of samples whose mask includes it (uint8,
+    0..G), ``confidence`` their mean pairwise agreement (:mod:`medvolcore.consensus`) and
+    ``samples`` each answer in compact form (also in the anchor). ``consensus_mask`` says which
+    mask ``mask`` is: ``greedy`` (the greedy answer's, as without a consensus) or ``majority``.
+    ``encoded_slices`` lists every slice MedSAM2's image encoder ran on, in order, over all the
+    propagations of the call.
     """
 
     anchor: EvidenceAnchor
@@ -60,10 +68,20 @@ class Segmentation:
     notes: list = field(default_factory=list)
     propagation: object = None
     identity: Optional[dict] = None  # the models that made it (medvolcore.models.identity); None: MedSAM2 only
+    consensus: int = 1
+    consensus_mask: str = "greedy"
+    agreement: Optional[np.ndarray] = None
+    agreement_stack: Optional[np.ndarray] = None
+    confidence: Optional[float] = None
+    samples: Optional[list] = None
+    encoded_slices: tuple = ()
 
     @property
     def absent(self) -> bool:
-        """True when the grounder answered that the target is not in this volume."""
+        """True when the grounder answered that the target is not in this volume: the greedy answer
+        did, or, with ``consensus_mask="majority"``, more than half of the samples did."""
+        if self.consensus_mask == "majority" and self.samples:
+            return 2 * sum(1 for s in self.samples if s.get("absent")) > len(self.samples)
         return bool(self.anchor.absent)
 
     def summary(self) -> dict:
@@ -73,6 +91,7 @@ class Segmentation:
             "reasoning": self.reasoning, "raw_text": self.raw_text, "notes": list(self.notes),
             "mask_voxels": int(self.mask.sum()), "timings": {k: round(v, 4) if isinstance(v, float) else v
                                                               for k, v in self.timings.items()},
+            "consensus": self.consensus, "consensus_mask": self.consensus_mask, "confidence": self.confidence,
         }
 
 
@@ -176,14 +195,27 @@ class Pipeline:
     # -- the jobs --
     def segment(self, volume: VolumeLike, query: str, *, constrain: bool = True, seed: Optional[int] = None,
                 do_sample: bool = False, hu_window=None, progress: Optional[Progress] = None, cancel=None,
-                stop_after_empty: Optional[int] = None, features=None) -> Segmentation:
+                stop_after_empty: Optional[int] = None, features=None, consensus: int = 1,
+                consensus_mask: str = "greedy") -> Segmentation:
         """Ground ``query`` on the volume's 64 sampled slices, then propagate the anchor.
 
         ``features``: a :class:`~medvolcore.propagation.FeatureStore` of this volume (same HU
-        window, this pipeline's MedSAM2) to reuse and fill: its slices are not encoded again."""
-        from .grounder import validate_query
+        window, this pipeline's MedSAM2) to reuse and fill: its slices are not encoded again.
+
+        ``consensus = G > 1``: G answers (:meth:`QwenVLGrounder.ground_samples`: the greedy one,
+        then G − 1 sampled with ``seed``, the slices encoded and the prompt prefilled once), each
+        present one propagated (identical anchors once) through one feature store, so MedSAM2
+        encodes every slice at most once for all G; the result carries the agreement map, the
+        confidence and the samples (:class:`Segmentation`). ``consensus_mask``: ``greedy`` (the
+        mask is the greedy answer's: the same as without a consensus) or ``majority``."""
+        from .consensus import check_mask_mode
+        from .grounder import check_samples, validate_query
 
         query = validate_query(query)  # before any model is loaded
+        consensus = check_samples(consensus, "consensus (the number of samples)")
+        consensus_mask = check_mask_mode(consensus_mask)
+        if consensus > 1 and do_sample:
+            raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
         stop_k = self._stop_k(stop_after_empty)
         with self._lock:
             t0 = time.perf_counter()
@@ -193,7 +225,14 @@ class Pipeline:
             _stage(progress, "ground", 0.0, "reading the slices")
             grounder = self.grounder
             self._lvlm_to(self.device)
-            g = grounder.ground(stack, query, constrain=constrain, do_sample=do_sample, seed=seed, window=hu_window)
+            sampled = None
+            if consensus > 1:
+                sampled = grounder.ground_samples(stack, query, consensus, constrain=constrain, seed=seed,
+                                                  window=hu_window)
+                g = sampled.greedy
+            else:
+                g = grounder.ground(stack, query, constrain=constrain, do_sample=do_sample, seed=seed,
+                                    window=hu_window)
             t_ground = time.perf_counter() - t0
             if self.low_memory:
                 self._lvlm_to("cpu")
@@ -208,6 +247,11 @@ class Pipeline:
             if anchor.absent:
                 notes.append(absent_note(query))
             anchor.notes = list(dict.fromkeys(list(anchor.notes) + notes))
+            if sampled is not None:
+                if features is None:
+                    from .propagation import FeatureStore
+
+                    features = FeatureStore()  # this call's: every slice encoded once for all samples
             if anchor.absent:
                 seg = Segmentation(anchor=anchor, mask=np.zeros(stack.volume.shape, np.uint8),
                                    mask_stack=np.zeros(stack.data.shape, np.uint8), stack=stack, preset=self.preset,
@@ -216,13 +260,74 @@ class Pipeline:
                                             "encoder_calls": 0})
                 _stage(progress, "propagate", 1.0, "not present: nothing to propagate")
             else:
-                seg = self._propagate(stack, anchor, hu_window, progress, cancel, stop_k, features=features)
+                part = _part(progress, 0, consensus)
+                seg = self._propagate(stack, anchor, hu_window, part, cancel, stop_k, features=features)
+                seg.encoded_slices = tuple(seg.propagation.encoded_slices)
             seg.reasoning, seg.raw_text = g.reasoning, g.raw_text
             seg.timings.update({f"ground_{k}": v for k, v in g.timings.items()})
+            if sampled is not None:
+                self._consensus(seg, sampled, consensus_mask, hu_window, progress, cancel, stop_k, features)
             seg.timings["ground_s"] = t_ground
             seg.timings["total_s"] = time.perf_counter() - t0
             seg.notes = anchor.notes
             return seg
+
+    def _consensus(self, seg: Segmentation, sampled, mode: str, hu_window, progress, cancel, stop_k: int,
+                   features) -> None:
+        """Propagate samples 2..G beside the greedy one (``seg``) and fill the consensus fields."""
+        from . import consensus as cons
+
+        stack, n = seg.stack, len(sampled.samples)
+        t = time.perf_counter()
+        masks = {}  # (slice, boxes) → mask on the stack: an anchor given twice is propagated once
+        if not seg.anchor.absent:
+            masks[(seg.anchor.slice, tuple(map(tuple, seg.anchor.boxes)))] = seg.mask_stack.astype(bool)
+        outcomes, records, encoded = [], [], list(seg.encoded_slices)
+        calls, propagations = int(seg.timings.get("encoder_calls", 0)), int(not seg.anchor.absent)
+        for i, sample in enumerate(sampled.samples):
+            a = sample.anchor
+            if a is None:
+                outcome = None
+            elif a.absent:
+                outcome = cons.ABSENT
+            else:
+                key = (a.slice, tuple(map(tuple, a.boxes)))
+                if key not in masks:
+                    r = self._propagate(stack, a, hu_window, _part(progress, i, n), cancel, stop_k,
+                                        features=features).propagation
+                    masks[key] = r.mask.astype(bool)
+                    encoded += list(r.encoded_slices)
+                    calls += r.encoder_calls
+                    propagations += 1
+                outcome = masks[key]
+            outcomes.append(outcome)
+            voxels = None if not isinstance(outcome, np.ndarray) else int(outcome.sum())
+            records.append(cons.sample_record(sample.index, a, sample.error, sample.signal, voxels))
+        agreement_stack = cons.agreement_map(outcomes, stack.data.shape)
+        seg.consensus, seg.consensus_mask = n, mode
+        seg.agreement_stack = agreement_stack
+        seg.agreement = stack.to_source(agreement_stack)
+        seg.confidence = cons.confidence(outcomes)
+        seg.samples = records
+        seg.encoded_slices = tuple(encoded)
+        seg.anchor.confidence, seg.anchor.samples = seg.confidence, records
+        unusable = sum(1 for o in outcomes if o is None)
+        if unusable:
+            seg.anchor.notes.append(f"{unusable} of {n} samples gave an unusable answer (counted as disagreeing)")
+        if mode == "majority":
+            seg.mask_stack = cons.majority_mask(agreement_stack, n)
+            seg.mask = stack.to_source(seg.mask_stack)
+            seg.anchor.notes.append(f"the mask is the majority of {n} samples (voxels more than half of them include); "
+                                    "the anchor is the greedy answer's")
+            note = absent_note(seg.anchor.query)
+            if seg.absent and note not in seg.anchor.notes:  # more than half said "not present"
+                seg.anchor.notes.append(note)
+            elif not seg.absent and note in seg.anchor.notes:  # the greedy answer did, the majority did not
+                seg.anchor.notes.remove(note)
+        seg.timings.update({"propagate_s": seg.timings.get("propagate_s", 0.0) + time.perf_counter() - t,
+                            "slices_encoded": len(encoded), "encoder_calls": calls, "propagations": propagations,
+                            "consensus": n})
+        seg.timings.update({f"ground_{k}": v for k, v in sampled.timings.items()})
 
     def repropagate(self, volume: VolumeLike, anchor: Union[EvidenceAnchor, dict], *, hu_window=None,
                     progress: Optional[Progress] = None, cancel=None, stop_after_empty: Optional[int] = None,
@@ -305,3 +410,15 @@ def _identity_notes(ident) -> list:
 def _stage(progress, stage, fraction, message):
     if progress is not None:
         progress(stage, float(fraction), message)
+
+
+def _part(progress, index: int, count: int):
+    """``progress`` for propagation ``index`` of ``count`` (a consensus's samples): its fraction
+    mapped into the whole and its message prefixed with the sample (as is, for one)."""
+    if progress is None or count <= 1:
+        return progress
+
+    def part(stage, fraction, message):
+        progress(stage, (index + float(fraction)) / count, f"sample {index + 1}/{count}: {message}")
+
+    return part

@@ -26,6 +26,20 @@ def _outline(mask2d: np.ndarray) -> np.ndarray:
     return m & ~ndimage.binary_erosion(m, structure=np.ones((3, 3), bool), border_value=0)
 
 
+def signal_text(anchor) -> str:
+    """One line on how sure the model was: the consensus's confidence, else the answer's token
+    signal, else ''; each says what it is not."""
+    if getattr(anchor, "confidence", None) is not None:
+        n = len(anchor.samples or [])
+        return (f"confidence {anchor.confidence:.2f}: agreement of {n} samples of the model (mean pairwise Dice), "
+                "not the chance that it is right")
+    sig = getattr(anchor, "signal", None) or {}
+    if sig.get("answer_mean_prob") is not None:
+        return (f"answer signal {sig['answer_mean_prob']:.2f}: geometric-mean probability of the answer's tokens, "
+                "not the chance that it is right")
+    return ""
+
+
 def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: str = "", reasoning: str = "",
               banner: str = "", model: str = "", footer: str = RESEARCH_USE_NOTICE, window=None,
               scale: Optional[int] = None, panel_width: int = 360):
@@ -74,6 +88,8 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
             lines.append((ln, (200, 200, 200)))
     else:
         lines.append((f"key slice z={z} of {stack.depth}; {len(anchor.boxes)} box(es)", (200, 200, 200)))
+    for ln in textwrap.wrap(signal_text(anchor), chars):
+        lines.append((ln, (255, 220, 120)))
     lines.append(("", None))
     if reasoning:
         lines.append(("reasoning:", (200, 200, 200)))

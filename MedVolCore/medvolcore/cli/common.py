@@ -110,6 +110,24 @@ def add_stop_option(sp) -> None:
                          f"(default {DEFAULT_STOP_AFTER_EMPTY}; 0 = propagate through the whole volume, as the paper)")
 
 
+def add_consensus_options(sp, agreement: Optional[str] = "--agreement") -> None:
+    """``--consensus G``, ``--consensus-mask`` and (unless ``agreement`` is None) ``--agreement FILE``."""
+    from ..consensus import MASK_MODES
+
+    g = sp.add_argument_group("consensus (how much the model agrees with itself)")
+    g.add_argument("--consensus", type=int, default=1, metavar="G",
+                   help="answer G times (the greedy answer, then G-1 sampled; G from 1 to 8, 1 = off), propagate "
+                        "each, and report their agreement as a confidence in [0, 1] (mean pairwise Dice; not the "
+                        "chance that the answer is right)")
+    g.add_argument("--consensus-mask", choices=MASK_MODES, default="greedy",
+                   help="with --consensus: the mask written is the greedy answer's (default, as without a "
+                        "consensus) or the voxels more than half of the samples include (majority)")
+    if agreement:
+        g.add_argument(agreement, metavar="FILE", default=None,
+                       help="with --consensus: also write the agreement map (per voxel, how many of the G samples "
+                            "include it, 0..G) on the CT's grid (.nii.gz, .nii, .nrrd, .mha)")
+
+
 def add_preset_option(sp) -> None:
     """``--preset NAME``: None unless given, resolved at run time to the manifest's default."""
     sp.add_argument("--preset", default=None,

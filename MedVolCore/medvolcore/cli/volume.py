@@ -14,8 +14,8 @@ import sys
 import time
 
 from ..errors import InputError, MedVolError
-from .common import (PROG, add_preset_option, add_stop_option, emit, index_arg, parse_labels, peak_memory_mb, seed_arg,
-                     stop_text, terminal_safe)
+from .common import (PROG, add_consensus_options, add_preset_option, add_stop_option, emit, index_arg, parse_labels,
+                     peak_memory_mb, seed_arg, stop_text, terminal_safe)
 
 VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder"
 
@@ -196,16 +196,18 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
 
     query = validate_query(query)
     check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
+    _check_consensus_options(args)
     adapter = getattr(args, "adapter", None)
     outputs = SegmentOutputs(out, anchor=anchor_out, qc=qc, overwrite=args.overwrite,
-                             empty_mask_on_absent=args.empty_mask_on_absent)
+                             empty_mask_on_absent=args.empty_mask_on_absent, agreement=args.agreement)
     # every output checked before the models load: distinct files, not an input, writable, right type
     check_outputs(outputs, [("--volume", volume), ("--adapter", adapter)])
     from ..models import check_adapter_given
 
     check_adapter_given(preset, adapter)  # medvol-r1 without an adapter: one line, before anything is read
     request = SegmentRequest(query=query, hu_window=args.ct_window, stop_after_empty=args.stop_after_empty,
-                             constrain=not args.no_constrain, sample=args.sample, seed=args.seed)
+                             constrain=not args.no_constrain, sample=args.sample, seed=args.seed,
+                             consensus=args.consensus, consensus_mask=args.consensus_mask)
     pipes = []
 
     def pipeline():  # resolved once the volume is read: a bad volume is reported before a missing model
@@ -220,8 +222,10 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     finally:
         if bar is not None:
             bar.close()
-    keep = ("preset", "smoke", "absent", "identity", "anchor", "reasoning", "raw_text", "notes", "mask_voxels", "timings")
-    out_res = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"], "volume": res["volume"] or str(volume),
+    keep = ("preset", "smoke", "absent", "identity", "anchor", "reasoning", "raw_text", "notes", "mask_voxels",
+            "answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask", "confidence", "samples", "timings")
+    out_res = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"], "agreement_out": res["agreement_out"],
+               "volume": res["volume"] or str(volume),
                **{k: res[k] for k in keep},
                "model_load_s": {k: round(v, 3) for k, v in pipes[0].load_seconds.items()},
                "peak_memory_mb": peak_memory_mb()}
@@ -247,17 +251,54 @@ def _segment_text(res: dict) -> str:
     if res.get("absent"):
         from ..pipeline import absent_note
 
-        written = [f for f in (res["out"], res["anchor_out"], res["qc"]) if f]
+        written = [f for f in (res["out"], res["anchor_out"], res["qc"], res.get("agreement_out")) if f]
         lines += [terminal_safe(absent_note(a.get("query") or ""), one_line=True),
-                  f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)",
-                  ("wrote an all-zero mask " + res["out"] + ", " if res["out"] else "no mask written (--empty-mask-on-absent "
+                  f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)"]
+        lines += [t for t in (_sureness_text(res),) if t]
+        lines += [("wrote an all-zero mask " + res["out"] + ", " if res["out"] else "no mask written (--empty-mask-on-absent "
                    "writes an all-zero one); wrote ") + ", ".join(str(f) for f in written if f != res["out"])]
         return "\n".join(lines)
     lines += [f"key slice {a['slice']}, {len(a['boxes'])} box(es) {a['boxes']}",
-              f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)",
-              f"wrote {res['out']} ({res['mask_voxels']} voxels), {res['anchor_out']}" + (f", {res['qc']}" if res["qc"] else ""),
+              f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)"]
+    sure = _sureness_text(res)
+    if sure:
+        lines.append(sure)
+    written = [res["anchor_out"]] + [res[k] for k in ("qc", "agreement_out") if res.get(k)]
+    lines += [f"wrote {res['out']} ({res['mask_voxels']} voxels), " + ", ".join(written),
               "timings: " + ", ".join(f"{k} {v:.2f}" for k, v in res["timings"].items() if isinstance(v, float))]
     return "\n".join(lines)
+
+
+def _sureness_text(res: dict) -> str:
+    """The confidence of a consensus, else the answer signal; each with what it is not."""
+    if res.get("confidence") is not None:
+        samples = res.get("samples") or []
+        absent = sum(1 for s in samples if s.get("absent"))
+        unusable = sum(1 for s in samples if s.get("unusable"))
+        extra = "".join([f", {absent} said not present" if absent else "",
+                         f", {unusable} unusable" if unusable else ""])
+        return (f"confidence {res['confidence']:.2f}: agreement of {len(samples)} samples (mean pairwise Dice{extra}); "
+                f"mask: {res['consensus_mask']}. Agreement of the model with itself, not the chance that it is right")
+    if res.get("answer_mean_prob") is not None:
+        return (f"answer signal {res['answer_mean_prob']:.2f} (geometric-mean probability of the answer's tokens): "
+                "how peaked the model's choice was, not the chance that it is right")
+    return ""
+
+
+def _check_consensus_options(args) -> None:
+    """--consensus, --consensus-mask and --agreement, checked before anything is read."""
+    from ..grounder import MAX_SAMPLES
+
+    if not 1 <= args.consensus <= MAX_SAMPLES:
+        raise InputError(f"--consensus takes 1 to {MAX_SAMPLES} samples (1 = off), got {args.consensus}")
+    if args.agreement and args.consensus < 2:
+        raise InputError("--agreement writes the agreement of a consensus: add --consensus G (G from 2 to "
+                         f"{MAX_SAMPLES})")
+    if args.consensus_mask != "greedy" and args.consensus < 2:
+        raise InputError(f"--consensus-mask {args.consensus_mask} needs --consensus G (G from 2 to {MAX_SAMPLES})")
+    if args.consensus > 1 and args.sample:
+        raise InputError("--sample and --consensus do not go together: a consensus samples its own answers after "
+                         "the greedy one")
 
 
 def cmd_segment(args) -> int:
@@ -338,6 +379,7 @@ def _add_segment_options(sp) -> None:
     sp.add_argument("--empty-mask-on-absent", action="store_true",
                     help="when the model answers that the target is not in this CT, still write the mask, all zero, "
                          "on the CT's grid (default: no mask file; the anchor and QC picture say 'not found')")
+    add_consensus_options(sp, "--agreement")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 

@@ -9,11 +9,13 @@
 Importing this package does not import torch or transformers.
 """
 
-from .model import GroundingResult, QwenVLGrounder, clean_boxes
+from .model import (MAX_SAMPLES, GroundingResult, GroundingSample, QwenVLGrounder, SampledGrounding, check_samples,
+                    clean_boxes)
 from .prompt import (MAX_QUERY_CHARS, answer_grammar, answer_tokens, describe_window, load_prompts, plan_budget,
                      resolve_settings, validate_query)
 
 __all__ = [
     "QwenVLGrounder", "GroundingResult", "answer_grammar", "answer_tokens", "plan_budget", "validate_query",
-    "load_prompts", "resolve_settings", "describe_window", "clean_boxes", "MAX_QUERY_CHARS",
+    "load_prompts", "resolve_settings", "describe_window", "clean_boxes", "MAX_QUERY_CHARS", "GroundingSample",
+    "SampledGrounding", "MAX_SAMPLES", "check_samples",
 ]

@@ -5,6 +5,10 @@ imports transformers, so :mod:`medvolcore.grounder.model` imports it only inside
 generates). It times the first call — the end of the prefill — and applies an optional
 :class:`GrammarGuide`: xgrammar matchers per row, the token bitmask, and the budget guard that
 forces ``</think>`` when only the answer's worst case is left (see :func:`~medvolcore.grounder.prompt.plan_budget`).
+It also records, per row and step, the log-probability of the token that was chosen under the
+scores it returns (the grammar's mask applied, before any temperature or top-k/top-p) and how
+many tokens those scores allowed: the grounder's answer signal (:func:`answer_signal`), taken
+from the scores the decoder computes anyway — no second forward pass.
 """
 
 from __future__ import annotations
@@ -19,20 +23,43 @@ from .prompt import THINK_CLOSE
 
 
 class StepProcessor(LogitsProcessor):
-    """Times the first call (``first_call``, a ``perf_counter`` value) and applies an optional guide."""
+    """Times the first call (``first_call``, a ``perf_counter`` value), applies an optional guide and
+    records each chosen token's log-probability (see :meth:`token_logprobs`)."""
 
     def __init__(self, guide=None):
         self.guide = guide
         self.first_call = None
+        self._last = None  # log-softmax of the previous step's returned scores, (batch, vocab)
+        self._logprobs: list = []  # per step: (batch,) log p of the token then chosen
+        self._allowed: list = []  # per step: (batch,) how many tokens the returned scores allowed
 
     def __call__(self, input_ids, scores):
+        import torch
+
         if self.first_call is None:
             if scores.is_cuda:  # the prefill is asynchronous on a GPU: wait for it
-                import torch
-
                 torch.cuda.synchronize(scores.device)
             self.first_call = time.perf_counter()
-        return scores if self.guide is None else self.guide(input_ids, scores)
+        else:  # the previous step's token is the last input id now
+            self._logprobs.append(self._last.gather(1, input_ids[:, -1:].to(self._last.device))[:, 0])
+        out = scores if self.guide is None else self.guide(input_ids, scores)
+        self._last = torch.log_softmax(out.float(), dim=-1)
+        self._allowed.append(torch.isfinite(out).sum(dim=-1))
+        return out
+
+    def token_logprobs(self, new_tokens):
+        """``(logprobs, allowed)``: per row, a list per generated token of the log-probability it had
+        under the returned scores and how many tokens those scores allowed (1: the grammar forced
+        it). ``new_tokens``: (batch, steps) the generated ids, as ``generate`` returned them."""
+        import torch
+
+        steps = len(self._allowed)
+        if steps == 0:
+            return [[] for _ in range(new_tokens.shape[0])], [[] for _ in range(new_tokens.shape[0])]
+        last = self._last.gather(1, new_tokens[:, steps - 1:steps].to(self._last.device))[:, 0]
+        lp = torch.stack(self._logprobs + [last], dim=1).cpu().tolist()
+        allowed = torch.stack(self._allowed, dim=1).cpu().tolist()
+        return lp, allowed
 
 
 class GrammarGuide:

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 import warnings
@@ -86,7 +87,8 @@ from .prompt import (THINK_CLOSE, answer_grammar, describe_window, fill_template
 
 log = logging.getLogger("medvolcore.grounder")
 
-__all__ = ["QwenVLGrounder", "GroundingResult", "clean_boxes"]
+__all__ = ["QwenVLGrounder", "GroundingResult", "GroundingSample", "SampledGrounding", "MAX_SAMPLES", "check_samples",
+           "clean_boxes"]
 
 
 # ---- answers → anchors --------------------------------------------------------------------
@@ -141,6 +143,45 @@ class GroundingResult:
         return {"anchor": self.anchor.to_dict(), "reasoning": self.reasoning, "raw_text": self.raw_text,
                 "shown_slices": list(self.shown_slices), "timings": dict(self.timings), "notes": list(self.notes),
                 "attempts": self.attempts}
+
+
+MAX_SAMPLES = 8
+
+
+def check_samples(value, what: str = "the number of samples") -> int:
+    """``value`` as the number of answers of a consensus, 1..:data:`MAX_SAMPLES` (1: the greedy answer alone)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES:
+        raise InputError(f"{what} must be a whole number from 1 to {MAX_SAMPLES} (1 = the greedy answer alone), "
+                         f"got {value!r}")
+    return value
+
+
+@dataclass
+class GroundingSample:
+    """One answer of :meth:`QwenVLGrounder.ground_samples` (``index`` 1 is the greedy one).
+    ``anchor`` is None when the answer was unusable; ``error`` then says why."""
+
+    index: int
+    raw_text: str
+    reasoning: str = ""
+    anchor: Optional[EvidenceAnchor] = None
+    error: str = ""
+    signal: Optional[dict] = None
+
+    @property
+    def usable(self) -> bool:
+        return self.anchor is not None
+
+
+@dataclass
+class SampledGrounding:
+    """What :meth:`QwenVLGrounder.ground_samples` returns: the greedy result (``greedy``, exactly
+    :meth:`~QwenVLGrounder.ground`'s) and every sample, the greedy one first."""
+
+    greedy: GroundingResult
+    samples: List[GroundingSample]
+    timings: Dict[str, float]
+    seed: Optional[int] = None
 
 
 # ---- lazy imports ---------------------------------------------------------------------------
@@ -249,6 +290,7 @@ class QwenVLGrounder:
         self._ids = self._special_ids()
         self._xgr_state = None
         self._compiled: Dict[str, object] = {}
+        self._keep_prefix = False  # set by ground_samples around the greedy answer's generate call
 
     # -- loading -------------------------------------------------------------------------------
     @classmethod
@@ -533,22 +575,39 @@ class QwenVLGrounder:
         _, GenerationConfig, _, _ = _transformers()
         s = self.settings
         kw = dict(max_new_tokens=int(max_new_tokens), min_new_tokens=0, do_sample=bool(do_sample), num_beams=1,
-                  eos_token_id=self._ids["stop"], pad_token_id=self._ids["pad"], use_cache=True)
+                  eos_token_id=self._ids["stop"], pad_token_id=self._ids["pad"], use_cache=True,
+                  return_dict_in_generate=True)
         if do_sample:
             kw.update(temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]))
         else:
             kw.update(temperature=None, top_p=None, top_k=None)
         return GenerationConfig(**kw)
 
-    def _generate_text(self, inputs: dict, shown: Sequence[int], *, constrain: bool, do_sample: bool,
-                       seed: Optional[int], max_new_tokens: int):
-        """One ``generate`` call → ``(text, timings)``; the seam tests replace with canned texts."""
+    def _generate_rows(self, inputs: dict, shown: Sequence[int], *, constrain: bool, do_sample: bool,
+                       seed: Optional[int], max_new_tokens: int, rows: int = 1, prefix=None):
+        """One ``generate`` call over ``rows`` continuations of one prompt.
+
+        ``prefix``: a transformers cache of the prompt's first ``L - 1`` tokens for one row (what
+        :meth:`_prefix_cache` returns); it is repeated to ``rows`` rows, and ``generate`` then runs
+        only the prompt's last token and the new ones: no image is encoded again. Without it the
+        images and the prompt go through the model as usual (``rows`` must then be 1).
+        Returns ``([(text, ids, signal)], timings, cache)`` (the cache as ``generate`` left it).
+        """
         torch = _torch()
         _transformers()  # one clear DependencyError when transformers is missing
         from ._logits import GrammarGuide, StepProcessor  # imports transformers
         dev = self.device
-        model_inputs = {k: v.to(dev) for k, v in inputs.items()}
-        model_inputs["pixel_values"] = model_inputs["pixel_values"].to(self.dtype)
+        if prefix is None:
+            if rows != 1:
+                raise InputError("several rows need the prompt's prefix cache")
+            model_inputs = {k: v.to(dev) for k, v in inputs.items()}
+            model_inputs["pixel_values"] = model_inputs["pixel_values"].to(self.dtype)
+        else:  # the images are in the cache: only ids (and their kinds, for the 3-D positions) go in
+            ids = inputs["input_ids"].to(dev).repeat(rows, 1)
+            model_inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                            "mm_token_type_ids": inputs["mm_token_type_ids"].to(dev).repeat(rows, 1)}
+            if rows > 1:
+                prefix.batch_repeat_interleave(rows)
         batch = model_inputs["input_ids"].shape[0]
         guide = None
         if constrain:
@@ -560,6 +619,7 @@ class QwenVLGrounder:
                                   plan["force_close_at"])
         step = StepProcessor(guide)
         config = self._generation_config(do_sample, max_new_tokens)
+        extra = {} if prefix is None else {"past_key_values": prefix}
         devices = [dev] if dev.type == "cuda" else []
         # generate() fills every unset field from model.generation_config (a checkpoint's may set
         # repetition_penalty, top_k, ...): swap ours in so that our settings alone define decoding.
@@ -570,25 +630,104 @@ class QwenVLGrounder:
             with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.inference_mode():
                 if seed is not None:
                     torch.manual_seed(int(seed))
-                out = self.model.generate(**model_inputs, generation_config=config, logits_processor=[step])
+                out = self.model.generate(**model_inputs, generation_config=config, logits_processor=[step], **extra)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
         finally:
             self.model.generation_config = saved_config
         t1 = time.perf_counter()
-        new = out[0, model_inputs["input_ids"].shape[1]:].tolist()
+        new_all = out.sequences[:, model_inputs["input_ids"].shape[1]:]
+        logprobs, allowed = step.token_logprobs(new_all)
         stops = set(self._ids["stop"])
-        n_new, stopped = len(new), False
-        for i, t in enumerate(new):  # tokens after the first stop are padding
-            if t in stops:
-                n_new, stopped = i + 1, True
-                break
-        text = self.tokenizer.decode(new[:n_new], skip_special_tokens=True)
+        results, counts, stopped_all = [], [], True
+        for r in range(batch):
+            new = new_all[r].tolist()
+            n_new, stopped = len(new), False
+            for i, t in enumerate(new):  # tokens after the first stop are padding
+                if t in stops:
+                    n_new, stopped = i + 1, True
+                    break
+            text = self.tokenizer.decode(new[:n_new], skip_special_tokens=True)
+            signal = self._answer_signal(new[:n_new], logprobs[r][:n_new], allowed[r][:n_new])
+            results.append((text, new[:n_new], signal))
+            counts.append(n_new)
+            stopped_all = stopped_all and stopped
         first = step.first_call if step.first_call is not None else t1
-        timings = {"prefill_s": first - t0, "decode_s": t1 - first, "new_tokens": n_new, "stopped": stopped}
+        timings = {"prefill_s": first - t0, "decode_s": t1 - first,
+                   "new_tokens": counts[0] if batch == 1 else sum(counts), "stopped": stopped_all}
         if guide is not None and guide.forced:
             timings["forced_close_steps"] = guide.forced
-        return text, timings
+        return results, timings, getattr(out, "past_key_values", None)
+
+    def _generate_text(self, inputs: dict, shown: Sequence[int], *, constrain: bool, do_sample: bool,
+                       seed: Optional[int], max_new_tokens: int):
+        """One ``generate`` call → ``(text, info)``; the seam tests replace with canned texts.
+
+        ``info`` holds the timings (``prefill_s``, ``decode_s``, ``new_tokens``, ``stopped``) and
+        ``answer_signal`` (:meth:`_answer_signal`); while :meth:`ground_samples` asks for it
+        (``_keep_prefix``), also ``_prefix``, the prompt's cache for the samples to continue from.
+        """
+        results, timings, cache = self._generate_rows(inputs, shown, constrain=constrain, do_sample=do_sample,
+                                                      seed=seed, max_new_tokens=max_new_tokens)
+        text, _ids, signal = results[0]
+        info = dict(timings, answer_signal=signal)
+        if self._keep_prefix and cache is not None:
+            keep = int(inputs["input_ids"].shape[1]) - 1
+            surplus = cache.get_seq_length() - keep
+            if surplus > 0:
+                cache.crop(-surplus)  # back to the prompt's first L - 1 tokens
+            info["_prefix"] = cache
+        return text, info
+
+    def _prefix_cache(self, inputs: dict):
+        """The cache of the prompt's first ``L - 1`` tokens (images included) from one forward pass,
+        and its seconds: for samples whose greedy answer gave none (a replaced generation seam)."""
+        torch = _torch()
+        dev = self.device
+        head = {k: (v[:, :-1] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v).to(dev)
+                for k, v in inputs.items()}
+        head["pixel_values"] = head["pixel_values"].to(self.dtype)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(**head, use_cache=True, logits_to_keep=1)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return out.past_key_values, time.perf_counter() - t0
+
+    def _generate_samples(self, inputs: dict, shown: Sequence[int], n: int, *, constrain: bool,
+                          seed: Optional[int], max_new_tokens: int, prefix=None):
+        """``n`` sampled continuations of one prompt in one ``generate`` call, all continuing from one
+        prefill (``prefix``, or one made here) → ``([(text, info)], timings)``; the seam tests replace."""
+        prefill_s = 0.0
+        if prefix is None:
+            prefix, prefill_s = self._prefix_cache(inputs)
+        results, timings, _ = self._generate_rows(inputs, shown, constrain=constrain, do_sample=True, seed=seed,
+                                                  max_new_tokens=max_new_tokens, rows=n, prefix=prefix)
+        timings = dict(timings, shared_prefill=prefill_s == 0.0, own_prefill_s=prefill_s)
+        return [(text, {"answer_signal": signal, "new_tokens": len(ids)}) for text, ids, signal in results], timings
+
+    def _answer_signal(self, ids: Sequence[int], logprobs: Sequence[float], allowed: Sequence[int]) -> Optional[dict]:
+        """How peaked the decoder's choice was over the *answer* (the tokens after ``</think>``; the
+        stop token and tokens the grammar forced, where one token alone was allowed, left out):
+        ``answer_mean_logprob`` (mean natural-log probability of the chosen tokens under the
+        scores the grammar allowed, before any temperature), ``answer_mean_prob`` (its exp: a
+        geometric-mean probability) and ``answer_scored_tokens``. None when no token was scored.
+        Not a probability that the answer is right: an untrained model can be confidently wrong."""
+        n = len(ids)
+        if n and ids[-1] in set(self._ids["stop"]):
+            n -= 1
+        start = 0
+        if THINK_CLOSE in self.tokenizer.decode(list(ids[:n]), skip_special_tokens=True):
+            for k in range(n):  # the answer starts after the token that completes "</think>"
+                if THINK_CLOSE in self.tokenizer.decode(list(ids[:k + 1]), skip_special_tokens=True):
+                    start = k + 1
+                    break
+        picked = [float(lp) for lp, a in zip(logprobs[start:n], allowed[start:n]) if a > 1]
+        if not picked:
+            return None
+        mean = sum(picked) / len(picked)
+        return {"answer_mean_logprob": round(mean, 6), "answer_mean_prob": round(math.exp(mean), 6),
+                "answer_scored_tokens": len(picked)}
 
     # -- the request ------------------------------------------------------------------------------
     def _check_answer(self, text: str, shown: Sequence[int]):
@@ -602,15 +741,19 @@ class QwenVLGrounder:
             raise _Unusable("no box with a non-zero width and height")
         return parsed, boxes, notes
 
-    def ground(self, stack, query: str, *, constrain: bool = True, do_sample: bool = False, seed: Optional[int] = None,
-               max_new_tokens: Optional[int] = None, retries: int = 2, window=None) -> GroundingResult:
-        """Answer ``query`` on ``stack`` with an evidence anchor (see the module docstring).
+    def _anchor_from_text(self, text: str, shown: Sequence[int], stack, query: str, notes: Sequence[str] = ()):
+        """``(anchor, parsed)`` of one answer text; :class:`_Unusable` (or a parse error) when it cannot
+        be one. ``notes`` go first in the anchor's notes, the box fix-ups after them."""
+        parsed, boxes, box_notes = self._check_answer(text, shown)
+        kw = dict(query=query, reasoning=parsed.reasoning, source="grounder", notes=list(notes) + box_notes)
+        if parsed.absent:
+            anchor = EvidenceAnchor.absent_for([stack.width, stack.height], **kw)
+        else:
+            anchor = EvidenceAnchor.from_norm(parsed.slice, boxes, [stack.width, stack.height], **kw)
+        anchor.with_world(stack)
+        return anchor, parsed
 
-        Greedy by default; ``do_sample=True`` with ``seed`` samples reproducibly. Failed attempts
-        are retried with sampling seeded ``seed + attempt`` (``0 + attempt`` without a seed).
-        ``max_new_tokens`` defaults to the preset's (256, the paper's limit).
-        """
-        t_start = time.perf_counter()
+    def _check_request(self, query, retries, max_new_tokens, seed):
         query = validate_query(query)
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise InputError(f"retries must be a whole number ≥ 0, got {retries!r}")
@@ -620,39 +763,56 @@ class QwenVLGrounder:
             raise InputError(f"max_new_tokens must be a whole number ≥ 1, got {max_new_tokens!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise InputError(f"seed must be an integer, got {seed!r}")
+        return query, max_new_tokens
+
+    def ground(self, stack, query: str, *, constrain: bool = True, do_sample: bool = False, seed: Optional[int] = None,
+               max_new_tokens: Optional[int] = None, retries: int = 2, window=None) -> GroundingResult:
+        """Answer ``query`` on ``stack`` with an evidence anchor (see the module docstring).
+
+        Greedy by default; ``do_sample=True`` with ``seed`` samples reproducibly. Failed attempts
+        are retried with sampling seeded ``seed + attempt`` (``0 + attempt`` without a seed).
+        ``max_new_tokens`` defaults to the preset's (256, the paper's limit). The anchor carries
+        the answer signal (:meth:`_answer_signal`) when the decoder's scores were seen.
+        """
+        return self._ground(stack, query, constrain=constrain, do_sample=do_sample, seed=seed,
+                            max_new_tokens=max_new_tokens, retries=retries, window=window)[0]
+
+    def _ground(self, stack, query, *, constrain, do_sample, seed, max_new_tokens, retries, window):
+        """:meth:`ground`, also returning ``(inputs, shown, prefix)``: the prompt and, while
+        ``_keep_prefix`` is set, the last attempt's prompt cache (else None)."""
+        t_start = time.perf_counter()
+        query, max_new_tokens = self._check_request(query, retries, max_new_tokens, seed)
         inputs, shown = self._single_inputs(stack, query, window)
         if constrain:
             plan_budget(shown, max_new_tokens, self.settings)  # fail early on a too-small budget
         prompt_s = time.perf_counter() - t_start
         failures: List[str] = []
         last_text = ""
+        prefix = None
         for attempt in range(retries + 1):
             sample = do_sample or attempt > 0
             s = seed if attempt == 0 else (seed or 0) + attempt
             text, timings = self._generate_text(inputs, shown, constrain=constrain, do_sample=sample,
                                                 seed=s if sample else None, max_new_tokens=max_new_tokens)
+            timings = dict(timings)
+            prefix = timings.pop("_prefix", None) or prefix
+            signal = timings.pop("answer_signal", None)
             last_text = text
+            notes = list(self.notes) + [f"attempt {i + 1} was unusable: {reason}" for i, reason in enumerate(failures)]
             try:
-                parsed, boxes, box_notes = self._check_answer(text, shown)
-                notes = list(self.notes)
-                notes += [f"attempt {i + 1} was unusable: {reason}" for i, reason in enumerate(failures)]
-                notes += box_notes
-                kw = dict(query=query, reasoning=parsed.reasoning, source="grounder", notes=notes)
-                if parsed.absent:
-                    anchor = EvidenceAnchor.absent_for([stack.width, stack.height], **kw)
-                else:
-                    anchor = EvidenceAnchor.from_norm(parsed.slice, boxes, [stack.width, stack.height], **kw)
-                anchor.with_world(stack)
+                anchor, parsed = self._anchor_from_text(text, shown, stack, query, notes)
             except (AnswerFormatError, _Unusable, InputError, AnchorError) as e:
                 failures.append(str(e))
                 log.info("grounder attempt %d unusable: %s", attempt + 1, e)
                 continue
+            anchor.signal = signal
             timings = dict(timings, prompt_s=prompt_s, total_s=time.perf_counter() - t_start)
             timings.setdefault("prefill_s", float("nan"))
             timings.setdefault("decode_s", float("nan"))
             timings.setdefault("new_tokens", 0)
-            return GroundingResult(anchor=anchor, reasoning=parsed.reasoning, raw_text=text, shown_slices=list(shown),
-                                   timings=timings, notes=list(notes), attempts=attempt + 1)
+            result = GroundingResult(anchor=anchor, reasoning=parsed.reasoning, raw_text=text, shown_slices=list(shown),
+                                     timings=timings, notes=list(anchor.notes), attempts=attempt + 1)
+            return result, inputs, shown, prefix
         reasons = "; ".join(f"attempt {i + 1}: {r}" for i, r in enumerate(failures))
         err = GenerationError(
             f"the model gave no usable answer in {retries + 1} attempt(s) ({reasons}); last answer: "
@@ -660,6 +820,48 @@ class QwenVLGrounder:
         err.raw_text = last_text
         err.failures = failures
         raise err
+
+    def ground_samples(self, stack, query: str, samples: int, *, constrain: bool = True, seed: Optional[int] = None,
+                       max_new_tokens: Optional[int] = None, retries: int = 2, window=None) -> SampledGrounding:
+        """``samples`` answers to one query: the greedy one, then ``samples - 1`` sampled ones.
+
+        Sample 1 is exactly :meth:`ground`'s answer (greedy, with its retries). Samples 2..G are
+        drawn with the preset's sampling settings (``temperature``, ``top_p``, ``top_k``) in one
+        ``generate`` call of G − 1 rows, seeded ``seed`` (0 when None), that continues from the
+        greedy call's cache of the prompt: the slices are encoded and the prompt is prefilled
+        once for all G (only the prompt's last token runs again, once per row). Each sample is
+        parsed; one that is unusable keeps its raw text and the reason (it is not retried).
+        """
+        n = check_samples(samples)
+        if seed is None:
+            seed = 0
+        self._keep_prefix = n > 1
+        try:
+            greedy, inputs, shown, prefix = self._ground(stack, query, constrain=constrain, do_sample=False, seed=None,
+                                                         max_new_tokens=max_new_tokens, retries=retries, window=window)
+        finally:
+            self._keep_prefix = False
+        query = greedy.anchor.query
+        out = [GroundingSample(1, greedy.raw_text, greedy.reasoning, greedy.anchor, signal=greedy.anchor.signal)]
+        timings = {}
+        if n > 1:
+            t1 = time.perf_counter()
+            budget = int(self.settings["max_new_tokens"]) if max_new_tokens is None else max_new_tokens
+            texts, st = self._generate_samples(inputs, shown, n - 1, constrain=constrain, seed=seed,
+                                               max_new_tokens=budget, prefix=prefix)
+            del prefix
+            for i, (text, info) in enumerate(texts, start=2):
+                try:
+                    anchor, parsed = self._anchor_from_text(text, shown, stack, query)
+                except (AnswerFormatError, _Unusable, InputError, AnchorError) as e:
+                    log.info("grounder sample %d unusable: %s", i, e)
+                    out.append(GroundingSample(i, text, error=str(e)))
+                    continue
+                anchor.signal = (info or {}).get("answer_signal")
+                out.append(GroundingSample(i, text, parsed.reasoning, anchor, signal=anchor.signal))
+            timings.update({f"samples_{k}": v for k, v in st.items()})
+            timings["samples_s"] = time.perf_counter() - t1
+        return SampledGrounding(greedy=greedy, samples=out, timings=timings, seed=seed)
 
     def __repr__(self) -> str:
         extra = f", adapter={self.adapter_dir}" if self.adapter_dir else ""
