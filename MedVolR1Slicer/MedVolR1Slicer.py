@@ -15,11 +15,13 @@ and storage-node classes and ``slicer.util``'s array helpers, which 3D Slicer an
 """
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -38,6 +40,7 @@ from slicer.util import VTKObservationMixin
 
 from MedVolR1SlicerLib import install, params
 from MedVolR1SlicerLib.client import WorkerError, python_for_worker
+from MedVolR1SlicerLib.consensus import agreement_level, agreement_segment_name, confidence_text
 from MedVolR1SlicerLib.corrections import (MAX_OBJECTS, CorrectionBox, CorrectionPoint, build_anchor,
                                            parse_point_label, point_label, prompts_from_anchor, range_text)
 from MedVolR1SlicerLib.guibinding import GuiBinding
@@ -123,6 +126,9 @@ class MedVolR1SlicerParameterNode:
     rangeEnd: int = -1
     correctionObject: int = 0  # the object Add box here and new points are for (0: a new object)
     negativePoints: bool = False  # new points mark the outside of the object
+    consensus: int = 1  # Advanced: answers per Segment (1: off)
+    confidence: str = ""  # how sure the model was about the last result (MedVolR1SlicerLib.consensus)
+    agreementSegmentId: str = ""  # the last result's "… agreement ≥ k/G" segment, if any
 
 
 # ---- widget ----------------------------------------------------------------------------------
@@ -345,6 +351,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             radio.setChecked(True)
         self.ui.keySliceLabel.text = self.logic.keySliceText(p)
         self.ui.reasoningEdit.setPlainText(p.reasoning)
+        self.ui.confidenceLabel.text = p.confidence or "–"
         self.ui.rangeLabel.text = self.logic.rangeText(p)
         if self.ui.negativePointsButton.checked != bool(p.negativePoints):
             blocked = self.ui.negativePointsButton.blockSignals(True)
@@ -510,7 +517,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         p = self._parameterNode
         try:
             return params.options_from_panel(p.preset, p.adapter, p.device, p.window, p.worker, p.remoteUrl,
-                                             self.ui.remoteTokenLineEdit.text)
+                                             self.ui.remoteTokenLineEdit.text, consensus=p.consensus)
         except ValueError as e:
             slicer.util.errorDisplay(str(e))
             return None
@@ -802,6 +809,7 @@ class _Undo:
     previous: object
     volume: object
     written: object
+    agreementId: str = ""  # the agreement segment the result added (Undo removes it too)
 
 
 class EditedSinceResult(ValueError):
@@ -957,8 +965,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             raise MedVolR1SlicerLogic._storageError(storage, f"could not read the mask {path}")
         return node
 
-    def readMask(self, path: str, volumeNode):
-        """The worker's mask as a ``(k, j, i)`` uint8 array on ``volumeNode``'s grid. A mask on any
+    def readMask(self, path: str, volumeNode, atLeast: int = 1):
+        """The worker's mask as a ``(k, j, i)`` uint8 0/1 array on ``volumeNode``'s grid: the voxels
+        whose value is at least ``atLeast`` (an agreement map holds counts 0..G). A mask on any
         other grid (another shape, spacing, origin or orientation) raises GeometryError: it would
         be painted onto the wrong voxels."""
         import numpy as np
@@ -977,7 +986,7 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         if not np.allclose(a, b, rtol=0, atol=1e-3 * max(1.0, float(np.abs(b).max()))):
             raise GeometryError(f"the mask does not lie on the grid of {volumeNode.GetName()} "
                                 "(its IJK→RAS matrix differs); was the volume changed while it was being segmented?")
-        return (slicer.util.arrayFromVolume(label) > 0).astype(np.uint8)
+        return (slicer.util.arrayFromVolume(label) >= max(1, int(atLeast))).astype(np.uint8)
 
     def exportVolume(self, volumeNode) -> str:
         """The volume as an uncompressed NIfTI the worker reads (same IJK grid and IJK→RAS;
@@ -1074,7 +1083,12 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             raise ValueError(problem)
         self.geometry(volume)  # refuse transformed volumes before the long run
         target = self._target(p, volume, self.existingSegmentId(p) if replaceExisting else "")
-        job = self.session.segment(self.exportVolume(volume), p.query, options)
+        # a local worker writes the consensus's agreement map where we say; a remote one only into
+        # its own output folder, so over HTTP the panel shows the confidence alone
+        agreement = ""
+        if options.consensus > 1 and options.worker == "local":
+            agreement = os.path.join(self.tempDir(), f"agreement-{uuid.uuid4().hex[:12]}.nii.gz")
+        job = self.session.segment(self.exportVolume(volume), p.query, options, agreement=agreement)
         job.finished.connect(lambda j: self._finish(p, target, j, [], onFinished))
         return job
 
@@ -1153,6 +1167,13 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         rois, k = rois_from_anchor(geo, anchor)
         prompts, zRange = prompts_from_anchor(geo, anchor)  # the corrections that ran (medvol.anchor/2)
         mask = self.readMask(result["mask_path"], volumeNode)
+        agreement, samples = None, int(result.get("consensus") or 1)
+        if result.get("agreement_path"):
+            agreement = self.readMask(result["agreement_path"], volumeNode, atLeast=agreement_level(samples))
+            with contextlib.suppress(OSError):
+                os.remove(result["agreement_path"])  # ours, in the module's temporary folder
+        elif samples > 1:
+            notes.append("no agreement map came back (a remote worker writes it only into its output folder)")
 
         segNode = target.segmentation
         if segNode is None:
@@ -1173,7 +1194,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             segmentId = segmentation.AddEmptySegment("", name)
             previous = None
         slicer.util.updateSegmentBinaryLabelmapFromArray(mask, segNode, segmentId, volumeNode)
-        self._undo = _Undo(segNode, segmentId, previous, volumeNode, self._packed(segNode, segmentId, volumeNode))
+        agreementId = self._replaceAgreement(p, segNode, volumeNode, agreement, anchor.get("query") or target.query,
+                                             samples, keep=segmentId)
+        self._undo = _Undo(segNode, segmentId, previous, volumeNode, self._packed(segNode, segmentId, volumeNode),
+                           agreementId)
+        p.confidence = confidence_text(result)
         p.outputSegmentation = segNode
         p.segmentId = segmentId
         p.resultVolume = volumeNode
@@ -1185,6 +1210,26 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         p.boxesEdited = False
         self.showKeySlice(volumeNode, anchor)
         return notes
+
+    @staticmethod
+    def _replaceAgreement(p, segNode, volumeNode, agreement, query: str, samples: int, keep: str) -> str:
+        """Drop the last result's agreement segment (it described that result's answers) and add
+        this one's, ``"<query> agreement ≥ k/G"``, from ``agreement`` (a 0/1 array of the voxels at
+        least k samples include; None: no consensus). Returns the new segment's id or ''."""
+        segmentation = segNode.GetSegmentation()
+        old = p.agreementSegmentId
+        if old and old != keep and segmentation.GetSegment(old) is not None:
+            segmentation.RemoveSegment(old)
+        p.agreementSegmentId = ""
+        if agreement is None:
+            return ""
+        existing = [segmentation.GetNthSegment(i).GetName() for i in range(segmentation.GetNumberOfSegments())]
+        name = params.unique_name(agreement_segment_name(query, agreement_level(samples), samples), existing)
+        segmentId = segmentation.AddEmptySegment("", name)
+        segmentation.GetSegment(segmentId).SetColor(1.0, 0.75, 0.2)
+        slicer.util.updateSegmentBinaryLabelmapFromArray(agreement, segNode, segmentId, volumeNode)
+        p.agreementSegmentId = segmentId
+        return segmentId
 
     @staticmethod
     def _packed(segNode, segmentId, volumeNode):
@@ -1227,6 +1272,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             u.segmentation.GetSegmentation().RemoveSegment(u.segmentId)
         else:
             slicer.util.updateSegmentBinaryLabelmapFromArray(u.previous, u.segmentation, u.segmentId, u.volume)
+        if u.agreementId and u.segmentation.GetSegmentation().GetSegment(u.agreementId) is not None:
+            u.segmentation.GetSegmentation().RemoveSegment(u.agreementId)
         return True
 
     # -- the scene around the result --

@@ -12,6 +12,8 @@ For each case the run writes, in this order and each atomically (temporary name 
 - ``DIR/<id>/mask.nii.gz``  the 3-D mask on the CT's grid,
 - ``DIR/<id>/anchor.json``  the evidence anchor (schema ``medvol.anchor/1``),
 - ``DIR/<id>/qc.png``       the QC picture,
+- ``DIR/<id>/agreement.nii.gz``  with ``--consensus G`` (G ≥ 2): per voxel, how many of the G samples
+  include it (0..G, on the CT's grid),
 - ``DIR/<id>/done.json``    status, seconds, metrics and anchor summary: written LAST.
 
 A case whose query the model answers with "not present in this CT" finishes with status ``absent``:
@@ -44,9 +46,10 @@ named ``summary.shard-I-of-N.csv`` / ``.html`` (``summary.csv`` / ``summary.html
 
 The summary covers every case of the shard, including those skipped by ``--resume`` (read back
 from their ``done.json``). ``summary.csv`` has exactly the columns
-``id,status,error,slice,boxes,seconds,dice,iou`` (``status`` ``done``, ``absent`` or ``failed``; ``boxes`` is
-the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``; an absent case is scored
-as an all-zero mask, so Dice is 0 when the ground truth has the target and 1 when it has none).
+``id,status,error,slice,boxes,seconds,dice,iou,confidence`` (``status`` ``done``, ``absent`` or ``failed``;
+``boxes`` is the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``; an absent case is
+scored as an all-zero mask, so Dice is 0 when the ground truth has the target and 1 when it has none;
+``confidence`` the agreement of the case's samples with ``--consensus``, empty without).
 The exit code is 0 when no case failed: ``absent`` is an answer, not a failure.
 """
 
@@ -78,9 +81,11 @@ from .strictjson import DuplicateKeyError, unique_keys
 log = logging.getLogger(__name__)
 
 CASE_SCHEMA = "medvol.batch-case/1"
-SUMMARY_COLUMNS = ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou")
+SUMMARY_COLUMNS = ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou", "confidence")
 OUTPUTS = ("mask.nii.gz", "anchor.json", "qc.png")
 FINISHED = ("done", "absent")  # statuses of a complete case
+AGREEMENT = "agreement.nii.gz"  # with --consensus G ≥ 2
+_CASE_FILES = OUTPUTS + (AGREEMENT,)
 DONE, ERROR = "done.json", "error.json"
 REQUIRED_FIELDS = ("id", "volume", "query")
 OPTIONAL_FIELDS = ("gt", "label")
@@ -109,13 +114,16 @@ class Case:
     index: int = 0
     line: int = 0
 
-    def fingerprint(self, preset: str = "", adapter=None) -> dict:
+    def fingerprint(self, preset: str = "", adapter=None, consensus: int = 1, consensus_mask: str = "greedy") -> dict:
         """What a finished case must match to be skipped by ``--resume``: its fields, the model,
-        and what its volume and ground truth files are now (:func:`input_state`), so a CT
-        replaced at the same path runs again."""
-        return {"volume": str(self.volume), "query": self.query, "gt": str(self.gt) if self.gt else None,
-                "label": self.label, "preset": preset, "adapter": str(adapter) if adapter else None,
-                "volume_state": input_state(self.volume), "gt_state": input_state(self.gt) if self.gt else None}
+        the consensus (when G > 1), and what its volume and ground truth files are now
+        (:func:`input_state`), so a CT replaced at the same path runs again."""
+        d = {"volume": str(self.volume), "query": self.query, "gt": str(self.gt) if self.gt else None,
+             "label": self.label, "preset": preset, "adapter": str(adapter) if adapter else None,
+             "volume_state": input_state(self.volume), "gt_state": input_state(self.gt) if self.gt else None}
+        if consensus > 1:
+            d.update(consensus=consensus, consensus_mask=consensus_mask)
+        return d
 
 
 _DETACHED_DATA_RE = re.compile(rb"^\s*(?:ElementDataFile\s*=|data file\s*:)\s*(\S[^\r\n]*?)\s*$", re.IGNORECASE | re.MULTILINE)
@@ -382,10 +390,12 @@ def completed_record(case_dir: Path, case: Case, fingerprint: Optional[dict] = N
     d = _read_json(case_dir / DONE)
     if not d or d.get("status") not in FINISHED or d.get("id") != case.id:
         return None
-    listed = d.get("outputs") if d.get("status") == "absent" else OUTPUTS
-    if not isinstance(listed, list) or not set(OUTPUTS[1:]) <= set(listed) or not set(listed) <= set(OUTPUTS):
+    outputs = d.get("outputs") if isinstance(d.get("outputs"), list) else []
+    listed = outputs if d.get("status") == "absent" else OUTPUTS
+    if not set(OUTPUTS[1:]) <= set(listed) or not set(listed) <= set(_CASE_FILES):
         listed = OUTPUTS
-    if not all((case_dir / name).is_file() for name in listed):
+    extra = (AGREEMENT,) if AGREEMENT in outputs else ()  # written with --consensus
+    if not all((case_dir / name).is_file() for name in tuple(n for n in listed if n != AGREEMENT) + extra):
         return None
     if fingerprint is not None and d.get("case") != fingerprint:
         return None
@@ -393,7 +403,7 @@ def completed_record(case_dir: Path, case: Case, fingerprint: Optional[dict] = N
 
 
 def _has_outputs(case_dir: Path) -> bool:
-    return case_dir.is_dir() and any((case_dir / n).exists() for n in OUTPUTS + (DONE, ERROR))
+    return case_dir.is_dir() and any((case_dir / n).exists() for n in _CASE_FILES + (DONE, ERROR))
 
 
 def _clear_case(case_dir: Path) -> None:
@@ -404,13 +414,13 @@ def _clear_case(case_dir: Path) -> None:
     if os.path.islink(case_dir):
         raise OutputError(f"the case folder {case_dir} is a symbolic link; medvol batch never writes or deletes "
                           "through a link")
-    for name in (DONE, ERROR) + OUTPUTS:
+    for name in (DONE, ERROR) + _CASE_FILES:
         try:
             (case_dir / name).unlink()
         except FileNotFoundError:
             pass
     if case_dir.is_dir():
-        for name in OUTPUTS + (DONE, ERROR):
+        for name in _CASE_FILES + (DONE, ERROR):
             remove_stale_temporaries(case_dir / name)  # a killed run's (fileio.atomic_path names them with its pid)
             for tmp in case_dir.glob(f".{name}.*.part*"):  # those of versions that named no pid
                 if _LEGACY_TMP_RE.match(tmp.name[len(name) + 2:]):
@@ -438,6 +448,8 @@ class BatchOptions:
     sample: bool = False
     ct_window: Optional[str] = None
     stop_after_empty: Optional[int] = None  # None: the pipeline's default (DEFAULT_STOP_AFTER_EMPTY)
+    consensus: int = 1  # G samples per case (1: off); G ≥ 2 writes agreement.nii.gz and a confidence
+    consensus_mask: str = "greedy"
     shard: Optional[Tuple[int, int]] = None
     resume: bool = False
     overwrite: bool = False
@@ -479,6 +491,19 @@ def plan_batch(manifest, out_dir, options: Optional[BatchOptions] = None, preset
     plan = _check_batch_inputs(manifest, out_dir, opts)
     _plan_cases(plan, opts, preset)
     return plan
+
+
+def _check_consensus(opts: BatchOptions) -> None:
+    from .consensus import check_mask_mode
+    from .grounder import check_samples
+
+    check_samples(opts.consensus, "--consensus")
+    check_mask_mode(opts.consensus_mask, "--consensus-mask")
+    if opts.consensus_mask != "greedy" and opts.consensus < 2:
+        raise InputError(f"--consensus-mask {opts.consensus_mask} needs --consensus G (G ≥ 2)")
+    if opts.consensus > 1 and opts.sample:
+        raise InputError("--sample and --consensus do not go together: a consensus samples its own answers after "
+                         "the greedy one")
 
 
 def _check_batch_inputs(manifest, out_dir, opts: BatchOptions) -> BatchPlan:
@@ -555,7 +580,7 @@ def _plan_cases(plan: BatchPlan, opts: BatchOptions, preset: str) -> None:
     for c in plan.mine:
         cdir = out / c.id
         if opts.resume:
-            rec = completed_record(cdir, c, c.fingerprint(preset, opts.adapter))
+            rec = completed_record(cdir, c, c.fingerprint(preset, opts.adapter, opts.consensus, opts.consensus_mask))
             if rec is not None:
                 plan.done_before[c.id] = rec
                 continue
@@ -582,6 +607,7 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         from .propagation import check_stop_after_empty
 
         check_stop_after_empty(opts.stop_after_empty, "--stop-after-empty")
+    _check_consensus(opts)
     plan = _check_batch_inputs(manifest, out_dir, opts)
 
     from .windowing import get_window
@@ -680,7 +706,12 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         "cases_per_minute": round(60.0 * ran / seconds, 3) if ran and seconds > 0 else None,
         "summary_csv": str(out / csv_name), "summary_html": str(out / html_name),
         "failures": [{"id": r["id"], "error": r["error"]} for r in rows if r["status"] == "failed"],
+        "consensus": opts.consensus, "consensus_mask": opts.consensus_mask,
     }
+    confidences = [r["confidence"] for r in rows if r.get("confidence") is not None]
+    if confidences:  # agreement of each case's samples: not accuracy
+        info["confidence"] = {"cases": len(confidences), "mean": round(sum(confidences) / len(confidences), 4),
+                              "min": min(confidences)}
     if smoke:
         info["notice"] = "made with the untrained 'tiny' smoke model: anchors, masks and metrics are meaningless"
     elif identity_note(identity):
@@ -710,13 +741,14 @@ def _row_from_done(d: dict) -> dict:
     return _row(d["id"], d.get("status", "done"), "", a.get("slice"), a.get("n_boxes"), d.get("seconds"), m.get("dice"),
                 m.get("iou"),
                 _query=d.get("case", {}).get("query", ""), _reasoning=d.get("reasoning", ""), _smoke=d.get("smoke"),
-                _skipped=True, _run_seconds=None)
+                _skipped=True, _run_seconds=None, confidence=d.get("confidence"),
+                _agreement=AGREEMENT in (d.get("outputs") or []))
 
 
 def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress) -> dict:
     """Segment one case and write its files; any failure is recorded in ``error.json``."""
     t0 = time.perf_counter()
-    fingerprint = c.fingerprint(pipe.preset, opts.adapter)  # before the volume is read: a file replaced later reruns
+    fingerprint = c.fingerprint(pipe.preset, opts.adapter, opts.consensus, opts.consensus_mask)  # before the volume is read: a file replaced later reruns
     try:
         _clear_case(cdir)
     except OutputError as e:  # a case folder swapped for a link after planning: nothing written into it
@@ -728,7 +760,8 @@ def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress
         rec = _segment_case(c, cdir, pipe, opts, hu_window, progress, fingerprint, t0)
         return _row(c.id, rec["status"], "", rec["anchor"]["slice"], rec["anchor"]["n_boxes"], rec["seconds"],
                     (rec["metrics"] or {}).get("dice"), (rec["metrics"] or {}).get("iou"), _query=c.query,
-                    _reasoning=rec["reasoning"], _smoke=rec["smoke"], _skipped=False, _run_seconds=rec["seconds"])
+                    _reasoning=rec["reasoning"], _smoke=rec["smoke"], _skipped=False, _run_seconds=rec["seconds"],
+                    confidence=rec.get("confidence"), _agreement=AGREEMENT in rec["outputs"])
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - one case's failure must not stop the run
@@ -764,9 +797,12 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
                              "they must be on the same grid")
         target = label_mask(labels, c.label)
     request = SegmentRequest(query=c.query, hu_window=hu_window, stop_after_empty=opts.stop_after_empty,
-                             sample=opts.sample, seed=opts.seed, reference=target, qc_title=f"{c.id} · query: {c.query}")
+                             sample=opts.sample, seed=opts.seed, reference=target, qc_title=f"{c.id} · query: {c.query}",
+                             consensus=opts.consensus, consensus_mask=opts.consensus_mask)
+    agreement = cdir / AGREEMENT if opts.consensus > 1 else None
     outputs = SegmentOutputs(cdir / OUTPUTS[0], anchor=cdir / OUTPUTS[1], qc=cdir / OUTPUTS[2], overwrite=True,
-                             names=OUTPUTS, empty_mask_on_absent=opts.empty_mask_on_absent)
+                             names=OUTPUTS, empty_mask_on_absent=opts.empty_mask_on_absent, agreement=agreement,
+                             agreement_name=AGREEMENT)
     res = run_segment_job(pipe, stack, request, outputs, inputs=[("volume", c.volume), ("gt", c.gt)],
                           progress=progress)
     a = res["anchor"]
@@ -778,7 +814,9 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
         "anchor": {"slice": a["slice"], "n_boxes": len(a["boxes"]), "boxes": [list(b) for b in a["boxes"]]},
         "reasoning": res["reasoning"], "mask_voxels": res["mask_voxels"], "smoke": res["smoke"],
         "identity": res.get("identity"),
-        "notes": res["notes"], "outputs": written, "propagation": res["propagation"],
+        "notes": res["notes"], "outputs": written + ([AGREEMENT] if res["agreement_out"] else []),
+        "propagation": res["propagation"], "answer_mean_prob": res["answer_mean_prob"],
+        "consensus": res["consensus"], "consensus_mask": res["consensus_mask"], "confidence": res["confidence"],
         "timings": {k: v for k, v in res["timings"].items() if isinstance(v, float)},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -798,7 +836,7 @@ def _fmt(v, digits: Optional[int] = None) -> str:
 
 def summary_csv_rows(rows: Sequence[dict]) -> List[List[str]]:
     return [[r["id"], r["status"], r["error"] or "", _fmt(r["slice"]), _fmt(r["boxes"]), _fmt(r["seconds"], 2),
-             _fmt(r["dice"], 4), _fmt(r["iou"], 4)] for r in rows]
+             _fmt(r["dice"], 4), _fmt(r["iou"], 4), _fmt(r.get("confidence"), 3)] for r in rows]
 
 
 def write_summary_csv(path: Path, rows: Sequence[dict]) -> Path:
@@ -861,9 +899,12 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
             if r["dice"] is not None:
                 metrics.append(f"Dice {r['dice']:.4f}, IoU {r['iou']:.4f}")
             metrics.append(f"key slice {r['slice']}, {r['boxes']} box(es)")
+            if r.get("confidence") is not None:
+                metrics.append(f"confidence {r['confidence']:.3f} (agreement of the model's samples, not accuracy)")
             metrics.append(f"{_fmt(r['seconds'], 2)} s" + (" (from an earlier run)" if r.get("_skipped") else ""))
+            agreement = f" · <a href=\"{link}/{AGREEMENT}\">agreement</a>" if r.get("_agreement") else ""
             parts.append(f"<p class=\"meta\">{esc(' · '.join(metrics))} · <a href=\"{link}/mask.nii.gz\">mask</a> · "
-                         f"<a href=\"{link}/anchor.json\">anchor</a></p>")
+                         f"<a href=\"{link}/anchor.json\">anchor</a>{agreement}</p>")
             parts.append(f"<img src=\"{link}/qc.png\" alt=\"QC picture of {esc(cid)}\" loading=\"lazy\">")
             parts.append(f"<div class=\"reasoning\"><b>reasoning:</b> {esc(r.get('_reasoning') or '(none)')}</div>")
         elif r["status"] == "absent":

@@ -116,8 +116,11 @@ def parse_remote_url(url: str) -> str:
 
 
 def options_from_panel(preset: str, adapter: str = "", device: str = "auto", window="soft_tissue",
-                       worker: str = "local", remote_url: str = "", remote_token: str = "") -> Options:
+                       worker: str = "local", remote_url: str = "", remote_token: str = "",
+                       consensus: int = 1) -> Options:
     """Validated :class:`Options` from the panel's plain values (raises ValueError with a message)."""
+    from .consensus import check_consensus
+
     if device not in DEVICES and not re.match(r"^cuda:\d+$", device or ""):
         raise ValueError(f"device must be one of {', '.join(DEVICES)} or cuda:N, got {device!r}")
     if worker not in ("local", "remote"):
@@ -125,7 +128,8 @@ def options_from_panel(preset: str, adapter: str = "", device: str = "auto", win
     preset = (preset or "").strip() or DEFAULTS["preset"]
     url = parse_remote_url(remote_url) if worker == "remote" else ""
     return Options(preset=preset, adapter=(adapter or "").strip(), device=device, window=parse_window(window),
-                   worker=worker, remote_url=url, remote_token=(remote_token or "").strip())
+                   worker=worker, remote_url=url, remote_token=(remote_token or "").strip(),
+                   consensus=check_consensus(consensus))
 
 
 def progress_text(stage: Optional[str], fraction: float, message: str = "") -> Tuple[int, str]:

@@ -33,6 +33,7 @@ class Options:
     remote_token: str = ""
     seed: Optional[int] = None
     extra_worker_args: List[str] = field(default_factory=list)
+    consensus: int = 1  # answers per segment request (1: off); see MedVolR1SlicerLib.consensus
 
     def model_key(self) -> tuple:
         return (self.preset, self.adapter or None, self.device)
@@ -50,9 +51,16 @@ def check_query(query: str) -> str:
     return q
 
 
-def segment_fields(volume_path: str, query: str, options: Options) -> dict:
-    return {"volume": str(volume_path), "query": check_query(query), "preset": options.preset,
-            "window": options.window, "seed": options.seed}
+def segment_fields(volume_path: str, query: str, options: Options, agreement: str = "") -> dict:
+    """A ``segment`` request; with a consensus (``options.consensus`` > 1) also ``consensus`` and,
+    when given, ``agreement``: where the worker writes the agreement map."""
+    fields = {"volume": str(volume_path), "query": check_query(query), "preset": options.preset,
+              "window": options.window, "seed": options.seed}
+    if options.consensus > 1:
+        fields["consensus"] = int(options.consensus)
+        if agreement:
+            fields["agreement"] = str(agreement)
+    return fields
 
 
 ANCHOR_SCHEMAS = ("medvol.anchor/1", "medvol.anchor/2")  # /2: with correction prompts or a slice range
@@ -142,8 +150,8 @@ class Session:
             self._set_state(IDLE)
         self.finished.emit(job)
 
-    def segment(self, volume_path: str, query: str, options: Options) -> Job:
-        return self._run("segment", segment_fields(volume_path, query, options), options)
+    def segment(self, volume_path: str, query: str, options: Options, agreement: str = "") -> Job:
+        return self._run("segment", segment_fields(volume_path, query, options, agreement), options)
 
     def propagate(self, volume_path: str, anchor: dict, options: Options) -> Job:
         return self._run("propagate", propagate_fields(volume_path, anchor, options), options)

@@ -308,8 +308,13 @@ def test_budget_guard_closes_long_reasoning_in_time(tiny_dir, stack):
     assert forced > 0  # the random model never closes on its own: the guard did
 
 
-def test_ground_greedy_on_tiny_model(grounder, stack):
-    r = grounder.ground(stack, QUERY, max_new_tokens=120)
+@pytest.fixture(scope="session")
+def greedy_120(grounder, stack):
+    return grounder.ground(stack, QUERY, max_new_tokens=120)
+
+
+def test_ground_greedy_on_tiny_model(grounder, stack, greedy_120):
+    r = greedy_120
     assert r.anchor.source == "grounder" and r.anchor.query == QUERY
     assert r.anchor.image_size == [stack.width, stack.height]
     assert r.anchor.slice in r.shown_slices and r.anchor.world is not None
@@ -321,6 +326,105 @@ def test_ground_greedy_on_tiny_model(grounder, stack):
     assert r.timings["prefill_s"] > 0 and r.timings["decode_s"] > 0 and 0 < r.timings["new_tokens"] <= 120
     r2 = grounder.ground(stack, QUERY, max_new_tokens=120)
     assert r2.raw_text == r.raw_text  # greedy is deterministic
+    sig = r.anchor.signal  # the answer's token signal, from the decoder's own scores
+    assert sig == r2.anchor.signal and 0 < sig["answer_scored_tokens"] < r.timings["new_tokens"]
+    assert sig["answer_mean_prob"] == pytest.approx(np.exp(sig["answer_mean_logprob"]), abs=1e-6)
+    assert 0 < sig["answer_mean_prob"] <= 1 and r.anchor.to_dict()["answer_mean_prob"] == sig["answer_mean_prob"]
+
+
+# ---- consensus: G answers from one prefill, and the answer signal ------------------------------------
+
+@pytest.fixture(scope="session")
+def small_stack(small_ct) -> AxialStack:
+    """8 slices: a prompt of 8 images, so that decoding several rows stays cheap."""
+    return AxialStack(load_volume(small_ct[0]))
+
+
+def test_samples_continue_from_the_greedy_answers_prompt_cache(grounder, small_stack):
+    """The greedy call's cache, cut back to the prompt, is what a fresh prefill gives, and greedy
+    decoding from it in 2 rows gives the greedy answer again (3-D positions and all)."""
+    inputs, shown = grounder.build_inputs(small_stack, QUERY)
+    grounder._keep_prefix = True
+    try:
+        text, info = grounder._generate_text(inputs, shown, constrain=True, do_sample=False, seed=None,
+                                             max_new_tokens=100)
+    finally:
+        grounder._keep_prefix = False
+    prefix = info["_prefix"]
+    assert prefix.get_seq_length() == inputs["input_ids"].shape[1] - 1
+    fresh, _ = grounder._prefix_cache(inputs)
+    for mine, theirs in zip(prefix.layers, fresh.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-4)
+    rows, timings, _ = grounder._generate_rows(inputs, shown, constrain=True, do_sample=False, seed=None,
+                                               max_new_tokens=100, rows=2, prefix=prefix)
+    assert [r[0] for r in rows] == [text, text]
+    for _text, _ids, signal in rows:
+        assert signal["answer_scored_tokens"] == info["answer_signal"]["answer_scored_tokens"]
+        assert signal["answer_mean_logprob"] == pytest.approx(info["answer_signal"]["answer_mean_logprob"], abs=1e-4)
+
+
+def test_ground_samples_encode_the_slices_once_and_start_with_the_greedy_answer(grounder, small_stack):
+    images = []
+    hook = grounder.model.model.visual.register_forward_hook(lambda m, args, out: images.append(args[0].shape[0]))
+    try:
+        sg = grounder.ground_samples(small_stack, QUERY, 3, seed=3, max_new_tokens=100)
+    finally:
+        hook.remove()
+    assert len(images) == 1  # the 8 slices went through the vision encoder once for all 3 answers
+    greedy = grounder.ground(small_stack, QUERY, max_new_tokens=100)
+    assert [s.index for s in sg.samples] == [1, 2, 3]
+    assert sg.samples[0].raw_text == sg.greedy.raw_text == greedy.raw_text
+    assert sg.samples[0].anchor is sg.greedy.anchor and sg.greedy.anchor.signal == greedy.anchor.signal
+    assert sg.timings["samples_shared_prefill"] is True and sg.timings["samples_own_prefill_s"] == 0.0
+    for s in sg.samples[1:]:
+        assert s.raw_text.startswith("<think>")
+        if s.usable:
+            assert s.anchor.absent or s.anchor.slice in greedy.shown_slices
+            assert s.signal and 0 < s.signal["answer_mean_prob"] <= 1
+        else:
+            assert s.error
+    with pytest.raises(InputError, match="1 to 8"):
+        grounder.ground_samples(small_stack, QUERY, 9)
+
+
+def test_answer_signal_scores_the_answer_tokens_the_grammar_left_open(grounder):
+    tok = grounder.tokenizer
+    ids = grounder._encode_text("<think>no cyst</think><answer>[]</answer>") + [grounder._ids["<|im_end|>"]]
+    close = ids.index(tok.convert_tokens_to_ids("</think>"))
+    logprobs = [-0.1 * (i + 1) for i in range(len(ids))]
+    allowed = [7] * len(ids)
+    allowed[close + 2] = 1  # forced by the grammar: not a choice
+    sig = grounder._answer_signal(ids, logprobs, allowed)
+    picked = [logprobs[i] for i in range(close + 1, len(ids) - 1) if i != close + 2]  # no stop token
+    assert sig["answer_scored_tokens"] == len(picked) >= 2
+    assert sig["answer_mean_logprob"] == pytest.approx(sum(picked) / len(picked), abs=1e-6)
+    assert grounder._answer_signal(ids, logprobs, [1] * len(ids)) is None  # every token forced
+
+
+def test_step_processor_records_each_chosen_tokens_log_probability():
+    from medvolcore.grounder._logits import StepProcessor
+
+    scores = [torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 0.0, 0.0, 0.0]]),
+              torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 5.0, 0.0, 0.0]])]
+    chosen = torch.tensor([[2, 0], [0, 1]])
+
+    class Mask:  # a guide that allows tokens 0 and 2 only, on row 0
+        def __call__(self, input_ids, s):
+            s = s.clone()
+            s[0, 1] = s[0, 3] = float("-inf")
+            return s
+
+    step = StepProcessor(Mask())
+    prompt = torch.zeros((2, 3), dtype=torch.long)
+    step(prompt, scores[0].clone())
+    step(torch.cat([prompt, chosen[:, :1]], 1), scores[1].clone())
+    lp, allowed = step.token_logprobs(chosen)
+    assert allowed == [[2, 2], [4, 4]]
+    want0 = [torch.log_softmax(torch.tensor([0.0, 2.0]), 0)[1], torch.log_softmax(torch.tensor([1.0, 1.0]), 0)[0]]
+    want1 = [torch.log_softmax(scores[0][1], 0)[0], torch.log_softmax(scores[1][1], 0)[1]]
+    assert lp[0] == pytest.approx([float(v) for v in want0], abs=1e-6)
+    assert lp[1] == pytest.approx([float(v) for v in want1], abs=1e-6)
 
 
 def test_checkpoint_generation_config_does_not_leak_into_decoding(grounder, ct_inputs):

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from .common import add_preset_option, add_stop_option, seed_arg, terminal_safe
+from .common import add_consensus_options, add_preset_option, add_stop_option, seed_arg, terminal_safe
 
 HELP = "Segment every case of a manifest (CSV or JSONL); resumable, shardable, with a summary table and page."
 
@@ -30,8 +30,9 @@ as finished only with it); a failed case gets DIR/<id>/error.json and the run co
 A case the model answers with "not present in this CT" finishes with status 'absent': its
 anchor.json and qc.png say so and no mask.nii.gz is written (--empty-mask-on-absent writes an
 all-zero one).
-DIR/summary.csv (id,status,error,slice,boxes,seconds,dice,iou) and DIR/summary.html; with
---shard I/N they are summary.shard-I-of-N.csv/.html.
+DIR/summary.csv (id,status,error,slice,boxes,seconds,dice,iou,confidence) and DIR/summary.html;
+with --shard I/N they are summary.shard-I-of-N.csv/.html. With --consensus G (G >= 2) each case
+also gets DIR/<id>/agreement.nii.gz and a confidence (agreement of its samples, not accuracy).
 
 --shard I/N (1-based I) takes the cases at 0-based manifest positions p with p % N == I-1.
 
@@ -61,6 +62,7 @@ def add_batch_command(sub, add):
     add_stop_option(sp)
     sp.add_argument("--empty-mask-on-absent", action="store_true",
                     help="for a case the model answers 'not present', still write mask.nii.gz, all zero")
+    add_consensus_options(sp, agreement=None)
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return sp
 
@@ -73,6 +75,10 @@ def _text(info: dict) -> str:
     lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info['absent']} not found in their CT, "
                  f"{info['failed']} failed, "
                  f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
+    if info.get("confidence"):
+        c = info["confidence"]
+        lines.append(f"confidence over {c['cases']} case(s): mean {c['mean']:.3f}, lowest {c['min']:.3f} "
+                     f"(agreement of {info['consensus']} samples per case, not accuracy)")
     for f in info["failures"]:
         lines.append(terminal_safe(f"failed {f['id']}: {f['error']}", one_line=True))
     lines.append(f"summary: {info['summary_csv']}, {info['summary_html']}")
@@ -84,7 +90,7 @@ def cmd_batch(args) -> int:
 
     opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
                         sample=args.sample, ct_window=args.ct_window, stop_after_empty=args.stop_after_empty,
-                        shard=parse_shard(args.shard),
+                        consensus=args.consensus, consensus_mask=args.consensus_mask, shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                         empty_mask_on_absent=args.empty_mask_on_absent)
 

@@ -14,6 +14,9 @@ Public API
 ``grounder.ground(stack, query, *, constrain=True, do_sample=False, seed=None, max_new_tokens=None,
 retries=2, window=None) -> GroundingResult``
     one answer as an :class:`~medvolcore.anchor.EvidenceAnchor` (source ``"grounder"``).
+``grounder.ground_samples(stack, query, G, *, seed=None, ...) -> SampledGrounding``
+    G answers for a consensus: the greedy one (exactly ``ground``'s), then G − 1 sampled ones,
+    all from one encoding of the slices (see "Several answers from one prefill" below).
 :mod:`medvolcore.grounder.prompt` (:func:`answer_grammar`, :func:`plan_budget`, :func:`validate_query`, …)
     the pure pieces, for training code and tests.
 
@@ -53,6 +56,30 @@ an answer that does not parse, names a slice that was not shown, or has no usabl
 retried with sampling (seed ``seed + attempt``) up to ``retries`` times, then a
 :class:`~medvolcore.errors.GenerationError` carries the raw text. In both modes boxes with
 swapped corners are reordered and boxes of zero width or height dropped, each with a note.
+
+Several answers from one prefill
+--------------------------------
+``generate`` with ``num_return_sequences=G`` (or a batch of G copies of the prompt) repeats the
+inputs, images included, before the first forward: the vision encoder and the ~4 300-token prefill
+would run G times. Instead the greedy ``generate`` call returns its cache (``return_dict_in_generate``);
+it is cut back to the prompt's first ``L − 1`` tokens (``DynamicCache.crop``), repeated to G − 1 rows
+(``batch_repeat_interleave``) and handed to one sampling ``generate`` call with the prompt's ids and
+token kinds but no pixels: transformers then runs only the uncached last prompt token (G − 1 rows)
+and the new tokens, and Qwen3-VL takes the 3-D positions of the rest from the ``rope_deltas`` of the
+prefill. A retry of an unusable answer continues from the same cache. The greedy answer is decoded
+alone (batch 1), so it is the answer ``ground`` gives, bit for bit; the samples cost one decode of
+G − 1 rows. The grammar guide keeps one matcher per row.
+
+The answer signal
+-----------------
+:class:`~medvolcore.grounder._logits.StepProcessor` keeps, per row and step, the log-probability
+of the chosen token under the scores it returns (the grammar's mask applied, before temperature,
+top-k or top-p) and how many tokens those scores allowed. :meth:`QwenVLGrounder._answer_signal`
+averages it over the answer (the tokens after ``</think>``, without the stop token and without
+the tokens the grammar forced): ``answer_mean_logprob`` and ``answer_mean_prob`` (its exp, a
+geometric-mean probability). It says how peaked the model's choice was among what the grammar
+allowed; it is not a probability that the answer is right (an untrained model can be confidently
+wrong). No second forward pass: these are the scores the decoder computed anyway.
 
 Timings are measured, not estimated: ``prefill_s`` is from the ``generate`` call to the first
 call of our logits processor (vision encoder + prompt forward + first logits), ``decode_s`` from
@@ -290,7 +317,8 @@ class QwenVLGrounder:
         self._ids = self._special_ids()
         self._xgr_state = None
         self._compiled: Dict[str, object] = {}
-        self._keep_prefix = False  # set by ground_samples around the greedy answer's generate call
+        self._keep_prefix = False  # set by _ground around its generate calls: hand back the prompt's cache
+        self._prefix_in = None  # set by _ground for a retry: the prompt's cache to continue from
 
     # -- loading -------------------------------------------------------------------------------
     @classmethod
@@ -664,11 +692,12 @@ class QwenVLGrounder:
         """One ``generate`` call → ``(text, info)``; the seam tests replace with canned texts.
 
         ``info`` holds the timings (``prefill_s``, ``decode_s``, ``new_tokens``, ``stopped``) and
-        ``answer_signal`` (:meth:`_answer_signal`); while :meth:`ground_samples` asks for it
-        (``_keep_prefix``), also ``_prefix``, the prompt's cache for the samples to continue from.
+        ``answer_signal`` (:meth:`_answer_signal`); while :meth:`_ground` asks for it
+        (``_keep_prefix``), also ``_prefix``, the prompt's cache for a retry or the samples to
+        continue from, and it continues from ``_prefix_in`` when that is set (a retry).
         """
         results, timings, cache = self._generate_rows(inputs, shown, constrain=constrain, do_sample=do_sample,
-                                                      seed=seed, max_new_tokens=max_new_tokens)
+                                                      seed=seed, max_new_tokens=max_new_tokens, prefix=self._prefix_in)
         text, _ids, signal = results[0]
         info = dict(timings, answer_signal=signal)
         if self._keep_prefix and cache is not None:
@@ -777,23 +806,39 @@ class QwenVLGrounder:
         return self._ground(stack, query, constrain=constrain, do_sample=do_sample, seed=seed,
                             max_new_tokens=max_new_tokens, retries=retries, window=window)[0]
 
-    def _ground(self, stack, query, *, constrain, do_sample, seed, max_new_tokens, retries, window):
-        """:meth:`ground`, also returning ``(inputs, shown, prefix)``: the prompt and, while
-        ``_keep_prefix`` is set, the last attempt's prompt cache (else None)."""
+    def _ground(self, stack, query, *, constrain, do_sample, seed, max_new_tokens, retries, window,
+                want_prefix: bool = False):
+        """:meth:`ground`, also returning ``(inputs, shown, prefix)``: the prompt and, with
+        ``want_prefix``, the prompt's cache (its first ``L - 1`` tokens; None when the generation
+        seam gave none). A retry continues from the first attempt's cache: the slices are encoded
+        and the prompt prefilled once per call, however many attempts it takes."""
         t_start = time.perf_counter()
         query, max_new_tokens = self._check_request(query, retries, max_new_tokens, seed)
         inputs, shown = self._single_inputs(stack, query, window)
         if constrain:
             plan_budget(shown, max_new_tokens, self.settings)  # fail early on a too-small budget
         prompt_s = time.perf_counter() - t_start
+        self._keep_prefix = want_prefix or retries > 0
+        try:
+            return self._attempts(stack, query, inputs, shown, constrain=constrain, do_sample=do_sample,
+                                  seed=seed, max_new_tokens=max_new_tokens, retries=retries, prompt_s=prompt_s,
+                                  t_start=t_start, want_prefix=want_prefix)
+        finally:
+            self._keep_prefix, self._prefix_in = False, None
+
+    def _attempts(self, stack, query, inputs, shown, *, constrain, do_sample, seed, max_new_tokens, retries,
+                  prompt_s, t_start, want_prefix):
+        """The attempts of :meth:`_ground` (its return value; :class:`GenerationError` when none is usable)."""
         failures: List[str] = []
         last_text = ""
         prefix = None
         for attempt in range(retries + 1):
             sample = do_sample or attempt > 0
             s = seed if attempt == 0 else (seed or 0) + attempt
+            self._prefix_in = prefix
             text, timings = self._generate_text(inputs, shown, constrain=constrain, do_sample=sample,
                                                 seed=s if sample else None, max_new_tokens=max_new_tokens)
+            self._prefix_in = None
             timings = dict(timings)
             prefix = timings.pop("_prefix", None) or prefix
             signal = timings.pop("answer_signal", None)
@@ -812,7 +857,7 @@ class QwenVLGrounder:
             timings.setdefault("new_tokens", 0)
             result = GroundingResult(anchor=anchor, reasoning=parsed.reasoning, raw_text=text, shown_slices=list(shown),
                                      timings=timings, notes=list(anchor.notes), attempts=attempt + 1)
-            return result, inputs, shown, prefix
+            return result, inputs, shown, (prefix if want_prefix else None)
         reasons = "; ".join(f"attempt {i + 1}: {r}" for i, r in enumerate(failures))
         err = GenerationError(
             f"the model gave no usable answer in {retries + 1} attempt(s) ({reasons}); last answer: "
@@ -835,12 +880,9 @@ class QwenVLGrounder:
         n = check_samples(samples)
         if seed is None:
             seed = 0
-        self._keep_prefix = n > 1
-        try:
-            greedy, inputs, shown, prefix = self._ground(stack, query, constrain=constrain, do_sample=False, seed=None,
-                                                         max_new_tokens=max_new_tokens, retries=retries, window=window)
-        finally:
-            self._keep_prefix = False
+        greedy, inputs, shown, prefix = self._ground(stack, query, constrain=constrain, do_sample=False, seed=None,
+                                                     max_new_tokens=max_new_tokens, retries=retries, window=window,
+                                                     want_prefix=n > 1)
         query = greedy.anchor.query
         out = [GroundingSample(1, greedy.raw_text, greedy.reasoning, greedy.anchor, signal=greedy.anchor.signal)]
         timings = {}

@@ -319,7 +319,7 @@ class Worker:
             raise ForbiddenError(f"'{what}' {value!r} is outside the server's data folder")
         return Path(full)
 
-    def output_path(self, value: str, transport: str) -> Path:
+    def output_path(self, value: str, transport: str, what: str = "out") -> Path:
         """Where a client's ``out`` goes. Over stdio: as given (``~`` expanded). Over HTTP: only
         with ``--out-dir``, relative to it, and refused unless its folder resolves inside it (a
         symbolic link out of the folder is not followed) and its last component is not a
@@ -330,25 +330,25 @@ class Worker:
         if transport != "http":
             return Path(os.path.expanduser(value))
         if self.out_dir is None:
-            raise ForbiddenError("'out' names a file on the server, which this server does not allow: the mask comes "
-                                 "back in the reply ('mask_b64'); an operator can allow one output folder with "
-                                 "`medvol serve --out-dir DIR`")
+            back = "the mask comes back in the reply ('mask_b64')" if what == "out" else "leave it out"
+            raise ForbiddenError(f"'{what}' names a file on the server, which this server does not allow: {back}; an "
+                                 "operator can allow one output folder with `medvol serve --out-dir DIR`")
         if not value or "\0" in value:
-            raise ForbiddenError("'out' is not a usable path")
+            raise ForbiddenError(f"'{what}' is not a usable path")
         root = str(self.out_dir)
         joined = os.path.normpath(os.path.join(root, value))
         parent = os.path.realpath(os.path.dirname(joined))
         if parent != root and os.path.commonpath([parent, root]) != root:
-            raise ForbiddenError(f"'out' {value!r} is outside the server's output folder")
+            raise ForbiddenError(f"'{what}' {value!r} is outside the server's output folder")
         full = os.path.join(parent, os.path.basename(joined))
         if os.path.islink(full):
-            raise ForbiddenError(f"'out' {value!r} is a symbolic link; name a new file in the output folder")
+            raise ForbiddenError(f"'{what}' {value!r} is a symbolic link; name a new file in the output folder")
         return Path(full)
 
     def _check_queued(self, req: dict, body: Optional[bytes], transport: str) -> None:
         """Cheap field checks done at arrival, so a malformed request is answered at once."""
         op = req["op"]
-        for name in ("preset", "adapter", "device", "out", "volume_b64"):
+        for name in ("preset", "adapter", "device", "out", "volume_b64", "agreement", "consensus_mask"):
             field(req, name, str)
         if transport == "http" and field(req, "adapter", str) is not None:
             raise ForbiddenError("'adapter' names a folder on the server, which HTTP clients may not choose; "
@@ -376,14 +376,17 @@ class Worker:
             raise RequestError(f"{op}: missing field 'volume' (a path to the CT"
                                + (", or 'volume_b64' / the request body with NIfTI bytes)" if transport == "http" else ")"))
         out = field(req, "out", str)
+        self._check_consensus(req, op)
+        agreement = field(req, "agreement", str)
         vol_path = self.client_path(volume, transport, "volume") if volume is not None else None
         out_path = self.output_path(out, transport) if out is not None else None
-        if out_path is not None:
-            from ..fileio import MASK_SUFFIXES, check_distinct
+        agr_path = self.output_path(agreement, transport, "agreement") if agreement is not None else None
+        from ..fileio import MASK_SUFFIXES, check_distinct
 
-            if not out_path.name.lower().endswith(MASK_SUFFIXES):
-                raise RequestError(f"{op}: 'out' must end in {', '.join(MASK_SUFFIXES)}", "bad_output")
-            check_distinct([("out", out_path)], [("volume", vol_path)])
+        for what, path in (("out", out_path), ("agreement", agr_path)):
+            if path is not None and not path.name.lower().endswith(MASK_SUFFIXES):
+                raise RequestError(f"{op}: '{what}' must end in {', '.join(MASK_SUFFIXES)}", "bad_output")
+        check_distinct([("out", out_path), ("agreement", agr_path)], [("volume", vol_path)])
         if op == "segment":
             field(req, "query", str, required=True)
             field(req, "empty_mask_on_absent", bool)
@@ -392,6 +395,30 @@ class Worker:
             field(req, "sample", bool)
         elif op == "propagate":
             field(req, "anchor", dict, required=True, what=" (a medvol.anchor/1 or /2 object)")
+
+    @staticmethod
+    def _check_consensus(req: dict, op: str) -> None:
+        """``consensus`` (1..8 answers), ``consensus_mask`` and ``agreement``: a segment's options."""
+        from ..consensus import MASK_MODES
+        from ..grounder import MAX_SAMPLES
+
+        g = field(req, "consensus", int)
+        mode = field(req, "consensus_mask", str)
+        agreement = field(req, "agreement", str)
+        if op != "segment":
+            for name, value in (("consensus", g), ("consensus_mask", mode), ("agreement", agreement)):
+                if value is not None:
+                    raise RequestError(f"{op}: field '{name}' belongs to segment (a consensus of the model's answers)")
+            return
+        if g is not None and not 1 <= g <= MAX_SAMPLES:
+            raise RequestError(f"segment: field 'consensus' must be 1 to {MAX_SAMPLES} answers (1 = off), got {g}")
+        if mode is not None and mode not in MASK_MODES:
+            raise RequestError(f"segment: field 'consensus_mask' must be one of {', '.join(MASK_MODES)}, got {mode!r}")
+        if (g or 1) < 2 and (agreement is not None or mode not in (None, "greedy")):
+            raise RequestError("segment: 'agreement' and 'consensus_mask' need 'consensus' of 2 or more")
+        if (g or 1) > 1 and req.get("sample"):
+            raise RequestError("segment: 'sample' and 'consensus' do not go together: a consensus samples its own "
+                               "answers after the greedy one")
 
     def cancel(self, target, session: Optional[str] = None) -> dict:
         """Cancel request ``target`` of ``session`` (another session's request is not found)."""
@@ -675,11 +702,15 @@ class Worker:
         request = SegmentRequest(
             query=req["query"] if job.op == "segment" else None, anchor=req.get("anchor") if job.op == "propagate" else None,
             hu_window=tuple(window) if isinstance(window, list) else window, stop_after_empty=req.get("stop_after_empty"),
-            constrain=req.get("constrain", True), sample=bool(req.get("sample", False)), seed=req.get("seed"))
+            constrain=req.get("constrain", True), sample=bool(req.get("sample", False)), seed=req.get("seed"),
+            consensus=req.get("consensus") or 1, consensus_mask=req.get("consensus_mask") or "greedy")
+        agreement = req.get("agreement")
+        agr_path = self.output_path(agreement, job.transport, "agreement") if agreement else None
         # over HTTP no folder is created for a client
         outputs = SegmentOutputs(out, overwrite=overwrite, create_folders=job.transport != "http",
                                  names=("out", "anchor_out", "qc"),
-                                 empty_mask_on_absent=bool(req.get("empty_mask_on_absent", False)))
+                                 empty_mask_on_absent=bool(req.get("empty_mask_on_absent", False)),
+                                 agreement=agr_path, agreement_name="agreement")
         load = {"reloaded": False, "load_s": 0.0}
 
         def pipeline():
@@ -709,6 +740,15 @@ class Worker:
         result.update(identity=res.get("identity"), model_label=(res.get("identity") or {}).get("label"))
         result.update(volume_sha256=digest, shape=res["shape"], mask_voxels=res["mask_voxels"],
                       propagation=res["propagation"], slices_encoded=res["slices_encoded"])
+        if job.op == "segment":
+            result.update({k: res[k] for k in ("answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask",
+                                               "confidence", "samples")})
+        if agr_path is not None:
+            if job.transport == "http":
+                result["agreement_b64"] = base64.b64encode(agr_path.read_bytes()).decode("ascii")
+                result["agreement_path"] = os.path.relpath(agr_path, self.out_dir)
+            else:
+                result["agreement_path"] = str(agr_path)
         if res["out"] is None:  # the model answered "not present" and no empty mask was asked for
             result["mask_b64" if job.transport == "http" else "mask_path"] = None
         elif job.transport == "http":
