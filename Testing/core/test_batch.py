@@ -129,12 +129,14 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
 
     # summary.csv: exact header and rows
     header, rows = read_summary(out / "summary.csv")
-    assert tuple(header) == SUMMARY_COLUMNS == ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou")
+    assert tuple(header) == SUMMARY_COLUMNS == ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou",
+                                                "confidence")
     expected = [["good", "done", "", str(anchor["slice"]), str(len(anchor["boxes"])), f"{done['seconds']:.2f}",
-                 f"{m['dice']:.4f}", f"{m['iou']:.4f}"]]
+                 f"{m['dice']:.4f}", f"{m['iou']:.4f}", ""]]  # no --consensus: no confidence
     for cid in ("corrupt", "missing"):
         e = errors[cid]
-        expected.append([cid, "failed", f"{e['error']['code']}: {e['error']['message']}", "", "", f"{e['seconds']:.2f}", "", ""])
+        expected.append([cid, "failed", f"{e['error']['code']}: {e['error']['message']}", "", "", f"{e['seconds']:.2f}", "", "",
+                         ""])
     assert rows == expected
 
     # summary.html: every id, a QC picture for the done case only, the errors, the smoke banner

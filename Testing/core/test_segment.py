@@ -229,3 +229,180 @@ def test_segment_cli_absent_with_empty_mask_writes_zeros_on_the_grid(capsys, tmp
     assert res["absent"] is True and res["out"] == str(out) and res["mask_voxels"] == 0
     src, m = nib.load(str(SAMPLE)), nib.load(str(out))
     assert m.shape == src.shape and np.array_equal(m.affine, src.affine) and not np.asarray(m.dataobj).any()
+
+
+# ---- consensus: G answers, one encoding per slice, the agreement map and the confidence ---------------
+
+@pytest.fixture(scope="module")
+def ct4(tmp_path_factory, small_ct):
+    """4 slices of the real CT (every voxel kept, affine shifted): each propagation stays cheap."""
+    img = nib.load(str(small_ct[0]))
+    aff = img.affine.copy()
+    aff[:3, 3] = img.affine[:3, :3] @ [0, 0, 2] + img.affine[:3, 3]
+    path = tmp_path_factory.mktemp("ct4") / "ct4.nii.gz"
+    nib.save(nib.Nifti1Image(np.asarray(img.dataobj)[:, :, 2:6], aff, img.header), str(path))
+    return path
+
+
+def _answer_text(z, box, think="here"):
+    return f'<think>{think}</think><answer>[{{"slice": {z}, "bbox_2d_list": [{json.dumps(box)}]}}]</answer>'
+
+
+def _canned_samples(monkeypatch, grounder, greedy: str, samples):
+    """The greedy answer and samples 2..G as canned texts (the grounder's two generation seams)."""
+    monkeypatch.setattr(grounder, "_generate_text", lambda *a, **k: (greedy, {"new_tokens": 9}))
+
+    def fake(inputs, shown, n, **k):
+        assert n == len(samples)
+        return [(t, {"answer_signal": {"answer_mean_prob": 0.5}}) for t in samples], {"prefill_s": 0.0}
+
+    monkeypatch.setattr(grounder, "_generate_samples", fake)
+
+
+GREEDY = _answer_text(1, [200, 200, 600, 600])
+OTHER = _answer_text(2, [300, 250, 700, 650])
+
+
+def test_consensus_encodes_each_slice_once_and_maps_the_agreement(tiny, monkeypatch, ct4):
+    stack = as_stack(ct4)
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [GREEDY, OTHER, ABSENT])
+    seg = tiny.segment(stack, "the liver", stop_after_empty=0, consensus=4, consensus_mask="majority")
+    assert sorted(seg.encoded_slices) == list(range(stack.depth))  # every slice encoded once for all 4 answers
+    assert seg.timings["encoder_calls"] == stack.depth and seg.timings["propagations"] == 2  # sample 2 = greedy
+    assert seg.propagation.key_slice == seg.anchor.slice == 1  # the anchor and its record are the greedy answer's
+    g = stack.to_source(seg.propagation.mask).astype(bool)
+    agr = seg.agreement
+    assert agr.dtype == np.uint8 and agr.shape == stack.volume.shape
+    np.testing.assert_array_equal(stack.to_stack(agr), seg.agreement_stack)
+    other = agr.astype(int) - 2 * g  # samples 1 and 2 are the greedy answer, 3 another, 4 "not present"
+    assert other.min() == 0 and other.max() == 1
+    other = other.astype(bool)
+    assert g.any() and other.any() and not np.array_equal(g, other)
+    dice = 2 * (g & other).sum() / (g.sum() + other.sum())
+    assert seg.confidence == pytest.approx((1 + 2 * dice + 0 + 0 + 0) / 6)
+    # majority of 4: voxels that 3 or more samples include
+    np.testing.assert_array_equal(seg.mask, (g & other).astype(np.uint8))
+    assert seg.consensus_mask == "majority" and not seg.absent
+    assert [s["sample"] for s in seg.samples] == [1, 2, 3, 4]
+    assert seg.samples[3] == {"sample": 4, "absent": True, "answer_mean_prob": 0.5}
+    assert seg.samples[2]["slice"] == 2 and seg.samples[2]["mask_voxels"] == other.sum()
+    assert seg.samples[0]["mask_voxels"] == seg.samples[1]["mask_voxels"] == g.sum()
+    d = seg.anchor.to_dict()
+    assert d["confidence"] == round(seg.confidence, 4) and d["samples"] == seg.samples and d["slice"] == 1
+
+
+def test_consensus_cli_writes_the_agreement_on_the_ct_grid(capsys, tmp_path, tiny, monkeypatch, ct4):
+    import medvolcore.pipeline
+
+    monkeypatch.setattr(medvolcore.pipeline, "Pipeline", lambda *a, **k: tiny)  # the module's loaded tiny models
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [GREEDY, ABSENT])
+    out, agr = tmp_path / "m.nii.gz", tmp_path / "agreement.nii.gz"
+    code, stdout, err = run_cli(capsys, "segment", "--volume", ct4, "--query", "the liver", "--out", out,
+                                "--consensus", "3", "--agreement", agr, "--device", "cpu", "--json", "--no-progress")
+    assert code == 0, err
+    res = json.loads(stdout)
+    src, m, a = nib.load(str(ct4)), nib.load(str(out)), nib.load(str(agr))
+    assert a.shape == src.shape and np.array_equal(a.affine, src.affine)
+    mask, counts = np.asarray(m.dataobj), np.asarray(a.dataobj)
+    assert set(np.unique(counts)) == {0, 2} and mask.any()  # the greedy answer twice, "not present" once
+    assert np.array_equal(counts > 0, mask > 0)  # the greedy answer's mask, inside agreement > 0
+    assert res["confidence"] == pytest.approx(1 / 3, abs=1e-4)  # pairs: 1, 0, 0
+    assert res["consensus"] == 3 and len(res["samples"]) == 3 and res["agreement_out"] == str(agr)
+    anchor = json.loads((tmp_path / "m.anchor.json").read_text())
+    assert anchor["confidence"] == pytest.approx(1 / 3, abs=1e-4) and anchor["samples"][2]["absent"] is True
+
+
+def test_consensus_and_signal_lines_say_what_they_are_not():
+    from medvolcore.cli.volume import _sureness_text
+
+    res = {"confidence": 1 / 3, "consensus_mask": "greedy", "samples": [{"sample": 1}, {"sample": 2}, {"absent": True}]}
+    text = _sureness_text(res)
+    assert text.startswith("confidence 0.33: agreement of 3 samples") and "1 said not present" in text
+    assert "not the chance that it is right" in text
+    signal = _sureness_text({"confidence": None, "answer_mean_prob": 0.734})
+    assert signal.startswith("answer signal 0.73") and "not the chance that it is right" in signal
+    assert _sureness_text({}) == ""
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--consensus", "9"], "1 to 8"), (["--consensus", "0"], "1 to 8"),
+    (["--agreement", "AGR"], "add --consensus G"), (["--consensus", "2", "--agreement", "VOLUME"], "is the input"),
+    (["--consensus", "2", "--agreement", "x.txt"], "unsupported agreement map type"),
+    (["--consensus-mask", "majority"], "needs --consensus"), (["--consensus", "2", "--sample"], "do not go together")])
+def test_consensus_option_errors_are_one_line(capsys, tmp_path, monkeypatch, extra, needle):
+    import medvolcore.pipeline
+
+    monkeypatch.setattr(medvolcore.pipeline, "Pipeline", lambda *a, **k: pytest.fail("a model was asked for"))
+    names = {"AGR": str(tmp_path / "a.nii.gz"), "VOLUME": str(SAMPLE), "x.txt": str(tmp_path / "x.txt")}
+    code, _, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "liver", "--out", tmp_path / "m.nii.gz",
+                           "--device", "cpu", "--no-progress", *[names.get(e, e) for e in extra])
+    _one_line(code, err, needle)
+    assert not list(tmp_path.iterdir())
+
+
+def test_worker_segment_with_consensus_replies_confidence_and_writes_agreement(tiny, monkeypatch, ct4, tmp_path):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [ABSENT])
+    w = Worker(transport="stdio", device="cpu")
+    w.pipeline = tiny  # loaded: no model loads in this test
+    replies: queue.Queue = queue.Queue()
+    vol, agr = str(ct4), str(tmp_path / "agr.nii.gz")
+    base = {"op": "segment", "volume": vol, "query": "the liver"}
+    probes = [({"consensus": 9}, "bad_request"), ({"agreement": agr}, "bad_request"),
+              ({"consensus": 2, "agreement": vol}, "bad_input"), ({"consensus": 2, "consensus_mask": "mean"}, "bad_request"),
+              ({"op": "propagate", "anchor": {}, "consensus": 2}, "bad_request")]
+    try:
+        for i, (fields, _code) in enumerate(probes):
+            w.handle_line(json.dumps(dict(base, id=i, **fields)), reply=replies.put)
+        w.handle_line(json.dumps(dict(base, id="ok", consensus=2, agreement=agr, out=str(tmp_path / "m.nii.gz"))),
+                      reply=replies.put)
+        got = {}
+        while len(got) < len(probes) + 1:
+            r = replies.get(timeout=120)
+            if "event" not in r:
+                got[r["id"]] = r
+    finally:
+        w.close(10)
+    for i, (_fields, code) in enumerate(probes):
+        assert got[i]["ok"] is False and got[i]["error"]["code"] == code, got[i]
+    res = got["ok"]["result"]
+    assert res["confidence"] == 0.0 and res["consensus"] == 2 and res["samples"][1] == {"sample": 2, "absent": True,
+                                                                                       "answer_mean_prob": 0.5}
+    assert res["agreement_path"] == agr and res["anchor"]["confidence"] == 0.0
+    counts = np.asarray(nib.load(agr).dataobj)
+    assert np.array_equal(counts, np.asarray(nib.load(res["mask_path"]).dataobj))  # one present answer: 0/1
+    http = Worker(transport="http")
+    try:
+        from medvolcore.errors import ForbiddenError
+
+        with pytest.raises(ForbiddenError, match="'agreement' names a file on the server"):
+            http._check_queued(dict(base, id=1, volume=None, volume_b64="AAAA", consensus=2, agreement="a.nii.gz"),
+                               None, "http")
+    finally:
+        http.close(5)
+
+
+def test_batch_with_consensus_writes_agreement_and_a_confidence_column(tiny, monkeypatch, ct4, tmp_path):
+    from medvolcore.batch import AGREEMENT, BatchOptions, completed_record, read_manifest, run_batch
+
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [GREEDY])
+    manifest = tmp_path / "cases.csv"
+    manifest.write_text(f"id,volume,query\ncase1,{ct4},the liver\n")
+    out = tmp_path / "out"
+    res = run_batch(manifest, out, BatchOptions(consensus=2, progress=False), pipeline=tiny)
+    assert res.exit_code == 0 and res.info["confidence"] == {"cases": 1, "mean": 1.0, "min": 1.0}
+    done = json.loads((out / "case1" / "done.json").read_text())
+    assert done["confidence"] == 1.0 and AGREEMENT in done["outputs"] and (out / "case1" / AGREEMENT).is_file()
+    header, *rows = (out / "summary.csv").read_text().splitlines()
+    assert header.endswith(",confidence") and rows[0].endswith(",1.000")
+    assert "confidence 1.000 (agreement of the model" in (out / "summary.html").read_text()
+    # --resume keeps the case for the same consensus only; without its map it is not complete
+    case = read_manifest(manifest)[0]
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "greedy")) is not None
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 1)) is None
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "majority")) is None
+    (out / "case1" / AGREEMENT).unlink()
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "greedy")) is None
