@@ -40,7 +40,7 @@ from slicer.util import VTKObservationMixin
 
 from MedVolR1SlicerLib import install, params
 from MedVolR1SlicerLib.client import WorkerError, python_for_worker
-from MedVolR1SlicerLib.consensus import agreement_level, agreement_segment_name, confidence_text
+from MedVolR1SlicerLib.consensus import agreement_level, agreement_segment_name, confidence_note, confidence_text
 from MedVolR1SlicerLib.corrections import (MAX_OBJECTS, CorrectionBox, CorrectionPoint, build_anchor,
                                            parse_point_label, point_label, prompts_from_anchor, range_text)
 from MedVolR1SlicerLib.guibinding import GuiBinding
@@ -1161,8 +1161,12 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             # reasoning, Undo) stays as it was; the notes carry the answer and its reasoning
             notes = [n for n in notes if not n.startswith("not found in this CT:")]
             why = anchor.get("reasoning") or ""
+            sure = confidence_note(result)
+            if result.get("agreement_path"):
+                with contextlib.suppress(OSError):
+                    os.remove(result["agreement_path"])  # ours, in the module's temporary folder
             return [params.absent_message(anchor.get("query") or target.query)] + \
-                ([f"the model's reasoning: {why}"] if why else []) + notes
+                ([f"the model's reasoning: {why}"] if why else []) + ([sure] if sure else []) + notes
         geo = self.geometry(volumeNode)
         rois, k = rois_from_anchor(geo, anchor)
         prompts, zRange = prompts_from_anchor(geo, anchor)  # the corrections that ran (medvol.anchor/2)

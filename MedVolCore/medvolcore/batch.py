@@ -911,7 +911,11 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
             metrics = ["not found in this CT: the model answered that the target is not present; no mask"]
             if r["dice"] is not None:
                 metrics.append(f"scored as an empty mask: Dice {r['dice']:.4f}")
-            parts.append(f"<p class=\"meta\">{esc(' · '.join(metrics))} · <a href=\"{link}/anchor.json\">anchor</a></p>")
+            if r.get("confidence") is not None:
+                metrics.append(f"confidence {r['confidence']:.3f} (agreement of the model's samples, not accuracy)")
+            agreement = f" · <a href=\"{link}/{AGREEMENT}\">agreement</a>" if r.get("_agreement") else ""
+            parts.append(f"<p class=\"meta\">{esc(' · '.join(metrics))} · <a href=\"{link}/anchor.json\">anchor</a>"
+                         f"{agreement}</p>")
             parts.append(f"<img src=\"{link}/qc.png\" alt=\"QC picture of {esc(cid)}\" loading=\"lazy\">")
             parts.append(f"<div class=\"reasoning\"><b>reasoning:</b> {esc(r.get('_reasoning') or '(none)')}</div>")
         else:

@@ -57,3 +57,11 @@ def confidence_text(result: dict) -> str:
         return (f"answer signal {float(prob):.2f} (how peaked the model's choice of answer tokens was); "
                 "not the chance that it is right. Use Advanced › Consensus for a confidence.")
     return ""
+
+
+def confidence_note(result: dict) -> str:
+    """:func:`confidence_text` as a line of its own (the status line, a "not found" answer's notes)."""
+    text = confidence_text(result)
+    if text and result.get("confidence") is not None and result.get("samples"):
+        return "confidence " + text
+    return text

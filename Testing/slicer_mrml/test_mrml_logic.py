@@ -19,7 +19,7 @@ pytest.importorskip("slicer_core", reason="slicer-core is not installed (bootstr
 import slicer  # noqa: E402 - the real package, imported by conftest.py
 import vtk  # noqa: E402
 
-KIDNEY_RIGHT, KIDNEY_LEFT, LIVER = 2, 3, 5  # TotalSegmentator v2 ids (class_map_total_v2.json)
+SPLEEN, KIDNEY_RIGHT, KIDNEY_LEFT, LIVER = 1, 2, 3, 5  # TotalSegmentator v2 ids (class_map_total_v2.json)
 SINGLE_FILE = 4
 
 
@@ -437,3 +437,58 @@ def test_blocking_calls_return_their_own_jobs_anchor_never_an_earlier_one(logic,
     assert logic._blockingResult(p, SimpleNamespace(result={"absent": True, "anchor": absent})) == (None, "", [], absent)
     seg, sid, rois, anchor = logic._blockingResult(p, SimpleNamespace(result=liver))
     assert anchor == liver["anchor"] and seg is p.outputSegmentation and sid == p.segmentId
+
+
+# ---- consensus: the confidence and the agreement segment --------------------------------------
+
+def test_a_consensus_result_adds_an_agreement_segment_and_its_confidence(logic, variant_files, tmp_path):
+    ct_path, _, _, labels = variant_files["lps"]
+    node = load_node(ct_path)
+    p = logic.getParameterNode()
+    p.inputVolume, p.query = node, "the liver"
+    result, liver, _ = worker_result(logic, node, labels, [LIVER], tmp_path)
+    counts = (3 * liver + np.isin(labels, [SPLEEN])).astype(np.uint8)  # 3 of 4 answers: the liver; 1: the spleen
+    ct = load_volume(logic.exportVolume(node))
+    agr = str(save_mask(counts, ct, tmp_path / "agreement.nii.gz"))
+    result = dict(result, consensus=4, confidence=0.5, agreement_path=agr,
+                  samples=[{"sample": 1, "slice": 3}, {"sample": 2, "slice": 3}, {"sample": 3, "slice": 3},
+                           {"sample": 4, "slice": 9}])
+    logic.applyResult(p, node, result, replaceSegment=False)
+    seg = p.outputSegmentation.GetSegmentation()
+    assert seg.GetNumberOfSegments() == 2 and p.agreementSegmentId and p.agreementSegmentId != p.segmentId
+    assert seg.GetSegment(p.agreementSegmentId).GetName() == "the liver agreement ≥ 3/4"
+    got = slicer.util.arrayFromSegmentBinaryLabelmap(p.outputSegmentation, p.agreementSegmentId, node)
+    np.testing.assert_array_equal(got, kji((counts >= 3).astype(np.uint8)))  # the spleen's 1 of 4 is left out
+    np.testing.assert_array_equal(segment_array(p, node), kji(liver))  # the mask is the worker's, untouched
+    assert p.confidence.startswith("0.50: agreement of 4 answers") and "not the chance" in p.confidence
+    assert not os.path.exists(agr)  # the worker wrote it into the module's temporary folder: read, then removed
+    # Undo takes the agreement segment back with the result
+    assert logic.undoLastResult()
+    assert seg.GetNumberOfSegments() == 0
+
+    # a result without a consensus drops the last one's agreement segment and shows its answer signal
+    save_mask(counts, ct, tmp_path / "agreement.nii.gz")
+    logic.applyResult(p, node, result, replaceSegment=False)
+    assert seg.GetNumberOfSegments() == 2
+    plain, _, _ = worker_result(logic, node, labels, [LIVER], tmp_path, "liver2.nii.gz")
+    logic.applyResult(p, node, dict(plain, answer_mean_prob=0.9), replaceSegment=True)
+    assert seg.GetNumberOfSegments() == 1 and p.agreementSegmentId == ""
+    assert p.confidence.startswith("answer signal 0.90")
+
+
+def test_segment_with_a_consensus_asks_a_local_worker_for_the_agreement_map(slicer_env, variant_files):
+    from MedVolR1SlicerLib.session import Options, Session
+
+    clients = []
+    session = Session(client_factory=lambda options: clients.append(RecordingClient(options)) or clients[-1])
+    logic = slicer_env.MedVolR1SlicerLogic(session=session)
+    try:
+        node = load_node(variant_files["ras"][0])
+        p = logic.getParameterNode()
+        p.inputVolume, p.query, p.outputSegmentation, p.segmentId = node, "the liver", None, ""
+        logic.startSegment(p, Options(preset="tiny", device="cpu", consensus=3))
+        fields = clients[0].requests[-1][1]
+        assert fields["consensus"] == 3 and os.path.dirname(fields["agreement"]) == logic.tempDir()
+        assert fields["agreement"].endswith(".nii.gz") and not os.path.exists(fields["agreement"])
+    finally:
+        logic.cleanup()

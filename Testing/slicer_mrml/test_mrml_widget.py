@@ -77,7 +77,7 @@ UI_NAMES = ["queryEdit", "presetComboBox", "deviceComboBox", "windowComboBox", "
             "jumpButton", "editButton", "show3DCheckBox", "inputVolumeSelector", "historyComboBox",
             "outputSegmentationSelector", "progressBar", "statusLabel", "objectComboBox", "placePointsButton",
             "negativePointsButton", "clearCorrectionsButton", "rangeLabel", "setRangeStartButton", "setRangeEndButton",
-            "clearRangeButton", "modelLabel"]
+            "clearRangeButton", "modelLabel", "confidenceLabel"]
 
 
 @pytest.fixture
@@ -233,10 +233,13 @@ def test_closing_the_scene_clears_the_panel_and_keeps_one_connection(slicer_env,
     volume = load_ct(ct_sm_path)
     run_segment(panel, volume, tmp_path, labels_ijk, tiny)
     assert panel.ui.reasoningEdit.toPlainText() == "because"
+    panel._parameterNode.confidence = "0.50: agreement of 4 answers"  # what a consensus result leaves there
+    assert panel.ui.confidenceLabel.text == "0.50: agreement of 4 answers"
     slicer.mrmlScene.Clear(0)
     assert panel._parameterNode is not None  # the new scene's parameter node, bound again
     assert len(connections(slicer_env)) == 1
     assert panel.ui.reasoningEdit.toPlainText() == "" and panel.ui.keySliceLabel.text == "–"
+    assert panel.ui.confidenceLabel.text == "–"
     assert not panel.ui.undoButton.enabled and not panel.ui.jumpButton.enabled and not panel.ui.editButton.enabled
     assert panel._observedBoxes == []
 
