@@ -345,7 +345,8 @@ def test_worker_segment_with_consensus_replies_confidence_and_writes_agreement(t
 
     from medvolcore.serve import Worker
 
-    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [ABSENT])
+    unusable = _answer_text(77, [100, 100, 300, 300])  # slice 77 was not shown: recorded, not retried
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [ABSENT, unusable])
     w = Worker(transport="stdio", device="cpu")
     w.pipeline = tiny  # loaded: no model loads in this test
     replies: queue.Queue = queue.Queue()
@@ -357,7 +358,7 @@ def test_worker_segment_with_consensus_replies_confidence_and_writes_agreement(t
     try:
         for i, (fields, _code) in enumerate(probes):
             w.handle_line(json.dumps(dict(base, id=i, **fields)), reply=replies.put)
-        w.handle_line(json.dumps(dict(base, id="ok", consensus=2, agreement=agr, out=str(tmp_path / "m.nii.gz"))),
+        w.handle_line(json.dumps(dict(base, id="ok", consensus=3, agreement=agr, out=str(tmp_path / "m.nii.gz"))),
                       reply=replies.put)
         got = {}
         while len(got) < len(probes) + 1:
@@ -369,8 +370,10 @@ def test_worker_segment_with_consensus_replies_confidence_and_writes_agreement(t
     for i, (_fields, code) in enumerate(probes):
         assert got[i]["ok"] is False and got[i]["error"]["code"] == code, got[i]
     res = got["ok"]["result"]
-    assert res["confidence"] == 0.0 and res["consensus"] == 2 and res["samples"][1] == {"sample": 2, "absent": True,
+    assert res["confidence"] == 0.0 and res["consensus"] == 3 and res["samples"][1] == {"sample": 2, "absent": True,
                                                                                        "answer_mean_prob": 0.5}
+    assert res["samples"][2] == {"sample": 3, "unusable": "slice 77 is not one of the shown slices"}
+    assert "1 of 3 samples gave an unusable answer (counted as disagreeing)" in res["notes"]
     assert res["agreement_path"] == agr and res["anchor"]["confidence"] == 0.0
     counts = np.asarray(nib.load(agr).dataobj)
     assert np.array_equal(counts, np.asarray(nib.load(res["mask_path"]).dataobj))  # one present answer: 0/1
