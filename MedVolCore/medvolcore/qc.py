@@ -40,6 +40,36 @@ def signal_text(anchor) -> str:
     return ""
 
 
+_ASCII = {"—": "-", "–": "-", "≥": ">=", "≤": "<=", "×": "x", "“": '"', "”": '"', "‘": "'", "’": "'"}
+
+
+def _drawable(text: str, font) -> str:
+    """``text`` with the characters ``font`` has no glyph for (it would draw an empty box) written
+    in ASCII where there is a plain equivalent: dashes, ``≥``, quotes, accented letters (``é`` →
+    ``e``). Other missing characters are kept (they show as boxes; the PNG's text chunks keep the
+    exact text)."""
+    import unicodedata
+
+    from PIL import Image, ImageDraw
+
+    def picture(c):
+        im = Image.new("L", (24, 24))
+        ImageDraw.Draw(im).text((2, 2), c, font=font, fill=255)
+        return im.tobytes()
+
+    missing = picture("\u25a1")  # what the font draws for a character it lacks
+    out = []
+    for c in text:
+        if c.isascii() or picture(c) != missing:
+            out.append(c)
+        elif c in _ASCII:
+            out.append(_ASCII[c])
+        else:
+            plain = unicodedata.normalize("NFKD", c).encode("ascii", "ignore").decode()
+            out.append(plain or c)
+    return "".join(out)
+
+
 def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: str = "", reasoning: str = "",
               banner: str = "", model: str = "", footer: str = RESEARCH_USE_NOTICE, window=None,
               scale: Optional[int] = None, panel_width: int = 360):
@@ -72,6 +102,7 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
     d = ImageDraw.Draw(canvas)
     x, y = img.width + 10, 8
     chars = max(20, (panel_width - 20) // 7)
+    title, banner, model, reasoning, footer = (_drawable(t, font) for t in (title, banner, model, reasoning, footer))
     lines = []
     if banner:
         for ln in textwrap.wrap(banner, chars):

@@ -181,3 +181,15 @@ def test_the_worker_hello_carries_the_notice_and_what_its_default_runs_as(home):
         w.close(5)
     assert h["research_use"] == RESEARCH_USE_NOTICE
     assert h["model_label"] == h["models"]["identity"]["label"] == ZERO_SHOT and h["models"]["loaded"] is False
+
+
+def test_qc_text_never_draws_the_notice_with_a_missing_glyph():
+    from PIL import ImageFont
+
+    from medvolcore import RESEARCH_USE_NOTICE
+    from medvolcore.qc import _drawable
+
+    font = ImageFont.load_default(size=13)
+    assert "—" in RESEARCH_USE_NOTICE  # the default font has no em dash: it would draw an empty box
+    assert _drawable(RESEARCH_USE_NOTICE, font) == RESEARCH_USE_NOTICE.replace("—", "-")
+    assert _drawable("café ≥ 2 · plain", font) == "cafe >= 2 · plain"  # "·" has a glyph and is kept

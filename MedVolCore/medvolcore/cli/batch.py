@@ -72,7 +72,7 @@ def _text(info: dict) -> str:
     if info.get("notice"):
         lines.append("NOTE: " + info["notice"])
     shard = f" (shard {info['shard']} of {info['manifest_cases']})" if info.get("shard") else ""
-    lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info['absent']} not found in their CT, "
+    lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info.get('absent', 0)} not found in their CT, "
                  f"{info['failed']} failed, "
                  f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
     if info.get("confidence"):
