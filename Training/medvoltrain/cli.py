@@ -34,9 +34,10 @@ class _OneLineWarnings(logging.Handler):
 def cmd_prepare(args) -> int:
     from .prepare import PrepareSettings, format_summary, prepare
 
+    extra = {} if args.negative_fraction is None else {"negative_fraction": args.negative_fraction}
     settings = PrepareSettings(seed=args.seed, top_k=args.top_k, query_kind=args.query_kind,
                                test_fraction=args.test_fraction, relational=not args.no_relational,
-                               prompt_window=args.prompt_window)
+                               prompt_window=args.prompt_window, **extra)
     summary = prepare(args.manifest, args.out, settings, workers=args.workers, progress=not args.no_progress)
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
@@ -176,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of each label's descriptions held out for test queries (default 0.2)")
     sp.add_argument("--no-relational", action="store_true", help="no KiTS23-style relational test queries")
     sp.add_argument("--prompt-window", default=None, help="window named in the prompt (default: the grounder's)")
+    sp.add_argument("--negative-fraction", type=float, metavar="F",
+                    help="about this fraction of each split are negative samples: a query for a structure that is "
+                         "not in that volume, answered <answer>[]</answer> (default 0.10; 0 = none, as in the "
+                         "MedVol-R1 paper: set 0 for paper-faithful runs)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sp = add("sft", "Cold-start SFT with LoRA (TRL SFTTrainer); writes RUN/adapter/.", cmd_sft)
