@@ -174,11 +174,18 @@ def _relational_targets(case: Case, labels, bank: QueryBank, settings: PrepareSe
     return out
 
 
-def _name_key(name: str, terms: dict) -> str:
-    """A structure's identity for comparing names: its term-dictionary key, else its normalised name."""
-    from .queries import term_key
+def same_structure(a: str, b: str, terms: dict) -> bool:
+    """Whether two label names denote one structure: the same term-dictionary key, or each names the
+    other (:func:`medvoltrain.queries.names_label`: singular or plural, "gall bladder" or
+    "gallbladder", either word order) — "kidney" and "kidneys" are one; "kidney tumor" and "kidney"
+    are not."""
+    from .queries import names_label, term_key
 
-    return (term_key(name, terms) or " ".join(str(name).replace("_", " ").lower().split())).lower()
+    ka, kb = term_key(a, terms), term_key(b, terms)
+    if ka is not None and ka == kb:
+        return True
+    ta, tb = str(a).replace("_", " "), str(b).replace("_", " ")
+    return names_label(ta, tb) and names_label(tb, ta)
 
 
 def negative_candidates(case: Case, labels, terms: dict):
@@ -188,26 +195,22 @@ def negative_candidates(case: Case, labels, terms: dict):
     ``source`` ``labels``: a label of the row (its ``targets``, or its dataset's label list) with
     no voxel in the label map; an id the label source cannot hold at all (an M3D channel that does
     not exist) is an unknown label, not an absent one. ``manifest``: a name of the row's ``absent``
-    list. Refused (reason ``present_label``): a candidate whose name or term-dictionary key is that
-    of a label that is present in the volume, whatever the ids say.
+    list. Refused (reason ``present_label``): a candidate that is the same structure
+    (:func:`same_structure`) as a label present in the volume, whatever the ids say.
     """
     present, known = labels.present_ids(), labels.known_ids()
     present_names = {name: ids for name, ids in case.targets.items() if any(i in present for i in ids)}
-    present_keys = {_name_key(n, terms): n for n in present_names}
     raw = [(name, list(ids), "labels") for name, ids in case.targets.items()
            if name not in present_names and (known is None or all(i in known for i in ids))]
     raw += [(name, [], "manifest") for name in case.absent]
-    out, refused, seen = [], [], set()
+    out, refused = [], []
     for name, ids, source in raw:
-        key = _name_key(name, terms)
-        if key in present_keys:
-            other = present_keys[key]
+        other = next((p for p in present_names if same_structure(name, p, terms)), None)
+        if other is not None:
             refused.append({"case": case.id, "target": name, "reason": "present_label",
                             "message": f"not used as a negative (not present) sample: the label map holds {other!r} "
                                        f"(id {', '.join(map(str, present_names[other]))})"})
-            continue
-        if key not in seen:
-            seen.add(key)
+        elif not any(same_structure(name, n, terms) for n, _, _ in out):
             out.append((name, ids, source))
     return out, refused
 
@@ -559,4 +562,4 @@ def load_stack(sample: dict):
 
 
 __all__ = ["PrepareSettings", "prepare", "prepare_case", "format_summary", "load_samples", "load_slices",
-           "load_mask", "load_stack", "negative_candidates", "select_negatives", "FORMAT", "DEFAULT_NEGATIVE_FRACTION"]
+           "load_mask", "load_stack", "negative_candidates", "same_structure", "select_negatives", "FORMAT", "DEFAULT_NEGATIVE_FRACTION"]
