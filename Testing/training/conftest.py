@@ -22,17 +22,20 @@ def write_jsonl(path: Path, rows) -> Path:
 
 @pytest.fixture(scope="session")
 def sm_data(tmp_path_factory, ct_sm_path, seg_sm_path):
-    """A prepared set from the 30-slice CT: liver, kidneys, spleen (train) and liver (test)."""
+    """A prepared set from the 30-slice CT: liver, kidneys, spleen and one negative sample, the brain
+    (train: the row says it is not in this CT; target <answer>[]</answer>), and liver (test)."""
     from medvoltrain.prepare import PrepareSettings, prepare
 
     root = tmp_path_factory.mktemp("sm_data")
     manifest = write_jsonl(root / "cases.jsonl", [
         {"id": "sm_a", "volume": str(ct_sm_path), "labels": str(seg_sm_path), "split": "train",
-         "targets": {"liver": LIVER, "kidneys": [KIDNEY_RIGHT, KIDNEY_LEFT], "spleen": SPLEEN}},
+         "targets": {"liver": LIVER, "kidneys": [KIDNEY_RIGHT, KIDNEY_LEFT], "spleen": SPLEEN}, "absent": ["brain"]},
         {"id": "sm_b", "volume": str(ct_sm_path), "labels": str(seg_sm_path), "split": "test",
          "targets": {"liver": LIVER}},
     ])
-    prepare(manifest, root / "DATA", PrepareSettings(seed=1, top_k=2), workers=1, progress=False)
+    # fraction 0.25: one negative for three positives (the SFT and GRPO tests train on it)
+    prepare(manifest, root / "DATA", PrepareSettings(seed=1, top_k=2, negative_fraction=0.25), workers=1,
+            progress=False)
     return root / "DATA"
 
 

@@ -21,8 +21,10 @@ from medvoltrain.cli import main
 from conftest import LIVER, SPLEEN, write_jsonl  # Testing/training/conftest.py
 
 ORACLE = ["--oracle", "--random-weights", "0", "--preset", "tiny", "--device", "cpu", "--no-progress"]
-TABLE_HEAD = ["Method", "custom DSC", "custom IoU", "Average DSC", "Average IoU", "Hit rate (%)", "Box IoU (%)",
+PAPER_HEAD = ["Method", "custom DSC", "custom IoU", "Average DSC", "Average IoU", "Hit rate (%)", "Box IoU (%)",
               "Cases", "Failed", "Errors"]
+EXISTENCE_HEAD = ["Existence acc. (%)", "FP rate, negatives (%)", "FN rate, positives (%)"]
+TABLE_HEAD = PAPER_HEAD + EXISTENCE_HEAD  # the paper's columns first, exactly as before, then the extra ones
 
 
 def read_csv(path: Path):
@@ -178,11 +180,25 @@ def test_shards_into_one_folder_give_the_single_run_table(oracle_crop, crop_data
 
 
 def test_grounder_mode_records_rows_and_counts_failures(crop_data, tmp_path, monkeypatch):
-    """The tiny grounder (constrained, the product path) on case 1; case 2's model 'never parses'."""
+    """The tiny grounder (constrained, the product path) on case 1; case 2's model 'never parses'.
+
+    The untrained tiny model may answer [] now that the grammar allows it, so after its real
+    constrained generation (which must parse) its text is replaced by a box answer on slice 6."""
     from medvolcore.errors import GenerationError
+    from medvolcore.grounder import QwenVLGrounder
     from medvolcore.pipeline import Pipeline
     from medvoltrain.evaluate import evaluate
+    from medvoltrain.rewards import parsed as parse
 
+    generate = QwenVLGrounder._generate_text
+    canned = '<think>here</think><answer>[{"slice": 6, "bbox_2d_list": [[250, 300, 600, 700]]}]</answer>'
+
+    def generate_then_replace(self, *a, **kw):
+        text, timings = generate(self, *a, **kw)
+        assert parse(text) is not None, text
+        return canned, timings
+
+    monkeypatch.setattr(QwenVLGrounder, "_generate_text", generate_then_replace)
     original = Pipeline.segment
     calls = []
 
@@ -360,3 +376,99 @@ def test_stop_after_empty_is_a_setting(oracle_crop, crop_data, tmp_path, capsys)
     assert asdict(EvalSettings(**old))["stop_after_empty"] == 0
     rc, _, err = run_cli(["--data", crop_data, "--out", tmp_path / "bad", *ORACLE, "--stop-after-empty", -1], capsys)
     assert rc != 0 and "--stop-after-empty" in err and len(err.strip().splitlines()) == 1
+
+
+# ---- "not present": negative cases and absent answers --------------------------------------------
+
+def _write_rows(folder: Path, fp: str, rows):
+    from medvoltrain.evaluate import case_key
+
+    (folder / "cases").mkdir(parents=True, exist_ok=True)
+    for row in rows:
+        (folder / "cases" / f"{case_key(row['id'])}.json").write_text(json.dumps({"fingerprint": fp, "row": row}),
+                                                                       encoding="utf-8")
+
+
+def test_negative_cases_leave_the_paper_columns_as_they_were(tmp_path):
+    """Aggregation on hand-made rows: adding negative cases changes only the extra columns; the paper's
+    columns (names, order and values) are those of the positives alone."""
+    from medvoltrain.evaluate import EvalSettings, aggregate
+
+    settings = EvalSettings(data=str(tmp_path), oracle=True, preset=None, sam="random:0:64")
+    fp = settings.fingerprint()
+
+    def row(sid, code, status, dsc, answer_absent=0, target_absent=0):
+        return {"id": sid, "dataset": code, "status": status, "dsc_pct": dsc, "iou_pct": dsc and dsc / 2, "hit": 1,
+                "box_iou": 0.5, "axial_score": 1.0, "seconds": 1.0, "answer_absent": answer_absent,
+                "target_absent": target_absent}
+
+    positives = [row("k1", "0004", "ok", 80.0), row("k2", "0004", "failed", None), row("c1", "0012", "ok", 60.0),
+                 row("c2", "0012", "ok", 0.0, answer_absent=1)]  # [] on a positive: DSC 0, a false negative
+    positives[3].update(hit=0, box_iou=0.0, axial_score=0.0, iou_pct=0.0)
+    negatives = [dict(row("n1", "0012", "ok", None, answer_absent=1, target_absent=1), hit=None, box_iou=None),
+                 dict(row("n2", "0012", "ok", None, answer_absent=0, target_absent=1), hit=None, box_iou=None),
+                 dict(row("n3", "0004", "ok", None, answer_absent=1, target_absent=1), hit=None, box_iou=None),
+                 dict(row("n4", "0004", "failed", None, target_absent=1), hit=None, box_iou=None)]
+    _write_rows(tmp_path / "P", fp, positives)
+    _write_rows(tmp_path / "PN", fp, positives + negatives)
+    only = aggregate([{"id": r["id"]} for r in positives], tmp_path / "P", settings, fp)
+    both = aggregate([{"id": r["id"]} for r in positives + negatives], tmp_path / "PN", settings, fp)
+    (t_only,), (t_both,) = read_csv(tmp_path / "P" / "table.csv"), read_csv(tmp_path / "PN" / "table.csv")
+    paper = ["Method", "CT-ORG DSC", "CT-ORG IoU", "KiTS23 DSC", "KiTS23 IoU", "Average DSC", "Average IoU",
+             "Hit rate (%)", "Box IoU (%)", "Cases", "Failed", "Errors"]
+    assert list(t_both) == paper + EXISTENCE_HEAD and list(t_only) == paper + EXISTENCE_HEAD
+    same = [k for k in paper if k not in ("Cases", "Failed")]
+    assert [t_both[k] for k in same] == [t_only[k] for k in same]
+    assert t_both["CT-ORG DSC"] == "30.00" and t_both["KiTS23 DSC"] == "40.00"  # (60 + 0) / 2, (80 + 0) / 2
+    assert t_both["Hit rate (%)"] == "50.00"  # 2 hits of 4 positives: c2 ([]) and k2 (failed) miss
+    assert (t_both["Cases"], t_both["Failed"]) == ("8/8", "2")
+    # existence: right = k1, c1, n1, n3 → 4 of 8; FP = n2 → 1 of 4 negatives; FN = c2 → 1 of 4 positives
+    assert [t_both[k] for k in EXISTENCE_HEAD] == ["50.00", "25.00", "25.00"]
+    assert [t_only[k] for k in EXISTENCE_HEAD] == ["50.00", "—", "25.00"]
+    ex = both["existence"]
+    assert (ex["negatives"], ex["false_positives"], ex["false_negatives"], ex["true_negatives"]) == (4, 1, 1, 2)
+    assert both["per_dataset"]["CT-ORG"]["cases"] == 2 and both["per_dataset"]["CT-ORG"]["negatives"] == 2
+    assert "Extra columns (not in the paper)" in (tmp_path / "PN" / "table.md").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def crop_negative_data(tmp_path_factory, crop_data):
+    """The ten-slice crop again, its test row saying the brain is not in this CT: liver, spleen and one
+    negative sample (the brain)."""
+    from medvoltrain.prepare import PrepareSettings, prepare
+
+    root = crop_data.parent
+    manifest = write_jsonl(tmp_path_factory.mktemp("crop_neg") / "cases.jsonl", [
+        {"id": "crop", "volume": str(root / "ct.nii.gz"), "labels": str(root / "seg.nii.gz"), "split": "test",
+         "targets": {"liver": LIVER, "spleen": SPLEEN}, "absent": ["brain"]}])
+    out = manifest.parent / "DATA"
+    summary = prepare(manifest, out, PrepareSettings(seed=0, top_k=2, negative_fraction=0.5), progress=False)
+    assert summary["negatives_by_split"]["test"] == 1
+    return out
+
+
+def test_grounder_mode_scores_absent_answers_and_negative_cases(crop_negative_data, tmp_path, monkeypatch):
+    """The product path with canned model texts: [] on the liver (a false negative: DSC 0, no mask),
+    boxes on the spleen, boxes on the brain (a false positive; not scored for DSC)."""
+    from medvolcore.grounder import QwenVLGrounder
+    from medvoltrain.evaluate import evaluate
+
+    box = '<think>there</think><answer>[{"slice": 5, "bbox_2d_list": [[300, 300, 600, 600]]}]</answer>'
+    texts = iter(["<think>not seen</think><answer>[]</answer>", box, box])
+    monkeypatch.setattr(QwenVLGrounder, "_generate_text", lambda self, *a, **k: (next(texts), {"new_tokens": 9}))
+    out = tmp_path / "G"
+    s = evaluate(crop_negative_data, out, preset="tiny", random_weights=0, device="cpu", progress=False)
+    rows = {r["label"]: r for r in read_csv(out / "cases.csv")}
+    assert [rows[k]["status"] for k in ("liver", "spleen", "brain")] == ["ok"] * 3
+    liver, spleen, brain = rows["liver"], rows["spleen"], rows["brain"]
+    assert (liver["target_absent"], liver["answer_absent"], liver["dsc_pct"], liver["hit"], liver["pred_slice"]) == \
+        ("0", "1", "0.0000", "0", "")
+    assert (brain["target_absent"], brain["answer_absent"], brain["dsc_pct"], brain["pred_slice"]) == ("1", "0", "", "5")
+    assert int(brain["pred_voxels"]) > 0  # the user would have been given a mask where there is no target
+    assert spleen["answer_absent"] == "0" and float(spleen["dsc_pct"]) >= 0
+    masks = {p.name.split("-")[0] for p in (out / "masks").glob("*.npz")}
+    assert masks == {"crop_spleen", "crop_brain"}  # no mask for the absent answer
+    assert s["per_dataset"]["custom"]["dsc_pct"] == pytest.approx(float(spleen["dsc_pct"]) / 2, abs=1e-3)
+    (row,) = read_csv(out / "table.csv")
+    assert list(row) == TABLE_HEAD
+    assert [row[k] for k in EXISTENCE_HEAD] == ["33.33", "100.00", "50.00"]  # spleen right; brain FP; liver FN

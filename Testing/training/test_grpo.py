@@ -84,6 +84,24 @@ def test_trl_wrappers_return_one_float_per_completion_and_read_the_columns(sm_da
     assert f.format(prompts, conv, **cols) == [1.0, 1.0, 0.0, 1.0]
 
 
+def test_a_negative_sample_goes_through_the_grpo_columns(sm_data):
+    """The GRPO dataset row of a negative sample (no key slice) and the rewards TRL computes from it:
+    [] scores 1, a box answer 0, on every term that reads those columns."""
+    from medvoltrain.grpo import grpo_dataset
+
+    samples = load_samples(sm_data, "train")
+    neg = next(s for s in samples if s["absent"])
+    rows = grpo_dataset(samples)
+    row = next(r for r in rows if r["sample_id"] == neg["id"])
+    assert row["prompt"] == neg["id"] and set(row["slice_areas"]) == {0} and json.loads(row["gt_boxes_norm"]) == {}
+    completions = ["<think>not seen</think><answer>[]</answer>", _answer(3, [[100, 100, 300, 300]])]
+    cols = {k: [row[k]] * 2 for k in ("slice_areas", "gt_boxes_norm", "sample_id")}
+    f = RewardFunctions(samples={neg["id"]: neg})
+    assert f.format(None, completions, **cols) == [1.0, 1.0]
+    assert f.axial(None, completions, **cols) == [1.0, 0.0]
+    assert f.box(None, completions, **cols) == [1.0, 0.0]
+
+
 def test_consistency_wrapper_groups_rollouts_and_counts_failures(sm_data):
     from medvolcore.propagation import MedSAM2Propagator
 

@@ -14,6 +14,7 @@ import pytest
 from medvolcore.stack import AxialStack
 from medvolcore.volume import load_label_map, load_volume
 from medvoltrain.cli import main
+from medvoltrain.errors import DataError
 from medvoltrain.prepare import PrepareSettings, load_mask, load_samples, load_slices, prepare
 
 from conftest import write_jsonl  # Testing/training/conftest.py (pytest puts this folder first on sys.path)
@@ -46,7 +47,7 @@ def prepared(tmp_path_factory, ct_path, seg_path, ct_sm_path, seg_sm_path):
     ])
     out = root / "DATA"
     rc = main(["prepare", "--manifest", str(manifest), "--out", str(out), "--seed", "5", "--workers", "2",
-               "--no-progress"])
+               "--negative-fraction", "0.25", "--no-progress"])  # one negative for the three train positives
     assert rc == 0
     return manifest, out
 
@@ -59,8 +60,11 @@ def test_prepare_reports_each_bad_row_and_keeps_the_rest(prepared):
                        ("wrong_shape", None): "shape_mismatch", ("wrong_affine", None): "affine_mismatch",
                        ("no_file", None): "missing_file", ("bad_split", None): "bad_row"}
     samples = load_samples(out)
-    assert [s["id"] for s in samples] == ["full/liver", "full/kidneys", "full/spleen", "upper/liver"]
-    assert summary["samples_by_split"] == {"train": 3, "test": 1}
+    # full/brain: label 90 is not in the label map, so it is the negative (not present) sample
+    assert [s["id"] for s in samples] == ["full/liver", "full/kidneys", "full/spleen", "full/brain", "upper/liver"]
+    assert [s["absent"] for s in samples] == [False, False, False, True, False]
+    assert summary["samples_by_split"] == {"train": 4, "test": 1}
+    assert summary["negatives_by_split"] == {"train": 1, "test": 0}
 
 
 def test_prepared_sample_holds_what_sft_and_the_rewards_need(prepared, ct_path, seg_path):
@@ -88,11 +92,12 @@ def test_prepare_resumes_finished_cases_and_is_deterministic(prepared, tmp_path)
     manifest, out = prepared
     before = {p: p.stat().st_mtime_ns for p in (out / "cases").rglob("*.npz")}
     index = (out / "samples.jsonl").read_text(encoding="utf-8")
-    summary = prepare(manifest, out, PrepareSettings(seed=5), workers=1, progress=False)
+    summary = prepare(manifest, out, PrepareSettings(seed=5, negative_fraction=0.25), workers=1, progress=False)
     assert summary["cases_resumed"] == 2
     assert {p: p.stat().st_mtime_ns for p in (out / "cases").rglob("*.npz")} == before
     assert (out / "samples.jsonl").read_text(encoding="utf-8") == index
-    fresh = prepare(manifest, tmp_path / "again", PrepareSettings(seed=5), workers=1, progress=False)
+    fresh = prepare(manifest, tmp_path / "again", PrepareSettings(seed=5, negative_fraction=0.25), workers=1,
+                    progress=False)
     assert fresh["cases_resumed"] == 0
     assert (tmp_path / "again" / "samples.jsonl").read_text(encoding="utf-8").replace(str(tmp_path / "again"), "") == \
         index.replace(str(out), "")
@@ -128,6 +133,12 @@ def test_prompt_is_token_for_token_the_grounders(prepared, ct_path):
     assert (batch["attention_mask"][0, n + len(comp):] == 0).all() and batch["attention_mask"][0, :n + len(comp)].all()
     assert int((batch["labels"] != IGNORE_INDEX).sum()) == len(comp) + len(coll.completion_ids(
         next(x for x in load_samples(out) if x["id"] == "full/kidneys")["target"]))
+    # a negative sample goes through the same prompt builder; its completion is the absent answer
+    neg = next(x for x in load_samples(out) if x["absent"])
+    enc = coll.encode(neg)
+    n_neg = enc["input_ids"].shape[0] - len(coll.completion_ids(neg["target"]))
+    assert g.tokenizer.decode(enc["labels"][n_neg:-1].tolist()).endswith("</think><answer>[]</answer>")
+    assert (enc["labels"][:n_neg] == IGNORE_INDEX).all()
 
 
 def test_nothing_prepared_is_an_error_with_one_line(tmp_path, ct_path, seg_path):
@@ -214,3 +225,89 @@ def test_m3dseg_folder_to_samples_with_relational_test_queries(tmp_path, caplog)
     # the target is the whole kidney that holds the cyst (kidney + cyst voxels), not the other kidney
     assert mask.sum() == ch[0, 25:35, 30:42, 4:16].sum() + ch[2].sum() and mask.shape == (d, w, h)  # RAS: array axis 0 is x, axis 1 is y
     assert rel["depth"] == d and len(rel["shown"]) == d
+
+
+# ---- negative (not present) samples ----------------------------------------------------------------
+
+def test_negatives_never_name_a_label_present_in_the_volume(tmp_path, ct_sm_path, seg_sm_path):
+    """A label map with many labels (TotalSegmentator): the candidates are the row's labels absent from
+    the map and its 'absent' names; a name that is present (also as an alias: 'kidney' for 'kidneys')
+    is refused; the fraction picks round(f / (1 − f) × positives) per split, with the seed."""
+    from medvolcore.answer import parse_answer
+
+    labels = load_label_map(seg_sm_path)
+    present = {int(v) for v in np.unique(labels.array)} - {0}
+    assert {1, 2, 3, 4, 5, 6} <= present and not {21, 22, 90} & present
+    manifest = write_jsonl(tmp_path / "cases.jsonl", [
+        {"id": "a", "volume": str(ct_sm_path), "labels": str(seg_sm_path), "split": "train",
+         "targets": {"liver": LIVER, "spleen": SPLEEN, "kidneys": [KIDNEY_RIGHT, KIDNEY_LEFT], "gallbladder": 4,
+                     "stomach": 6, "urinary_bladder": 21, "prostate": 22, "brain": 90},
+         "absent": ["heart", "liver", "kidney"]},
+        {"id": "b", "volume": str(ct_sm_path), "labels": str(seg_sm_path), "split": "test",
+         "targets": {"liver": LIVER, "brain": 90}},
+    ])
+    summary = prepare(manifest, tmp_path / "D", PrepareSettings(seed=3, negative_fraction=0.4), progress=False)
+    refused = {s["target"]: s["message"] for s in summary["skipped"] if s["reason"] == "present_label"}
+    assert set(refused) == {"liver", "kidney"} and "'kidneys'" in refused["kidney"]
+    samples = load_samples(tmp_path / "D")
+    negatives = [s for s in samples if s["absent"]]
+    # train: 5 positives → round(0.4 / 0.6 × 5) = 3 of the 4 candidates; test: 1 positive → 1
+    assert summary["negatives_by_split"] == {"train": 3, "test": 1}
+    assert summary["negative_candidates_by_split"] == {"train": 4, "test": 1}
+    names = {s["label"] for s in samples if not s["absent"]}
+    for s in negatives:
+        assert s["label"] not in names and s["label"] in {"urinary_bladder", "prostate", "brain", "heart"}
+        assert not set(s["label_ids"]) & present  # no voxel of it in the map
+        assert s["negative_source"] == ("manifest" if s["label"] == "heart" else "labels")
+        assert parse_answer(s["target"]).absent and s["target_info"]["slice"] is None
+        assert s["target_info"]["boxes"] == [] and s["gt_boxes_norm"] == {} and s["mask_file"] is None
+        assert s["slice_areas"] == [0] * s["depth"] and not load_mask(s).any()
+        assert load_mask(s).shape == tuple(s["stack_shape"])
+        assert s["query"] in s["messages"][1]["content"] and len(load_slices(s)) == len(s["shown"])
+    assert [s["id"] for s in negatives if s["split"] == "test"] == ["b/brain"]
+    # the same seed gives the same choice; another fraction re-selects without preparing the cases again
+    again = prepare(manifest, tmp_path / "D", PrepareSettings(seed=3, negative_fraction=0.4), progress=False)
+    assert again["cases_resumed"] == 2 and load_samples(tmp_path / "D") == samples
+    more = prepare(manifest, tmp_path / "D", PrepareSettings(seed=3, negative_fraction=0.5), progress=False)
+    assert more["cases_resumed"] == 2 and more["negatives_by_split"] == {"train": 4, "test": 1}
+    assert "5 negative (not present) sample(s) wanted" in more["notes"][0]  # capped at the 4 candidates
+    none = prepare(manifest, tmp_path / "D", PrepareSettings(seed=3, negative_fraction=0.0), progress=False)
+    assert none["negatives_by_split"] == {"train": 0, "test": 0} and none["samples"] == 6
+
+
+def test_select_negatives_spreads_over_cases_with_the_seed():
+    from medvoltrain import resources
+    from medvoltrain.prepare import same_structure, select_negatives
+
+    terms = resources.term_dictionary()
+    assert same_structure("kidney", "kidneys", terms) and same_structure("kidney_left", "left kidney", terms)
+    assert same_structure("gall bladder", "gallbladder", terms)
+    assert not same_structure("kidney tumor", "kidney", terms) and not same_structure("brain", "brainstem", terms)
+
+    def rec(case, n_pos, n_neg):
+        return {"samples": [{"split": "train"}] * n_pos,
+                "negative_candidates": [{"split": "train", "case_id": case, "label": f"{case}{i}"} for i in range(n_neg)]}
+
+    records = [rec("a", 4, 3), rec("b", 4, 3), rec("c", 4, 3)]  # 12 positives
+    pick = select_negatives(records, 0.2, seed=0)  # round(0.25 × 12) = 3: one per case before any second
+    assert sorted(pick) == ["a", "b", "c"] and all(len(v) == 1 for v in pick.values())
+    assert select_negatives(records, 0.2, seed=0) == pick
+    assert sum(map(len, select_negatives(records, 0.5, seed=0).values())) == 9  # wants 12, all 9 candidates
+    assert select_negatives(records, 0.0, seed=0) == {}
+    with pytest.raises(DataError, match="negative fraction"):
+        select_negatives(records, 1.0, seed=0)
+
+
+def test_a_bad_absent_name_or_fraction_is_one_clear_line(tmp_path, ct_sm_path, seg_sm_path, capsys):
+    manifest = write_jsonl(tmp_path / "m.jsonl", [
+        {"id": "a", "volume": str(ct_sm_path), "labels": str(seg_sm_path), "split": "train",
+         "targets": {"liver": LIVER}, "absent": ["unicorn horn"]},
+        {"id": "b", "volume": str(ct_sm_path), "labels": str(seg_sm_path), "split": "train",
+         "targets": {"liver": LIVER}}])
+    summary = prepare(manifest, tmp_path / "D", PrepareSettings(negative_fraction=0.0), progress=False)
+    (bad,) = summary["skipped"]
+    assert bad["reason"] == "bad_row" and "'unicorn horn' is not in M3D's term dictionary" in bad["message"]
+    capsys.readouterr()
+    assert main(["prepare", "--manifest", str(manifest), "--out", str(tmp_path / "E"), "--negative-fraction", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--negative-fraction must be a number in [0, 1)" in err[0]

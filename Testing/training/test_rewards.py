@@ -194,3 +194,78 @@ def test_consistency_with_early_stop_keeps_the_window_semantics(small_case):
     assert got == want and 0 < got[0] < 1  # the window still has target slices the mask missed
     with pytest.raises(RewardError, match="stop_after_empty"):
         ConsistencyScorer(prop, stop_after_empty=-1)
+
+
+# ---- "not present": absent answers and absent targets ------------------------------------------
+
+ABSENT = "<think>No shown slice holds it.</think><answer>[]</answer>"
+
+
+def test_absent_terms_by_hand():
+    """format as usual; axial and box: 1 when answer and target are both absent, 0 when exactly one is."""
+    from medvoltrain.rewards import answer_box_reward, presence_agreement
+
+    assert format_reward(ABSENT) == 1.0 and format_reward("<think>x</think><answer>[[]]</answer>") == 0.0
+    assert (presence_agreement(True, True), presence_agreement(True, False), presence_agreement(False, True),
+            presence_agreement(False, False)) == (1.0, 0.0, 0.0, None)
+    empty, areas = [0, 0, 0, 0], [0, 10, 40, 20]
+    assert axial_reward(None, empty) == 1.0      # [] on a negative
+    assert axial_reward(None, areas) == 0.0      # [] on a positive (a false negative)
+    assert axial_reward(2, empty) == 0.0         # a slice named on a negative (a false positive)
+    assert axial_reward(1, areas) == 0.25        # the paper's term, unchanged
+    gt = {"2": [[0, 0, 100, 100]], "3": [[0, 0, 50, 50]]}
+    absent, boxed = parsed(ABSENT), parsed(format_answer(2, [[50, 0, 150, 100]], "x"))
+    assert answer_box_reward(absent, {}) == 1.0
+    assert answer_box_reward(absent, gt) == 0.0
+    # the paper's rule would give 1 here ("both empty" on slice 2 of a target with no box): not for a negative
+    assert box_reward([[50, 0, 150, 100]], []) == 0.0 and answer_box_reward(boxed, {}) == 0.0
+    assert answer_box_reward(boxed, gt) == pytest.approx(1 / 3)  # positive: IoU 50·100 / 15000
+
+
+def test_reward_functions_score_absent_answers_and_targets(small_case):
+    """The TRL-facing class: a negative sample (all-zero areas, no boxes, no mask) and a positive one,
+    each answered with [] and with a box; the consistency term never runs MedSAM2 for them."""
+    import json
+
+    from medvoltrain.rewards import RewardFunctions
+
+    hu, gt, by_slice = small_case
+    k = int(max(by_slice, key=lambda z: gt[int(z)].sum()))
+    box = format_answer(k, [by_slice[str(k)][0]], "here")
+
+    class NoPropagation:
+        def propagate_many(self, *a, **kw):
+            raise AssertionError("MedSAM2 ran for an absent answer or an absent target")
+
+    scorer = ConsistencyScorer(NoPropagation(), delta=2)
+    negative = {"id": "ct/brain", "absent": True, "stack_shape": list(gt.shape), "gt_boxes_norm": {}}
+    fns = RewardFunctions(scorer=scorer, samples={"ct/brain": negative})
+    fns._stack = lambda sample: (hu, None)  # the CT itself; the negative's mask comes from load_mask (zeros)
+    completions = [ABSENT, box, "no answer", ABSENT]
+    areas = [[0] * gt.shape[0]] * 3 + [[int(a) for a in gt.reshape(gt.shape[0], -1).sum(1)]]
+    boxes = [json.dumps({})] * 3 + [json.dumps(by_slice)]
+    assert fns.format(None, completions) == [1.0, 1.0, 0.0, 1.0]
+    assert fns.axial(None, completions, slice_areas=areas) == [1.0, 0.0, 0.0, 0.0]
+    assert fns.box(None, completions, gt_boxes_norm=boxes) == [1.0, 0.0, 0.0, 0.0]
+    assert fns.consistency(None, completions[:3], sample_id=["ct/brain"] * 3) == [1.0, 0.0, 0.0]
+    assert scorer.last_encoder_calls == 0 and not fns.failures
+
+
+def test_consistency_scorer_does_not_propagate_an_absent_answer(small_case):
+    """[] on a positive scores 0 and is not propagated; the box answer beside it is, as before."""
+    hu, gt, by_slice = small_case
+    k = int(max(by_slice, key=lambda z: gt[int(z)].sum()))
+    seen = []
+
+    class Recording:  # MedSAM2's seam: returns the ground truth as the propagated mask
+        def propagate_many(self, stack, prompts, **kw):
+            seen.extend(prompts)
+            return [type("R", (), {"mask": gt, "encoder_calls": 5})() for _ in prompts]
+
+    scorer = ConsistencyScorer(Recording(), delta=2)
+    answers = [parsed(ABSENT), parsed(format_answer(k, [by_slice[str(k)][0]], "a"))]
+    assert scorer.score_group(hu, gt, answers, by_slice) == [0.0, 1.0]
+    assert [z for z, _ in seen] == [k]  # only the box answer was propagated
+    seen.clear()
+    assert scorer.score_group(hu, np.zeros_like(gt), answers, {}) == [1.0, 0.0]  # a negative sample
+    assert seen == [] and scorer.last_encoder_calls == 0

@@ -25,7 +25,8 @@ def test_sft_lowers_the_loss_and_logs_loss_and_lr(sft_run):
     steps = [h["step"] for h in report["loss_history"]]
     assert steps == [1, 2, 3, 4] and report["global_step"] == 4
     losses = [h["loss"] for h in report["loss_history"]]
-    assert losses[-1] < losses[0] - 0.05, losses  # 4 steps at lr 0.02 (test override) on 3 samples
+    assert losses[-1] < losses[0] - 0.05, losses  # 4 steps at lr 0.02 (test override) on 4 samples
+    assert report["samples"] == 4  # three positives and the negative (brain: target [], through the collator)
     assert report["bf16"] is False  # CPU: fp32 with a notice
     assert {p.name for p in (sft_run / "checkpoints").iterdir() if p.name.startswith("checkpoint-")} == \
         {"checkpoint-2", "checkpoint-4"}

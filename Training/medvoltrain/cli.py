@@ -35,9 +35,10 @@ class _OneLineWarnings(logging.Handler):
 def cmd_prepare(args) -> int:
     from .prepare import PrepareSettings, format_summary, prepare
 
+    extra = {} if args.negative_fraction is None else {"negative_fraction": args.negative_fraction}
     settings = PrepareSettings(seed=args.seed, top_k=args.top_k, query_kind=args.query_kind,
                                test_fraction=args.test_fraction, relational=not args.no_relational,
-                               prompt_window=args.prompt_window)
+                               prompt_window=args.prompt_window, **extra)
     summary = prepare(args.manifest, args.out, settings, workers=args.workers, progress=not args.no_progress)
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
@@ -118,17 +119,33 @@ def cmd_evaluate(args) -> int:
 def cmd_bench_vision(args) -> int:
     import os
 
-    from .bench.vision import VisionBenchSettings, run_vision_benchmark
+    from medvolcore.errors import InputError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally; never reach the hub
-    knobs = {k: getattr(args, k)
-             for k in ("steps", "lr", "train_cases", "test_cases", "threads", "placement", "hold_out")
-             if getattr(args, k) is not None}
-    settings = (VisionBenchSettings.quick_settings if args.quick else VisionBenchSettings)(seed=args.seed, **knobs)
-    result = run_vision_benchmark(args.out, settings=settings, overwrite=args.overwrite,
-                                  echo=(lambda line: None) if args.json else None)
+    echo = (lambda line: None) if args.json else None
+    if args.task == "presence":
+        from .bench.presence import PresenceBenchSettings, run_presence_benchmark
+
+        for flag in ("placement", "hold_out"):
+            if getattr(args, flag) is not None:
+                raise InputError(f"--{flag.replace('_', '-')} is a setting of the key-slice task, not of --task presence")
+        knobs = {k: getattr(args, k) for k in ("steps", "lr", "train_cases", "test_cases", "threads")
+                 if getattr(args, k) is not None}
+        settings = (PresenceBenchSettings.quick_settings if args.quick else PresenceBenchSettings)(seed=args.seed,
+                                                                                                  **knobs)
+        result = run_presence_benchmark(args.out, settings=settings, overwrite=args.overwrite, echo=echo)
+        keys = ("presence", "goals", "timings_s")
+    else:
+        from .bench.vision import VisionBenchSettings, run_vision_benchmark
+
+        knobs = {k: getattr(args, k)
+                 for k in ("steps", "lr", "train_cases", "test_cases", "threads", "placement", "hold_out")
+                 if getattr(args, k) is not None}
+        settings = (VisionBenchSettings.quick_settings if args.quick else VisionBenchSettings)(seed=args.seed, **knobs)
+        result = run_vision_benchmark(args.out, settings=settings, overwrite=args.overwrite, echo=echo)
+        keys = ("scores", "chance", "goals", "timings_s")
     if args.json:
-        sys.stdout.write(json.dumps({k: result[k] for k in ("scores", "chance", "goals", "timings_s")}, indent=1) + "\n")
+        sys.stdout.write(json.dumps({k: result[k] for k in keys}, indent=1) + "\n")
     return 0
 
 
@@ -181,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of each label's descriptions held out for test queries (default 0.2)")
     sp.add_argument("--no-relational", action="store_true", help="no KiTS23-style relational test queries")
     sp.add_argument("--prompt-window", default=None, help="window named in the prompt (default: the grounder's)")
+    sp.add_argument("--negative-fraction", type=float, metavar="F",
+                    help="about this fraction of each split are negative samples: a query for a structure that is "
+                         "not in that volume, answered <answer>[]</answer> (default 0.10; 0 = none, as in the "
+                         "MedVol-R1 paper: set 0 for paper-faithful runs)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sp = add("sft", "Cold-start SFT with LoRA (TRL SFTTrainer); writes RUN/adapter/.", cmd_sft)
@@ -252,21 +273,29 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("bench-vision", "Vision sanity check on a CPU: synthetic volumes with a bright square, SFT through the "
                              "product's data path, and the model scored on held-out volumes with their own slices, "
                              "another volume's and black ones (DIR/result.json, table.md). A model that does not read "
-                             "its images scores the same in all three.", cmd_bench_vision)
+                             "its images scores the same in all three. --task key-slice (default): which slice and "
+                             "where; --task presence: is the object there at all (half the volumes have none; "
+                             "the answer [] means not present).", cmd_bench_vision)
     sp.add_argument("--out", required=True, help="output folder DIR (cases, prepared data, model, run, results)")
+    sp.add_argument("--task", choices=("key-slice", "presence"), default="key-slice",
+                    help="key-slice (default): find the square's slice and box; presence: say whether the volume "
+                         "holds the square at all, through the answer grammar and parser (result.json: presence)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the volumes and the training (default 0)")
     sp.add_argument("--quick", action="store_true",
-                    help="the test suite's variant (4 slices, one with the square; 150 training volumes; ≈ 2 min)")
+                    help="the test suite's variant (key-slice: 4 slices, one with the square, 150 training volumes, "
+                         "≈ 2 min; presence: 120 training volumes, ≈ 1 min)")
     sp.add_argument("--overwrite", action="store_true", help="run again in a DIR that holds a vision benchmark")
     sp.add_argument("--placement", choices=("grid", "free"),
                     help="grid: the square is exactly one image token (default); free: any pixel, 16-32 px (--quick)")
     sp.add_argument("--hold-out", choices=("volumes", "positions"),
                     help="volumes: test volumes are new, their positions from the same grid (default); positions: "
                          "test squares start on the black cells of a checkerboard, never seen in training (--quick)")
-    sp.add_argument("--steps", type=int, help="SFT optimiser steps (default 2400; --quick 600)")
+    sp.add_argument("--steps", type=int, help="SFT optimiser steps (key-slice: default 2400, --quick 600; presence: "
+                                              "see docs/learning-benchmarks.md)")
     sp.add_argument("--lr", type=float, help="SFT learning rate (default 1e-3)")
-    sp.add_argument("--train-cases", type=int, help="training volumes (default 2400; --quick 150)")
-    sp.add_argument("--test-cases", type=int, help="held-out volumes (default 40; --quick 24)")
+    sp.add_argument("--train-cases", type=int, help="training volumes (key-slice: default 2400, --quick 150)")
+    sp.add_argument("--test-cases", type=int, help="held-out volumes (key-slice: default 40, --quick 24; presence: a "
+                                                   "multiple of 4)")
     sp.add_argument("--threads", type=int, help="torch threads (default 1; 0 = torch's choice)")
     sp = add("bench-learning", "Learning benchmark on a CPU: a small grounding task from the real test CTs, SFT then "
                                "GRPO on a small local Qwen3-VL, and the untrained, SFT and GRPO models scored on a "

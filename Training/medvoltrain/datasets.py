@@ -15,6 +15,9 @@ manifest's folder:
              label list is known (``Resources/training/m3d_seg_dataset_info.json``): label id ``c + 1``
              is the ``c``-th label name. Explicit ``targets`` win when both are given.
 ``split``    ``train`` or ``test``
+``absent``   optional: structures known **not** to be in this CT (e.g. ``["brain"]`` for an abdominal
+             CT), each a key of M3D's term dictionary; ``prepare`` may ask for them as negative
+             (not present) samples. A JSON list (in a CSV cell too).
 ============ ==============================================================================
 
 M3D-Seg (``<root>/<code>/<code>.json`` with ``{"train": [{"image": …, "label": …}], "test": […]}``,
@@ -73,6 +76,7 @@ class Case:
     row: int = 0
     orientation: Optional[str] = None
     raw: dict = field(default_factory=dict)
+    absent: List[str] = field(default_factory=list)  # term-dictionary names the row says are not in this CT
 
     @property
     def is_m3dseg(self) -> bool:
@@ -135,6 +139,29 @@ def _parse_targets(value, dataset: Optional[str]) -> Dict[str, List[int]]:
     return out
 
 
+def _parse_absent(value) -> List[str]:
+    """The row's ``absent`` names: a JSON list of term-dictionary names (or its JSON text)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise CaseError("bad_row", f"'absent' is not JSON ({e}); give a list such as [\"brain\"]") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise CaseError("bad_row", "'absent' must be a list of structure names, e.g. [\"brain\"]")
+    from .queries import term_key
+
+    terms = resources.term_dictionary()
+    out = []
+    for name in value:
+        if term_key(name, terms) is None:
+            raise CaseError("bad_row", f"'absent': {name.strip()!r} is not in M3D's term dictionary "
+                                       "(Resources/training/m3d_term_dictionary.json), so no query can describe it")
+        out.append(name.strip())
+    return list(dict.fromkeys(out))
+
+
 def read_manifest(path) -> Tuple[List[Case], List[dict]]:
     """Cases of a manifest and the rows refused for their form (``{"case", "row", "reason", "message"}``)."""
     path = Path(path)
@@ -168,7 +195,8 @@ def read_manifest(path) -> Tuple[List[Case], List[dict]]:
             vol, lab = (Path(str(row[k]).strip()).expanduser() for k in ("volume", "labels"))
             cases.append(Case(cid, vol if vol.is_absolute() else base / vol, lab if lab.is_absolute() else base / lab,
                               targets, split, dataset, n, str(row.get("orientation") or "").strip() or None,
-                              {k: v for k, v in row.items() if not k.startswith("__")}))
+                              {k: v for k, v in row.items() if not k.startswith("__")},
+                              _parse_absent(row.get("absent"))))
             seen.add(cid)
         except CaseError as e:
             bad.append({"case": cid or f"row {n}", "row": n, "target": None, "reason": e.reason, "message": str(e)})

@@ -27,6 +27,18 @@ of the predicted boxes against the ground-truth boxes of the *predicted* slice),
 the largest-area slice, the number of boxes, voxel counts, ``seconds`` (inference: grounding +
 propagation, not data loading), ``status`` and ``error``.
 
+Negative samples (``"absent": true``: the target is not in that volume, ``prepare
+--negative-fraction``) and absent answers (``<answer>[]</answer>``): a negative case is **not
+scored for DSC, IoU, hit, axial score or box IoU** (there is no target to overlap; those columns are
+empty and every mean is over the positive cases); what counts for it is whether the answer was
+``[]``. An absent answer on a positive case scores **DSC = IoU = 0**, a miss and box IoU 0 (the user
+gets no mask). Three extra columns, after the paper's: **existence accuracy** (over every scored
+case: the answer is ``[]`` exactly when the target is absent; a failed case is wrong), the
+**false-positive rate on negative cases** (the model answered a slice and boxes where the target
+is absent) and the **false-negative rate on positive cases** (it answered ``[]`` where the target
+is present), in %; a failed case is neither a false positive nor a false negative. ``cases.csv``
+has ``target_absent`` and ``answer_absent`` (0/1).
+
 ``status`` is ``ok``; ``failed`` — the model gave no usable answer
 (:class:`~medvolcore.errors.GenerationError`): the product would give the user no mask, so the case
 **counts as DSC = IoU = 0, a miss and box IoU 0** in every mean, and the table says how many; or
@@ -88,7 +100,13 @@ ERROR_CHARS = 300  # cases.csv keeps the start of an error message; the case fil
 SMOKE_TEXT = "Smoke model (tiny / random MedSAM2): numbers are meaningless"
 CASE_COLUMNS = ("id", "case_id", "dataset", "dataset_name", "label", "status", "dsc_pct", "iou_pct", "hit",
                 "axial_score", "box_iou", "pred_slice", "gt_slice", "n_boxes", "pred_voxels", "gt_voxels",
-                "seconds", "query", "error")
+                "seconds", "target_absent", "answer_absent", "query", "error")
+# the extra columns after the paper's (existence: is the target there?)
+EXISTENCE_COLUMNS = ("Existence acc. (%)", "FP rate, negatives (%)", "FN rate, positives (%)")
+EXISTENCE_DEFINITION = ("existence accuracy: the answer is [] exactly when the target is absent, over every scored "
+                        "case (a failed case is wrong); FP rate: negative cases answered with a slice and boxes; FN "
+                        "rate: positive cases answered []; in %; negative cases are not scored for DSC, IoU, hit or "
+                        "box IoU, and an absent answer on a positive case scores DSC = IoU = 0")
 FAILURE_POLICY = ("failed cases (the model gave no usable answer) count as DSC = IoU = 0, a miss and box IoU 0; "
                   "cases that could not be evaluated (errors) are left out of every mean")
 
@@ -357,27 +375,43 @@ def _gt_boxes_norm(sample: dict, gt_mask: np.ndarray, z: int) -> list:
     return [box_to_norm(b, w, h) for b in boxes_from_slice_mask(gt_mask[z])]
 
 
-def score_case(sample: dict, gt_mask: np.ndarray, pred_mask: np.ndarray, pred_slice: int, pred_boxes_norm) -> dict:
-    """The per-case numbers (see the module docstring) of a prediction on the canonical stack."""
+def score_case(sample: dict, gt_mask: np.ndarray, pred_mask: np.ndarray, pred_slice: Optional[int],
+               pred_boxes_norm) -> dict:
+    """The per-case numbers (see the module docstring) of a prediction on the canonical stack for a
+    positive sample; ``pred_slice`` None is the absent answer (DSC = IoU = 0, a miss, box IoU 0)."""
     from medvolcore.metrics import dice, iou
 
     from .rewards import axial_reward, box_reward
 
     areas = sample["slice_areas"]
-    k = int(pred_slice)
+    absent = pred_slice is None
+    k = None if absent else int(pred_slice)
     return {
-        "dsc_pct": 100.0 * dice(pred_mask, gt_mask), "iou_pct": 100.0 * iou(pred_mask, gt_mask),
-        "hit": int(0 <= k < len(areas) and areas[k] > 0), "axial_score": axial_reward(k, areas),
-        "box_iou": box_reward(pred_boxes_norm, _gt_boxes_norm(sample, gt_mask, k)),
+        "dsc_pct": 0.0 if absent else 100.0 * dice(pred_mask, gt_mask),
+        "iou_pct": 0.0 if absent else 100.0 * iou(pred_mask, gt_mask),
+        "hit": int(not absent and 0 <= k < len(areas) and areas[k] > 0), "axial_score": axial_reward(k, areas),
+        "box_iou": 0.0 if absent else box_reward(pred_boxes_norm, _gt_boxes_norm(sample, gt_mask, k)),
         "pred_slice": k, "n_boxes": len(pred_boxes_norm),
         "pred_voxels": int(np.count_nonzero(pred_mask)), "gt_voxels": int(np.count_nonzero(gt_mask)),
+        "target_absent": 0, "answer_absent": int(absent),
     }
+
+
+def score_negative(pred_mask: Optional[np.ndarray], pred_slice: Optional[int], pred_boxes_norm) -> dict:
+    """The per-case numbers of a negative sample (the target is not in the volume): only whether the
+    answer was ``[]`` (``pred_slice`` None); DSC, IoU, hit, axial score and box IoU are not scored."""
+    absent = pred_slice is None
+    return {"dsc_pct": None, "iou_pct": None, "hit": None, "axial_score": None, "box_iou": None,
+            "pred_slice": None if absent else int(pred_slice), "n_boxes": len(pred_boxes_norm),
+            "pred_voxels": 0 if pred_mask is None else int(np.count_nonzero(pred_mask)), "gt_voxels": 0,
+            "target_absent": 1, "answer_absent": int(absent)}
 
 
 def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[dict, dict, Optional[np.ndarray]]:
     """``(row, details, predicted stack mask)`` of one sample; a model that gives no usable answer
-    yields a ``failed`` row (and no mask); any other problem propagates to the caller."""
-    from medvolcore.anchor import anchor_from_mask
+    yields a ``failed`` row (and no mask); an absent answer yields no mask; any other problem
+    propagates to the caller."""
+    from medvolcore.anchor import EvidenceAnchor, anchor_from_mask
 
     from .rewards import parsed
 
@@ -385,18 +419,26 @@ def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[d
     gt = load_mask(sample)
     if gt.shape != stack.shape:
         raise DataError(f"sample {sample['id']}: mask {gt.shape} and CT stack {stack.shape} differ in shape")
-    gt_anchor = anchor_from_mask(gt, top_k=1, stack=stack)
+    negative = bool(sample.get("absent"))
+    gt_anchor = None if negative else anchor_from_mask(gt, top_k=1, stack=stack)
+    gt_slice = None if negative else gt_anchor.slice
     window = stacks.window
     engine.load()
     t0 = time.perf_counter()
-    details = {"gt_anchor": {"slice": gt_anchor.slice, "boxes": gt_anchor.boxes}}
+    details = {"gt_anchor": None if negative else {"slice": gt_anchor.slice, "boxes": gt_anchor.boxes},
+               "target_absent": negative}
     if engine.settings.oracle:
-        anchor = gt_anchor
-        # what Pipeline.repropagate does, without a language model (nor its weights) behind it
-        r = engine.propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=window,
-                                        stop_after_empty=engine.settings.stop_after_empty)
-        pred_mask, boxes_norm = r.mask, anchor.boxes_norm
-        details.update(anchor=anchor.to_dict(), slices_encoded=r.slices_encoded, propagation=r.stop_summary())
+        if negative:  # the ground-truth anchor of an absent target is the absent anchor: nothing to propagate
+            anchor = EvidenceAnchor.absent_for([stack.width, stack.height], query=sample["query"], source="mask")
+            pred_mask, boxes_norm = np.zeros(stack.shape, bool), []
+            details.update(anchor=anchor.to_dict(), slices_encoded=0)
+        else:
+            anchor = gt_anchor
+            # what Pipeline.repropagate does, without a language model (nor its weights) behind it
+            r = engine.propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=window,
+                                            stop_after_empty=engine.settings.stop_after_empty)
+            pred_mask, boxes_norm = r.mask, anchor.boxes_norm
+            details.update(anchor=anchor.to_dict(), slices_encoded=r.slices_encoded, propagation=r.stop_summary())
     else:
         try:
             seg = engine.pipeline.segment(stack, sample["query"], constrain=engine.settings.constrain,
@@ -404,21 +446,31 @@ def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[d
         except GenerationError as e:
             details.update(raw_text=getattr(e, "raw_text", ""), failures=getattr(e, "failures", []),
                            error=f"GenerationError: {e}")
-            row = {"status": "failed", "error": _short(f"GenerationError: {e}"), "gt_slice": gt_anchor.slice,
+            row = {"status": "failed", "error": _short(f"GenerationError: {e}"), "gt_slice": gt_slice,
                    "seconds": time.perf_counter() - t0, "gt_voxels": int(np.count_nonzero(gt))}
             return row, details, None
         pred_mask = seg.mask_stack
-        # the boxes as the model wrote them (what the box reward scores), else the anchor's pixel boxes
-        ans = parsed(seg.raw_text)
-        boxes_norm = ans.boxes_norm if ans is not None and int(ans.slice) == seg.anchor.slice else seg.anchor.boxes_norm
+        if seg.anchor.absent:
+            boxes_norm = []
+        else:
+            # the boxes as the model wrote them (what the box reward scores), else the anchor's pixel boxes
+            ans = parsed(seg.raw_text)
+            boxes_norm = (ans.boxes_norm if ans is not None and not ans.absent and int(ans.slice) == seg.anchor.slice
+                          else seg.anchor.boxes_norm)
         details.update(anchor=seg.anchor.to_dict(), raw_text=seg.raw_text, reasoning=seg.reasoning,
                        notes=list(seg.notes),
                        timings={k: (None if isinstance(v, float) and not np.isfinite(v) else v)  # strict JSON
                                 for k, v in seg.timings.items()})
     seconds = time.perf_counter() - t0
-    row = score_case(sample, gt, pred_mask, details["anchor"]["slice"], [[float(v) for v in b] for b in boxes_norm])
-    row.update(status="ok", error="", gt_slice=gt_anchor.slice, seconds=seconds)
-    return row, details, pred_mask
+    answer_absent = bool(details["anchor"].get("absent"))
+    pred_slice = None if answer_absent else details["anchor"]["slice"]
+    boxes = [[float(v) for v in b] for b in boxes_norm]
+    if negative:
+        row = score_negative(pred_mask, pred_slice, boxes)
+    else:
+        row = score_case(sample, gt, pred_mask, pred_slice, boxes)
+    row.update(status="ok", error="", gt_slice=gt_slice, seconds=seconds)
+    return row, details, None if answer_absent else pred_mask
 
 
 # ---- aggregation ----------------------------------------------------------------------------------
@@ -426,6 +478,30 @@ def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[d
 def _mean(values) -> Optional[float]:
     v = [float(x) for x in values]
     return float(np.mean(v)) if v else None
+
+
+def _flag(row: dict, key: str) -> bool:
+    """A 0/1 column of a case row; absent (a case file from before the column existed) is 0."""
+    v = row.get(key)
+    return bool(int(v)) if v not in (None, "") else False
+
+
+def existence(scored: List[dict]) -> dict:
+    """Existence accuracy and the false-positive / false-negative rates (%) over scored case rows (ok
+    and failed; see the module docstring)."""
+    neg = [r for r in scored if _flag(r, "target_absent")]
+    pos = [r for r in scored if not _flag(r, "target_absent")]
+
+    def right(r):
+        return r["status"] == "ok" and _flag(r, "answer_absent") == _flag(r, "target_absent")
+
+    fp = sum(r["status"] == "ok" and not _flag(r, "answer_absent") for r in neg)
+    fn = sum(r["status"] == "ok" and _flag(r, "answer_absent") for r in pos)
+    return {"accuracy_pct": _mean(100.0 * right(r) for r in scored),
+            "fp_rate_pct": 100.0 * fp / len(neg) if neg else None,
+            "fn_rate_pct": 100.0 * fn / len(pos) if pos else None,
+            "negatives": len(neg), "positives": len(pos), "false_positives": fp, "false_negatives": fn,
+            "true_negatives": sum(right(r) for r in neg), "definition": EXISTENCE_DEFINITION}
 
 
 def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, fingerprint: str) -> dict:
@@ -437,8 +513,10 @@ def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, finger
         if rec and rec.get("fingerprint") == fingerprint and isinstance(rec.get("row"), dict):
             rows.append(rec["row"])
     label, smoke = method_label(settings)
-    scored = [r for r in rows if r["status"] in ("ok", "failed")]  # failed count as 0 (FAILURE_POLICY)
-    ok = [r for r in rows if r["status"] == "ok"]
+    scored_all = [r for r in rows if r["status"] in ("ok", "failed")]  # failed count as 0 (FAILURE_POLICY)
+    # DSC, IoU, hit, axial and box are over positive cases only (a negative has no target to overlap)
+    scored = [r for r in scored_all if not _flag(r, "target_absent")]
+    ok = [r for r in scored if r["status"] == "ok"]
 
     def val(r, key):
         return float(r[key]) if r["status"] == "ok" else 0.0
@@ -452,6 +530,7 @@ def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, finger
         rs_ok = [r for r in ok if r["dataset"] == c]
         per_dataset[dataset_name(c)] = {
             "code": c, "cases": len(rs), "failed": sum(r["status"] == "failed" for r in rs),
+            "negatives": sum(1 for r in scored_all if r["dataset"] == c and _flag(r, "target_absent")),
             "errors": sum(r["status"] == "error" for r in rows if r["dataset"] == c),
             "dsc_pct": _mean(val(r, "dsc_pct") for r in rs), "iou_pct": _mean(val(r, "iou_pct") for r in rs),
             "dsc_pct_ok_only": _mean(float(r["dsc_pct"]) for r in rs_ok),
@@ -461,7 +540,7 @@ def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, finger
     summary = {
         "schema": SCHEMA, "method": label, "smoke": smoke, "settings": asdict(settings), "fingerprint": fingerprint,
         "split": settings.split, "cases_in_split": len(samples), "cases_evaluated": len(rows),
-        "cases_pending": len(samples) - len(rows), "cases_ok": len(ok),
+        "cases_pending": len(samples) - len(rows), "cases_ok": sum(r["status"] == "ok" for r in rows),
         "cases_failed": sum(r["status"] == "failed" for r in rows),
         "cases_error": sum(r["status"] == "error" for r in rows),
         "failure_policy": FAILURE_POLICY,
@@ -474,10 +553,11 @@ def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, finger
         "hit_rate_pct": _mean(100.0 * val(r, "hit") for r in scored),
         "box_iou": _mean(val(r, "box_iou") for r in scored),
         "axial_score": _mean(val(r, "axial_score") for r in scored),
-        "ok_only": {"dsc_pct": _mean(float(r["dsc_pct"]) for r in ok),
+        "ok_only": {"cases": len(ok), "dsc_pct": _mean(float(r["dsc_pct"]) for r in ok),
                     "iou_pct": _mean(float(r["iou_pct"]) for r in ok),
                     "hit_rate_pct": _mean(100.0 * float(r["hit"]) for r in ok),
                     "box_iou": _mean(float(r["box_iou"]) for r in ok)},
+        "existence": existence(scored_all),
         "seconds_per_case": _mean(float(r["seconds"]) for r in rows if r.get("seconds") not in (None, "")),
         "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -514,7 +594,8 @@ def _cases_csv(rows: List[dict]) -> str:
 
 
 def table_row(summary: dict) -> Tuple[List[str], List[str]]:
-    """Header and the one row of Table 1 (DSC and IoU in % per dataset, average, hit rate, box IoU)."""
+    """Header and the one row of Table 1 (DSC and IoU in % per dataset, average, hit rate, box IoU, cases),
+    then the extra existence columns (:data:`EXISTENCE_COLUMNS`)."""
     header, line = ["Method"], [summary["method"]]
     for name, d in summary["per_dataset"].items():
         header += [f"{name} DSC", f"{name} IoU"]
@@ -524,6 +605,9 @@ def table_row(summary: dict) -> Tuple[List[str], List[str]]:
     line += [_fmt(summary["average"]["dsc_pct"]), _fmt(summary["average"]["iou_pct"]), _fmt(summary["hit_rate_pct"]),
              _fmt(None if box is None else 100.0 * box), f"{summary['cases_evaluated']}/{summary['cases_in_split']}",
              str(summary["cases_failed"]), str(summary["cases_error"])]
+    ex = summary.get("existence") or {}  # extra columns, after the paper's
+    header += list(EXISTENCE_COLUMNS)
+    line += [_fmt(ex.get("accuracy_pct")), _fmt(ex.get("fp_rate_pct")), _fmt(ex.get("fn_rate_pct"))]
     return header, line
 
 
@@ -546,13 +630,21 @@ def table_markdown(summary: dict, header: List[str], line: List[str]) -> str:
     notes.append("Average: the unweighted mean of the per-dataset means. Hit rate: the predicted key slice holds "
                  "target foreground. Box IoU: Hungarian-matched IoU of the predicted boxes with the ground-truth "
                  "boxes of the predicted slice (the box reward), in %.")
+    ex = s.get("existence") or {}
+    notes.append(f"Extra columns (not in the paper): existence accuracy over all "
+                 f"{ex.get('positives', 0) + ex.get('negatives', 0)} scored case(s), {ex.get('negatives', 0)} of them "
+                 "negative (the target is not in the volume); the "
+                 "false-positive rate is over the negative cases (a slice and boxes answered), the false-negative "
+                 "rate over the positive ones ([] answered). Negative cases are not in DSC, IoU, hit rate or box "
+                 "IoU; an absent answer on a positive case counts as DSC = IoU = 0 there.")
     if s["settings"]["oracle"]:
         notes.append("Oracle anchor: MedSAM2 is given the ground-truth anchor (largest-area slice, its "
                      "connected-component boxes), so hit rate and box IoU are 100 by construction and DSC is the "
                      "propagation's upper bound.")
     ok = s["ok_only"]
-    notes.append(f"Over the {s['cases_ok']} successful case(s) only: DSC {_fmt(ok['dsc_pct'])}, "
-                 f"IoU {_fmt(ok['iou_pct'])}.")
+    n_ok = ok.get("cases", s["cases_ok"])
+    notes.append(f"Over the {n_ok} successful {'positive ' if ex.get('negatives') else ''}case(s) only: "
+                 f"DSC {_fmt(ok['dsc_pct'])}, IoU {_fmt(ok['iou_pct'])}.")
     out += [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"
 
@@ -605,7 +697,7 @@ def _complete_row(row: dict, sample: dict) -> dict:
     full = {k: "" for k in CASE_COLUMNS}
     full.update(id=sample["id"], case_id=sample.get("case_id", ""), dataset=sample.get("dataset"),
                 dataset_name=dataset_name(sample.get("dataset")), label=sample.get("label", ""),
-                query=sample.get("query", ""))
+                query=sample.get("query", ""), target_absent=int(bool(sample.get("absent"))))
     full.update(row)
     return full
 
@@ -702,7 +794,8 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
             done[row["status"]] += 1
             bar.update(1)
             if row["status"] == "ok":
-                bar.set_postfix_str(f"DSC {row['dsc_pct']:.1f}", refresh=False)
+                bar.set_postfix_str("absent target: answered " + ("[]" if row["answer_absent"] else "boxes")
+                                    if row["target_absent"] else f"DSC {row['dsc_pct']:.1f}", refresh=False)
     except BaseException:
         bar.close()
         if any(done.values()):  # what finished is in the tables, also after an interruption
@@ -737,5 +830,5 @@ def format_result(summary: dict, out_dir) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["EvalSettings", "evaluate", "evaluate_case", "score_case", "aggregate", "parse_shard",
+__all__ = ["EvalSettings", "evaluate", "evaluate_case", "score_case", "score_negative", "existence", "aggregate", "parse_shard",
            "dataset_name", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT"]

@@ -37,7 +37,24 @@ shown slices, in prompt order); ``depth`` (stack depth D); ``stack_shape`` ``[D,
 foreground pixels of every stack slice, index = z); ``gt_boxes`` and ``gt_boxes_norm`` (per shown
 slice with foreground, keyed by ``str(z)``: the target's component boxes as inclusive pixels on the
 stack slice and normalised 0–1000 as ``box_to_norm`` gives them); ``source`` (volume and label
-paths).
+paths); ``absent`` (false).
+
+Negative samples (``"absent": true``)
+-------------------------------------
+A query for a structure that is **not in that volume**, with the absent answer as its target
+(``<think>…</think><answer>[]</answer>``). Candidates, per case: the row's labels with no voxel in
+its label map (its ``targets``, or its dataset's label list — an id the map does not hold means
+the structure is absent there, since the map annotates it), and the row's ``absent`` names
+(term-dictionary structures the manifest says are not in that CT, e.g. "brain" on an abdominal
+CT). A candidate whose name (or term-dictionary key) is that of a label present in the volume is
+never used (skipped with reason ``present_label``). Which candidates become samples: per split,
+``round(f / (1 − f) × positives)`` of them (``f`` = ``--negative-fraction``, default 0.10, so that
+negatives are about a fraction ``f`` of the split; 0 = none, the paper's data), drawn with the seed,
+spread over cases (a case's second candidate only after every case's first). Their fields are a
+positive's, except: ``target_info`` has ``slice`` None and no boxes; ``mask_file`` is None (the
+mask is all zero: :func:`load_mask`); ``slice_areas`` are all 0 and ``gt_boxes``/``gt_boxes_norm``
+empty; ``label_ids`` are the row's ids (empty for an ``absent`` name); ``negative_source`` is
+``labels`` or ``manifest``. The term dictionary words the query, as for positives.
 
 :func:`load_samples`, :func:`load_slices` and :func:`load_mask` read it back (Training II reuses
 them).
@@ -48,19 +65,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from .datasets import M3D_WARNING, Case, load_case, read_manifest, safe_name
 from .errors import CaseError, DataError
 from .queries import QueryBank, seeded_rng
-from .targets import reward_ground_truth, sft_target
+from .targets import absent_target, reward_ground_truth, sft_target
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +87,8 @@ INDEX = "samples.jsonl"
 SUMMARY = "summary.json"
 CASE_FILE = "case.json"
 # Bump when the content of prepared cases changes, so a resume redoes them.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2  # 2: negative (absent) candidates in case.json; "absent" in every sample
+DEFAULT_NEGATIVE_FRACTION = 0.10
 
 
 @dataclass(frozen=True)
@@ -82,6 +101,9 @@ class PrepareSettings:
     test_fraction: float = 0.2
     relational: bool = True  # KiTS23-style relational test queries where the dataset has them
     prompt_window: Optional[str] = None  # None: the grounder's default window (soft tissue 40/400 HU)
+    # about this fraction of each split are negative (not present) samples; 0: none (the paper's data).
+    # Not part of a case's fingerprint: the choice is made over all cases after they are prepared.
+    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION
 
 
 def _prompt_geometry():
@@ -92,8 +114,9 @@ def _prompt_geometry():
 
 
 def _fingerprint(case: Case, settings: PrepareSettings) -> str:
+    per_case = {k: v for k, v in asdict(settings).items() if k != "negative_fraction"}
     blob = json.dumps({"row": case.raw, "volume": str(case.volume), "labels": str(case.labels),
-                       "targets": case.targets, "settings": asdict(settings), "version": PREPARE_VERSION},
+                       "targets": case.targets, "settings": per_case, "version": PREPARE_VERSION},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -151,6 +174,69 @@ def _relational_targets(case: Case, labels, bank: QueryBank, settings: PrepareSe
     return out
 
 
+def same_structure(a: str, b: str, terms: dict) -> bool:
+    """Whether two label names denote one structure: the same term-dictionary key, or each names the
+    other (:func:`medvoltrain.queries.names_label`: singular or plural, "gall bladder" or
+    "gallbladder", either word order) — "kidney" and "kidneys" are one; "kidney tumor" and "kidney"
+    are not."""
+    from .queries import names_label, term_key
+
+    ka, kb = term_key(a, terms), term_key(b, terms)
+    if ka is not None and ka == kb:
+        return True
+    ta, tb = str(a).replace("_", " "), str(b).replace("_", " ")
+    return names_label(ta, tb) and names_label(tb, ta)
+
+
+def negative_candidates(case: Case, labels, terms: dict):
+    """``([(name, ids, source)], refused)``: the structures of ``case`` that may be asked for as
+    negative (not present) samples, and the skip records of those refused.
+
+    ``source`` ``labels``: a label of the row (its ``targets``, or its dataset's label list) with
+    no voxel in the label map; an id the label source cannot hold at all (an M3D channel that does
+    not exist) is an unknown label, not an absent one. ``manifest``: a name of the row's ``absent``
+    list. Refused (reason ``present_label``): a candidate that is the same structure
+    (:func:`same_structure`) as a label present in the volume, whatever the ids say.
+    """
+    present, known = labels.present_ids(), labels.known_ids()
+    present_names = {name: ids for name, ids in case.targets.items() if any(i in present for i in ids)}
+    raw = [(name, list(ids), "labels") for name, ids in case.targets.items()
+           if name not in present_names and (known is None or all(i in known for i in ids))]
+    raw += [(name, [], "manifest") for name in case.absent]
+    out, refused = [], []
+    for name, ids, source in raw:
+        other = next((p for p in present_names if same_structure(name, p, terms)), None)
+        if other is not None:
+            refused.append({"case": case.id, "target": name, "reason": "present_label",
+                            "message": f"not used as a negative (not present) sample: the label map holds {other!r} "
+                                       f"(id {', '.join(map(str, present_names[other]))})"})
+        elif not any(same_structure(name, n, terms) for n, _, _ in out):
+            out.append((name, ids, source))
+    return out, refused
+
+
+def select_negatives(records: List[dict], fraction: float, seed: int) -> Dict[str, List[dict]]:
+    """The negative samples to keep, per case id: for each split, ``round(fraction / (1 − fraction)
+    × positives)`` of the candidates (at most all of them), drawn with ``seed`` and spread over
+    cases (every case's first candidate before any case's second). ``records``: the case records in
+    manifest order."""
+    if not 0.0 <= float(fraction) < 1.0:
+        raise DataError(f"the negative fraction must be in [0, 1), got {fraction!r}")
+    keep: Dict[str, List[dict]] = {}
+    for split in ("train", "test"):
+        positives = sum(1 for r in records for x in r["samples"] if x["split"] == split)
+        pool = [(rank, x) for r in records for rank, x in enumerate(r.get("negative_candidates", []))
+                if x["split"] == split]
+        want = min(len(pool), int(math.floor(fraction / (1.0 - fraction) * positives + 0.5)))
+        if not want:
+            continue
+        draw = seeded_rng(seed, "negatives", split).permutation(len(pool))  # draw[i]: candidate i's place
+        chosen = sorted(range(len(pool)), key=lambda i: (pool[i][0], int(draw[i])))[:want]
+        for i in sorted(chosen):  # manifest order
+            keep.setdefault(pool[i][1]["case_id"], []).append(pool[i][1])
+    return keep
+
+
 def prepare_case(case: Case, out_dir, settings: PrepareSettings) -> dict:
     """Prepare one case into ``out_dir/cases/<case>/``; returns its ``case.json`` content.
 
@@ -201,6 +287,17 @@ def prepare_case(case: Case, out_dir, settings: PrepareSettings) -> dict:
     for name, lesion, ids, mask in _relational_targets(case, labels, bank, settings):
         jobs.append((name, ids, lesion, mask))
 
+    base = {"format": FORMAT, "case_id": case.id, "split": case.split, "dataset": case.dataset,
+            "prompt_window": settings.prompt_window,
+            "render_window": {"name": rw.name, "center": rw.center, "width": rw.width}, "intensity": intensity,
+            "top_k": settings.top_k, "seed": settings.seed, "shown": shown, "depth": stack.depth,
+            "stack_shape": list(stack.shape), "image_size": [size, size], "slices_file": slices_rel,
+            "mask_frame": "stack", "source": {"volume": str(case.volume), "labels": str(case.labels)}}
+
+    def query_fields(query):
+        return {"query": query.text, "query_info": query.to_dict(),
+                "messages": _messages(prompts, query.text, shown, stack.depth, settings.prompt_window)}
+
     for name, ids, lesion, mask in jobs:
         if mask is None:
             mask = labels.mask(ids)
@@ -223,19 +320,26 @@ def prepare_case(case: Case, out_dir, settings: PrepareSettings) -> dict:
         mask_rel = f"cases/{case.folder_name}/masks/{safe_name(name)}.npz"
         _save_npz(out_dir / mask_rel, mask=mask.astype(bool))
         samples.append({
-            "format": FORMAT, "id": f"{case.id}/{name}", "case_id": case.id, "split": case.split,
-            "dataset": case.dataset, "label": name, "label_ids": list(ids), "query": query.text,
-            "query_info": query.to_dict(), "prompt_window": settings.prompt_window,
-            "render_window": {"name": rw.name, "center": rw.center, "width": rw.width}, "intensity": intensity,
-            "messages": _messages(prompts, query.text, shown, stack.depth, settings.prompt_window),
-            "target": tgt.text, "target_info": tgt.to_dict(), "top_k": settings.top_k, "seed": settings.seed,
-            "shown": shown, "depth": stack.depth, "stack_shape": list(stack.shape), "image_size": [size, size],
-            "slices_file": slices_rel, "mask_file": mask_rel, "mask_frame": "stack",
+            **base, "id": f"{case.id}/{name}", "label": name, "label_ids": list(ids), **query_fields(query),
+            "target": tgt.text, "target_info": tgt.to_dict(), "mask_file": mask_rel,
             "slice_areas": gt["slice_areas"], "gt_boxes": gt["boxes"], "gt_boxes_norm": gt["boxes_norm"],
-            "source": {"volume": str(case.volume), "labels": str(case.labels)},
+            "absent": False,
+        })
+
+    negatives = []
+    candidates, refused = negative_candidates(case, labels, bank.terms)
+    skipped += refused
+    for name, ids, source in candidates:
+        tgt = absent_target(name.replace("_", " "), seeded_rng(settings.seed, "absent", case.id, name))
+        negatives.append({
+            **base, "id": f"{case.id}/{name}", "label": name, "label_ids": list(ids),
+            **query_fields(bank.draw(case.id, name, case.split, settings.seed)),
+            "target": tgt.text, "target_info": tgt.to_dict(), "mask_file": None,
+            "slice_areas": [0] * stack.depth, "gt_boxes": {}, "gt_boxes_norm": {}, "absent": True,
+            "negative_source": source,
         })
     record = {"case_id": case.id, "row": case.row, "fingerprint": fingerprint, "samples": samples,
-              "skipped": skipped, "intensity": intensity, "seconds": round(time.perf_counter() - t0, 3)}
+              "negative_candidates": negatives, "skipped": skipped, "intensity": intensity, "seconds": round(time.perf_counter() - t0, 3)}
     _write_json(done, record)
     return record
 
@@ -270,6 +374,9 @@ def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), wo
         raise DataError(f"query kind must be implicit or explicit, got {settings.query_kind!r}")
     if isinstance(settings.top_k, bool) or not isinstance(settings.top_k, int) or settings.top_k < 1:
         raise DataError(f"top-k must be a whole number ≥ 1, got {settings.top_k!r}")
+    fraction = settings.negative_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+        raise DataError(f"--negative-fraction must be a number in [0, 1) (0: no negative samples), got {fraction!r}")
     cases, bad_rows = read_manifest(manifest)
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(c.is_m3dseg for c in cases):
@@ -294,6 +401,8 @@ def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), wo
     finally:
         bar.close()
 
+    records = [results[c.id][0] for c in cases if results[c.id][1] is None]
+    negatives = select_negatives(records, settings.negative_fraction, settings.seed)
     samples, skipped = [], list(bad_rows)
     resumed = 0
     per_case_s = []
@@ -302,7 +411,7 @@ def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), wo
         if err is not None:
             skipped.append({"case": c.id, "row": c.row, "target": None, **err})
             continue
-        samples += rec["samples"]
+        samples += rec["samples"] + negatives.get(c.id, [])
         skipped += [dict(s, row=c.row) for s in rec["skipped"]]
         resumed += bool(rec.get("resumed"))
         if not rec.get("resumed"):
@@ -310,13 +419,27 @@ def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), wo
     by_reason = {}
     for s in skipped:
         by_reason[s["reason"]] = by_reason.get(s["reason"], 0) + 1
+    neg = {sp: sum(1 for x in samples if x["split"] == sp and x.get("absent")) for sp in ("train", "test")}
+    pool = {sp: sum(1 for r in records for x in r.get("negative_candidates", []) if x["split"] == sp)
+            for sp in ("train", "test")}
+    notes = []
+    for sp in ("train", "test"):
+        pos = sum(1 for x in samples if x["split"] == sp and not x.get("absent"))
+        f = settings.negative_fraction
+        want = int(math.floor(f / (1.0 - f) * pos + 0.5))
+        if want > pool[sp]:
+            notes.append(f"{sp}: {want} negative (not present) sample(s) wanted for a fraction of {f:g}, but only "
+                         f"{pool[sp]} candidate(s) exist (labels absent from their volume, or the rows' 'absent' "
+                         "names)")
+            log.warning("%s", notes[-1])
     summary = {
         "format": FORMAT, "manifest": str(manifest), "cases": len(cases) + len(bad_rows),
         "cases_prepared": sum(1 for c in cases if results[c.id][1] is None),
         "cases_resumed": resumed, "samples": len(samples),
         "samples_by_split": {s: sum(1 for x in samples if x["split"] == s) for s in ("train", "test")},
+        "negatives_by_split": neg, "negative_candidates_by_split": pool,
         "skipped": skipped, "skipped_by_reason": by_reason, "settings": asdict(settings), "workers": workers,
-        "seconds": round(time.perf_counter() - t0, 3),
+        "notes": notes, "seconds": round(time.perf_counter() - t0, 3),
         "seconds_per_case": round(float(np.mean(per_case_s)), 3) if per_case_s else None,
     }
     _write_json(out_dir / SUMMARY, summary)
@@ -329,9 +452,13 @@ def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), wo
 
 
 def format_summary(summary: dict) -> str:
+    neg = summary.get("negatives_by_split") or {"train": 0, "test": 0}
+    n_neg = neg["train"] + neg["test"]
     lines = [f"prepared {summary['samples']} sample(s) ({summary['samples_by_split']['train']} train, "
              f"{summary['samples_by_split']['test']} test) from {summary['cases_prepared']} of {summary['cases']} "
-             f"case(s) in {summary['seconds']:.1f} s ({summary['cases_resumed']} resumed)"]
+             f"case(s) in {summary['seconds']:.1f} s ({summary['cases_resumed']} resumed)"
+             + (f"; {n_neg} of them negative (target not present: {neg['train']} train, {neg['test']} test)"
+                if n_neg else "")]
     if summary["skipped"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(summary["skipped_by_reason"].items()))
         lines.append(f"skipped {len(summary['skipped'])} ({reasons}):")
@@ -382,7 +509,10 @@ def load_slices(sample: dict) -> List[np.ndarray]:
 
 
 def load_mask(sample: dict) -> np.ndarray:
-    """The sample's target mask, bool ``(D, H, W)`` on the canonical stack."""
+    """The sample's target mask, bool ``(D, H, W)`` on the canonical stack (all zero for a negative
+    sample, which has no mask file)."""
+    if sample.get("absent"):
+        return np.zeros([int(v) for v in sample["stack_shape"]], dtype=bool)
     path = Path(sample["data_dir"]) / sample["mask_file"]
     try:
         with np.load(path, allow_pickle=False) as z:
@@ -432,4 +562,4 @@ def load_stack(sample: dict):
 
 
 __all__ = ["PrepareSettings", "prepare", "prepare_case", "format_summary", "load_samples", "load_slices",
-           "load_mask", "load_stack", "FORMAT"]
+           "load_mask", "load_stack", "negative_candidates", "same_structure", "select_negatives", "FORMAT", "DEFAULT_NEGATIVE_FRACTION"]

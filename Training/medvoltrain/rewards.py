@@ -1,4 +1,4 @@
-"""The four MedVol-R1 rewards, exactly as the paper defines them, as plain functions.
+"""The four MedVol-R1 rewards as the paper defines them, as plain functions, and our rule for "not present" (below).
 
 * :func:`format_reward` — 1 when the completion has a ``<think>…</think>`` block and an
   ``<answer>…</answer>`` block whose content parses to the answer schema (one key slice and a
@@ -28,6 +28,27 @@ propagation.
 A completion whose answer does not parse gets 0 from every term (that is the format reward's job
 to teach); a reward that *cannot be computed* (a missing mask file, a MedSAM2 failure) raises
 :class:`RewardError` and is never turned into 0 silently.
+
+"Not present" (our extension; the paper has no absent answers or targets)
+--------------------------------------------------------------------------
+The **absent answer** is ``<answer>[]</answer>`` (no slice, no boxes); an **absent target** is one
+whose ground truth is empty — every slice area 0 (axial), no ground-truth box on any shown slice
+(box), an all-zero mask (consistency): ``prepare``'s negative samples, and never a positive (a
+target without foreground on a shown slice is not prepared). Each term beside the paper's:
+
+====================  =======================================  ==========================================
+term                  the paper (answer and target present)    absent answer and/or absent target
+====================  =======================================  ==========================================
+format                1 if it parses to one slice and boxes    1 if it parses; ``[]`` parses (as usual)
+axial                 ``areas[k̂] / max(areas)``                1 both absent; 0 exactly one absent
+box                   Hungarian Σ IoU / max(N, N*) on k̂        1 both absent; 0 exactly one absent
+consistency           Dice over ``[k̂ − Δ, k̂ + Δ]``             1 both absent; 0 exactly one absent
+====================  =======================================  ==========================================
+
+:func:`presence_agreement` is that rule. "Exactly one absent" is a box answer on a negative sample
+(a false positive: the paper's box and consistency rules would give it 1 for "both empty on that
+slice / in that window") or ``[]`` on a positive (a false negative). Nothing is propagated for an
+absent answer, nor for any answer on an absent target (its score is known without MedSAM2).
 """
 
 from __future__ import annotations
@@ -62,12 +83,25 @@ def format_reward(completion: str) -> float:
     return 1.0 if isinstance(completion, str) and parsed(completion) is not None else 0.0
 
 
-def axial_reward(pred_slice: int, areas: Sequence[float]) -> float:
+def presence_agreement(answer_absent: bool, target_absent: bool) -> Optional[float]:
+    """The axial, box and consistency terms when the answer or the target is absent: 1.0 when both
+    are, 0.0 when exactly one is; None when neither is (the paper's definition applies)."""
+    if not answer_absent and not target_absent:
+        return None
+    return 1.0 if (answer_absent and target_absent) else 0.0
+
+
+def axial_reward(pred_slice: Optional[int], areas: Sequence[float]) -> float:
+    """``areas[k̂] / max(areas)``; ``pred_slice`` None is the absent answer, an all-zero ``areas`` the
+    absent target (:func:`presence_agreement`)."""
     a = np.asarray(areas, dtype=np.float64)
     if a.ndim != 1 or a.size == 0:
         raise RewardError(f"areas must be a non-empty list of per-slice foreground areas, got shape {a.shape}")
     top = float(a.max())
-    if top <= 0 or isinstance(pred_slice, bool) or not isinstance(pred_slice, (int, np.integer)):
+    both = presence_agreement(pred_slice is None, top <= 0)
+    if both is not None:
+        return both
+    if isinstance(pred_slice, bool) or not isinstance(pred_slice, (int, np.integer)):
         return 0.0
     if not 0 <= int(pred_slice) < a.size:
         return 0.0
@@ -103,6 +137,17 @@ def box_reward(pred_boxes, gt_boxes) -> float:
     if len(p) == 0 or len(g) == 0:
         return 0.0
     return float(sum(iou for _, _, iou in match_boxes(p, g)) / max(len(p), len(g)))
+
+
+def answer_box_reward(answer, gt_boxes_by_slice: dict) -> float:
+    """The box term of a parsed answer: :func:`box_reward` against the ground-truth boxes of the
+    answer's slice, or :func:`presence_agreement` when the answer is ``[]`` or the target has no
+    ground-truth box on any shown slice (``gt_boxes_by_slice``: ``{"z": [[…]]}``)."""
+    target_absent = not any(gt_boxes_by_slice.values())
+    both = presence_agreement(bool(answer.absent), target_absent)
+    if both is not None:
+        return both
+    return box_reward(answer.boxes_norm, gt_boxes_by_slice.get(str(int(answer.slice)), []))
 
 
 def window_range(key_slice: int, depth: int, delta: int = DEFAULT_DELTA) -> Tuple[int, int]:
@@ -151,7 +196,7 @@ class ConsistencyScorer:
         w, h = int(image_size[0]), int(image_size[1])
         out = []
         for ans in answers:
-            if ans is None:
+            if ans is None or ans.absent:
                 out.append(None)
                 continue
             gt = gt_boxes_by_slice.get(str(int(ans.slice))) or []
@@ -172,12 +217,15 @@ class ConsistencyScorer:
 
         ``gt_boxes_by_slice``: normalised ground-truth boxes per stack slice (``{"z": [[…]]}``,
         as ``prepare`` stores them). ``stack_hu`` and ``gt_mask`` are ``(D, H, W)`` on the stack.
+        An absent answer, or any answer when the mask is all zero (an absent target), scores
+        :func:`presence_agreement` and is not propagated.
         """
         gt = np.asarray(gt_mask, dtype=bool)
         if np.shape(stack_hu) != gt.shape:
             raise RewardError(f"the CT stack {np.shape(stack_hu)} and the mask {gt.shape} differ in shape")
         depth, height, width = gt.shape
-        prompts = self.prompts(answers, gt_boxes_by_slice, (width, height))
+        target_absent = not gt.any()
+        prompts = [None] * len(answers) if target_absent else self.prompts(answers, gt_boxes_by_slice, (width, height))
         todo = [(i, p) for i, p in enumerate(prompts) if p is not None and 0 <= p[0] < depth]
         try:
             win = hu_window if hu_window is not None else self.hu_window
@@ -192,6 +240,10 @@ class ConsistencyScorer:
         for i, ans in enumerate(answers):
             if ans is None:
                 scores.append(0.0)
+                continue
+            both = presence_agreement(bool(ans.absent), target_absent)
+            if both is not None:
+                scores.append(both)
                 continue
             k = int(ans.slice)
             pred = masks.get(i)
@@ -285,7 +337,7 @@ class RewardFunctions:
             out = []
             for t, gt in zip(texts, gt_boxes_norm):
                 a = parsed(t)
-                out.append(0.0 if a is None else box_reward(a.boxes_norm, self._boxes_by_slice(gt).get(str(a.slice), [])))
+                out.append(0.0 if a is None else answer_box_reward(a, self._boxes_by_slice(gt)))
             return out
 
         return self._guard("box", len(texts), run, log_metric)

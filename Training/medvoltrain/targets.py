@@ -11,6 +11,10 @@ boxes are the slice's 8-connected components (small ones dropped, at most 8, ord
 The completion is ``<think>{sentence}</think><answer>[{"slice": z, "bbox_2d_list": [[…]]}]</answer>``
 written by :func:`medvolcore.answer.format_answer` (integer coordinates, the canonical text the
 grounder's grammar also produces); the sentence comes from ``Resources/training/think_templates.json``.
+
+A **negative** sample (the target is not in the volume, :func:`absent_target`) has the absent answer
+``<think>{sentence}</think><answer>[]</answer>`` (:func:`medvolcore.answer.absent_answer`), no key
+slice and no boxes; its sentence comes from the same file's ``absent_templates``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from medvolcore.anchor import anchor_from_mask, box_to_norm, boxes_from_slice_mask, slice_areas
-from medvolcore.answer import format_answer
+from medvolcore.answer import absent_answer, format_answer
 
 from . import resources
 from .errors import DataError
@@ -29,17 +33,22 @@ from .errors import DataError
 
 @dataclass
 class SFTTarget:
-    """The SFT completion for one sample and the anchor it encodes."""
+    """The SFT completion for one sample and the anchor it encodes (``slice`` None and no boxes for
+    a negative sample: the absent answer)."""
 
-    slice: int
+    slice: Optional[int]
     boxes: List[List[int]]  # inclusive pixel boxes on the stack slice
     boxes_norm: List[List[float]]  # 0–1000, continuous
     think: str
     text: str  # the completion text, without the end-of-turn token
 
+    @property
+    def absent(self) -> bool:
+        return self.slice is None
+
     def to_dict(self) -> dict:
         return {"slice": self.slice, "boxes": self.boxes, "boxes_norm": self.boxes_norm, "think": self.think,
-                "text": self.text}
+                "text": self.text, "absent": self.absent}
 
 
 def think_sentence(target_name: str, z: int, n_boxes: int, rng: np.random.Generator,
@@ -70,6 +79,27 @@ def sft_target(mask: np.ndarray, shown: Sequence[int], target_name: str, top_k: 
     return SFTTarget(int(anchor.slice), [list(map(int, b)) for b in anchor.boxes], boxes_norm, think, text)
 
 
+def absent_think(target_name: str, rng: np.random.Generator, templates: Optional[dict] = None) -> str:
+    """A templated reasoning sentence for a negative sample (the target is not in the volume)."""
+    t = templates if templates is not None else resources.think_templates()
+    options = t.get("absent_templates") or []
+    if not options:
+        raise DataError("think_templates.json has no 'absent_templates' for negative samples")
+    tpl = options[int(rng.integers(len(options)))]
+    text = tpl.replace("{target}", target_name)
+    if "<" in text:
+        raise DataError(f"think template {tpl!r} gives text with '<', which the answer grammar forbids")
+    return text
+
+
+def absent_target(target_name: str, rng: Optional[np.random.Generator] = None,
+                  templates: Optional[dict] = None) -> SFTTarget:
+    """The SFT target of a negative sample: ``<think>…</think><answer>[]</answer>``, no slice, no boxes."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    think = absent_think(target_name, rng, templates)
+    return SFTTarget(None, [], [], think, absent_answer(think))
+
+
 def reward_ground_truth(mask: np.ndarray, shown: Sequence[int]) -> Dict[str, object]:
     """What the rewards need: per-slice areas of the whole stack and boxes on each shown slice.
 
@@ -92,4 +122,4 @@ def reward_ground_truth(mask: np.ndarray, shown: Sequence[int]) -> Dict[str, obj
     return {"slice_areas": [int(a) for a in areas], "boxes": boxes, "boxes_norm": boxes_norm}
 
 
-__all__ = ["SFTTarget", "sft_target", "think_sentence", "reward_ground_truth"]
+__all__ = ["SFTTarget", "sft_target", "absent_target", "think_sentence", "absent_think", "reward_ground_truth"]

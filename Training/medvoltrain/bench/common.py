@@ -34,26 +34,33 @@ def prepare_out(out: Path, overwrite: bool, owned: Sequence[str], what: str = "a
 
 
 THINK_TEMPLATE = "The query describes the {target}; slice {slice}."
+ABSENT_THINK_TEMPLATE = "The query describes the {target}; not present."
 
 
-def short_think_targets(data_dir, template: str = THINK_TEMPLATE) -> int:
+def short_think_targets(data_dir, template: str = THINK_TEMPLATE, absent_template: str = ABSENT_THINK_TEMPLATE) -> int:
     """Rewrite the SFT targets of a prepared set (``data_dir``'s index, in place) with one short
-    reasoning sentence, ``template`` with the target's name and the key slice; returns the count.
+    reasoning sentence, ``template`` with the target's name and the key slice (``absent_template``
+    for a negative sample, whose answer stays ``[]``); returns the count.
 
     The key slice and the boxes (``target_info``) are unchanged; the text is rebuilt with
     :func:`medvolcore.answer.format_answer` as ``prepare`` builds it. Why one template:
     docs/learning-benchmarks.md, "Training." under the learning benchmark.
     """
-    from medvolcore.answer import format_answer
+    from medvolcore.answer import absent_answer, format_answer
 
     from ..prepare import INDEX, _write_json, load_samples
 
     samples = load_samples(data_dir)
     for s in samples:
         info = s["target_info"]
-        think = template.replace("{target}", s["label"].replace("_", " ")).replace("{slice}", str(int(info["slice"])))
+        name = s["label"].replace("_", " ")
+        if s.get("absent"):
+            think = absent_template.replace("{target}", name)
+            s["target"] = info["text"] = absent_answer(think)
+        else:
+            think = template.replace("{target}", name).replace("{slice}", str(int(info["slice"])))
+            s["target"] = info["text"] = format_answer(int(info["slice"]), info["boxes_norm"], think)
         info["think"] = think
-        s["target"] = info["text"] = format_answer(int(info["slice"]), info["boxes_norm"], think)
         s.pop("data_dir", None)
     _write_json(Path(data_dir) / INDEX, samples, lines=True)
     return len(samples)
@@ -105,5 +112,5 @@ def mean_se(values: List[float]) -> Dict[str, float]:
     return {"mean": round(float(a.mean()), 4), "se": round(standard_error(a), 4)}
 
 
-__all__ = ["CONDITIONS", "THINK_TEMPLATE", "prepare_out", "short_think_targets", "swap_partners", "ablated_images",
+__all__ = ["CONDITIONS", "THINK_TEMPLATE", "ABSENT_THINK_TEMPLATE", "prepare_out", "short_think_targets", "swap_partners", "ablated_images",
            "standard_error", "mean_se"]

@@ -537,7 +537,8 @@ def _run(out: Path, real_dir: Path, settings: BenchSettings, echo) -> dict:
 
     with phase("data"):
         manifest, rows = build_cases(out, real_dir, settings)
-        summary = prepare(manifest, out / "data", PrepareSettings(seed=settings.seed, top_k=1), progress=False)
+        summary = prepare(manifest, out / "data", PrepareSettings(seed=settings.seed, top_k=1, negative_fraction=0.0),
+                          progress=False)
         short_think_targets(out / "data")
         train = load_samples(out / "data", "train")
         test = select_test_samples(load_samples(out / "data", "test"), settings.max_test_samples)
