@@ -29,7 +29,7 @@ def test_cheap_modules_load_no_torch():
     code = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
     for module in ("medvoltrain.cli", "medvoltrain.grpo", "medvoltrain.bench", "medvoltrain.bench.learning",
-                   "medvoltrain.bench.vision"):
+                   "medvoltrain.bench.vision", "medvoltrain.bench.presence"):
         r = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip().splitlines()[-1] == "[]", module

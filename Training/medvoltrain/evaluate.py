@@ -830,5 +830,6 @@ def format_result(summary: dict, out_dir) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["EvalSettings", "evaluate", "evaluate_case", "score_case", "score_negative", "existence", "aggregate", "parse_shard",
-           "dataset_name", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT"]
+__all__ = ["EvalSettings", "evaluate", "evaluate_case", "score_case", "score_negative", "existence", "aggregate",
+           "parse_shard", "dataset_name", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT",
+           "EXISTENCE_COLUMNS"]

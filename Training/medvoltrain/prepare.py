@@ -46,8 +46,9 @@ A query for a structure that is **not in that volume**, with the absent answer a
 its label map (its ``targets``, or its dataset's label list — an id the map does not hold means
 the structure is absent there, since the map annotates it), and the row's ``absent`` names
 (term-dictionary structures the manifest says are not in that CT, e.g. "brain" on an abdominal
-CT). A candidate whose name (or term-dictionary key) is that of a label present in the volume is
-never used (skipped with reason ``present_label``). Which candidates become samples: per split,
+CT). A candidate that is the same structure as a label present in the volume ("kidney" when
+"kidneys" is there) is never used (skipped with reason ``present_label``). Which candidates become
+samples: per split,
 ``round(f / (1 − f) × positives)`` of them (``f`` = ``--negative-fraction``, default 0.10, so that
 negatives are about a fraction ``f`` of the split; 0 = none, the paper's data), drawn with the seed,
 spread over cases (a case's second candidate only after every case's first). Their fields are a
@@ -215,6 +216,12 @@ def negative_candidates(case: Case, labels, terms: dict):
     return out, refused
 
 
+def negatives_wanted(fraction: float, positives: int) -> int:
+    """``round(fraction / (1 − fraction) × positives)`` (half up): negatives that make up about
+    ``fraction`` of a split with ``positives`` positive samples."""
+    return int(math.floor(fraction / (1.0 - fraction) * positives + 0.5))
+
+
 def select_negatives(records: List[dict], fraction: float, seed: int) -> Dict[str, List[dict]]:
     """The negative samples to keep, per case id: for each split, ``round(fraction / (1 − fraction)
     × positives)`` of the candidates (at most all of them), drawn with ``seed`` and spread over
@@ -227,7 +234,7 @@ def select_negatives(records: List[dict], fraction: float, seed: int) -> Dict[st
         positives = sum(1 for r in records for x in r["samples"] if x["split"] == split)
         pool = [(rank, x) for r in records for rank, x in enumerate(r.get("negative_candidates", []))
                 if x["split"] == split]
-        want = min(len(pool), int(math.floor(fraction / (1.0 - fraction) * positives + 0.5)))
+        want = min(len(pool), negatives_wanted(fraction, positives))
         if not want:
             continue
         draw = seeded_rng(seed, "negatives", split).permutation(len(pool))  # draw[i]: candidate i's place
@@ -339,7 +346,8 @@ def prepare_case(case: Case, out_dir, settings: PrepareSettings) -> dict:
             "negative_source": source,
         })
     record = {"case_id": case.id, "row": case.row, "fingerprint": fingerprint, "samples": samples,
-              "negative_candidates": negatives, "skipped": skipped, "intensity": intensity, "seconds": round(time.perf_counter() - t0, 3)}
+              "negative_candidates": negatives, "skipped": skipped, "intensity": intensity,
+              "seconds": round(time.perf_counter() - t0, 3)}
     _write_json(done, record)
     return record
 
@@ -424,13 +432,12 @@ def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), wo
             for sp in ("train", "test")}
     notes = []
     for sp in ("train", "test"):
-        pos = sum(1 for x in samples if x["split"] == sp and not x.get("absent"))
-        f = settings.negative_fraction
-        want = int(math.floor(f / (1.0 - f) * pos + 0.5))
+        positives = sum(1 for x in samples if x["split"] == sp and not x.get("absent"))
+        want = negatives_wanted(settings.negative_fraction, positives)
         if want > pool[sp]:
-            notes.append(f"{sp}: {want} negative (not present) sample(s) wanted for a fraction of {f:g}, but only "
-                         f"{pool[sp]} candidate(s) exist (labels absent from their volume, or the rows' 'absent' "
-                         "names)")
+            notes.append(f"{sp}: {want} negative (not present) sample(s) wanted for a fraction of "
+                         f"{settings.negative_fraction:g}, but only {pool[sp]} candidate(s) exist (labels absent "
+                         "from their volume, or the rows' 'absent' names)")
             log.warning("%s", notes[-1])
     summary = {
         "format": FORMAT, "manifest": str(manifest), "cases": len(cases) + len(bad_rows),
@@ -562,4 +569,4 @@ def load_stack(sample: dict):
 
 
 __all__ = ["PrepareSettings", "prepare", "prepare_case", "format_summary", "load_samples", "load_slices",
-           "load_mask", "load_stack", "negative_candidates", "same_structure", "select_negatives", "FORMAT", "DEFAULT_NEGATIVE_FRACTION"]
+           "load_mask", "load_stack", "negative_candidates", "negatives_wanted", "same_structure", "select_negatives", "FORMAT", "DEFAULT_NEGATIVE_FRACTION"]
