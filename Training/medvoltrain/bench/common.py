@@ -37,6 +37,25 @@ THINK_TEMPLATE = "The query describes the {target}; slice {slice}."
 ABSENT_THINK_TEMPLATE = "The query describes the {target}; not present."
 
 
+def run_stage(out_dir, overwrite: bool, owned: Sequence[str], threads: Optional[int], run: Callable, echo=None):
+    """The frame of a vision stage: the output folder made ready (:func:`prepare_out`), torch's
+    thread count set to ``threads`` for the run and restored after, then ``run(out, echo)``."""
+    import sys
+
+    echo = echo or (lambda line: (sys.stdout.write(line + "\n"), sys.stdout.flush()))
+    out = Path(out_dir).expanduser().resolve()
+    prepare_out(out, overwrite, owned, "a vision benchmark")
+    import torch
+
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        return run(out, echo)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def short_think_targets(data_dir, template: str = THINK_TEMPLATE, absent_template: str = ABSENT_THINK_TEMPLATE) -> int:
     """Rewrite the SFT targets of a prepared set (``data_dir``'s index, in place) with one short
     reasoning sentence, ``template`` with the target's name and the key slice (``absent_template``

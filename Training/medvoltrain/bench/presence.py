@@ -36,7 +36,6 @@ Results and what they mean: docs/learning-benchmarks.md, "Can it say 'not presen
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ import numpy as np
 from medvolcore.errors import InputError
 
 from ..errors import DataError
-from .common import CONDITIONS, mean_se, prepare_out, short_think_targets
+from .common import CONDITIONS, mean_se, run_stage, short_think_targets
 from .model import MODEL_SIZES, build_model, count_parameters, tokenizer_corpus
 from .report import write_result
 
@@ -319,18 +318,7 @@ def run_presence_benchmark(out_dir, settings: Optional[PresenceBenchSettings] = 
     """Build the task, train the SFT adapter, score it with own, swapped and black slices; returns
     (and writes) the result."""
     settings = (settings or PresenceBenchSettings()).validate()
-    echo = echo or (lambda line: (sys.stdout.write(line + "\n"), sys.stdout.flush()))
-    out = Path(out_dir).expanduser().resolve()
-    prepare_out(out, overwrite, _OWNED, "a vision benchmark")
-    import torch
-
-    saved = torch.get_num_threads()
-    if settings.threads:
-        torch.set_num_threads(int(settings.threads))
-    try:
-        return _run(out, settings, echo)
-    finally:
-        torch.set_num_threads(saved)
+    return run_stage(out_dir, overwrite, _OWNED, settings.threads, lambda out, say: _run(out, settings, say), echo)
 
 
 def _run(out: Path, settings: PresenceBenchSettings, echo) -> dict:

@@ -25,7 +25,6 @@ model read the images? (`medvol-train bench-vision`)".
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ import numpy as np
 from medvolcore.errors import InputError
 
 from ..errors import DataError
-from .common import CONDITIONS, ablated_images, mean_se, prepare_out, short_think_targets, swap_partners
+from .common import CONDITIONS, ablated_images, mean_se, run_stage, short_think_targets, swap_partners
 from .model import MODEL_SIZES, build_model, count_parameters, tokenizer_corpus
 from .report import METRICS, RESULT, vision_table, write_result
 
@@ -274,18 +273,7 @@ def run_vision_benchmark(out_dir, settings: Optional[VisionBenchSettings] = None
     """Build the synthetic task, train the SFT adapter, score it with own, swapped and black slices;
     returns (and writes) the result."""
     settings = (settings or VisionBenchSettings()).validate()
-    echo = echo or (lambda line: (sys.stdout.write(line + "\n"), sys.stdout.flush()))
-    out = Path(out_dir).expanduser().resolve()
-    prepare_out(out, overwrite, _OWNED, "a vision benchmark")
-    import torch
-
-    saved = torch.get_num_threads()
-    if settings.threads:
-        torch.set_num_threads(int(settings.threads))
-    try:
-        return _run(out, settings, echo)
-    finally:
-        torch.set_num_threads(saved)
+    return run_stage(out_dir, overwrite, _OWNED, settings.threads, lambda out, say: _run(out, settings, say), echo)
 
 
 def _run(out: Path, settings: VisionBenchSettings, echo) -> dict:
