@@ -123,7 +123,7 @@ def test_held_out_z_ranges_and_descriptions_are_disjoint_from_training(tmp_path,
     np.testing.assert_allclose(crop.stack_to_ras([0, max(0, dy), max(0, dx)]),
                                src.stack_to_ras([z0, max(0, -dy), max(0, -dx)]), atol=1e-4)
 
-    prepare(manifest, tmp_path / "data", PrepareSettings(seed=0, top_k=1), progress=False)
+    prepare(manifest, tmp_path / "data", PrepareSettings(seed=0, top_k=1, negative_fraction=0.0), progress=False)
     tr, te = load_samples(tmp_path / "data", "train"), load_samples(tmp_path / "data", "test")
     assert {s["label"] for s in te} <= {s["label"] for s in tr}
     assert all(s["query_info"]["kind"] == "implicit" for s in tr + te)

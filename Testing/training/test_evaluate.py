@@ -448,27 +448,30 @@ def crop_negative_data(tmp_path_factory, crop_data):
 
 
 def test_grounder_mode_scores_absent_answers_and_negative_cases(crop_negative_data, tmp_path, monkeypatch):
-    """The product path with canned model texts: [] on the liver (a false negative: DSC 0, no mask),
-    boxes on the spleen, boxes on the brain (a false positive; not scored for DSC)."""
+    """The product path with canned model texts: [] on the liver and the spleen (false negatives: DSC 0,
+    no mask), a slice and a box on the brain (a false positive: propagated as the product would, but
+    not scored for DSC)."""
     from medvolcore.grounder import QwenVLGrounder
     from medvoltrain.evaluate import evaluate
 
     box = '<think>there</think><answer>[{"slice": 5, "bbox_2d_list": [[300, 300, 600, 600]]}]</answer>'
-    texts = iter(["<think>not seen</think><answer>[]</answer>", box, box])
+    absent = "<think>not seen</think><answer>[]</answer>"
+    texts = iter([absent, absent, box])
     monkeypatch.setattr(QwenVLGrounder, "_generate_text", lambda self, *a, **k: (next(texts), {"new_tokens": 9}))
     out = tmp_path / "G"
     s = evaluate(crop_negative_data, out, preset="tiny", random_weights=0, device="cpu", progress=False)
     rows = {r["label"]: r for r in read_csv(out / "cases.csv")}
     assert [rows[k]["status"] for k in ("liver", "spleen", "brain")] == ["ok"] * 3
-    liver, spleen, brain = rows["liver"], rows["spleen"], rows["brain"]
-    assert (liver["target_absent"], liver["answer_absent"], liver["dsc_pct"], liver["hit"], liver["pred_slice"]) == \
-        ("0", "1", "0.0000", "0", "")
-    assert (brain["target_absent"], brain["answer_absent"], brain["dsc_pct"], brain["pred_slice"]) == ("1", "0", "", "5")
+    for organ in ("liver", "spleen"):
+        r = rows[organ]
+        assert (r["target_absent"], r["answer_absent"], r["dsc_pct"], r["iou_pct"], r["hit"], r["box_iou"],
+                r["pred_slice"]) == ("0", "1", "0.0000", "0.0000", "0", "0.0000", ""), organ
+    brain = rows["brain"]
+    assert (brain["target_absent"], brain["answer_absent"], brain["dsc_pct"], brain["hit"], brain["pred_slice"]) == \
+        ("1", "0", "", "", "5")
     assert int(brain["pred_voxels"]) > 0  # the user would have been given a mask where there is no target
-    assert spleen["answer_absent"] == "0" and float(spleen["dsc_pct"]) >= 0
-    masks = {p.name.split("-")[0] for p in (out / "masks").glob("*.npz")}
-    assert masks == {"crop_spleen", "crop_brain"}  # no mask for the absent answer
-    assert s["per_dataset"]["custom"]["dsc_pct"] == pytest.approx(float(spleen["dsc_pct"]) / 2, abs=1e-3)
+    assert [p.name.split("-")[0] for p in (out / "masks").glob("*.npz")] == ["crop_brain"]  # none for []
+    assert s["per_dataset"]["custom"]["cases"] == 2 and s["per_dataset"]["custom"]["dsc_pct"] == 0.0
     (row,) = read_csv(out / "table.csv")
-    assert list(row) == TABLE_HEAD
-    assert [row[k] for k in EXISTENCE_HEAD] == ["33.33", "100.00", "50.00"]  # spleen right; brain FP; liver FN
+    assert list(row) == TABLE_HEAD and row["Hit rate (%)"] == "0.00" and row["Cases"] == "3/3"
+    assert [row[k] for k in EXISTENCE_HEAD] == ["0.00", "100.00", "100.00"]  # all three wrong: FP brain, FN both

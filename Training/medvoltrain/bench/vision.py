@@ -286,7 +286,9 @@ def _run(out: Path, settings: VisionBenchSettings, echo) -> dict:
     t_all = time.perf_counter()
     t = time.perf_counter()
     rows = build_cases(out, settings)
-    prepare(out / "cases.jsonl", out / "data", PrepareSettings(seed=settings.seed, top_k=1), progress=False)
+    # every volume holds the square: no negative samples (the presence task has them: bench/presence.py)
+    prepare(out / "cases.jsonl", out / "data", PrepareSettings(seed=settings.seed, top_k=1, negative_fraction=0.0),
+            progress=False)
     short_think_targets(out / "data")
     train, test = load_samples(out / "data", "train"), load_samples(out / "data", "test")
     if len(test) < 2 or not train:
