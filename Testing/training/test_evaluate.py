@@ -298,7 +298,7 @@ def test_a_split_without_samples_is_refused(sm_data, tmp_path, capsys):
     lines = (sm_data / "samples.jsonl").read_text(encoding="utf-8").splitlines()
     (data / "samples.jsonl").write_text("\n".join(l for l in lines if json.loads(l)["split"] == "train") + "\n", encoding="utf-8")
     rc, _, err = run_cli(["--data", data, "--out", tmp_path / "E", *ORACLE], capsys)
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and "has no test samples (3 train, 0 test)" in err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "has no test samples (4 train, 0 test)" in err  # sm_data: 3 positives, 1 negative
     assert not (tmp_path / "E").exists()
 
 
