@@ -402,12 +402,18 @@ def test_slicer_util_export_node_reuses_its_default_properties(slicer_env, monke
     assert calls == [("a.seg.nrrd", "Segmentation (.seg.nrrd)"), ("b.nii.gz", "Segmentation (.seg.nrrd)")]
 
 
-def test_an_absent_answer_adds_nothing_and_keeps_the_last_result(logic, variant_files, tmp_path):
+def _liver_on_lps(logic, variant_files, tmp_path):
+    """The LPS variant loaded as the input volume, the query "the liver", and the worker's liver result
+    for it: ``(p, node, labels, (result, mask, stack))``."""
     ct_path, _, _, labels = variant_files["lps"]
     node = load_node(ct_path)
     p = logic.getParameterNode()
     p.inputVolume, p.query = node, "the liver"
-    liver, _, stack = worker_result(logic, node, labels, [LIVER], tmp_path)
+    return p, node, labels, worker_result(logic, node, labels, [LIVER], tmp_path)
+
+
+def test_an_absent_answer_adds_nothing_and_keeps_the_last_result(logic, variant_files, tmp_path):
+    p, node, _, (liver, _, stack) = _liver_on_lps(logic, variant_files, tmp_path)
     logic.applyResult(p, node, liver, replaceSegment=False)
     before = (p.outputSegmentation, p.segmentId, p.keySlice, p.anchorJson, p.reasoning, len(p.boxes))
     n_seg_nodes = len(slicer.util.getNodesByClass("vtkMRMLSegmentationNode"))
@@ -427,11 +433,7 @@ def test_an_absent_answer_adds_nothing_and_keeps_the_last_result(logic, variant_
 def test_blocking_calls_return_their_own_jobs_anchor_never_an_earlier_one(logic, variant_files, tmp_path):
     from types import SimpleNamespace
 
-    ct_path, _, _, labels = variant_files["lps"]
-    node = load_node(ct_path)
-    p = logic.getParameterNode()
-    p.inputVolume, p.query = node, "the liver"
-    liver, _, _ = worker_result(logic, node, labels, [LIVER], tmp_path)
+    p, node, _, (liver, _, _) = _liver_on_lps(logic, variant_files, tmp_path)
     logic.applyResult(p, node, liver, replaceSegment=False)  # p.anchorJson now holds the liver's anchor
     absent = {"schema": "medvol.anchor/3", "absent": True, "slice": None, "boxes": [], "query": "the brain"}
     assert logic._blockingResult(p, SimpleNamespace(result={"absent": True, "anchor": absent})) == (None, "", [], absent)
@@ -442,11 +444,7 @@ def test_blocking_calls_return_their_own_jobs_anchor_never_an_earlier_one(logic,
 # ---- consensus: the confidence and the agreement segment --------------------------------------
 
 def test_a_consensus_result_adds_an_agreement_segment_and_its_confidence(logic, variant_files, tmp_path):
-    ct_path, _, _, labels = variant_files["lps"]
-    node = load_node(ct_path)
-    p = logic.getParameterNode()
-    p.inputVolume, p.query = node, "the liver"
-    result, liver, _ = worker_result(logic, node, labels, [LIVER], tmp_path)
+    p, node, labels, (result, liver, _) = _liver_on_lps(logic, variant_files, tmp_path)
     counts = (3 * liver + np.isin(labels, [SPLEEN])).astype(np.uint8)  # 3 of 4 answers: the liver; 1: the spleen
     ct = load_volume(logic.exportVolume(node))
     agr = str(save_mask(counts, ct, tmp_path / "agreement.nii.gz"))

@@ -48,7 +48,7 @@ from medvolcore.errors import InputError
 from ..errors import DataError
 from .common import CONDITIONS, mean_se, run_stage, short_think_targets
 from .model import MODEL_SIZES, build_model, count_parameters, tokenizer_corpus
-from .report import write_result
+from .report import finish_stage
 
 log = logging.getLogger(__name__)
 
@@ -378,12 +378,7 @@ def _run(out: Path, settings: PresenceBenchSettings, echo) -> dict:
     }
     result["goals"] = presence_goals(presence)
     table = presence_table(result)
-    write_result(out, result, table)
-    echo("")
-    echo(table)
-    echo("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in result["goals"].items()))
-    echo("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
-    return result
+    return finish_stage(out, result, table, timings, echo)
 
 
 __all__ = ["PresenceBenchSettings", "run_presence_benchmark", "build_presence_cases", "presence_partners",

@@ -171,6 +171,16 @@ def write_result(out: Path, result: dict, table: str) -> None:
     write_text_atomic(out / RESULT, json.dumps(result, indent=1, default=_json_default) + "\n", overwrite=True)
 
 
+def finish_stage(out: Path, result: dict, table: str, timings: dict, echo) -> dict:
+    """Write a vision stage's result (:func:`write_result`) and echo its table, goals and timings."""
+    write_result(out, result, table)
+    echo("")
+    echo(table)
+    echo("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in result["goals"].items()))
+    echo("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    return result
+
+
 def _json_default(o):
     if isinstance(o, (np.integer,)):
         return int(o)
@@ -182,4 +192,4 @@ def _json_default(o):
 
 
 __all__ = ["RESULT", "MODELS", "TERMS", "ABLATIONS", "METRICS", "ablation_table", "learning_table", "vision_table",
-           "plot_curves", "write_result"]
+           "plot_curves", "write_result", "finish_stage"]

@@ -37,7 +37,7 @@ from medvolcore.errors import InputError
 from ..errors import DataError
 from .common import CONDITIONS, ablated_images, mean_se, run_stage, short_think_targets, swap_partners
 from .model import MODEL_SIZES, build_model, count_parameters, tokenizer_corpus
-from .report import METRICS, RESULT, vision_table, write_result
+from .report import METRICS, RESULT, finish_stage, vision_table
 
 log = logging.getLogger(__name__)
 
@@ -326,12 +326,7 @@ def _run(out: Path, settings: VisionBenchSettings, echo) -> dict:
     }
     result["goals"] = goals(result)
     table = vision_table(result)
-    write_result(out, result, table)
-    echo("")
-    echo(table)
-    echo("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in result["goals"].items()))
-    echo("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
-    return result
+    return finish_stage(out, result, table, timings, echo)
 
 
 __all__ = ["VisionBenchSettings", "run_vision_benchmark", "build_cases", "score_conditions", "greedy_answer", "held_out",
