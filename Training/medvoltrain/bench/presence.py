@@ -227,6 +227,18 @@ def constrained_answer(grounder, sample: dict, images, max_new_tokens: int) -> s
     return text
 
 
+def presence_grounder(model_dir, adapter=None):
+    """The grounder the stage answers with: ``model_dir`` (a benchmark model, which is a smoke model)
+    with ``adapter``, its answer grammar allowing the absent answer ``[]``. A smoke model's preset
+    (``tiny``) keeps to box answers, so without the override the model could never say "not present"
+    and would score 0.5 however well it learnt."""
+    from medvolcore.grounder import QwenVLGrounder
+
+    grounder = QwenVLGrounder.from_pretrained(model_dir, adapter=adapter, settings={"allow_absent": True})
+    grounder.model.eval()
+    return grounder
+
+
 def score_presence(model_dir, adapter, samples: List[dict], conditions=CONDITIONS, max_new_tokens: int = 96,
                    progress: Optional[Callable[[str], None]] = None) -> dict:
     """Per image condition: ``accuracy`` (mean ± SE), ``accuracy_present`` / ``accuracy_absent``
@@ -234,12 +246,9 @@ def score_presence(model_dir, adapter, samples: List[dict], conditions=CONDITION
     ``[]``), ``key_on_present`` (own slices: the key slice named on present volumes) and, for
     ``swapped``, ``follows_shown`` (the answer matches the class of the volume whose slices were
     shown) and the accuracy on cross-class and same-class pairs; four example answers each."""
-    from medvolcore.grounder import QwenVLGrounder
-
     from ..rewards import parsed
 
-    grounder = QwenVLGrounder.from_pretrained(model_dir, adapter=adapter)
-    grounder.model.eval()
+    grounder = presence_grounder(model_dir, adapter)
     partners = presence_partners(samples)
     out = {}
     for cond in conditions:
@@ -382,4 +391,4 @@ def _run(out: Path, settings: PresenceBenchSettings, echo) -> dict:
 
 
 __all__ = ["PresenceBenchSettings", "run_presence_benchmark", "build_presence_cases", "presence_partners",
-           "score_presence", "constrained_answer", "presence_goals", "presence_table", "CHANCE"]
+           "score_presence", "presence_grounder", "constrained_answer", "presence_goals", "presence_table", "CHANCE"]
