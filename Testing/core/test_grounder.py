@@ -259,6 +259,25 @@ def test_allow_absent_is_a_checked_setting():
         resolve_settings("real", {"allow_absent": "yes"})
 
 
+def test_sampling_settings_are_checked():
+    from medvolcore.grounder.prompt import resolve_settings
+
+    real = resolve_settings("real")
+    assert (real["temperature"], real["top_p"], real["top_k"]) == (0.7, 0.8, 20)  # --sample: Qwen's
+    assert real["consensus_sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # the GRPO rollouts'
+    ok = {"temperature": 0.5, "top_p": 0.9, "top_k": 4}
+    assert resolve_settings("tiny", {"consensus_sampling": ok})["consensus_sampling"] == ok
+    for bad, match in (({"top_p": 0}, r"consensus_sampling\.top_p must be in \(0, 1\]"),
+                       ({"temperature": float("nan")}, r"consensus_sampling\.temperature must be a number > 0"),
+                       ({"top_k": 2.5}, r"consensus_sampling\.top_k must be a whole number")):
+        with pytest.raises(InputError, match=match):
+            resolve_settings("real", {"consensus_sampling": dict(ok, **bad)})
+    with pytest.raises(InputError, match="an object with temperature, top_p and top_k"):
+        resolve_settings("real", {"consensus_sampling": {"temperature": 1.0}})
+    with pytest.raises(InputError, match=r"setting temperature must be a number > 0"):
+        resolve_settings("real", {"temperature": 0})
+
+
 def test_budget_plan():
     tags = list(range(0, 112, 2))
     settings = {"think_max_chars": 2000, "min_think_tokens": 64, "max_boxes": 8}
@@ -386,6 +405,22 @@ def test_ground_samples_encode_the_slices_once_and_start_with_the_greedy_answer(
             assert s.error
     with pytest.raises(InputError, match="1 to 8"):
         grounder.ground_samples(small_stack, QUERY, 9)
+
+
+def test_consensus_samples_are_drawn_with_the_consensus_sampling_settings(grounder, small_stack, monkeypatch):
+    """Samples 2..G use ``consensus_sampling`` (the GRPO rollouts' settings), not the preset's
+    ``--sample`` settings; the greedy answer is not sampled at all."""
+    made = []
+    real_config = grounder._generation_config
+    monkeypatch.setattr(grounder, "_generation_config", lambda *a, **k: made.append(real_config(*a, **k)) or made[-1])
+    monkeypatch.setitem(grounder.settings, "consensus_sampling", {"temperature": 0.35, "top_p": 0.9, "top_k": 7})
+    grounder.ground_samples(small_stack, QUERY, 2, seed=1, max_new_tokens=100)
+    sampled = [c for c in made if c.do_sample]
+    assert len(sampled) == 1 and (sampled[0].temperature, sampled[0].top_p, sampled[0].top_k) == (0.35, 0.9, 7)
+    assert all(not c.do_sample for c in made if c is not sampled[0]) and len(made) >= 2
+    made.clear()
+    grounder.ground(small_stack, QUERY, do_sample=True, seed=1, max_new_tokens=100)  # --sample: the preset's own
+    assert made[0].do_sample and made[0].temperature == grounder.settings["temperature"] != 0.35
 
 
 def test_answer_signal_scores_the_answer_tokens_the_grammar_left_open(grounder):

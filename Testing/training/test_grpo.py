@@ -35,6 +35,17 @@ def test_defaults_are_the_papers_and_the_yaml_spells_them_out():
     assert set(yaml.safe_load(path.read_text(encoding="utf-8"))) == set(s.to_dict())
 
 
+def test_consensus_samples_use_the_rollouts_sampling_settings():
+    """The product's consensus samples are drawn as the GRPO rollouts were (grounder.json's
+    ``consensus_sampling`` for every preset = the rollout settings of Training/configs/grpo.yaml)."""
+    from medvolcore.grounder.prompt import load_prompts, resolve_settings
+
+    s = load_settings(str(REPO / "Training" / "configs" / "grpo.yaml"), cls=GRPOSettings)
+    for preset in load_prompts()["presets"]:
+        assert resolve_settings(preset)["consensus_sampling"] == {"temperature": s.temperature, "top_p": s.top_p,
+                                                                  "top_k": s.top_k}
+
+
 def test_ablation_switches_and_bad_settings():
     s = load_settings(None, {"lambda_consistency": "0", "delta": "10"}, cls=GRPOSettings)
     funcs, weights = RewardFunctions().functions(s.reward_weights)

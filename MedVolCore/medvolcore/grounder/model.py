@@ -599,9 +599,11 @@ class QwenVLGrounder:
         return compiled
 
     # -- generation -----------------------------------------------------------------------------
-    def _generation_config(self, do_sample: bool, max_new_tokens: int):
+    def _generation_config(self, do_sample: bool, max_new_tokens: int, sampling: Optional[dict] = None):
+        """Greedy, or sampled with ``sampling`` (``temperature``, ``top_p``, ``top_k``; default the
+        preset's own, those of ``--sample``)."""
         _, GenerationConfig, _, _ = _transformers()
-        s = self.settings
+        s = self.settings if sampling is None else sampling
         kw = dict(max_new_tokens=int(max_new_tokens), min_new_tokens=0, do_sample=bool(do_sample), num_beams=1,
                   eos_token_id=self._ids["stop"], pad_token_id=self._ids["pad"], use_cache=True,
                   return_dict_in_generate=True)
@@ -612,8 +614,10 @@ class QwenVLGrounder:
         return GenerationConfig(**kw)
 
     def _generate_rows(self, inputs: dict, shown: Sequence[int], *, constrain: bool, do_sample: bool,
-                       seed: Optional[int], max_new_tokens: int, rows: int = 1, prefix=None):
-        """One ``generate`` call over ``rows`` continuations of one prompt.
+                       seed: Optional[int], max_new_tokens: int, rows: int = 1, prefix=None,
+                       sampling: Optional[dict] = None):
+        """One ``generate`` call over ``rows`` continuations of one prompt (sampled with ``sampling``
+        when given, see :meth:`_generation_config`).
 
         ``prefix``: a transformers cache of the prompt's first ``L - 1`` tokens for one row (what
         :meth:`_prefix_cache` returns); it is repeated to ``rows`` rows, and ``generate`` then runs
@@ -646,7 +650,7 @@ class QwenVLGrounder:
             guide = GrammarGuide(xgr, torch, compiled, batch, vocab, close_ids, max_new_tokens,
                                   plan["force_close_at"])
         step = StepProcessor(guide)
-        config = self._generation_config(do_sample, max_new_tokens)
+        config = self._generation_config(do_sample, max_new_tokens, sampling)
         extra = {} if prefix is None else {"past_key_values": prefix}
         devices = [dev] if dev.type == "cuda" else []
         # generate() fills every unset field from model.generation_config (a checkpoint's may set
@@ -731,7 +735,8 @@ class QwenVLGrounder:
         if prefix is None:
             prefix, prefill_s = self._prefix_cache(inputs)
         results, timings, _ = self._generate_rows(inputs, shown, constrain=constrain, do_sample=True, seed=seed,
-                                                  max_new_tokens=max_new_tokens, rows=n, prefix=prefix)
+                                                  max_new_tokens=max_new_tokens, rows=n, prefix=prefix,
+                                                  sampling=self.settings["consensus_sampling"])
         timings = dict(timings, shared_prefill=prefill_s == 0.0, own_prefill_s=prefill_s)
         return [(text, {"answer_signal": signal, "new_tokens": len(ids)}) for text, ids, signal in results], timings
 
@@ -871,7 +876,7 @@ class QwenVLGrounder:
         """``samples`` answers to one query: the greedy one, then ``samples - 1`` sampled ones.
 
         Sample 1 is exactly :meth:`ground`'s answer (greedy, with its retries). Samples 2..G are
-        drawn with the preset's sampling settings (``temperature``, ``top_p``, ``top_k``) in one
+        drawn with the preset's ``consensus_sampling`` (the GRPO rollouts' settings) in one
         ``generate`` call of G − 1 rows, seeded ``seed`` (0 when None), that continues from the
         greedy call's cache of the prompt: the slices are encoded and the prompt is prefilled
         once for all G (only the prompt's last token runs again, once per row). Each sample is

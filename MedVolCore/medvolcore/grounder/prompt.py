@@ -43,6 +43,7 @@ limit; 48 reserved for reasoning) real models may give up to 5 boxes and the tin
 from __future__ import annotations
 
 import copy
+import math
 import re
 from typing import List, Optional, Sequence
 
@@ -68,7 +69,7 @@ _BOX_SEP = ", "
 _UTF8_SLACK = 3  # continuation bytes a multi-byte character may still need before "</think>" fits
 _PLACEHOLDER = re.compile(r"\{(query|window|num_shown|depth)\}")
 _SETTING_KEYS = ("max_new_tokens", "think_max_chars", "min_think_tokens", "max_boxes", "temperature", "top_p",
-                 "top_k", "allow_absent")
+                 "top_k", "allow_absent", "consensus_sampling")
 
 
 
@@ -117,7 +118,30 @@ def resolve_settings(preset: str = "real", overrides: Optional[dict] = None) -> 
     out["allow_absent"] = out.get("allow_absent", True)
     if not isinstance(out["allow_absent"], bool):
         raise InputError(f"grounder setting allow_absent must be true or false, got {out['allow_absent']!r}")
+    for key in ("temperature", "top_p", "top_k"):
+        check_sampling(key, out.get(key))
+    sampling = out.get("consensus_sampling", {})
+    if not isinstance(sampling, dict) or set(sampling) != {"temperature", "top_p", "top_k"}:
+        raise InputError("grounder setting consensus_sampling must be an object with temperature, top_p and top_k, "
+                         f"got {sampling!r}")
+    for key, v in sampling.items():
+        check_sampling(key, v, "consensus_sampling.")
+    out["consensus_sampling"] = dict(sampling)
     return out
+
+
+def check_sampling(key: str, value, prefix: str = "") -> None:
+    """One sampling setting, checked: ``temperature`` > 0, ``top_p`` in (0, 1], ``top_k`` a whole
+    number ≥ 0 (0: no top-k cut-off); otherwise :class:`InputError`."""
+    if key == "top_k":
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        need = "a whole number ≥ 0"
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+            0 < value <= 1 if key == "top_p" else value > 0)
+        need = "in (0, 1]" if key == "top_p" else "a number > 0"
+    if not ok:
+        raise InputError(f"grounder setting {prefix}{key} must be {need}, got {value!r}")
 
 
 def validate_query(query) -> str:
