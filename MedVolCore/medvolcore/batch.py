@@ -455,6 +455,8 @@ class BatchOptions:
     overwrite: bool = False
     progress: bool = True
     empty_mask_on_absent: bool = False  # write an all-zero mask for a case the model answers "not present"
+    threads: Optional[int] = None  # CPU threads (None: medvolcore.cpu's rule)
+    grounder_dtype: Optional[str] = None  # fp32, bf16, or None/auto (medvolcore.cpu.grounder_dtype)
 
 
 @dataclass
@@ -616,12 +618,16 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     if pipeline is None:
         from .pipeline import Pipeline
 
-        pipeline = Pipeline(opts.preset, adapter=opts.adapter, device=opts.device)  # resolves the preset: fails early
+        pipeline = Pipeline(opts.preset, adapter=opts.adapter, device=opts.device,  # resolves the preset: fails early
+                            grounder_dtype=opts.grounder_dtype)
     preset = pipeline.preset
     _plan_cases(plan, opts, preset)
     cases, mine, out, csv_name, html_name = plan.cases, plan.mine, plan.out, plan.csv_name, plan.html_name
     done_before, to_run = plan.done_before, plan.to_run
 
+    from .cpu import apply_threads
+
+    threads = apply_threads(opts.threads)
     t_load = time.perf_counter()
     if to_run:
         pipeline.load()  # once for the whole run; a model that cannot load stops the run here
@@ -707,6 +713,7 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         "summary_csv": str(out / csv_name), "summary_html": str(out / html_name),
         "failures": [{"id": r["id"], "error": r["error"]} for r in rows if r["status"] == "failed"],
         "consensus": opts.consensus, "consensus_mask": opts.consensus_mask,
+        "threads": threads.threads, "threads_rule": threads.describe(),
     }
     confidences = [r["confidence"] for r in rows if r.get("confidence") is not None]
     if confidences:  # agreement of each case's samples: not accuracy

@@ -76,11 +76,21 @@ def test_pipeline_with_a_given_propagator(tiny):
 
 
 def test_segment_cli_writes_mask_anchor_qc(capsys, tmp_path):
+    import torch
+
     out, qc = tmp_path / "liver.nii.gz", tmp_path / "qc.png"
-    code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "the organ that secretes bile",
-                                "--out", out, "--qc", qc, "--preset", "tiny", "--device", "cpu", "--json", "--no-progress")
-    assert code == 0, err
+    before = torch.get_num_threads()
+    try:
+        code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "the organ that secretes bile",
+                                    "--out", out, "--qc", qc, "--preset", "tiny", "--device", "cpu", "--json",
+                                    "--no-progress", "--threads", "1")
+        assert code == 0, err
+        assert torch.get_num_threads() == 1  # --threads reached torch
+    finally:
+        torch.set_num_threads(before)
     res = json.loads(stdout)
+    assert (res["threads"], res["threads_rule"]) == (1, "1 CPU thread(s), as asked")
+    assert res["grounder_dtype"] == "float32"  # auto: a smoke model stays fp32 on any CPU (test_cpu.py)
     src, m = nib.load(str(SAMPLE)), nib.load(str(out))
     assert m.shape == src.shape and np.array_equal(m.affine, src.affine)
     anchor = json.loads((tmp_path / "liver.anchor.json").read_text())
@@ -99,6 +109,7 @@ def test_segment_cli_text_output_says_smoke(capsys, tmp_path):
     assert code == 0, err
     assert stdout.startswith("NOTE:") and "smoke" in stdout.splitlines()[0]
     assert stdout.splitlines()[1] == "model: untrained tiny smoke model (random weights): results are meaningless"
+    assert stdout.splitlines()[-1].startswith("compute: ") and "CPU thread(s)" in stdout.splitlines()[-1]
 
 
 def test_demo_falls_back_to_tiny_with_notice(capsys, tmp_path):

@@ -15,11 +15,15 @@ import sys
 from typing import List, Optional
 
 from medvolcore import RESEARCH_USE_NOTICE
+from medvolcore.cpu import threads_arg
 from medvolcore.errors import MedVolError
 
 from . import __version__
 
 PROG = "medvol-train"
+log = logging.getLogger("medvoltrain")
+THREADS_HELP = ("CPU threads for torch (default auto: the physical cores this process may use, less those other "
+                "work keeps busy; OMP_NUM_THREADS when set, as torchrun sets it to 1 for several processes)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,12 +51,21 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def _apply_threads(args) -> None:
+    """``--threads`` (or medvolcore.cpu's rule; under torchrun, OMP_NUM_THREADS) set for torch."""
+    from medvolcore.cpu import apply_threads
+
+    plan = apply_threads(args.threads)
+    log.info("%s", plan.describe())
+
+
 def cmd_sft(args) -> int:
     from .config import load_settings, parse_overrides
     from .sft import train_sft
 
     settings = load_settings(args.config, parse_overrides(args.overrides), preset=args.preset,
                              max_steps=args.max_steps)
+    _apply_threads(args)
     summary = train_sft(args.data, args.output, settings, resume=args.resume, overwrite=args.overwrite)
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
@@ -68,6 +81,7 @@ def cmd_grpo(args) -> int:
 
     settings = load_settings(args.config, parse_overrides(args.overrides, GRPOSettings), cls=GRPOSettings,
                              preset=args.preset, max_steps=args.max_steps)
+    _apply_threads(args)
     summary = train_grpo(args.data, args.output, settings, adapter=args.adapter, resume=args.resume,
                          overwrite=args.overwrite, sam_checkpoint=args.sam_checkpoint,
                          random_weights=args.random_weights)
@@ -103,6 +117,8 @@ def cmd_evaluate(args) -> int:
         raise InputError("evaluate needs --data DATA and --out DIR (or --out DIR --aggregate-only)")
     if args.aggregate_only and not args.out:
         raise InputError("--aggregate-only needs --out DIR")
+    if not args.aggregate_only:
+        _apply_threads(args)
     summary = evaluate(args.data, args.out, split=args.split, oracle=args.oracle, preset=args.preset,
                        adapter=args.adapter, sam_checkpoint=args.sam_checkpoint, random_weights=args.random_weights,
                        sam_image_size=args.sam_image_size, device=args.device, shard=args.shard, limit=args.limit,
@@ -212,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-steps", type=int, help="stop after N optimiser steps")
     sp.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN/checkpoints")
     sp.add_argument("--overwrite", action="store_true", help="start again in a RUN folder that holds a run")
+    sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto", help=THREADS_HELP)
     sp.add_argument("overrides", nargs="*", metavar="key=value", help="override any setting, e.g. learning_rate=1e-4")
 
     sp = add("grpo", "GRPO with the four MedVol-R1 rewards (TRL GRPOTrainer), from the SFT adapter; writes "
@@ -229,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seeded random MedSAM2 weights (tests, CPU benchmarks: the consistency term is then noise)")
     sp.add_argument("--resume", action="store_true", help="continue from the last checkpoint in RUN2/checkpoints")
     sp.add_argument("--overwrite", action="store_true", help="start again in a RUN2 folder that holds a run")
+    sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto", help=THREADS_HELP)
     sp.add_argument("overrides", nargs="*", metavar="key=value",
                     help="override any setting, e.g. lambda_consistency=0 delta=10 beta=0.04")
 
@@ -269,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--aggregate-only", action="store_true",
                     help="only rebuild DIR's tables from its finished cases (e.g. after all shards ran)")
     sp.add_argument("--no-masks", action="store_true", help="do not save the predicted masks (DIR/masks/)")
+    sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto", help=THREADS_HELP)
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp = add("bench-vision", "Vision sanity check on a CPU: synthetic volumes with a bright square, SFT through the "
                              "product's data path, and the model scored on held-out volumes with their own slices, "

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from .common import add_consensus_options, add_preset_option, add_stop_option, seed_arg, terminal_safe
+from .common import add_compute_options, add_consensus_options, add_preset_option, add_stop_option, seed_arg, terminal_safe
 
 HELP = "Segment every case of a manifest (CSV or JSONL); resumable, shardable, with a summary table and page."
 
@@ -63,6 +63,7 @@ def add_batch_command(sub, add):
     sp.add_argument("--empty-mask-on-absent", action="store_true",
                     help="for a case the model answers 'not present', still write mask.nii.gz, all zero")
     add_consensus_options(sp, agreement=None)
+    add_compute_options(sp)
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return sp
 
@@ -79,6 +80,8 @@ def _text(info: dict) -> str:
         c = info["confidence"]
         lines.append(f"confidence over {c['cases']} case(s): mean {c['mean']:.3f}, lowest {c['min']:.3f} "
                      f"(agreement of {info['consensus']} samples per case, not accuracy)")
+    if info.get("threads_rule"):
+        lines.append(f"compute: {info['threads_rule']}")
     for f in info["failures"]:
         lines.append(terminal_safe(f"failed {f['id']}: {f['error']}", one_line=True))
     lines.append(f"summary: {info['summary_csv']}, {info['summary_html']}")
@@ -92,7 +95,8 @@ def cmd_batch(args) -> int:
                         sample=args.sample, ct_window=args.ct_window, stop_after_empty=args.stop_after_empty,
                         consensus=args.consensus, consensus_mask=args.consensus_mask, shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
-                        empty_mask_on_absent=args.empty_mask_on_absent)
+                        empty_mask_on_absent=args.empty_mask_on_absent, threads=args.threads,
+                        grounder_dtype=args.grounder_dtype)
 
     # a cluster's time limit (SIGTERM) stops the run like Ctrl-C: cli.main turns it into an
     # exception, so temporary files are removed and --resume finishes the rest

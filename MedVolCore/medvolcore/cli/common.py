@@ -128,6 +128,27 @@ def add_consensus_options(sp, agreement: Optional[str] = "--agreement") -> None:
                             "include it, 0..G) on the CT's grid (.nii.gz, .nii, .nrrd, .mha)")
 
 
+def add_compute_options(sp, dtype: bool = True) -> None:
+    """``--threads`` (and ``--grounder-dtype``): how the models use this machine (medvolcore.cpu)."""
+    from ..cpu import threads_arg
+
+    sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto",
+                    help="CPU threads for the models (default auto: the physical cores this process may use, "
+                         "less those other work keeps busy; OMP_NUM_THREADS when set)")
+    if dtype:
+        sp.add_argument("--grounder-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="the grounder's number format (default auto: bf16 on a GPU and on CPUs with bf16 "
+                             "arithmetic in hardware, fp32 on other CPUs)")
+
+
+def apply_compute_options(args, reserve: int = 0) -> dict:
+    """Apply ``--threads`` (medvolcore.cpu.apply_threads); returns what a result records."""
+    from ..cpu import apply_threads
+
+    plan = apply_threads(getattr(args, "threads", None), reserve=reserve)
+    return {"threads": plan.threads, "threads_rule": plan.describe()}
+
+
 def add_preset_option(sp) -> None:
     """``--preset NAME``: None unless given, resolved at run time to the manifest's default."""
     sp.add_argument("--preset", default=None,

@@ -5,8 +5,7 @@ The worker and its transports are :mod:`medvolcore.serve`; the protocol is ``doc
 
 from __future__ import annotations
 
-import os
-
+from ..cpu import threads_arg
 from ..errors import InputError
 from ..serve.cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS
 from ..serve.http import (DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT,
@@ -44,11 +43,7 @@ def cmd_serve(args) -> int:
             raise InputError(f"--client-timeout must be positive, got {http.client_timeout:g}")
         if not http.session_idle_s > 0:
             raise InputError(f"--session-idle-s must be positive, got {http.session_idle_s:g}")
-    threads = args.threads
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 2) - 1)
-    elif threads < 1:
-        raise InputError(f"--threads must be at least 1, got {threads}")
+    threads = args.threads  # None: medvolcore.cpu's rule, decided when the first job arrives
     if not args.feature_cache_mb >= 0:
         raise InputError(f"--feature-cache-mb must be 0 or more, got {args.feature_cache_mb:g}")
     if args.preset is not None:
@@ -82,9 +77,10 @@ def _add_arguments(sp) -> None:
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="cpu, cuda or auto (default)")
     sp.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_MB,
                     help=f"largest request line / HTTP body in MB (default {DEFAULT_MAX_REQUEST_MB})")
-    sp.add_argument("--threads", type=int, default=None, metavar="N",
-                    help="CPU threads for the models (default: all cores but one, leaving one to Slicer; "
-                         "fewer threads are much faster when the CPU is shared)")
+    sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto",
+                    help="CPU threads for the models (default auto, decided at the first job: the physical cores "
+                         "this process may use, less those other work keeps busy, less one left to Slicer when "
+                         "there are more than two; OMP_NUM_THREADS when set)")
     sp.add_argument("--cache-size", type=int, default=DEFAULT_CACHE_SIZE,
                     help=f"volumes kept in memory, by content hash (default {DEFAULT_CACHE_SIZE})")
     sp.add_argument("--feature-cache-mb", type=float, default=DEFAULT_FEATURE_CACHE_MB, metavar="MB",

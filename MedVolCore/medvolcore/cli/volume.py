@@ -12,10 +12,12 @@ import argparse
 import logging
 import sys
 import time
+from typing import Optional
 
 from ..errors import InputError, MedVolError
-from .common import (PROG, add_consensus_options, add_preset_option, add_stop_option, emit, index_arg, parse_labels,
-                     peak_memory_mb, seed_arg, stop_text, terminal_safe)
+from .common import (PROG, add_compute_options, add_consensus_options, add_preset_option, add_stop_option,
+                     apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb, seed_arg, stop_text,
+                     terminal_safe)
 
 VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder"
 
@@ -115,6 +117,7 @@ def cmd_propagate(args) -> int:
         loaded.update(device=device, load_s=time.perf_counter() - t_load)
         return Pipeline.with_propagator(propagator)
 
+    compute = apply_compute_options(args)
     bar = None if args.no_progress else _bar("propagate")
     try:
         res = run_segment_job(pipeline, args.volume, request, outputs, progress=_progress(bar))
@@ -130,7 +133,7 @@ def cmd_propagate(args) -> int:
         "encoder_calls": t["encoder_calls"], "mask_voxels": res["mask_voxels"],
         "seconds": round(t["propagate_s"], 3), "seconds_per_slice": round(t["propagate_s_per_slice"], 4),
         "model_load_seconds": round(loaded["load_s"], 3), "total_seconds": round(time.perf_counter() - t0, 3),
-        "peak_memory_mb": peak_memory_mb(),
+        "peak_memory_mb": peak_memory_mb(), **compute,
     }
     if loaded["device"].startswith("cuda"):
         import torch
@@ -213,9 +216,11 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     def pipeline():  # resolved once the volume is read: a bad volume is reported before a missing model
         from ..pipeline import Pipeline
 
-        pipes.append(Pipeline(preset, adapter=adapter, device=args.device, low_memory=getattr(args, "low_memory", False)))
+        pipes.append(Pipeline(preset, adapter=adapter, device=args.device, low_memory=getattr(args, "low_memory", False),
+                              grounder_dtype=args.grounder_dtype))
         return pipes[0]
 
+    compute = apply_compute_options(args)
     bar = None if args.no_progress else _bar("segment")
     try:
         res = run_segment_job(pipeline, volume, request, outputs, progress=_progress(bar))
@@ -228,10 +233,16 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
                "volume": res["volume"] or str(volume),
                **{k: res[k] for k in keep},
                "model_load_s": {k: round(v, 3) for k, v in pipes[0].load_seconds.items()},
+               **compute, "grounder_dtype": _dtype_name(pipes[0]),
                "peak_memory_mb": peak_memory_mb()}
     if notice:
         out_res["notice"] = notice
     return out_res
+
+
+def _dtype_name(pipe) -> Optional[str]:
+    g = pipe._grounder  # only a grounder that was loaded (an unreadable volume stops before)
+    return None if g is None else str(g.dtype).replace("torch.", "")
 
 
 def _segment_text(res: dict) -> str:
@@ -266,6 +277,9 @@ def _segment_text(res: dict) -> str:
     written = [res["anchor_out"]] + [res[k] for k in ("qc", "agreement_out") if res.get(k)]
     lines += [f"wrote {res['out']} ({res['mask_voxels']} voxels), " + ", ".join(written),
               "timings: " + ", ".join(f"{k} {v:.2f}" for k, v in res["timings"].items() if isinstance(v, float))]
+    if res.get("threads_rule"):
+        lines.append(f"compute: {res['threads_rule']}" + (f"; grounder in {res['grounder_dtype']}"
+                                                          if res.get("grounder_dtype") else ""))
     return "\n".join(lines)
 
 
@@ -380,6 +394,7 @@ def _add_segment_options(sp) -> None:
                     help="when the model answers that the target is not in this CT, still write the mask, all zero, "
                          "on the CT's grid (default: no mask file; the anchor and QC picture say 'not found')")
     add_consensus_options(sp, "--agreement")
+    add_compute_options(sp)
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 
@@ -427,6 +442,7 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--largest-component", action="store_true", help="keep each box's largest 3-D connected component")
     add_stop_option(sp)
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="cpu (fp32) or cuda (bfloat16 autocast)")
+    add_compute_options(sp, dtype=False)
     sp.add_argument("--anchor-out", metavar="PATH", help="also write the anchor used, with world coordinates")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")

@@ -261,9 +261,13 @@ def _check_qwen3_vl_folder(model_dir: Path) -> dict:
     return check_grounder_dir(model_dir)
 
 
-def _resolve_dtype(dtype, dev, torch):
-    if dtype is None:
-        return torch.bfloat16 if dev.type == "cuda" else torch.float32
+def _resolve_dtype(dtype, dev, torch, smoke: bool = False):
+    if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
+        from ..cpu import grounder_dtype  # bf16 on CUDA and on CPUs with bf16 arithmetic; fp32 otherwise
+
+        # a smoke model (random weights: tests, benchmarks) stays fp32 on a CPU, so that its answers,
+        # which hang on near-ties, are the same on every CPU
+        dtype = "fp32" if smoke and dev.type == "cpu" else grounder_dtype(None, dev)
     if isinstance(dtype, str):
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                  "float16": torch.float16, "fp16": torch.float16}
@@ -325,19 +329,20 @@ class QwenVLGrounder:
     def from_pretrained(cls, model_dir, adapter=None, device="cpu", dtype=None, settings=None) -> "QwenVLGrounder":
         """Load a Qwen3-VL checkpoint folder, optionally with a PEFT LoRA adapter folder.
 
-        fp32 on CPU, bfloat16 on CUDA unless ``dtype`` says otherwise. ``settings`` is a preset
+        ``dtype`` None or ``"auto"``: bfloat16 on CUDA and on a CPU with bf16 arithmetic in hardware,
+        fp32 on other CPUs (:func:`medvolcore.cpu.grounder_dtype`) and for a smoke model on any CPU. ``settings`` is a preset
         name of grounder.json or a dict of overrides (it may name a ``preset``).
         """
         model_dir = Path(model_dir).expanduser()
         _check_qwen3_vl_folder(model_dir)
         torch = _torch()
         dev = resolve_device(device)
-        dt = _resolve_dtype(dtype, dev, torch)
         AutoTokenizer, _, Qwen3VL, ImageProcessor = _transformers()
         meta_path = model_dir / "medvol_model.json"
         meta = _read_json(meta_path) if meta_path.is_file() else {}
         if not isinstance(meta, dict):
             raise ModelError(f"{meta_path} must hold a JSON object")
+        dt = _resolve_dtype(dtype, dev, torch, smoke=bool(meta.get("smoke")))
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             image_processor = ImageProcessor.from_pretrained(str(model_dir))

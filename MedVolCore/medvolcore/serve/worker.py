@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .. import RESEARCH_USE_NOTICE, __version__
+from ..cpu import apply_threads, check_threads
 from ..errors import CancelledError, ForbiddenError, MedVolError
 from ..sources import client_parts, private_copy
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
@@ -45,7 +46,8 @@ class WorkerSettings:
 
     ``preset``/``adapter``: loaded at start and used when a request names none (None: the
     manifest's default preset, loaded on the first request). ``max_request_mb``: the largest
-    request line or HTTP body. ``threads``: CPU threads for the models (None: torch's default).
+    request line or HTTP body. ``threads``: CPU threads for the models (None: medvolcore.cpu's rule,
+    decided before the first job).
     ``max_voxels``: the largest volume, checked in its header before it is read. ``data_dir``:
     the one folder HTTP clients may name input files in (None: none). ``out_dir``: the one folder
     HTTP clients may write masks in (``out``; None: none, the mask comes back in the reply); it
@@ -129,7 +131,7 @@ class Worker:
         self.device = device
         self.transport = transport
         self.max_request_bytes = int(max_request_bytes)
-        self.threads = threads
+        self.threads = check_threads(threads, "threads")
         self.data_dir = Path(os.path.realpath(data_dir)) if data_dir is not None else None
         self.out_dir = Path(os.path.realpath(out_dir)) if out_dir is not None else None
         self.default_adapter = default_adapter
@@ -481,6 +483,7 @@ class Worker:
               "model_label": (getattr(pipe, "identity", None) or {}).get("label") if pipe else None,
               "uptime_s": round(time.monotonic() - self.started, 3), "cached_volumes": len(self.cache),
               "requests_done": self.requests_done, "threads": self.threads,
+              "threads_rule": getattr(self, "threads_rule", None),
               "feature_cache": self.features.describe()}
         if transport != "http":  # the parent process may see the worker's internals
             st.update(cache=self.cache.describe(), tmp_dir=str(self.tmp_dir), pid=os.getpid())
@@ -530,15 +533,16 @@ class Worker:
 
     # -- the worker thread ---------------------------------------------------------------------
     def _set_threads(self) -> None:
-        """Apply ``threads`` once, before the first job (torch is imported only when work arrives)."""
-        if self.threads and not getattr(self, "_threads_set", False):
+        """Decide and apply the thread count once, before the first job (torch is imported only when
+        work arrives): ``threads`` when set, else medvolcore.cpu's rule, leaving one core to the
+        application that drives the worker when there are more than two."""
+        if not getattr(self, "_threads_set", False):
             self._threads_set = True
             try:
-                import torch
-
-                torch.set_num_threads(int(self.threads))
+                plan = apply_threads(self.threads, reserve=1)
+                self.threads, self.threads_rule = plan.threads, plan.describe()
             except Exception as e:  # noqa: BLE001 - the worker still serves
-                log.warning("could not set %d CPU threads: %s", self.threads, e)
+                log.warning("could not set the CPU threads (%s): %s", self.threads, e)
 
     def _run(self) -> None:
         while True:
