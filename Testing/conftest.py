@@ -41,6 +41,20 @@ def isolated_medvol_home(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """A command run in-process sets torch's thread count (medvolcore.cpu); the next test starts
+    from the count the session began with, whatever the machine's load was at that moment."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:  # torch imported during the test: back to its own default, one per CPU
+        torch.set_num_threads(before if before is not None else len(os.sched_getaffinity(0)))
+
+
 def _require(path: Path) -> Path:
     """A test that needs a data file skips, naming it, when the file is absent (a folder given by
     ``$MEDVOL_REAL_DATA`` may hold less). The files the repository carries are checked on their own by
