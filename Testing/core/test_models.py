@@ -201,25 +201,50 @@ def test_download_offline_cli_subprocess(tmp_path, home):
     assert line.startswith("medvol models: error:") and "medvol models import medvol-r1 FOLDER" in line
 
 
+def cache_snapshot(cache: Path, repo_id: str, commit: str, files: dict, ref: str = None) -> Path:
+    """Lay ``files`` out as huggingface_hub's cache does: ``models--ORG--NAME/blobs/<id>`` (an LFS
+    file's blob id is its sha256, another file's a 40-hex git id), ``snapshots/<commit>/<name>``
+    linking to the blob, and ``refs/<ref>`` holding the commit."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    for fn, data in files.items():
+        lfs = fn.endswith((".pt", ".safetensors"))
+        blob_id = hashlib.sha256(data).hexdigest() if lfs else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        blob = repo / "blobs" / blob_id
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        (snap / fn).parent.mkdir(parents=True, exist_ok=True)
+        if (snap / fn).is_symlink():
+            (snap / fn).unlink()
+        os.symlink(os.path.relpath(blob, (snap / fn).parent), snap / fn)
+    if ref:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snap
+
+
 class FakeHub:
     """Stand-ins for huggingface_hub's public HfApi.model_info / snapshot_download / hf_hub_download.
 
-    They serve files from memory and record the revisions asked for; the sha256 reported for LFS
-    files is what the real API puts in ``RepoSibling.lfs`` (``BlobLfsInfo.sha256``).
+    They serve files from memory into a Hugging Face cache layout (:func:`cache_snapshot`) and
+    record the revisions asked for; the sha256 reported for LFS files is what the real API puts in
+    ``RepoSibling.lfs`` (``BlobLfsInfo.sha256``).
     """
 
     COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
-    def __init__(self, files_by_repo, reported_sha=None):
+    def __init__(self, files_by_repo, reported_sha=None, cache=None):
         self.files = files_by_repo
         self.reported_sha = reported_sha or {}
         self.calls = []
+        self.cache = cache
 
-    def install(self, monkeypatch):
+    def install(self, monkeypatch, cache: Path = None):
         import huggingface_hub
         from huggingface_hub.hf_api import ModelInfo
 
         hub = self
+        hub.cache = cache or hub.cache or Path(os.environ["MEDVOL_HOME"]).parent / "hf_cache"
 
         class Api:
             def model_info(self, repo_id, revision=None, files_metadata=False, **kw):
@@ -234,18 +259,15 @@ class FakeHub:
                 return ModelInfo(id=repo_id, sha=hub.COMMIT, siblings=siblings)
 
         def snapshot_download(repo_id, revision=None, allow_patterns=None, local_dir=None, **kw):
+            assert local_dir is None  # downloads go to the Hugging Face cache
             hub.calls.append(("snapshot_download", repo_id, revision))
-            for fn, data in hub.files[repo_id].items():
-                (Path(local_dir) / fn).parent.mkdir(parents=True, exist_ok=True)
-                (Path(local_dir) / fn).write_bytes(data)
-            return local_dir
+            return str(cache_snapshot(hub.cache, repo_id, revision, hub.files[repo_id]))
 
         def hf_hub_download(repo_id, filename, revision=None, local_dir=None, **kw):
+            assert local_dir is None
             hub.calls.append(("hf_hub_download", repo_id, revision))
-            out = Path(local_dir) / filename
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(hub.files[repo_id][filename])
-            return str(out)
+            snap = cache_snapshot(hub.cache, repo_id, revision, {filename: hub.files[repo_id][filename]})
+            return str(snap / filename)
 
         monkeypatch.setattr(huggingface_hub, "HfApi", Api)
         monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
@@ -262,11 +284,18 @@ def test_download_checks_hub_sha256_and_registers(monkeypatch, home):
     hub = FakeHub({"Qwen/Qwen3-VL-2B-Instruct": qwen_files(),
                    "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES, "README.md": b"hi"}}).install(monkeypatch)
     res = models.download("qwen3-vl-2b", progress=False)
-    # one commit per repo: every transfer asks for the commit model_info reported
+    # one commit per repo (the pinned one asked for): every transfer asks for the commit model_info reported
+    assert [c[2] for c in hub.calls if c[0] == "model_info"] == [
+        models.get_preset("qwen3-vl-2b").grounder["revision"], models.get_preset("qwen3-vl-2b").medsam2["revision"]]
     assert {c[2] for c in hub.calls if c[0] != "model_info"} == {FakeHub.COMMIT}
     d = home / "models" / "qwen3-vl-2b"
-    assert res["grounder"] == str(d / "grounder") and res["medsam2"] == str(d / "medsam2" / "MedSAM2_latest.pt")
+    # the files are in the Hugging Face cache, registered where they are (no copy under MEDVOL_HOME)
+    snaps = hub.cache / "models--Qwen--Qwen3-VL-2B-Instruct" / "snapshots" / FakeHub.COMMIT
+    assert res["grounder"] == str(snaps)
+    assert res["medsam2"] == str(hub.cache / "models--wanglab--MedSAM2" / "snapshots" / FakeHub.COMMIT / "MedSAM2_latest.pt")
+    assert not (d / "grounder").exists()
     reg = json.loads((d / "medvol_weights.json").read_text())
+    assert reg["grounder"]["revision"] == FakeHub.COMMIT and reg["grounder"]["cache"] == "huggingface"
     assert reg["method"] == "download" and reg["medsam2"]["sha256"] == SAM_SHA
     assert reg["medsam2"]["sha256_checked_against"] == "hub" and reg["medsam2"]["revision"] == FakeHub.COMMIT
     assert reg["grounder"]["sha256_checked_files"] == 1
@@ -274,11 +303,14 @@ def test_download_checks_hub_sha256_and_registers(monkeypatch, home):
 
 
 def test_download_sha256_mismatch_removes_file(monkeypatch, home):
-    FakeHub({"Qwen/Qwen3-VL-2B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}},
-            reported_sha={"MedSAM2_latest.pt": "f" * 64}).install(monkeypatch)
+    hub = FakeHub({"Qwen/Qwen3-VL-2B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}},
+                  reported_sha={"MedSAM2_latest.pt": "f" * 64}).install(monkeypatch)
     with pytest.raises(ModelError, match="sha256"):
         models.download("qwen3-vl-2b", progress=False)
-    assert not (home / "models" / "qwen3-vl-2b" / "medsam2" / "MedSAM2_latest.pt").exists()
+    repo = hub.cache / "models--wanglab--MedSAM2"
+    # the file and its cache blob are gone (else huggingface_hub would link the bad blob in again)
+    assert not (repo / "snapshots" / FakeHub.COMMIT / "MedSAM2_latest.pt").exists()
+    assert not (repo / "blobs" / SAM_SHA).exists()
     assert not models.registration_path("qwen3-vl-2b").exists()
     with pytest.raises(ModelNotFoundError):
         models.resolve("qwen3-vl-2b")
@@ -459,7 +491,8 @@ def test_qwen3_vl_4b_finds_the_weights_an_older_version_put_in_models_medvol_r1(
     FakeHub({"Qwen/Qwen3-VL-4B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}}
             ).install(monkeypatch)
     res = models.download("qwen3-vl-4b", progress=False)
-    assert res["grounder"] == str(old / "grounder") and res["registration"] == str(old / "medvol_weights.json")
+    assert res["registration"] == str(old / "medvol_weights.json")
+    assert Path(res["grounder"]).parts[-3:] == ("models--Qwen--Qwen3-VL-4B-Instruct", "snapshots", FakeHub.COMMIT)
     assert not (home / "models" / "qwen3-vl-4b").exists()
 
 
@@ -479,9 +512,11 @@ def test_download_medvol_r1_fetches_what_qwen3_vl_4b_needs(monkeypatch, capsys, 
     assert title.startswith("downloaded what qwen3-vl-4b needs (sha256 checked): medvol-r1 uses the same weights")
     assert "--adapter DIR (none is published" in title
     d = home / "models" / "qwen3-vl-4b"
-    assert models.resolve("qwen3-vl-4b").grounder_dir == d / "grounder"
+    assert models.registration_path("qwen3-vl-4b") == d / "medvol_weights.json"
+    snap = models.resolve("qwen3-vl-4b").grounder_dir
+    assert snap.parts[-3:] == ("models--Qwen--Qwen3-VL-4B-Instruct", "snapshots", FakeHub.COMMIT)
     adapter = make_adapter(tmp_path / "run" / "adapter")
-    assert models.resolve("medvol-r1", adapter=adapter).grounder_dir == d / "grounder"
+    assert models.resolve("medvol-r1", adapter=adapter).grounder_dir == snap
     assert not (home / "models" / "medvol-r1").exists()
 
 
@@ -515,7 +550,9 @@ def test_cli_list_text_and_json(capsys, tmp_path, home):
     code, out, err = run_cli(capsys, "models", "list")
     assert code == 0, err
     lines = out.splitlines()
-    rows = {l.split()[0]: (l, lines[i + 1]) for i, l in enumerate(lines[1:9], 1) if not l.startswith(" ")}
+    names = {"qwen3-vl-4b", "qwen3-vl-2b", "medvol-r1", "tiny"}
+    rows = {l.split()[0]: (l, lines[i + 1], lines[i + 2]) for i, l in enumerate(lines[1:], 1)
+            if l.split() and l.split()[0] in names}
     assert set(rows) == {"qwen3-vl-4b", "qwen3-vl-2b", "medvol-r1", "tiny"}
     assert rows["qwen3-vl-4b"][0].startswith("qwen3-vl-4b *")  # the default
     assert "missing" in rows["qwen3-vl-4b"][0] and "est." in rows["qwen3-vl-4b"][0]
@@ -524,6 +561,10 @@ def test_cli_list_text_and_json(capsys, tmp_path, home):
     assert rows["qwen3-vl-4b"][1].strip() == "runs as: Qwen3-VL-4B-Instruct, zero-shot, not trained for this task"
     assert "cannot run" in rows["medvol-r1"][1] and "meaningless" in rows["tiny"][1]
     assert "No trained MedVol-R1 adapter is published" in out and RESEARCH_USE_NOTICE in out
+    # the revision in use: the table's pins until something is downloaded
+    pin = models.get_preset("qwen3-vl-4b").grounder["revision"]
+    assert rows["qwen3-vl-4b"][2].strip().startswith(f"revision: Qwen/Qwen3-VL-4B-Instruct@{pin[:12]} (pinned, not "
+                                                     "downloaded); wanglab/MedSAM2@")
     models.import_weights("qwen3-vl-2b", make_import_folder(tmp_path / "src"), progress=False)
     code, out, err = run_cli(capsys, "models", "list", "--json")
     assert code == 0, err
@@ -532,6 +573,11 @@ def test_cli_list_text_and_json(capsys, tmp_path, home):
     assert d["tiny"]["smoke"] and d["tiny"]["available"] and d["qwen3-vl-4b"]["default"]
     assert d["qwen3-vl-2b"]["identity"]["zero_shot"] and d["medvol-r1"]["identity"]["needs_adapter"]
     assert d["qwen3-vl-2b"]["gpu_memory_note"] == "estimated"
+    # weights imported by hand: their commit is not known, and list says so rather than show the pin
+    assert d["qwen3-vl-2b"]["revisions"]["grounder"] == {
+        "repo_id": "Qwen/Qwen3-VL-2B-Instruct", "revision": None, "state": "unknown",
+        "pinned": models.get_preset("qwen3-vl-2b").grounder["revision"]}
+    assert d["qwen3-vl-4b"]["revisions"]["grounder"]["state"] == "pinned" and d["tiny"]["revisions"] == {}
     code, out2, _ = run_cli(capsys, "models", "--json", "list")  # --json before the action works too
     assert code == 0 and json.loads(out2)["presets"]
 
