@@ -316,6 +316,72 @@ def test_download_sha256_mismatch_removes_file(monkeypatch, home):
         models.resolve("qwen3-vl-2b")
 
 
+def test_download_reuses_the_hugging_face_cache_offline(tmp_path, home):
+    """An existing Hugging Face cache copy at the pinned commits is found by the real
+    huggingface_hub (HF_HUB_OFFLINE=1, nothing mocked) and registered where it is; each LFS file is
+    checked against its blob name (its sha256). A revision the cache lacks: one line, nothing changed."""
+    cache = tmp_path / "hf" / "hub"
+    p = models.get_preset("qwen3-vl-2b")
+    qwen_rev, sam_rev = p.grounder["revision"], p.medsam2["revision"]
+    snap = cache_snapshot(cache, "Qwen/Qwen3-VL-2B-Instruct", qwen_rev, qwen_files())
+    cache_snapshot(cache, "wanglab/MedSAM2", sam_rev, {"MedSAM2_latest.pt": SAM_BYTES})
+    env = {**os.environ, "MEDVOL_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-m", "medvolcore.cli", "models", *argv], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    r = cli("download", "qwen3-vl-2b", "--no-progress", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["grounder"] == str(snap.resolve()) and Path(res["medsam2"]).read_bytes() == SAM_BYTES
+    assert not (home / "models" / "qwen3-vl-2b" / "grounder").exists()  # no second copy
+    reg = json.loads((home / "models" / "qwen3-vl-2b" / "medvol_weights.json").read_text())
+    assert (reg["grounder"]["revision"], reg["medsam2"]["revision"]) == (qwen_rev, sam_rev)
+    assert reg["grounder"]["sha256_checked_files"] == 1 and reg["medsam2"]["sha256"] == SAM_SHA
+    assert res["revisions"]["grounder"]["state"] == "registered"
+    r = cli("list")
+    assert f"Qwen/Qwen3-VL-2B-Instruct@{qwen_rev[:12]} (downloaded, pinned)" in r.stdout, r.stdout
+
+    other = "f" * 40  # a commit the cache does not hold: refused in one line, the registration stays
+    r = cli("download", "qwen3-vl-2b", "--revision", other, "--no-progress")
+    assert r.returncode == 2 and "holds no complete copy" in one_error_line(r.stderr) and str(cache) in r.stderr
+    assert json.loads((home / "models" / "qwen3-vl-2b" / "medvol_weights.json").read_text()) == reg
+
+
+def test_a_corrupt_cached_file_is_caught_offline(tmp_path, monkeypatch, home):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    p = models.get_preset("qwen3-vl-2b")
+    snap = cache_snapshot(cache, "Qwen/Qwen3-VL-2B-Instruct", p.grounder["revision"], qwen_files())
+    cache_snapshot(cache, "wanglab/MedSAM2", p.medsam2["revision"], {"MedSAM2_latest.pt": SAM_BYTES})
+    (snap / "model.safetensors").resolve().write_bytes(WEIGHT_BYTES + b" ")  # not what its blob name says
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="Hugging Face cache's blob name"):
+        models.download("qwen3-vl-2b", progress=False)
+    assert not (snap / "model.safetensors").exists() and not models.registration_path("qwen3-vl-2b").exists()
+
+
+@pytest.mark.parametrize("rev, needle", [("ebb281e", "not 40 lower-case hex digits"), ("a b", "neither"),
+                                         ("../main", "neither")])
+def test_revision_is_checked_in_one_line(capsys, rev, needle):
+    code, out, err = run_cli(capsys, "models", "download", "qwen3-vl-2b", "--revision", rev)
+    assert code == 2 and needle in one_error_line(err)
+    code, out, err = run_cli(capsys, "models", "download", "tiny", "--revision", "main")
+    assert code == 2 and "--revision has no effect" in one_error_line(err)
+
+
+def test_table_revisions_are_checked(tmp_path, monkeypatch):
+    entry = pinned_preset(None)
+    entry["grounder"]["revision"] = "1234abc"
+    override_table(tmp_path, monkeypatch, {"mine": entry})
+    with pytest.raises(ModelError, match="preset 'mine': grounder.revision '1234abc' looks like a commit id"):
+        models.list_presets()
+
+
 def test_hub_metadata_parsing_gives_lfs_sha256():
     """What model_info(files_metadata=True) returns: RepoSibling.lfs.sha256 (not blob_id, a git sha1)."""
     from huggingface_hub.hf_api import ModelInfo
@@ -439,6 +505,46 @@ def test_adapter_checks(tmp_path, home):
         models.resolve("medvol-r1", adapter=wrong)
     good = make_adapter(tmp_path / "a4b")
     assert models.resolve("medvol-r1", adapter=good).adapter_dir == good
+
+
+def adapter_with_record(folder: Path, base: dict, stage="sft") -> Path:
+    """An adapter folder with the medvol_adapter.json medvol-train writes (schema medvol.adapter/1)."""
+    make_adapter(folder, base=base.get("repo_id") or base.get("path") or "")
+    (folder / "medvol_adapter.json").write_text(json.dumps({"schema": "medvol.adapter/1", "stage": stage,
+                                                            "base_model": base}))
+    return folder
+
+
+def test_an_adapter_is_checked_against_the_base_model_it_records(tmp_path, capsys, home):
+    from medvolcore.errors import AdapterMismatchError
+
+    models.import_weights("qwen3-vl-4b", make_import_folder(tmp_path / "src"), progress=False)
+    pin = models.get_preset("qwen3-vl-4b").grounder["revision"]
+    a4b = adapter_with_record(tmp_path / "a4b", {"repo_id": "Qwen/Qwen3-VL-4B-Instruct", "revision": pin})
+    a2b = adapter_with_record(tmp_path / "a2b", {"repo_id": "Qwen/Qwen3-VL-2B-Instruct", "revision": None})
+    atiny = adapter_with_record(tmp_path / "atiny", {"builder": "tiny", "path": "/somewhere/tiny/grounder"})
+    # medvol-r1 takes an adapter recorded as trained on the 4B base: a MedVol-R1 adapter
+    r = models.resolve("medvol-r1", adapter=a4b)
+    assert r.adapter_dir == a4b and models.identity(r)["trained_for_task"]
+    with pytest.raises(AdapterMismatchError) as e:
+        models.resolve("medvol-r1", adapter=a2b)
+    msg = str(e.value)
+    assert "Qwen/Qwen3-VL-2B-Instruct" in msg and "uses Qwen/Qwen3-VL-4B-Instruct" in msg
+    assert "use preset 'qwen3-vl-2b'" in msg and "\n" not in msg
+    with pytest.raises(AdapterMismatchError, match="trained on the tiny smoke model .* but preset 'qwen3-vl-4b' uses"
+                                                   " Qwen/Qwen3-VL-4B-Instruct: use preset 'tiny'"):
+        models.resolve("qwen3-vl-4b", adapter=atiny)
+    with pytest.raises(AdapterMismatchError, match="Qwen/Qwen3-VL-4B-Instruct@.*but preset 'tiny' uses the tiny"):
+        models.check_adapter_dir(a4b, models.get_preset("tiny"))
+    # an adapter made elsewhere (no medvol_adapter.json) is not refused: nothing to check it against
+    foreign = make_adapter(tmp_path / "foreign")
+    assert models.resolve("medvol-r1", adapter=foreign).adapter_dir == foreign
+    # the CLI and the worker's code: one line, exit 2, before the CT is read
+    code, out, err = run_cli(capsys, "segment", "--volume", tmp_path / "no_such_ct.nii.gz", "--query", "the liver",
+                             "--out", tmp_path / "m.nii.gz", "--preset", "medvol-r1", "--adapter", a2b,
+                             "--device", "cpu", "--no-progress")
+    assert code == 2 and "was trained on Qwen/Qwen3-VL-2B-Instruct" in one_error_line(err) and "no_such_ct" not in err
+    assert AdapterMismatchError.code == "adapter_mismatch"
 
 
 # ---- medvol-r1, qwen3-vl-4b and the folder older versions downloaded into ----------------------

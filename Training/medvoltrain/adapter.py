@@ -145,6 +145,15 @@ def _base_text(meta: dict) -> str:
             "`adapter_config.json` names that path and nobody else can check which model it was.")
 
 
+def _short(path) -> Optional[str]:
+    """A local path as the card shows it: its last two parts (the card is for sharing; the full
+    paths stay in medvol_adapter.json)."""
+    if not path:
+        return None
+    parts = Path(str(path)).parts
+    return "/".join(parts[-2:]) if len(parts) > 1 else str(path)
+
+
 def model_card(meta: dict):
     """The filled model card (a huggingface_hub ``ModelCard``) for ``meta`` (``medvol_adapter.json``)."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -160,7 +169,8 @@ def model_card(meta: dict):
         + (["smoke-test"] if smoke else []),
         pipeline_tag="image-text-to-text")
     rewards = sorted((meta.get("reward_weights") or {}).items())
-    evaluations = [dict(e, table="\n".join(e.get("table_markdown") or []),
+    evaluations = [dict(e, table="\n".join(e.get("table_markdown") or []), out=_short(e.get("out")),
+                        data=_short(e.get("data")),
                         cases=f"{e.get('cases_evaluated')} of {e.get('cases_in_split')} cases"
                               + (f", {e['cases_pending']} not evaluated yet (partial)" if e.get("cases_pending") else ""))
                    for e in meta.get("evaluations") or []]
@@ -174,8 +184,8 @@ def model_card(meta: dict):
         stage=stage, medvol_version=(meta.get("versions") or {}).get("medvoltrain", "?"),
         created=meta.get("created", "?"), base_text=_base_text(meta), preset=meta.get("preset") or "(model_path)",
         licence=b.get("licence") or "unknown", licence_source=b.get("licence_source"),
-        started_from=meta.get("started_from"), steps=meta.get("steps", "?"),
-        data_name=Path(data.get("path") or "?").name, samples=data.get("samples", "?"), split=data.get("split", "?"),
+        started_from=_short(meta.get("started_from")), steps=meta.get("steps", "?"),
+        data_name=_short(data.get("path")) or "?", samples=data.get("samples", "?"), split=data.get("split", "?"),
         data_sha256=data.get("index_sha256") or "unknown", settings_lines=_settings_lines(meta.get("settings") or {}),
         rewards=rewards, evaluations=evaluations)
 
@@ -200,12 +210,13 @@ def record_evaluation(adapter_dir, out_dir, summary: dict, header, line) -> bool
     """Add an evaluation of the adapter in ``adapter_dir`` (``medvol-train evaluate``'s ``summary``
     and table row) to its ``medvol_adapter.json`` and model card; one entry per output folder (a
     later run into the same folder replaces it). Only for adapters medvol-train wrote
-    (``medvol.adapter/1``); returns whether it was recorded (a read-only folder: a warning)."""
+    (``medvol.adapter/1``) and evaluations of at least one case; returns whether it was recorded
+    (a read-only folder: a warning, the evaluation's own files are written all the same)."""
     if not adapter_dir:
         return False
     folder = Path(adapter_dir)
     meta = read_adapter_metadata(folder)
-    if not meta or meta.get("schema") != ADAPTER_SCHEMA:
+    if not meta or meta.get("schema") != ADAPTER_SCHEMA or not summary.get("cases_evaluated"):
         return False
     out = str(Path(out_dir).resolve())
     settings = summary.get("settings") or {}

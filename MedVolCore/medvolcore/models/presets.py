@@ -459,11 +459,14 @@ def _check_adapter_given(p: Preset, adapter, reg: Optional[dict]) -> None:
 
 def check_adapter_given(name: Optional[str] = None, adapter=None) -> None:
     """:class:`AdapterRequiredError` when preset ``name`` (None: the default) needs an adapter and
-    has none, neither ``adapter`` nor one of its own; reads no weights, so a front door can say so
-    before it reads anything else."""
+    has none, neither ``adapter`` nor one of its own; :class:`AdapterMismatchError` when ``adapter``
+    records another base model than the preset's (:func:`check_adapter_base`). Reads no weights,
+    so a front door can say so before it reads anything else."""
     p = get_preset(name or default_preset())
     reg = _registration_in(_weights_folder(p)) if p.requires_adapter and p.needs_download else None
     _check_adapter_given(p, adapter, reg)
+    if adapter is not None and Path(adapter).expanduser().is_dir():
+        check_adapter_base(Path(adapter).expanduser(), p)
 
 
 def preset_status(name: str) -> dict:
