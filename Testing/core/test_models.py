@@ -292,10 +292,15 @@ def test_download_checks_hub_sha256_and_registers(monkeypatch, home):
     # the files are in the Hugging Face cache, registered where they are (no copy under MEDVOL_HOME)
     snaps = hub.cache / "models--Qwen--Qwen3-VL-2B-Instruct" / "snapshots" / FakeHub.COMMIT
     assert res["grounder"] == str(snaps)
-    assert res["medsam2"] == str(hub.cache / "models--wanglab--MedSAM2" / "snapshots" / FakeHub.COMMIT / "MedSAM2_latest.pt")
+    sam_snap = hub.cache / "models--wanglab--MedSAM2" / "snapshots" / FakeHub.COMMIT
+    assert res["medsam2"] == str(sam_snap / "MedSAM2_latest.pt")
     assert not (d / "grounder").exists()
     reg = json.loads((d / "medvol_weights.json").read_text())
     assert reg["grounder"]["revision"] == FakeHub.COMMIT and reg["grounder"]["cache"] == "huggingface"
+    from medvolcore.cli.models import _revision_text
+    pin = models.get_preset("qwen3-vl-2b").grounder["revision"]
+    assert _revision_text(models.revisions("qwen3-vl-2b")["grounder"]) == \
+        f"Qwen/Qwen3-VL-2B-Instruct@{FakeHub.COMMIT[:12]} (downloaded; the table pins {pin[:12]})"
     assert reg["method"] == "download" and reg["medsam2"]["sha256"] == SAM_SHA
     assert reg["medsam2"]["sha256_checked_against"] == "hub" and reg["medsam2"]["revision"] == FakeHub.COMMIT
     assert reg["grounder"]["sha256_checked_files"] == 1
@@ -341,8 +346,6 @@ def test_download_reuses_the_hugging_face_cache_offline(tmp_path, home):
     assert (reg["grounder"]["revision"], reg["medsam2"]["revision"]) == (qwen_rev, sam_rev)
     assert reg["grounder"]["sha256_checked_files"] == 1 and reg["medsam2"]["sha256"] == SAM_SHA
     assert res["revisions"]["grounder"]["state"] == "registered"
-    r = cli("list")
-    assert f"Qwen/Qwen3-VL-2B-Instruct@{qwen_rev[:12]} (downloaded, pinned)" in r.stdout, r.stdout
 
     other = "f" * 40  # a commit the cache does not hold: refused in one line, the registration stays
     r = cli("download", "qwen3-vl-2b", "--revision", other, "--no-progress")

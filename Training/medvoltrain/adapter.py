@@ -169,11 +169,12 @@ def model_card(meta: dict):
         + (["smoke-test"] if smoke else []),
         pipeline_tag="image-text-to-text")
     rewards = sorted((meta.get("reward_weights") or {}).items())
+    def cases(e: dict) -> str:
+        pending = f", {e['cases_pending']} not evaluated yet (partial)" if e.get("cases_pending") else ""
+        return f"{e.get('cases_evaluated')} of {e.get('cases_in_split')} cases{pending}"
+
     evaluations = [dict(e, table="\n".join(e.get("table_markdown") or []), out=_short(e.get("out")),
-                        data=_short(e.get("data")),
-                        cases=f"{e.get('cases_evaluated')} of {e.get('cases_in_split')} cases"
-                              + (f", {e['cases_pending']} not evaluated yet (partial)" if e.get("cases_pending") else ""))
-                   for e in meta.get("evaluations") or []]
+                        data=_short(e.get("data")), cases=cases(e)) for e in meta.get("evaluations") or []]
     template = Path(resource_path("training", CARD_TEMPLATE)).read_text(encoding="utf-8")
     stage = meta.get("stage") or "?"
     title = f"MedVol-R1 LoRA adapter ({stage} stage) on {b.get('name') or 'an unknown base model'}"

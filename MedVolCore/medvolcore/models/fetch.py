@@ -160,8 +160,9 @@ def _translate_hub_error(e: BaseException, name: str, what: str, types: dict) ->
             f"the web page and log in (`hf auth login`), or use `medvol models import {name} FOLDER`")
     if types["not_found"] and isinstance(e, types["not_found"]):
         return ModelNotFoundError(
-            f"the Hugging Face Hub has no {what} for preset {name!r} ({_first_line(e)}); check the repo id and revision "
-            f"in the preset table, or use `medvol models import {name} FOLDER`")
+            f"the Hugging Face Hub has no {what} for preset {name!r} ({_first_line(e)}); check the repo id and "
+            f"revision in the preset table, pass `--revision REV` (a commit id or branch of the Hub repo), or use "
+            f"`medvol models import {name} FOLDER`")
     if types["http"] and isinstance(e, types["http"]):
         return ModelNotFoundError(
             f"the Hugging Face Hub answered with an error for the {what} of preset {name!r} ({_first_line(e)}); "
@@ -293,7 +294,8 @@ def _download_medsam2(hf, info, name: str, spec: dict, revision: Optional[str], 
     elif info is not None:
         expected, against, checked = _lfs_sha256(sibling), f"Hub ({spec['repo_id']}@{commit})", "hub"
     else:
-        expected, against, checked = _cache_blob_sha256(local), "Hugging Face cache's blob name", "cache blob name (offline)"
+        expected, against = _cache_blob_sha256(local), "Hugging Face cache's blob name"
+        checked = "cache blob name (offline)"
     actual = _check_file(name, "MedSAM2 checkpoint", local, expected, against, progress)
     if expected is None:
         log.warning("no sha256 known for %s/%s (not an LFS file); recorded the local sha256 unchecked",

@@ -126,5 +126,5 @@ def identity_banner(ident: Optional[dict]) -> str:
     return f"LoRA adapter {ident['adapter']} of unknown training: not known to be trained for this task"
 
 
-__all__ = ["ADAPTER_METADATA", "ADAPTER_SCHEMA", "SMOKE_BANNER", "adapter_base", "adapter_name", "adapter_stage", "describe", "identity",
-           "identity_banner", "identity_note", "read_adapter_metadata"]
+__all__ = ["ADAPTER_METADATA", "ADAPTER_SCHEMA", "SMOKE_BANNER", "adapter_base", "adapter_name", "adapter_stage",
+           "describe", "identity", "identity_banner", "identity_note", "read_adapter_metadata"]

@@ -589,9 +589,12 @@ def check_adapter_base(adapter_dir, preset: Preset) -> Optional[dict]:
         if not base.get("repo_id") and not base.get("builder"):
             return base  # trained on a local folder of unknown origin: nothing to compare
     if not ok:
-        others = [q.name for q in list_presets() if q.name != preset.name and not q.requires_adapter
-                  and ((base.get("builder") and q.grounder.get("builder") == base["builder"])
-                       or (base.get("repo_id") and str(q.grounder.get("repo_id", "")).lower() == base["repo_id"].lower()))]
+        def same_base(q: Preset) -> bool:
+            if base.get("builder"):
+                return q.grounder.get("builder") == base["builder"]
+            return str(q.grounder.get("repo_id", "")).lower() == str(base.get("repo_id")).lower()
+
+        others = [q.name for q in list_presets() if q.name != preset.name and not q.requires_adapter and same_base(q)]
         hint = f"use preset {others[0]!r}" if others else "use a preset with that base model"
         raise AdapterMismatchError(f"adapter {adapter_dir} was trained on {_base_text(base)} ({ADAPTER_METADATA}), "
                                    f"but preset {preset.name!r} uses {want}: {hint}")
