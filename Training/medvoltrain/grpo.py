@@ -124,7 +124,9 @@ def _policy(grounder, adapter, settings: GRPOSettings):
                                           modules_to_save=settings.modules_to_save(), task_type="CAUSAL_LM")
     from medvolcore import models
 
-    folder = models.check_adapter_dir(adapter)
+    # the SFT adapter must record this run's base model (medvol_adapter.json), as for `medvol segment`
+    preset = None if settings.model_path else models.get_preset(settings.preset_name())
+    folder = models.check_adapter_dir(adapter, preset)
     try:
         model = PeftModel.from_pretrained(grounder.model, str(folder), is_trainable=True)
     except (ValueError, RuntimeError, KeyError, OSError) as e:
