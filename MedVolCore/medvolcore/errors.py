@@ -103,6 +103,13 @@ class ModelError(MedVolError):
     code = "bad_model"
 
 
+class AdapterMismatchError(ModelError):
+    """A LoRA adapter whose ``medvol_adapter.json`` names another base model than the preset's
+    (trained on Qwen3-VL-2B, used with the 4B; trained on the tiny smoke model, used with a real one)."""
+
+    code = "adapter_mismatch"
+
+
 class GenerationError(MedVolError):
     """The language model never produced a usable answer (the message includes the raw text).
 

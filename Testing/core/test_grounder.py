@@ -644,6 +644,8 @@ def test_adapter_round_trip(tiny_dir, stack, tmp_path):
     loaded = QwenVLGrounder.from_pretrained(tiny_dir, adapter=tmp_path / "adapter")
     base = QwenVLGrounder.from_pretrained(tiny_dir)
     assert loaded.peft_model is not None and any("LoRA adapter" in n for n in loaded.notes)
+    # saved by peft alone (no medvol_adapter.json): loaded, with a note that its base could not be checked
+    assert any("no medvol_adapter.json" in n and "could not be checked" in n for n in loaded.notes)
     inputs, shown = base.build_inputs(stack, QUERY)
     with torch.inference_mode():
         l_mem = in_memory.model(**inputs).logits[0, -8:]

@@ -201,25 +201,50 @@ def test_download_offline_cli_subprocess(tmp_path, home):
     assert line.startswith("medvol models: error:") and "medvol models import medvol-r1 FOLDER" in line
 
 
+def cache_snapshot(cache: Path, repo_id: str, commit: str, files: dict, ref: str = None) -> Path:
+    """Lay ``files`` out as huggingface_hub's cache does: ``models--ORG--NAME/blobs/<id>`` (an LFS
+    file's blob id is its sha256, another file's a 40-hex git id), ``snapshots/<commit>/<name>``
+    linking to the blob, and ``refs/<ref>`` holding the commit."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    for fn, data in files.items():
+        lfs = fn.endswith((".pt", ".safetensors"))
+        blob_id = hashlib.sha256(data).hexdigest() if lfs else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        blob = repo / "blobs" / blob_id
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        (snap / fn).parent.mkdir(parents=True, exist_ok=True)
+        if (snap / fn).is_symlink():
+            (snap / fn).unlink()
+        os.symlink(os.path.relpath(blob, (snap / fn).parent), snap / fn)
+    if ref:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snap
+
+
 class FakeHub:
     """Stand-ins for huggingface_hub's public HfApi.model_info / snapshot_download / hf_hub_download.
 
-    They serve files from memory and record the revisions asked for; the sha256 reported for LFS
-    files is what the real API puts in ``RepoSibling.lfs`` (``BlobLfsInfo.sha256``).
+    They serve files from memory into a Hugging Face cache layout (:func:`cache_snapshot`) and
+    record the revisions asked for; the sha256 reported for LFS files is what the real API puts in
+    ``RepoSibling.lfs`` (``BlobLfsInfo.sha256``).
     """
 
     COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
-    def __init__(self, files_by_repo, reported_sha=None):
+    def __init__(self, files_by_repo, reported_sha=None, cache=None):
         self.files = files_by_repo
         self.reported_sha = reported_sha or {}
         self.calls = []
+        self.cache = cache
 
-    def install(self, monkeypatch):
+    def install(self, monkeypatch, cache: Path = None):
         import huggingface_hub
         from huggingface_hub.hf_api import ModelInfo
 
         hub = self
+        hub.cache = cache or hub.cache or Path(os.environ["MEDVOL_HOME"]).parent / "hf_cache"
 
         class Api:
             def model_info(self, repo_id, revision=None, files_metadata=False, **kw):
@@ -234,18 +259,15 @@ class FakeHub:
                 return ModelInfo(id=repo_id, sha=hub.COMMIT, siblings=siblings)
 
         def snapshot_download(repo_id, revision=None, allow_patterns=None, local_dir=None, **kw):
+            assert local_dir is None  # downloads go to the Hugging Face cache
             hub.calls.append(("snapshot_download", repo_id, revision))
-            for fn, data in hub.files[repo_id].items():
-                (Path(local_dir) / fn).parent.mkdir(parents=True, exist_ok=True)
-                (Path(local_dir) / fn).write_bytes(data)
-            return local_dir
+            return str(cache_snapshot(hub.cache, repo_id, revision, hub.files[repo_id]))
 
         def hf_hub_download(repo_id, filename, revision=None, local_dir=None, **kw):
+            assert local_dir is None
             hub.calls.append(("hf_hub_download", repo_id, revision))
-            out = Path(local_dir) / filename
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(hub.files[repo_id][filename])
-            return str(out)
+            snap = cache_snapshot(hub.cache, repo_id, revision, {filename: hub.files[repo_id][filename]})
+            return str(snap / filename)
 
         monkeypatch.setattr(huggingface_hub, "HfApi", Api)
         monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
@@ -262,11 +284,23 @@ def test_download_checks_hub_sha256_and_registers(monkeypatch, home):
     hub = FakeHub({"Qwen/Qwen3-VL-2B-Instruct": qwen_files(),
                    "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES, "README.md": b"hi"}}).install(monkeypatch)
     res = models.download("qwen3-vl-2b", progress=False)
-    # one commit per repo: every transfer asks for the commit model_info reported
+    # one commit per repo (the pinned one asked for): every transfer asks for the commit model_info reported
+    assert [c[2] for c in hub.calls if c[0] == "model_info"] == [
+        models.get_preset("qwen3-vl-2b").grounder["revision"], models.get_preset("qwen3-vl-2b").medsam2["revision"]]
     assert {c[2] for c in hub.calls if c[0] != "model_info"} == {FakeHub.COMMIT}
     d = home / "models" / "qwen3-vl-2b"
-    assert res["grounder"] == str(d / "grounder") and res["medsam2"] == str(d / "medsam2" / "MedSAM2_latest.pt")
+    # the files are in the Hugging Face cache, registered where they are (no copy under MEDVOL_HOME)
+    snaps = hub.cache / "models--Qwen--Qwen3-VL-2B-Instruct" / "snapshots" / FakeHub.COMMIT
+    assert res["grounder"] == str(snaps)
+    sam_snap = hub.cache / "models--wanglab--MedSAM2" / "snapshots" / FakeHub.COMMIT
+    assert res["medsam2"] == str(sam_snap / "MedSAM2_latest.pt")
+    assert not (d / "grounder").exists()
     reg = json.loads((d / "medvol_weights.json").read_text())
+    assert reg["grounder"]["revision"] == FakeHub.COMMIT and reg["grounder"]["cache"] == "huggingface"
+    from medvolcore.cli.models import _revision_text
+    pin = models.get_preset("qwen3-vl-2b").grounder["revision"]
+    assert _revision_text(models.revisions("qwen3-vl-2b")["grounder"]) == \
+        f"Qwen/Qwen3-VL-2B-Instruct@{FakeHub.COMMIT[:12]} (downloaded; the table pins {pin[:12]})"
     assert reg["method"] == "download" and reg["medsam2"]["sha256"] == SAM_SHA
     assert reg["medsam2"]["sha256_checked_against"] == "hub" and reg["medsam2"]["revision"] == FakeHub.COMMIT
     assert reg["grounder"]["sha256_checked_files"] == 1
@@ -274,14 +308,81 @@ def test_download_checks_hub_sha256_and_registers(monkeypatch, home):
 
 
 def test_download_sha256_mismatch_removes_file(monkeypatch, home):
-    FakeHub({"Qwen/Qwen3-VL-2B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}},
-            reported_sha={"MedSAM2_latest.pt": "f" * 64}).install(monkeypatch)
+    hub = FakeHub({"Qwen/Qwen3-VL-2B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}},
+                  reported_sha={"MedSAM2_latest.pt": "f" * 64}).install(monkeypatch)
     with pytest.raises(ModelError, match="sha256"):
         models.download("qwen3-vl-2b", progress=False)
-    assert not (home / "models" / "qwen3-vl-2b" / "medsam2" / "MedSAM2_latest.pt").exists()
+    repo = hub.cache / "models--wanglab--MedSAM2"
+    # the file and its cache blob are gone (else huggingface_hub would link the bad blob in again)
+    assert not (repo / "snapshots" / FakeHub.COMMIT / "MedSAM2_latest.pt").exists()
+    assert not (repo / "blobs" / SAM_SHA).exists()
     assert not models.registration_path("qwen3-vl-2b").exists()
     with pytest.raises(ModelNotFoundError):
         models.resolve("qwen3-vl-2b")
+
+
+def test_download_reuses_the_hugging_face_cache_offline(tmp_path, home):
+    """An existing Hugging Face cache copy at the pinned commits is found by the real
+    huggingface_hub (HF_HUB_OFFLINE=1, nothing mocked) and registered where it is; each LFS file is
+    checked against its blob name (its sha256). A revision the cache lacks: one line, nothing changed."""
+    cache = tmp_path / "hf" / "hub"
+    p = models.get_preset("qwen3-vl-2b")
+    qwen_rev, sam_rev = p.grounder["revision"], p.medsam2["revision"]
+    snap = cache_snapshot(cache, "Qwen/Qwen3-VL-2B-Instruct", qwen_rev, qwen_files())
+    cache_snapshot(cache, "wanglab/MedSAM2", sam_rev, {"MedSAM2_latest.pt": SAM_BYTES})
+    env = {**os.environ, "MEDVOL_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-m", "medvolcore.cli", "models", *argv], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    r = cli("download", "qwen3-vl-2b", "--no-progress", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["grounder"] == str(snap.resolve()) and Path(res["medsam2"]).read_bytes() == SAM_BYTES
+    assert not (home / "models" / "qwen3-vl-2b" / "grounder").exists()  # no second copy
+    reg = json.loads((home / "models" / "qwen3-vl-2b" / "medvol_weights.json").read_text())
+    assert (reg["grounder"]["revision"], reg["medsam2"]["revision"]) == (qwen_rev, sam_rev)
+    assert reg["grounder"]["sha256_checked_files"] == 1 and reg["medsam2"]["sha256"] == SAM_SHA
+    assert res["revisions"]["grounder"]["state"] == "registered"
+
+    other = "f" * 40  # a commit the cache does not hold: refused in one line, the registration stays
+    r = cli("download", "qwen3-vl-2b", "--revision", other, "--no-progress")
+    assert r.returncode == 2 and "holds no complete copy" in one_error_line(r.stderr) and str(cache) in r.stderr
+    assert json.loads((home / "models" / "qwen3-vl-2b" / "medvol_weights.json").read_text()) == reg
+
+
+def test_a_corrupt_cached_file_is_caught_offline(tmp_path, monkeypatch, home):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    p = models.get_preset("qwen3-vl-2b")
+    snap = cache_snapshot(cache, "Qwen/Qwen3-VL-2B-Instruct", p.grounder["revision"], qwen_files())
+    cache_snapshot(cache, "wanglab/MedSAM2", p.medsam2["revision"], {"MedSAM2_latest.pt": SAM_BYTES})
+    (snap / "model.safetensors").resolve().write_bytes(WEIGHT_BYTES + b" ")  # not what its blob name says
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="Hugging Face cache's blob name"):
+        models.download("qwen3-vl-2b", progress=False)
+    assert not (snap / "model.safetensors").exists() and not models.registration_path("qwen3-vl-2b").exists()
+
+
+@pytest.mark.parametrize("rev, needle", [("ebb281e", "not 40 lower-case hex digits"), ("a b", "neither"),
+                                         ("../main", "neither")])
+def test_revision_is_checked_in_one_line(capsys, rev, needle):
+    code, out, err = run_cli(capsys, "models", "download", "qwen3-vl-2b", "--revision", rev)
+    assert code == 2 and needle in one_error_line(err)
+    code, out, err = run_cli(capsys, "models", "download", "tiny", "--revision", "main")
+    assert code == 2 and "--revision has no effect" in one_error_line(err)
+
+
+def test_table_revisions_are_checked(tmp_path, monkeypatch):
+    entry = pinned_preset(None)
+    entry["grounder"]["revision"] = "1234abc"
+    override_table(tmp_path, monkeypatch, {"mine": entry})
+    with pytest.raises(ModelError, match="preset 'mine': grounder.revision '1234abc' looks like a commit id"):
+        models.list_presets()
 
 
 def test_hub_metadata_parsing_gives_lfs_sha256():
@@ -409,6 +510,46 @@ def test_adapter_checks(tmp_path, home):
     assert models.resolve("medvol-r1", adapter=good).adapter_dir == good
 
 
+def adapter_with_record(folder: Path, base: dict, stage="sft") -> Path:
+    """An adapter folder with the medvol_adapter.json medvol-train writes (schema medvol.adapter/1)."""
+    make_adapter(folder, base=base.get("repo_id") or base.get("path") or "")
+    (folder / "medvol_adapter.json").write_text(json.dumps({"schema": "medvol.adapter/1", "stage": stage,
+                                                            "base_model": base}))
+    return folder
+
+
+def test_an_adapter_is_checked_against_the_base_model_it_records(tmp_path, capsys, home):
+    from medvolcore.errors import AdapterMismatchError
+
+    models.import_weights("qwen3-vl-4b", make_import_folder(tmp_path / "src"), progress=False)
+    pin = models.get_preset("qwen3-vl-4b").grounder["revision"]
+    a4b = adapter_with_record(tmp_path / "a4b", {"repo_id": "Qwen/Qwen3-VL-4B-Instruct", "revision": pin})
+    a2b = adapter_with_record(tmp_path / "a2b", {"repo_id": "Qwen/Qwen3-VL-2B-Instruct", "revision": None})
+    atiny = adapter_with_record(tmp_path / "atiny", {"builder": "tiny", "path": "/somewhere/tiny/grounder"})
+    # medvol-r1 takes an adapter recorded as trained on the 4B base: a MedVol-R1 adapter
+    r = models.resolve("medvol-r1", adapter=a4b)
+    assert r.adapter_dir == a4b and models.identity(r)["trained_for_task"]
+    with pytest.raises(AdapterMismatchError) as e:
+        models.resolve("medvol-r1", adapter=a2b)
+    msg = str(e.value)
+    assert "Qwen/Qwen3-VL-2B-Instruct" in msg and "uses Qwen/Qwen3-VL-4B-Instruct" in msg
+    assert "use preset 'qwen3-vl-2b'" in msg and "\n" not in msg
+    with pytest.raises(AdapterMismatchError, match="trained on the tiny smoke model .* but preset 'qwen3-vl-4b' uses"
+                                                   " Qwen/Qwen3-VL-4B-Instruct: use preset 'tiny'"):
+        models.resolve("qwen3-vl-4b", adapter=atiny)
+    with pytest.raises(AdapterMismatchError, match="Qwen/Qwen3-VL-4B-Instruct@.*but preset 'tiny' uses the tiny"):
+        models.check_adapter_dir(a4b, models.get_preset("tiny"))
+    # an adapter made elsewhere (no medvol_adapter.json) is not refused: nothing to check it against
+    foreign = make_adapter(tmp_path / "foreign")
+    assert models.resolve("medvol-r1", adapter=foreign).adapter_dir == foreign
+    # the CLI and the worker's code: one line, exit 2, before the CT is read
+    code, out, err = run_cli(capsys, "segment", "--volume", tmp_path / "no_such_ct.nii.gz", "--query", "the liver",
+                             "--out", tmp_path / "m.nii.gz", "--preset", "medvol-r1", "--adapter", a2b,
+                             "--device", "cpu", "--no-progress")
+    assert code == 2 and "was trained on Qwen/Qwen3-VL-2B-Instruct" in one_error_line(err) and "no_such_ct" not in err
+    assert AdapterMismatchError.code == "adapter_mismatch"
+
+
 # ---- medvol-r1, qwen3-vl-4b and the folder older versions downloaded into ----------------------
 
 def old_medvol_r1_folder(home: Path, repo_id="Qwen/Qwen3-VL-4B-Instruct", adapter=False) -> Path:
@@ -459,7 +600,8 @@ def test_qwen3_vl_4b_finds_the_weights_an_older_version_put_in_models_medvol_r1(
     FakeHub({"Qwen/Qwen3-VL-4B-Instruct": qwen_files(), "wanglab/MedSAM2": {"MedSAM2_latest.pt": SAM_BYTES}}
             ).install(monkeypatch)
     res = models.download("qwen3-vl-4b", progress=False)
-    assert res["grounder"] == str(old / "grounder") and res["registration"] == str(old / "medvol_weights.json")
+    assert res["registration"] == str(old / "medvol_weights.json")
+    assert Path(res["grounder"]).parts[-3:] == ("models--Qwen--Qwen3-VL-4B-Instruct", "snapshots", FakeHub.COMMIT)
     assert not (home / "models" / "qwen3-vl-4b").exists()
 
 
@@ -479,9 +621,11 @@ def test_download_medvol_r1_fetches_what_qwen3_vl_4b_needs(monkeypatch, capsys, 
     assert title.startswith("downloaded what qwen3-vl-4b needs (sha256 checked): medvol-r1 uses the same weights")
     assert "--adapter DIR (none is published" in title
     d = home / "models" / "qwen3-vl-4b"
-    assert models.resolve("qwen3-vl-4b").grounder_dir == d / "grounder"
+    assert models.registration_path("qwen3-vl-4b") == d / "medvol_weights.json"
+    snap = models.resolve("qwen3-vl-4b").grounder_dir
+    assert snap.parts[-3:] == ("models--Qwen--Qwen3-VL-4B-Instruct", "snapshots", FakeHub.COMMIT)
     adapter = make_adapter(tmp_path / "run" / "adapter")
-    assert models.resolve("medvol-r1", adapter=adapter).grounder_dir == d / "grounder"
+    assert models.resolve("medvol-r1", adapter=adapter).grounder_dir == snap
     assert not (home / "models" / "medvol-r1").exists()
 
 
@@ -515,7 +659,9 @@ def test_cli_list_text_and_json(capsys, tmp_path, home):
     code, out, err = run_cli(capsys, "models", "list")
     assert code == 0, err
     lines = out.splitlines()
-    rows = {l.split()[0]: (l, lines[i + 1]) for i, l in enumerate(lines[1:9], 1) if not l.startswith(" ")}
+    names = {"qwen3-vl-4b", "qwen3-vl-2b", "medvol-r1", "tiny"}
+    rows = {l.split()[0]: (l, lines[i + 1], lines[i + 2]) for i, l in enumerate(lines[1:], 1)
+            if l.split() and l.split()[0] in names}
     assert set(rows) == {"qwen3-vl-4b", "qwen3-vl-2b", "medvol-r1", "tiny"}
     assert rows["qwen3-vl-4b"][0].startswith("qwen3-vl-4b *")  # the default
     assert "missing" in rows["qwen3-vl-4b"][0] and "est." in rows["qwen3-vl-4b"][0]
@@ -524,6 +670,10 @@ def test_cli_list_text_and_json(capsys, tmp_path, home):
     assert rows["qwen3-vl-4b"][1].strip() == "runs as: Qwen3-VL-4B-Instruct, zero-shot, not trained for this task"
     assert "cannot run" in rows["medvol-r1"][1] and "meaningless" in rows["tiny"][1]
     assert "No trained MedVol-R1 adapter is published" in out and RESEARCH_USE_NOTICE in out
+    # the revision in use: the table's pins until something is downloaded
+    pin = models.get_preset("qwen3-vl-4b").grounder["revision"]
+    assert rows["qwen3-vl-4b"][2].strip().startswith(f"revision: Qwen/Qwen3-VL-4B-Instruct@{pin[:12]} (pinned, not "
+                                                     "downloaded); wanglab/MedSAM2@")
     models.import_weights("qwen3-vl-2b", make_import_folder(tmp_path / "src"), progress=False)
     code, out, err = run_cli(capsys, "models", "list", "--json")
     assert code == 0, err
@@ -532,6 +682,11 @@ def test_cli_list_text_and_json(capsys, tmp_path, home):
     assert d["tiny"]["smoke"] and d["tiny"]["available"] and d["qwen3-vl-4b"]["default"]
     assert d["qwen3-vl-2b"]["identity"]["zero_shot"] and d["medvol-r1"]["identity"]["needs_adapter"]
     assert d["qwen3-vl-2b"]["gpu_memory_note"] == "estimated"
+    # weights imported by hand: their commit is not known, and list says so rather than show the pin
+    assert d["qwen3-vl-2b"]["revisions"]["grounder"] == {
+        "repo_id": "Qwen/Qwen3-VL-2B-Instruct", "revision": None, "state": "unknown",
+        "pinned": models.get_preset("qwen3-vl-2b").grounder["revision"]}
+    assert d["qwen3-vl-4b"]["revisions"]["grounder"]["state"] == "pinned" and d["tiny"]["revisions"] == {}
     code, out2, _ = run_cli(capsys, "models", "--json", "list")  # --json before the action works too
     assert code == 0 and json.loads(out2)["presets"]
 

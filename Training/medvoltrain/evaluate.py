@@ -85,6 +85,7 @@ import numpy as np
 from medvolcore.errors import GenerationError, InputError, OutputExistsError
 
 from . import resources
+from .adapter import record_evaluation
 from .datasets import SPLITS, safe_name
 from .errors import DataError
 from .prepare import load_mask, load_samples, load_stack
@@ -566,6 +567,7 @@ def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, finger
     _write_text(out_dir / "table.csv", _csv_text([header, line]))
     _write_text(out_dir / "table.md", table_markdown(summary, header, line))
     _write_json(out_dir / "summary.json", summary)
+    record_evaluation(settings.adapter, out_dir, summary, header, line)  # into a medvol-train adapter's card
     return summary
 
 

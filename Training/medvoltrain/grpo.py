@@ -37,6 +37,7 @@ from typing import Optional
 
 from medvolcore.errors import DependencyError, ModelError
 
+from .adapter import adapter_metadata
 from .config import GRPOSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples
@@ -123,7 +124,9 @@ def _policy(grounder, adapter, settings: GRPOSettings):
                                           modules_to_save=settings.modules_to_save(), task_type="CAUSAL_LM")
     from medvolcore import models
 
-    folder = models.check_adapter_dir(adapter)
+    # the SFT adapter must record this run's base model (medvol_adapter.json), as for `medvol segment`
+    preset = None if settings.model_path else models.get_preset(settings.preset_name())
+    folder = models.check_adapter_dir(adapter, preset)
     try:
         model = PeftModel.from_pretrained(grounder.model, str(folder), is_trainable=True)
     except (ValueError, RuntimeError, KeyError, OSError) as e:
@@ -170,10 +173,9 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
                                       peft_config=peft_config, grounder=grounder, samples=samples)
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     seconds = time.perf_counter() - t0
-    out_adapter = save_adapter(trainer, run, {
-        "base_model": str(model_dir), "preset": settings.preset_name() if not settings.model_path else None,
-        "stage": "grpo", "started_from": str(adapter) if adapter else None, "settings": settings.to_dict(),
-        "data": str(Path(data_dir).resolve())})
+    out_adapter = save_adapter(trainer, run, adapter_metadata(
+        "grpo", settings, model_dir, data_dir, started_from=adapter,
+        reward_weights=dict(zip([f.__name__ for f in funcs], weights))))
     history = [h for h in trainer.state.log_history if "loss" in h]
     keys = [k for k in (history[0] if history else {}) if k.startswith("rewards/") or k in
             ("loss", "kl", "reward", "reward_std", "learning_rate", "completions/mean_length")]

@@ -2,7 +2,8 @@
 
     RUN/checkpoints/checkpoint-N   TRL/transformers checkpoints (``--resume`` continues the newest)
     RUN/tensorboard/               TensorBoard events
-    RUN/adapter/                   the PEFT adapter + medvol_adapter.json (written atomically at the end)
+    RUN/adapter/                   the PEFT adapter + medvol_adapter.json + README.md model card (written
+                                   atomically at the end; see medvoltrain.adapter)
     RUN/training.json              the stage's summary
 
 An existing run is never overwritten without ``overwrite``; ``resume`` needs a checkpoint.
@@ -20,6 +21,7 @@ from typing import Optional
 
 from medvolcore.errors import OutputExistsError
 
+from .adapter import write_adapter_files
 from .errors import DataError
 
 
@@ -72,7 +74,8 @@ def tensorboard_dir(run: Path):
 
 
 def save_adapter(trainer, run: Path, meta: dict) -> Path:
-    """Write the trained adapter and ``medvol_adapter.json`` to ``RUN/adapter`` atomically (main process only)."""
+    """Write the trained adapter, ``medvol_adapter.json`` (``meta``, see :func:`.adapter.adapter_metadata`)
+    and its model card to ``RUN/adapter`` atomically (main process only)."""
     adapter = Path(run) / "adapter"
     if not trainer.is_world_process_zero():
         return adapter
@@ -81,7 +84,7 @@ def save_adapter(trainer, run: Path, meta: dict) -> Path:
         # only the trained adapter: GRPO's TRL also holds a frozen "ref" copy of the SFT adapter
         names = getattr(trainer.model, "peft_config", {})
         trainer.model.save_pretrained(str(tmp), **({"selected_adapters": ["default"]} if "ref" in names else {}))
-        (tmp / "medvol_adapter.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        write_adapter_files(tmp, dict(meta, steps=int(trainer.state.global_step)))  # card, metadata, Hub id
         if adapter.exists():
             shutil.rmtree(adapter)
         os.replace(tmp, adapter)

@@ -35,6 +35,7 @@ from typing import List
 
 from medvolcore.errors import DependencyError, ModelError
 
+from .adapter import adapter_metadata
 from .config import SFTSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples, load_slices
@@ -199,9 +200,7 @@ def train_sft(data_dir, run_dir, settings: SFTSettings, resume: bool = False, ov
                              processing_class=grounder.tokenizer, peft_config=peft_config)
         result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     seconds = time.perf_counter() - t0
-    adapter = save_adapter(trainer, run, {
-        "base_model": str(model_dir), "preset": settings.preset_name() if not settings.model_path else None,
-        "stage": "sft", "settings": settings.to_dict(), "data": str(Path(data_dir).resolve())})
+    adapter = save_adapter(trainer, run, adapter_metadata("sft", settings, model_dir, data_dir))
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary = {"adapter": str(adapter), "base_model": str(model_dir), "samples": len(dataset),
                "global_step": int(trainer.state.global_step), "resumed_from": str(checkpoint) if checkpoint else None,

@@ -35,6 +35,8 @@ def cmd_list(args) -> int:
     for row, r in zip(table, rows):
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5])
         lines.append(f"    runs as: {r['identity']['label']}")
+        if r.get("revisions"):
+            lines.append("    revision: " + "; ".join(_revision_text(v) for v in r["revisions"].values()))
     lines.append(f"* default preset. Weights folder: {models.medvol_home() / 'models'}. "
                  "GPU memory figures are estimates, not measurements. Licences are the model cards' own; "
                  "check each card before use (`--json` gives their addresses).")
@@ -44,10 +46,27 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _revision_text(v: dict) -> str:
+    """``Qwen/Qwen3-VL-4B-Instruct@ebb281ec70b0 (downloaded)`` and the like, for ``models list``."""
+    rev, pinned, state = v.get("revision"), v.get("pinned"), v.get("state")
+    short = (lambda r: r[:12] if r and len(r) == 40 else r)
+    if state == "registered":
+        if pinned and rev != pinned:
+            how = f"downloaded; the table pins {short(pinned)}"
+        else:
+            how = "downloaded, pinned" if pinned else "resolved at download, unpinned in the table"
+        return f"{v['repo_id']}@{short(rev)} ({how})"
+    if state == "unknown":
+        return f"{v['repo_id']}@? (imported by hand: commit not known)"
+    if state == "pinned":
+        return f"{v['repo_id']}@{short(rev)} (pinned, not downloaded)"
+    return f"{v['repo_id']} (unpinned: main branch at download; pass --revision)"
+
+
 def cmd_download(args) -> int:
     from .. import models
 
-    res = models.download(args.name, progress=not args.no_progress)
+    res = models.download(args.name, progress=not args.no_progress, revision=args.revision)
     p = models.get_preset(args.name)
     if p.grounder_kind == "builder":
         title = f"{args.name}: built locally, nothing to download"
@@ -56,6 +75,10 @@ def cmd_download(args) -> int:
                  + _adapter_tail(p, res))
     else:
         title = f"downloaded {args.name} (sha256 checked)"
+    if p.grounder_kind != "builder":
+        res["revisions"] = models.revisions(args.name)
+        title += "\nat " + "; ".join(f"{v['repo_id']}@{v['revision']}" for v in res["revisions"].values())
+        title += f"\nHugging Face cache: {models.hub_cache_dir()} (a copy already there was reused)"
     emit(res, args.json, _paths_text(res, title))
     return 0
 
@@ -132,9 +155,13 @@ def add_models_command(sub, add) -> argparse.ArgumentParser:
     action("list", "Every preset: present or missing, estimated GPU memory, smoke-test flag, the weights' licences, "
            "and what it runs as (zero-shot base model, MedVol-R1 adapter, smoke model).", cmd_list)
 
-    a = action("download", "Download a preset's weights from the Hugging Face Hub (resumable; sha256-checked).",
+    a = action("download", "Download a preset's weights from the Hugging Face Hub into the Hugging Face cache "
+               "($HF_HOME / $HF_HUB_CACHE: a copy already there is reused; resumable; sha256-checked).",
                cmd_download)
     a.add_argument("name", metavar="NAME", help="preset name (see `medvol models list`)")
+    a.add_argument("--revision", metavar="REV",
+                   help="the grounder's Hub revision for this download: a 40-hex commit id or a branch/tag name "
+                        "(default: the commit the preset table pins)")
     a.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     from ..models import import_layout

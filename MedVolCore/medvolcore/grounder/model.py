@@ -424,6 +424,13 @@ class QwenVLGrounder:
                     "its weights fit, check that this is the intended base")
             log.warning(note)
             notes.append(note)
+        from ..models.identity import ADAPTER_METADATA, read_adapter_metadata
+
+        if read_adapter_metadata(adapter_dir) is None:
+            note = (f"adapter {adapter_dir.name} has no {ADAPTER_METADATA} (not made by medvol-train): the base model "
+                    "it was trained on could not be checked against this one")
+            log.warning(note)
+            notes.append(note)
         notes.append(f"LoRA adapter: {adapter_dir}")
         return peft_model, notes
 

@@ -12,19 +12,20 @@ Importing this package is cheap: ``huggingface_hub``, torch and transformers are
 the functions that need them, and nothing is downloaded unless :func:`download` is called.
 """
 
-from .fetch import IMPORT_LAYOUT, ImportLayout, download, find_import_layout, import_layout, import_weights, sha256_file
+from .fetch import (IMPORT_LAYOUT, ImportLayout, download, find_import_layout, hub_cache_dir, import_layout,
+                    import_weights, sha256_file)
 from .identity import identity, identity_banner, identity_note
 from .presets import (OVERRIDE_ENV, REGISTRATION, REGISTRATION_SCHEMA, SCHEMA, Preset, ResolvedModels,
-                      best_available_preset, check_adapter_dir, check_adapter_given, check_grounder_dir,
-                      default_preset, folder_listing, get_preset, list_presets, list_status, medvol_home, models_dir,
-                      path, preset_identity, preset_status, read_registration, registration_path, resolve,
-                      weights_dir)
+                      best_available_preset, check_adapter_base, check_adapter_dir, check_adapter_given,
+                      check_grounder_dir, check_revision, default_preset, folder_listing, get_preset, list_presets,
+                      list_status, medvol_home, models_dir, path, preset_identity, preset_status, read_registration,
+                      registration_path, resolve, revisions, weights_dir)
 
 __all__ = [
-    "IMPORT_LAYOUT", "OVERRIDE_ENV", "REGISTRATION", "REGISTRATION_SCHEMA", "SCHEMA", "ImportLayout", "Preset",
-    "ResolvedModels", "best_available_preset", "check_adapter_dir", "check_adapter_given", "check_grounder_dir",
-    "default_preset", "download", "find_import_layout", "folder_listing", "get_preset", "identity",
-    "identity_banner", "identity_note", "import_layout", "import_weights", "list_presets", "list_status",
-    "medvol_home", "models_dir", "path", "preset_identity", "preset_status", "read_registration",
-    "registration_path", "resolve", "sha256_file", "weights_dir",
+    "IMPORT_LAYOUT", "OVERRIDE_ENV", "REGISTRATION", "REGISTRATION_SCHEMA", "SCHEMA", "best_available_preset",
+    "check_adapter_base", "check_adapter_dir", "check_adapter_given", "check_grounder_dir", "check_revision",
+    "default_preset", "download", "find_import_layout", "folder_listing", "get_preset", "hub_cache_dir", "identity",
+    "identity_banner", "identity_note", "import_layout", "import_weights", "ImportLayout", "list_presets",
+    "list_status", "medvol_home", "models_dir", "path", "Preset", "preset_identity", "preset_status",
+    "read_registration", "registration_path", "resolve", "ResolvedModels", "revisions", "sha256_file", "weights_dir"
 ]

@@ -142,19 +142,27 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
+def _cache_text() -> str:
+    try:
+        return str(hub_cache_dir())
+    except Exception:  # only for a message
+        return "$HF_HUB_CACHE"
+
+
 def _translate_hub_error(e: BaseException, name: str, what: str, types: dict) -> Optional[MedVolError]:
     if isinstance(e, types["offline"]):
         return ModelNotFoundError(
-            f"cannot reach the Hugging Face Hub to download the {what} of preset {name!r} ({_first_line(e)}); "
-            f"on a machine without internet, copy the weights into a folder and run `medvol models import {name} FOLDER`")
+            f"cannot reach the Hugging Face Hub to download the {what} of preset {name!r}, and the Hugging Face cache "
+            f"({_cache_text()}) holds no complete copy of it ({_first_line(e)}); on a machine without internet, copy the weights into a folder and run `medvol models import {name} FOLDER`")
     if types["gated"] and isinstance(e, types["gated"]):
         return ModelNotFoundError(
             f"the Hugging Face Hub refused the {what} of preset {name!r}: the repository is gated; accept its terms on "
             f"the web page and log in (`hf auth login`), or use `medvol models import {name} FOLDER`")
     if types["not_found"] and isinstance(e, types["not_found"]):
         return ModelNotFoundError(
-            f"the Hugging Face Hub has no {what} for preset {name!r} ({_first_line(e)}); check the repo id and revision "
-            f"in the preset table, or use `medvol models import {name} FOLDER`")
+            f"the Hugging Face Hub has no {what} for preset {name!r} ({_first_line(e)}); check the repo id and "
+            f"revision in the preset table, pass `--revision REV` (a commit id or branch of the Hub repo), or use "
+            f"`medvol models import {name} FOLDER`")
     if types["http"] and isinstance(e, types["http"]):
         return ModelNotFoundError(
             f"the Hugging Face Hub answered with an error for the {what} of preset {name!r} ({_first_line(e)}); "
@@ -203,112 +211,183 @@ def _matches(path: str, patterns) -> bool:
     return any(fnmatch.fnmatch(path, p + "*" if p.endswith("/") else p) for p in pats)
 
 
-def _download_repo(hf, info, name: str, spec: dict, dest: Path, what: str, model_type: Optional[str],
-                   progress: bool) -> dict:
-    """snapshot_download a model folder at the commit ``info`` describes; check every LFS file's sha256."""
-    commit = info.sha or spec.get("revision")
-    if dest.is_symlink():
-        dest.unlink()
-    hf.snapshot_download(spec["repo_id"], revision=commit, allow_patterns=spec.get("allow_patterns"),
-                         local_dir=str(dest))
+def _cache_blob_sha256(local: Path) -> Optional[str]:
+    """The sha256 a Hugging Face cache file must have: an LFS file in the cache is a link to
+    ``blobs/<sha256 of its content>`` (a non-LFS file's blob is named by a 40-hex git id: None)."""
+    try:
+        blob = Path(os.path.realpath(local)).name
+    except OSError:
+        return None
+    return blob if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob) else None
+
+
+def _check_file(name: str, what: str, local: Path, expected: Optional[str], against: str, progress: bool) -> str:
+    """sha256 of ``local``; a mismatch with ``expected`` removes the file (and its cache blob) and raises."""
+    actual = sha256_file(local, progress)
+    if expected is not None and actual != expected:
+        blob = Path(os.path.realpath(local))
+        local.unlink()
+        if blob != local and blob.is_file():
+            blob.unlink()  # else huggingface_hub would link the same corrupt blob in again
+        raise _sha_mismatch(name, what, local, expected, actual, against)
+    return actual
+
+
+def _cached_files(folder: Path, patterns) -> list:
+    return sorted(f for f in folder.rglob("*") if f.is_file() and _matches(f.relative_to(folder).as_posix(), patterns))
+
+
+def _download_repo(hf, info, name: str, spec: dict, revision: Optional[str], what: str,
+                   model_type: Optional[str], progress: bool) -> dict:
+    """snapshot_download a model folder into the Hugging Face cache (an existing cached copy is
+    reused) at the commit ``info`` describes (``info`` None: the Hub cannot be reached, so the
+    cached snapshot of ``revision``); check every LFS file's sha256 against the Hub's, or offline
+    against the cache's own blob names."""
+    commit = info.sha if info is not None else revision
+    snapshot = Path(hf.snapshot_download(spec["repo_id"], revision=commit, allow_patterns=spec.get("allow_patterns"),
+                                         local_files_only=info is None))
     checked = 0
-    for s in info.siblings or []:
-        expected = _lfs_sha256(s)
-        if expected is None or not _matches(s.rfilename, spec.get("allow_patterns")):
-            continue
-        local = dest / s.rfilename
-        if not local.is_file():
-            raise ModelNotFoundError(f"the download of the {what} of preset {name!r} is incomplete: {local} is "
-                                     f"missing; run `medvol models download {name}` again")
-        actual = sha256_file(local, progress)
-        if actual != expected:
-            local.unlink()
-            raise _sha_mismatch(name, what, local, expected, actual, f"Hub ({spec['repo_id']}@{commit})")
-        checked += 1
+    if info is not None:
+        against = f"Hub ({spec['repo_id']}@{commit})"
+        for s in info.siblings or []:
+            expected = _lfs_sha256(s)
+            if expected is None or not _matches(s.rfilename, spec.get("allow_patterns")):
+                continue
+            local = snapshot / s.rfilename
+            if not local.is_file():
+                raise ModelNotFoundError(f"the download of the {what} of preset {name!r} is incomplete: {local} is "
+                                         f"missing; run `medvol models download {name}` again")
+            _check_file(name, what, local, expected, against, progress)
+            checked += 1
+    else:
+        for local in _cached_files(snapshot, spec.get("allow_patterns")):
+            expected = _cache_blob_sha256(local)
+            if expected is not None:
+                _check_file(name, what, local, expected, "Hugging Face cache's blob name", progress)
+                checked += 1
     if model_type:
-        check_grounder_dir(dest, model_type)
+        check_grounder_dir(snapshot, model_type)
     elif what == "adapter":
-        check_adapter_dir(dest)
-    n, size = _folder_stats(dest)
-    return {"path": dest.name, "source": f"https://huggingface.co/{spec['repo_id']}", "repo_id": spec["repo_id"],
-            "revision": commit, "files": n, "bytes": size, "sha256_checked_files": checked}
+        check_adapter_dir(snapshot)
+    n, size = _folder_stats(snapshot)
+    return {"path": str(snapshot), "cache": "huggingface", "source": f"https://huggingface.co/{spec['repo_id']}",
+            "repo_id": spec["repo_id"], "revision": snapshot.name, "requested_revision": revision, "files": n,
+            "bytes": size, "sha256_checked_files": checked,
+            "sha256_checked_against": "hub" if info is not None else "cache blob names (offline)"}
 
 
-def _download_medsam2(hf, info, name: str, spec: dict, dest_dir: Path, progress: bool) -> dict:
-    """hf_hub_download one checkpoint at the commit ``info`` describes; check the pinned or Hub sha256."""
-    commit = info.sha or spec.get("revision")
-    sibling = next((s for s in info.siblings or [] if s.rfilename == spec["filename"]), None)
-    if sibling is None:
-        raise ModelNotFoundError(f"{spec['repo_id']}@{commit} has no file {spec['filename']!r} "
-                                 f"(MedSAM2 of preset {name!r}); check the preset table")
-    hub_sha = _lfs_sha256(sibling)
-    expected, against = (spec["sha256"], "preset table") if spec.get("sha256") else (hub_sha, f"Hub ({spec['repo_id']}@{commit})")
-    target = dest_dir / spec["filename"]
-    if target.is_symlink():
-        target.unlink()
-    hf.hf_hub_download(spec["repo_id"], spec["filename"], revision=commit, local_dir=str(dest_dir))
-    local = target
+def _download_medsam2(hf, info, name: str, spec: dict, revision: Optional[str], progress: bool) -> dict:
+    """hf_hub_download one checkpoint into the Hugging Face cache at the commit ``info`` describes
+    (None: offline, the cached file of ``revision``); check the pinned, the Hub's or the cache's sha256."""
+    commit = info.sha if info is not None else revision
+    if info is not None:
+        sibling = next((s for s in info.siblings or [] if s.rfilename == spec["filename"]), None)
+        if sibling is None:
+            raise ModelNotFoundError(f"{spec['repo_id']}@{commit} has no file {spec['filename']!r} "
+                                     f"(MedSAM2 of preset {name!r}); check the preset table")
+    local = Path(hf.hf_hub_download(spec["repo_id"], spec["filename"], revision=commit, local_files_only=info is None))
     if not local.is_file():
         raise ModelNotFoundError(f"the download of {spec['filename']} for preset {name!r} left no file at {local}; "
                                  f"run `medvol models download {name}` again")
-    actual = sha256_file(local, progress)
+    if spec.get("sha256"):
+        expected, against, checked = spec["sha256"], "preset table", "preset"
+    elif info is not None:
+        expected, against, checked = _lfs_sha256(sibling), f"Hub ({spec['repo_id']}@{commit})", "hub"
+    else:
+        expected, against = _cache_blob_sha256(local), "Hugging Face cache's blob name"
+        checked = "cache blob name (offline)"
+    actual = _check_file(name, "MedSAM2 checkpoint", local, expected, against, progress)
     if expected is None:
-        log.warning("the Hub reports no sha256 for %s/%s (not an LFS file); recorded the local sha256 unchecked",
+        log.warning("no sha256 known for %s/%s (not an LFS file); recorded the local sha256 unchecked",
                     spec["repo_id"], spec["filename"])
-    elif actual != expected:
-        local.unlink()
-        raise _sha_mismatch(name, "MedSAM2 checkpoint", local, expected, actual, against)
-    return {"path": f"{dest_dir.name}/{spec['filename']}", "source": f"https://huggingface.co/{spec['repo_id']}",
-            "repo_id": spec["repo_id"], "revision": commit, "sha256": actual,
-            "sha256_checked_against": ("preset" if spec.get("sha256") else "hub") if expected else None,
-            "bytes": local.stat().st_size}
+    return {"path": str(local), "cache": "huggingface", "source": f"https://huggingface.co/{spec['repo_id']}",
+            "repo_id": spec["repo_id"], "revision": local.parent.name if info is None else commit,
+            "requested_revision": revision, "sha256": actual,
+            "sha256_checked_against": checked if expected else None, "bytes": local.stat().st_size}
 
 
-def download(name: str, progress: bool = True) -> dict:
-    """Fetch a preset's weights from the Hugging Face Hub into its weights folder and register them.
+def hub_cache_dir() -> Path:
+    """Where downloads go: huggingface_hub's cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
+    ``~/.cache/huggingface/hub``), as the library itself resolves it."""
+    from huggingface_hub import constants
 
-    Resumable (huggingface_hub keeps partial files and skips complete ones). Each repo is read at
-    one commit; every LFS file is checked by sha256 (the pinned one, else the Hub's); a mismatch
-    deletes the file and raises :class:`ModelError`. No network, offline mode, or a Hub error:
-    :class:`ModelNotFoundError` naming ``medvol models import`` (when the Hub cannot be reached at
-    all, an earlier registration is left as it was). ``tiny`` is just built. A preset with
-    ``same_weights_as`` downloads into that preset's folder (``medvol-r1`` fetches what
-    ``qwen3-vl-4b`` needs; the adapter is yours to give); weights already in an older folder
-    (``weights_also_in``) are completed there, not fetched again elsewhere.
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def download(name: str, progress: bool = True, revision: Optional[str] = None) -> dict:
+    """Fetch a preset's weights from the Hugging Face Hub into the Hugging Face cache and register them.
+
+    The files go where huggingface_hub keeps its cache (``$HF_HOME``/``$HF_HUB_CACHE``, see
+    :func:`hub_cache_dir`), so a copy already there (downloaded by transformers, ``hf download``
+    or another tool) is reused and not fetched again; the preset's registration
+    (``medvol_weights.json`` in its weights folder) records the cached snapshot's path. Resumable
+    (huggingface_hub keeps partial files and skips complete ones). Each repo is read at one commit:
+    ``revision`` (the grounder's, for this run: a 40-hex commit id or a branch/tag name) or the
+    preset's pinned one (None in the table: the main branch now). Every LFS file is checked by
+    sha256 (the pinned one, else the Hub's; offline, the cache's blob name, which is the file's
+    sha256); a mismatch deletes the file and raises :class:`ModelError`. The Hub cannot be reached
+    (no network, ``HF_HUB_OFFLINE=1``): the cached copy of that revision is used when the cache
+    has it, else :class:`ModelNotFoundError` naming ``medvol models import`` (an earlier
+    registration is left as it was). A Hub error: :class:`ModelNotFoundError`. ``tiny`` is just
+    built. A preset with ``same_weights_as`` registers into that preset's folder (``medvol-r1``
+    fetches what ``qwen3-vl-4b`` needs; the adapter is yours to give); weights already in an older
+    folder (``weights_also_in``) are registered there.
     Returns what :func:`path` returns plus ``registration`` (for a ``requires_adapter`` preset
     without one: its base weights).
     """
+    from .presets import check_revision
+
     p = get_preset(name)
+    revision = check_revision(revision)
     if not p.needs_download:
+        if revision is not None:
+            raise InputError(f"model preset {name!r} downloads nothing, so --revision has no effect")
         if p.grounder_kind == "builder":
             return path(name)
         raise InputError(f"model preset {name!r} uses local files only; nothing to download")
+    if revision is not None and p.grounder_kind != "hub":
+        raise InputError(f"--revision is the grounder's Hub revision, and preset {name!r} has no Hub grounder")
     hf = _import_hub()
     types = _hub_error_types()
     home = _weights_folder(p)  # decided once: unregistering below must not move it
-    parts = []  # (key, what, spec)
+    parts = []  # (key, what, spec, revision)
     if p.grounder_kind == "hub":
-        parts.append(("grounder", "grounder", p.grounder))
+        parts.append(("grounder", "grounder", p.grounder, revision or p.grounder.get("revision")))
     if p.adapter and p.adapter.get("repo_id"):
-        parts.append(("adapter", "adapter", p.adapter))
+        parts.append(("adapter", "adapter", p.adapter, p.adapter.get("revision")))
     if p.medsam2_kind == "hub":
-        parts.append(("medsam2", "MedSAM2 checkpoint", p.medsam2))
+        parts.append(("medsam2", "MedSAM2 checkpoint", p.medsam2, p.medsam2.get("revision")))
     entries = {}
     what = parts[0][1]
     try:
         with _ProgressBars(progress):
-            # Ask the Hub first (one commit per repo): unreachable → nothing on disk has changed.
+            # Ask the Hub first (one commit per repo). Unreachable: the cached copy, if every part is
+            # in the cache; else nothing on disk has changed.
             api = hf.HfApi()
             infos = {}
-            for key, what, spec in parts:
-                infos[key] = api.model_info(spec["repo_id"], revision=spec.get("revision"), files_metadata=True)
+            for key, what, spec, rev in parts:
+                try:
+                    infos[key] = api.model_info(spec["repo_id"], revision=rev, files_metadata=True)
+                except types["offline"]:
+                    infos[key] = None
+            offline = [k for k, v in infos.items() if v is None]
+            for key, what, spec, rev in parts:
+                if key in offline:  # only look: local_files_only never downloads
+                    if key == "medsam2":
+                        hf.hf_hub_download(spec["repo_id"], spec["filename"], revision=rev, local_files_only=True)
+                    else:
+                        hf.snapshot_download(spec["repo_id"], revision=rev, allow_patterns=spec.get("allow_patterns"),
+                                             local_files_only=True)
+            if offline:
+                log.warning("the Hugging Face Hub cannot be reached: using the copy of %s in the Hugging Face cache "
+                            "(%s)", ", ".join(k for k in offline), hub_cache_dir())
             home.mkdir(parents=True, exist_ok=True)
             _unregister(home)
-            for key, what, spec in parts:
+            for key, what, spec, rev in parts:
                 if key == "medsam2":
-                    entries[key] = _download_medsam2(hf, infos[key], name, spec, home / "medsam2", progress)
+                    entries[key] = _download_medsam2(hf, infos[key], name, spec, rev, progress)
                 else:
-                    entries[key] = _download_repo(hf, infos[key], name, spec, home / key, what,
+                    entries[key] = _download_repo(hf, infos[key], name, spec, rev, what,
                                                   spec.get("model_type") if key == "grounder" else None, progress)
     except MedVolError:
         raise

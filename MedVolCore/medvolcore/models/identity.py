@@ -28,20 +28,38 @@ import json
 from pathlib import Path
 from typing import Optional
 
-ADAPTER_METADATA = "medvol_adapter.json"  # written by medvol-train beside the adapter (runs.save_adapter)
+ADAPTER_METADATA = "medvol_adapter.json"  # written by medvol-train beside the adapter (medvoltrain.adapter)
+ADAPTER_SCHEMA = "medvol.adapter/1"  # its "schema" since the base model is recorded (older files have none)
 SMOKE_BANNER = "UNTRAINED SMOKE MODEL: meaningless output"
 
 
-def adapter_stage(adapter_dir) -> Optional[str]:
-    """The medvol-train stage that wrote the adapter in ``adapter_dir`` (``medvol_adapter.json``'s
-    ``stage``), or None when the folder holds no such record (an adapter of unknown origin)."""
+def read_adapter_metadata(adapter_dir) -> Optional[dict]:
+    """``medvol_adapter.json`` of the adapter in ``adapter_dir`` as a dict, or None when the folder
+    holds none (an adapter made elsewhere) or it cannot be read."""
     if adapter_dir is None:
         return None
     try:
         meta = json.loads((Path(adapter_dir) / ADAPTER_METADATA).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    stage = meta.get("stage") if isinstance(meta, dict) else None
+    return meta if isinstance(meta, dict) else None
+
+
+def adapter_base(meta: Optional[dict]) -> Optional[dict]:
+    """The base model an adapter's metadata records (``medvol.adapter/1``): ``{"repo_id",
+    "revision", "builder", "path", "name"}`` (missing keys None), or None for metadata without one
+    (none at all, or written before the base model was recorded)."""
+    base = (meta or {}).get("base_model")
+    if not isinstance(base, dict):
+        return None
+    return {k: base.get(k) for k in ("repo_id", "revision", "builder", "path", "name")}
+
+
+def adapter_stage(adapter_dir) -> Optional[str]:
+    """The medvol-train stage that wrote the adapter in ``adapter_dir`` (``medvol_adapter.json``'s
+    ``stage``), or None when the folder holds no such record (an adapter of unknown origin)."""
+    meta = read_adapter_metadata(adapter_dir)
+    stage = meta.get("stage") if meta else None
     return stage if isinstance(stage, str) and stage.strip() else None
 
 
@@ -108,5 +126,5 @@ def identity_banner(ident: Optional[dict]) -> str:
     return f"LoRA adapter {ident['adapter']} of unknown training: not known to be trained for this task"
 
 
-__all__ = ["ADAPTER_METADATA", "SMOKE_BANNER", "adapter_name", "adapter_stage", "describe", "identity",
-           "identity_banner", "identity_note"]
+__all__ = ["ADAPTER_METADATA", "ADAPTER_SCHEMA", "SMOKE_BANNER", "adapter_base", "adapter_name", "adapter_stage",
+           "describe", "identity", "identity_banner", "identity_note", "read_adapter_metadata"]

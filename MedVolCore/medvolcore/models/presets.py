@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import AdapterRequiredError, InputError, ModelError, ModelNotFoundError
+from ..errors import AdapterMismatchError, AdapterRequiredError, InputError, ModelError, ModelNotFoundError
 from ..resources import load_json
-from .identity import describe, identity
+from .identity import ADAPTER_METADATA, adapter_base, describe, identity, read_adapter_metadata
 
 log = logging.getLogger("medvolcore.models")
 
@@ -51,6 +51,10 @@ OVERRIDE_ENV = "MEDVOL_MODELS_JSON"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+# a branch or tag name as git allows it (simplified): no spaces, no '..', no leading '-' or '/'
+_REF_RE = re.compile(r"^(?!.*\.\.)(?!.*//)[A-Za-z0-9_][A-Za-z0-9._/-]{0,254}(?<![./])$")
+_HEXISH_RE = re.compile(r"^(?=.*[0-9])(?=.*[A-Fa-f])[0-9A-Fa-f]{7,}$")  # digits and hex letters only
 _LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 _WEIGHT_SUFFIXES = (".safetensors",)
 
@@ -185,6 +189,24 @@ class Preset:
         return gs, ms
 
 
+def check_revision(revision) -> Optional[str]:
+    """A Hub revision as given (``--revision``, the table): a 40-hex commit id, or a branch or tag
+    name (``main``, ``v1.0``, ``refs/pr/3``); None stays None (the repo's main branch at download
+    time). Anything else is an :class:`InputError` (one line): a shortened or mistyped commit id
+    would otherwise be sent to the Hub as a branch name."""
+    if revision is None:
+        return None
+    rev = str(revision).strip()
+    if COMMIT_RE.match(rev):
+        return rev
+    if _HEXISH_RE.match(rev):
+        raise InputError(f"revision {revision!r} looks like a commit id but is not 40 lower-case hex digits; give the "
+                         "full commit id (the Hub's 'Files and versions' history shows it) or a branch or tag name")
+    if not _REF_RE.match(rev) or rev.endswith(".lock"):
+        raise InputError(f"revision {revision!r} is neither a 40-hex commit id nor a branch or tag name")
+    return rev
+
+
 def _bad_table(where: str, msg: str) -> ModelError:
     return ModelError(f"model preset table {where}: {msg}")
 
@@ -223,6 +245,11 @@ def _preset_from_dict(name: str, d: dict, where: str) -> Preset:
     else:
         raise _bad_table(where, f"preset {name!r}: medsam2 needs repo_id + filename, path, or random_seed + image_size")
     for part, spec in (("grounder", g), ("medsam2", m)):
+        if spec.get("revision") is not None:
+            try:
+                spec["revision"] = check_revision(spec["revision"])
+            except InputError as e:
+                raise _bad_table(where, f"preset {name!r}: {part}.{e}") from None
         for key in ("licence", "licence_source"):
             if spec.get(key) is not None and not isinstance(spec[key], str):
                 raise _bad_table(where, f"preset {name!r}: {part}.{key} must be a string or null")
@@ -432,11 +459,14 @@ def _check_adapter_given(p: Preset, adapter, reg: Optional[dict]) -> None:
 
 def check_adapter_given(name: Optional[str] = None, adapter=None) -> None:
     """:class:`AdapterRequiredError` when preset ``name`` (None: the default) needs an adapter and
-    has none, neither ``adapter`` nor one of its own; reads no weights, so a front door can say so
-    before it reads anything else."""
+    has none, neither ``adapter`` nor one of its own; :class:`AdapterMismatchError` when ``adapter``
+    records another base model than the preset's (:func:`check_adapter_base`). Reads no weights,
+    so a front door can say so before it reads anything else."""
     p = get_preset(name or default_preset())
     reg = _registration_in(_weights_folder(p)) if p.requires_adapter and p.needs_download else None
     _check_adapter_given(p, adapter, reg)
+    if adapter is not None and Path(adapter).expanduser().is_dir():
+        check_adapter_base(Path(adapter).expanduser(), p)
 
 
 def preset_status(name: str) -> dict:
@@ -530,10 +560,58 @@ def _check_not_lfs_pointer(path: Path) -> None:
                          "(`git lfs pull`, or download it from the Hugging Face web page)")
 
 
+def _base_text(base: dict) -> str:
+    if base.get("builder"):
+        return f"the {base['builder']} smoke model (built locally, random weights)"
+    if base.get("repo_id"):
+        return base["repo_id"] + (f"@{base['revision']}" if base.get("revision") else "")
+    return f"the local model folder {base.get('path') or base.get('name') or '?'}"
+
+
+def check_adapter_base(adapter_dir, preset: Preset) -> Optional[dict]:
+    """Check that the base model an adapter's ``medvol_adapter.json`` records is ``preset``'s grounder.
+
+    Returns the recorded base (None: the folder records none, i.e. made elsewhere or by an older
+    medvol-train; nothing can be checked, and the grounder notes that when it loads the adapter).
+    A different Hub repo, or the tiny smoke model against a real preset (or the reverse), is an
+    :class:`AdapterMismatchError` naming both. A preset whose grounder is a local folder cannot be
+    compared with a Hub id: not checked. The same repo at another revision loads (the shapes are
+    the same), with a warning.
+    """
+    base = adapter_base(read_adapter_metadata(adapter_dir))
+    if base is None or preset.grounder_kind == "path":
+        return base
+    if preset.grounder_kind == "builder":
+        want, ok = f"the {preset.grounder['builder']} smoke model", base.get("builder") == preset.grounder["builder"]
+    else:
+        want = preset.grounder["repo_id"]
+        ok = bool(base.get("repo_id")) and base["repo_id"].lower() == want.lower()
+        if not base.get("repo_id") and not base.get("builder"):
+            return base  # trained on a local folder of unknown origin: nothing to compare
+    if not ok:
+        def same_base(q: Preset) -> bool:
+            if base.get("builder"):
+                return q.grounder.get("builder") == base["builder"]
+            return str(q.grounder.get("repo_id", "")).lower() == str(base.get("repo_id")).lower()
+
+        others = [q.name for q in list_presets() if q.name != preset.name and not q.requires_adapter and same_base(q)]
+        hint = f"use preset {others[0]!r}" if others else "use a preset with that base model"
+        raise AdapterMismatchError(f"adapter {adapter_dir} was trained on {_base_text(base)} ({ADAPTER_METADATA}), "
+                                   f"but preset {preset.name!r} uses {want}: {hint}")
+    reg = _registration_in(_weights_folder(preset)) if preset.needs_download else None
+    used = ((reg or {}).get("grounder") or {}).get("revision") or preset.grounder.get("revision")
+    if base.get("revision") and used and base["revision"] != used:
+        log.warning("adapter %s was trained on %s at revision %s; preset %s uses revision %s (same model, other "
+                    "commit: check that results compare)", adapter_dir, want, base["revision"], preset.name, used)
+    return base
+
+
 def check_adapter_dir(folder, preset: Optional[Preset] = None) -> Path:
     """A LoRA adapter folder: exists, has adapter_config.json and adapter weights.
 
-    When the adapter names a Qwen3-VL base model of another size than the preset's, that is a
+    With ``preset``: the base model its ``medvol_adapter.json`` records must be the preset's
+    (:func:`check_adapter_base`: :class:`AdapterMismatchError` otherwise); and when
+    adapter_config.json names a Qwen3-VL base model of another size than the preset's, that is a
     :class:`ModelError` too (its weights would not fit).
     """
     p = Path(folder).expanduser()
@@ -549,6 +627,8 @@ def check_adapter_dir(folder, preset: Optional[Preset] = None) -> Path:
         raise ModelError(f"{cfg_path} is not valid JSON ({e})") from None
     if not any((p / w).is_file() for w in ("adapter_model.safetensors", "adapter_model.bin")):
         raise ModelError(f"{p} has no adapter weights (adapter_model.safetensors)")
+    if preset is not None:
+        check_adapter_base(p, preset)
     base = str(cfg.get("base_model_name_or_path") or "") if isinstance(cfg, dict) else ""
     if base and preset is not None and preset.grounder_kind == "hub":
         want = preset.grounder["repo_id"].rstrip("/").split("/")[-1].lower()
@@ -666,6 +746,30 @@ def path(name: Optional[str] = None, adapter=None, *, require_adapter: bool = Tr
 
 # ---- listing -----------------------------------------------------------------------------
 
+def revisions(name: str) -> dict:
+    """The Hub revision preset ``name`` uses, per Hub part (``grounder``, ``medsam2``):
+    ``{"repo_id", "revision", "state", "pinned"}`` where ``state`` is ``registered`` (the commit the
+    registered weights were downloaded at), ``pinned`` (not downloaded yet: the table's revision),
+    ``unpinned`` (neither: the main branch at download time) or ``unknown`` (imported by hand:
+    the commit is not known). ``pinned`` is the table's revision (None: unpinned)."""
+    p = get_preset(name)
+    reg = _registration_in(_weights_folder(p)) if p.needs_download else None
+    out = {}
+    for key, spec, kind in (("grounder", p.grounder, p.grounder_kind), ("medsam2", p.medsam2, p.medsam2_kind)):
+        if kind != "hub":
+            continue
+        entry = (reg or {}).get(key) or {}
+        pinned = spec.get("revision")
+        if entry.get("revision"):
+            state, rev = "registered", entry["revision"]
+        elif entry:
+            state, rev = "unknown", None
+        else:
+            state, rev = ("pinned", pinned) if pinned else ("unpinned", None)
+        out[key] = {"repo_id": spec["repo_id"], "revision": rev, "state": state, "pinned": pinned}
+    return out
+
+
 def list_status() -> List[dict]:
     """One row per preset for ``medvol models list``: name, description, status, estimated GPU memory."""
     default = default_preset()
@@ -680,7 +784,7 @@ def list_status() -> List[dict]:
                      "gpu_memory_note": p.gpu_memory_note, "smoke": p.smoke, "grounder": gs, "medsam2": ms,
                      "grounder_licence": gl, "medsam2_licence": ml, **sources, "folder": str(_weights_folder(p)),
                      "requires_adapter": p.requires_adapter, "same_weights_as": p.same_weights_as,
-                     "identity": preset_identity(p.name)})
+                     "revisions": revisions(p.name), "identity": preset_identity(p.name)})
     return rows
 
 
