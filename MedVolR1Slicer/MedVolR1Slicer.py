@@ -725,7 +725,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._updateButtons()
 
     def _onProgress(self, job):
-        value, label = params.progress_text(job.stage, job.fraction, job.message)
+        value, label = params.progress_text(job.stage, job.fraction, job.message, getattr(job, "eta_s", None))
         self.ui.progressBar.value = value
         self.ui.statusLabel.text = label
 

@@ -656,18 +656,22 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
             bar.refresh()
 
     show()
+    from .progress import StageClock, clock_text
+
     rows_by_id: Dict[str, dict] = {cid: _row_from_done(rec) for cid, rec in done_before.items()}
     ran = 0
     t_loop = time.perf_counter()
     try:
         for c in to_run:
             last = [0.0]
+            clock = StageClock()  # the case's stages (ground: encoding, prefill, decoding) with time left
 
-            def progress(stage, fraction, message, _id=c.id):
+            def progress(stage, fraction, message, _id=c.id, clock=clock):
+                _, eta, _ = clock.update(stage, fraction)
                 now = time.monotonic()
                 if now - last[0] > 0.5:
                     last[0] = now
-                    show(_id, f"{stage} {int(100 * fraction)}%")
+                    show(_id, f"{stage} {int(100 * fraction)}%" + (f", {clock_text(eta)} left" if eta else ""))
 
             show(c.id, "starting")
             row = _run_case(c, out / c.id, pipeline, opts, hu_window, progress)

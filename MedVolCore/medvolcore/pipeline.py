@@ -222,17 +222,18 @@ class Pipeline:
             stack = as_stack(volume)
             if stack.depth < 2:
                 raise InputError(f"volume too small: the stack has {stack.depth} axial slice(s); at least 2 are needed")
-            _stage(progress, "ground", 0.0, "reading the slices")
+            _stage(progress, "ground", 0.0, "rendering the slices")
             grounder = self.grounder
             self._lvlm_to(self.device)
             sampled = None
+            # progress through the encoding, the prefill and each decoding step; cancel checked at each
             if consensus > 1:
                 sampled = grounder.ground_samples(stack, query, consensus, constrain=constrain, seed=seed,
-                                                  window=hu_window)
+                                                  window=hu_window, progress=progress, cancel=cancel)
                 g = sampled.greedy
             else:
                 g = grounder.ground(stack, query, constrain=constrain, do_sample=do_sample, seed=seed,
-                                    window=hu_window)
+                                    window=hu_window, progress=progress, cancel=cancel)
             t_ground = time.perf_counter() - t0
             if self.low_memory:
                 self._lvlm_to("cpu")

@@ -68,6 +68,7 @@ class Job:
         self.stage: Optional[str] = None
         self.fraction = 0.0
         self.message = ""
+        self.eta_s: Optional[float] = None  # the worker's estimate of the time left in the stage
         self.result: Optional[dict] = None
         self.error: Optional[WorkerError] = None
         self.cancel_requested_at: Optional[float] = None
@@ -78,10 +79,11 @@ class Job:
     def done(self) -> bool:
         return self.state in ("done", "failed", "cancelled")
 
-    def _set_progress(self, stage, fraction, message) -> None:
+    def _set_progress(self, stage, fraction, message, eta_s=None) -> None:
         if self.done:
             return
         self.state = "running"
+        self.eta_s = eta_s if isinstance(eta_s, (int, float)) and not isinstance(eta_s, bool) else None
         self.stage = stage
         try:
             self.fraction = min(1.0, max(0.0, float(fraction)))
@@ -159,7 +161,7 @@ class _BaseWorker:
         if job is None:
             return
         if msg.get("event") == "progress":
-            job._set_progress(msg.get("stage"), msg.get("fraction", 0.0), msg.get("message"))
+            job._set_progress(msg.get("stage"), msg.get("fraction", 0.0), msg.get("message"), msg.get("eta_s"))
             return
         if msg.get("ok") is True:
             self._on_result(job, msg.get("result") or {})

@@ -132,12 +132,15 @@ def options_from_panel(preset: str, adapter: str = "", device: str = "auto", win
                    consensus=check_consensus(consensus))
 
 
-def progress_text(stage: Optional[str], fraction: float, message: str = "") -> Tuple[int, str]:
+def progress_text(stage: Optional[str], fraction: float, message: str = "",
+                  eta_s: Optional[float] = None) -> Tuple[int, str]:
     """Progress-bar value (0–100) and its label for a worker progress event.
 
     Stages are weighted so the bar moves forward across the whole request
-    (load 0–15 %, read 15–20 %, ground 20–50 %, propagate 50–95 %, write 95–100 %)."""
-    spans = {"load": (0, 15), "read": (15, 20), "ground": (20, 50), "propagate": (50, 95), "write": (95, 100)}
+    (load 0–15 %, read 15–20 %, ground 20–70 %, propagate 70–95 %, write 95–100 %: on a CPU the
+    grounder's one answer is most of a request). ``eta_s``: the worker's estimate of the time left
+    in the stage, shown in the label."""
+    spans = {"load": (0, 15), "read": (15, 20), "ground": (20, 70), "propagate": (70, 95), "write": (95, 100)}
     lo, hi = spans.get(stage or "", (0, 100))
     f = min(1.0, max(0.0, float(fraction or 0.0)))
     names = {"load": "Loading models", "read": "Reading the volume", "ground": "Finding the key slice",
@@ -145,6 +148,9 @@ def progress_text(stage: Optional[str], fraction: float, message: str = "") -> T
     label = names.get(stage or "", "Working")
     if message:
         label = f"{label}: {message}"
+    if eta_s is not None and eta_s >= 1:
+        s = int(round(eta_s))
+        label += f" (about {s // 60}:{s % 60:02d} left)"
     return int(round(lo + (hi - lo) * f)), label
 
 

@@ -476,6 +476,46 @@ def test_checkpoint_generation_config_does_not_leak_into_decoding(grounder, ct_i
     assert after == before and grounder.model.generation_config is gc
 
 
+# ---- progress and cancel inside the grounding -----------------------------------------------------------
+
+def test_grounding_reports_the_encoding_the_prefill_and_every_decile_of_the_decode_budget(grounder, small_stack):
+    events = []
+    budget = 256
+    r = grounder.ground(small_stack, QUERY, max_new_tokens=budget, progress=lambda *e: events.append(e))
+    assert events and {e[0] for e in events} == {"ground"}
+    fractions = [e[1] for e in events]
+    assert fractions == sorted(fractions) and 0.0 <= fractions[0] and fractions[-1] == 1.0  # one attempt: no restart
+    messages = [e[2] for e in events]
+    assert any("vision layer" in m for m in messages) and any("reading the prompt" in m for m in messages)
+    first_decode = next(i for i, m in enumerate(messages) if m.startswith("decoding"))
+    assert all("vision" in m or "prompt" in m for m in messages[:first_decode])  # encoding and prefill come first
+    decoded = [int(re.match(r"decoding (\d+)/256 tokens$", m).group(1)) for m in messages if m.startswith("decoding")]
+    n = r.timings["new_tokens"]
+    assert decoded[0] == 0 and 0 <= (n - 1) - decoded[-1] < 3  # the tokens generated so far, to the last percent
+    for d in range(1, 10):  # the first token past each tenth of the budget is reported
+        k = -(-budget * d // 10)
+        if k < n:
+            assert k in decoded, (d, k, decoded)
+    assert len(decoded) <= 101 and len(decoded) >= (100 * (n - 1)) // budget  # one per whole percent, not per token
+    assert messages[-1] == f"answer complete: {n} of at most {budget} tokens"
+
+
+def test_cancel_stops_the_decoding_within_one_token(grounder, small_stack, monkeypatch):
+    from medvolcore.errors import CancelledError
+    from medvolcore.grounder import _logits
+
+    steps, original = [0], _logits.StepProcessor.__call__
+
+    def counting(self, input_ids, scores):
+        steps[0] += 1
+        return original(self, input_ids, scores)
+
+    monkeypatch.setattr(_logits.StepProcessor, "__call__", counting)
+    with pytest.raises(CancelledError, match=r"decoding \(4 of 256 tokens\)"):
+        grounder.ground(small_stack, QUERY, max_new_tokens=256, cancel=lambda: steps[0] >= 5)
+    assert steps[0] == 5  # cancelled at the 5th step: no further token
+
+
 # ---- parser, fix-ups and retries with canned answers ---------------------------------------------------
 
 def _answer(z, boxes, think="found it"):

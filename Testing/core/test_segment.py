@@ -121,6 +121,99 @@ def test_demo_falls_back_to_tiny_with_notice(capsys, tmp_path):
     assert "preset 'tiny'" in stdout
 
 
+def test_cancel_during_decoding_stops_the_job_and_writes_nothing(tiny, tmp_path, monkeypatch):
+    """The worker's and Slicer's cancel (an Event) stops a grounding inside its decoding, at the
+    step after it is set; no output file is written."""
+    import threading
+
+    from medvolcore.errors import CancelledError
+    from medvolcore.grounder import _logits
+    from medvolcore.jobs import SegmentOutputs, SegmentRequest, run_segment_job
+
+    cancel, steps, original = threading.Event(), [0], _logits.StepProcessor.__call__
+
+    def counting(self, input_ids, scores):
+        steps[0] += 1
+        if steps[0] == 3:
+            cancel.set()  # as the worker's reader thread does on a cancel request
+        return original(self, input_ids, scores)
+
+    monkeypatch.setattr(_logits.StepProcessor, "__call__", counting)
+    events = []
+    outputs = SegmentOutputs(tmp_path / "m.nii.gz", anchor=tmp_path / "m.anchor.json", qc=tmp_path / "qc.png")
+    with pytest.raises(CancelledError, match="decoding"):
+        run_segment_job(lambda: tiny, SAMPLE, SegmentRequest(query="the liver"), outputs,
+                        progress=lambda *e: events.append(e), cancel=cancel)
+    assert steps[0] == 3 and list(tmp_path.iterdir()) == []
+    assert [e[0] for e in events if e[0] != "ground"] == [] and events[-1][2].startswith("decoding")
+
+
+def test_bar_text_has_the_stage_elapsed_time_left_and_message():
+    from medvolcore.cli.volume import bar_line
+
+    line = bar_line("propagate", 0.05, 3, "slice 3 (forward)", ncols=80)
+    assert line.startswith("propagate   5%|") and line.endswith("| 00:03 < 00:57  slice 3 (forward)"), line
+    assert "::" not in line and ", slice" not in line and len(line) == 80
+    assert bar_line("ground", 0.0, 0, "rendering the slices").endswith("| 00:00 < ?  rendering the slices")
+
+
+def test_progress_on_a_terminal_and_in_a_log(monkeypatch):
+    import io
+
+    from medvolcore.cli import volume as cli_volume
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream in (Terminal(), io.StringIO()):
+        monkeypatch.setattr(cli_volume.sys, "stderr", stream)
+        bar = cli_volume._bar("segment")
+        progress = cli_volume._progress(bar)
+        for i in range(3):
+            progress("ground", i / 10, f"decoding {i}/256 tokens")
+        progress("propagate", 0.5, "slice 3 (forward)")
+        bar.close()
+        text = stream.getvalue()
+        if isinstance(stream, Terminal):  # the bar: stage, percent, the stage's clock, the message
+            assert "ground     20%|" in text and "decoding 2/256 tokens" in text and "propagate  50%|" in text
+            assert "::" not in text and ", decoding" not in text and " < " in text
+        else:  # no terminal: one line per stage
+            assert text.splitlines() == ["medvol ground: 0% decoding 0/256 tokens",
+                                         "medvol propagate: 50% slice 3 (forward)"]
+
+
+def test_demo_replaces_its_own_outputs_and_keeps_anything_else(capsys, tmp_path, monkeypatch):
+    """What the demo may remove; the real run is test_demo_falls_back_to_tiny_with_notice."""
+    from medvolcore.cli import volume as cli_volume
+
+    runs = []
+
+    def fake_run(volume, query, out, anchor_out, qc, args, preset, notice=""):
+        runs.append(args.overwrite)
+        absent = len(runs) == 2  # the second answer is "not present": no mask file
+        for path in ([] if absent else [out]) + [anchor_out, qc]:
+            path.write_text(f"run {len(runs)}")
+        return {"out": None if absent else str(out), "anchor_out": str(anchor_out), "qc": str(qc)}
+
+    monkeypatch.setattr(cli_volume, "_run_segment", fake_run)
+    monkeypatch.setattr(cli_volume, "_segment_text", lambda res: "")
+    out = tmp_path / "medvol-demo"
+    assert run_cli(capsys, "demo", "--out-dir", out, "--no-progress")[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["demo.anchor.json", "demo_mask.nii.gz", "demo_qc.png"]
+    code, _, err = run_cli(capsys, "demo", "--out-dir", out, "--no-progress")  # again, no --overwrite
+    assert code == 0 and "replaced the previous demo output" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["demo.anchor.json", "demo_qc.png"]  # no stale mask
+    assert (out / "demo.anchor.json").read_text() == "run 2"
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "demo", "--out-dir", out, "--no-progress")
+    _one_line(code, err, "notes.txt", "--overwrite")
+    assert len(runs) == 2 and (out / "notes.txt").read_text() == "mine"
+    assert run_cli(capsys, "demo", "--out-dir", out, "--no-progress", "--overwrite")[0] == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "demo_mask.nii.gz").read_text() == "run 3"
+    assert runs == [True, True, True]
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 def _one_line(code, err, *needles, exit_code=2):

@@ -73,6 +73,19 @@ def test_segment_writes_mask_on_the_ct_grid(first_segment, ct_sm_path):
     assert all(0.0 <= e["fraction"] <= 1.0 for e in events)
 
 
+def test_segment_events_move_through_the_grounding(first_segment):
+    """The grounding (vision encoding, prefill, each whole percent of the decode budget) reaches the
+    client before propagation starts, with the stage's elapsed time and estimate of the time left."""
+    _, _, events = first_segment
+    first_propagate = next(i for i, e in enumerate(events) if e["stage"] == "propagate")
+    ground = [e for e in events[:first_propagate] if e["stage"] == "ground"]
+    assert len({e["fraction"] for e in ground}) >= 10, [e["fraction"] for e in ground]
+    assert ground[-1]["fraction"] == 1.0 and ground[-1]["message"].startswith("answer complete")
+    assert any(e["message"].startswith("decoding ") for e in ground)
+    assert all(e["elapsed_s"] >= 0 and (e["eta_s"] is None or e["eta_s"] >= 0) for e in events)
+    assert any(e["eta_s"] is not None for e in ground)
+
+
 def test_second_segment_reuses_models_and_volume(worker, first_segment, ct_sm_path):
     _, first_s, _ = first_segment
     t = time.perf_counter()

@@ -43,6 +43,8 @@ def _track(s: Session):
 
 def test_segment_reports_progress_and_returns_mask_and_world_anchor(session, ct_sm_path):
     states, events = _track(session)
+    etas = []
+    session.progress.connect(lambda job: etas.append(job.eta_s) if job.stage == "ground" else None)
     job = session.segment(str(ct_sm_path), "  the organ that   secretes bile ", TINY)
     assert session.state == RUNNING
     session.wait(job, TIMEOUT)
@@ -54,6 +56,8 @@ def test_segment_reports_progress_and_returns_mask_and_world_anchor(session, ct_
     prop = [f for op, st, f in events if op == "segment" and st == "propagate"]
     assert prop == sorted(prop) and prop[-1] == pytest.approx(1.0)
     assert any(op == "load" for op, _, _ in events)  # model loading shows on the bar too
+    ground = [f for op, st, f in events if op == "segment" and st == "ground"]
+    assert len(set(ground)) >= 10 and any(e is not None for e in etas)  # the grounding moves the bar, with time left
 
     r = job.result
     assert r["smoke"] is True

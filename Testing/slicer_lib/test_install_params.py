@@ -201,6 +201,10 @@ def test_progress_moves_forward_across_stages():
     values = [params.progress_text(s, f)[0] for s in ("load", "read", "ground", "propagate", "write") for f in (0, 0.5, 1)]
     assert values == sorted(values) and values[0] == 0 and values[-1] == 100
     assert params.progress_text("propagate", 0.5, "slice 3/30")[1] == "Propagating: slice 3/30"
+    # the grounding moves the bar (most of a request on a CPU) and shows the worker's time left
+    assert params.progress_text("ground", 0.1)[0] < params.progress_text("ground", 0.9)[0]
+    assert params.progress_text("ground", 0.6, "decoding 31/256 tokens", eta_s=125.4)[1] == \
+        "Finding the key slice: decoding 31/256 tokens (about 2:05 left)"
 
 
 # ---- headless batch ----------------------------------------------------------------------

@@ -170,22 +170,62 @@ def _window_pair(ct_window) -> list:
     return [w.center, w.width]
 
 
-def _bar(desc: str):
-    """A progress bar on stderr, in percent with the stage's message (none when stderr is not a terminal)."""
+BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {elapsed} < {remaining}  {message}"
+_STAGE_WIDTH = 10  # the stage names (read, load, ground, propagate, write) in one column
+
+
+def bar_line(stage: str, fraction: float, elapsed_s: float, message: str, ncols: int = 100) -> str:
+    """The bar's text for one moment of a stage, e.g.
+    ``ground     12%|██   | 00:07 < 00:49  decoding 31/256 tokens`` (tqdm draws the bar and
+    estimates the time left from the stage's average pace)."""
     from tqdm import tqdm
 
-    return tqdm(total=100, desc=desc, unit="%", file=sys.stderr, disable=None, leave=False,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+    return tqdm.format_meter(100 * float(fraction), 100, elapsed_s, ncols=ncols, prefix=stage.ljust(_STAGE_WIDTH),
+                             bar_format=BAR_FORMAT, message=terminal_safe(message, one_line=True))
 
 
-def _progress(bar):
-    """The job's ``progress(stage, fraction, message)`` drawn on ``bar`` (None: no bar)."""
+def _bar(desc: str):
+    """A progress bar on stderr: the stage, its percent, elapsed time and time left in the stage, and
+    its message (none when stderr is not a terminal: :func:`_progress` then writes a line per stage)."""
+    from tqdm import tqdm
+
+    class StageBar(tqdm):
+        message = ""
+
+        @property
+        def format_dict(self):
+            return dict(super().format_dict, message=self.message)
+
+    return StageBar(total=100, desc=desc.ljust(_STAGE_WIDTH), file=sys.stderr, disable=None, leave=False,
+                    smoothing=0, bar_format=BAR_FORMAT)
+
+
+def _progress(bar, line_every_s: float = 30.0):
+    """The job's ``progress(stage, fraction, message)`` drawn on ``bar`` (None: nothing). Each stage
+    restarts the bar's clock, so elapsed and time left are the stage's. When stderr is not a
+    terminal (the bar is disabled), one line per stage and one at most every ``line_every_s``."""
+    from ..progress import StageClock, clock_text
+
+    clock = StageClock()
+    last_line = [0.0]
+
     def progress(stage, fraction, message):
-        if bar is not None:
-            bar.set_description(stage)
-            bar.n = int(100 * fraction)
-            bar.set_postfix_str(terminal_safe(message, one_line=True))
+        if bar is None:
+            return
+        elapsed, eta, new = clock.update(stage, fraction)
+        message = terminal_safe(message, one_line=True)
+        if not bar.disable:
+            if new:
+                bar.reset(total=100)
+                bar.set_description_str(stage.ljust(_STAGE_WIDTH), refresh=False)
+            bar.n = 100 * float(fraction)
+            bar.message = message
             bar.refresh()
+        elif new or elapsed - last_line[0] >= line_every_s:
+            last_line[0] = 0.0 if new else elapsed
+            timing = "" if new else f" ({clock_text(elapsed)} elapsed, about {clock_text(eta)} left)"
+            sys.stderr.write(f"{PROG} {stage}: {int(100 * fraction)}%{timing} {message}\n")
+            sys.stderr.flush()
 
     return progress
 
@@ -324,10 +364,29 @@ def cmd_segment(args) -> int:
     return 0
 
 
+DEMO_OUTPUTS = ("demo_mask.nii.gz", "demo.anchor.json", "demo_qc.png")  # what `medvol demo` writes (and replaces)
+
+
+def demo_folder_entries(out_dir) -> tuple:
+    """``(previous, foreign)``: the names in ``out_dir`` that an earlier ``medvol demo`` wrote
+    (:data:`DEMO_OUTPUTS`, and their temporaries) and every other name in it."""
+    from ..fileio import _TMP_NAME_RE
+
+    previous, foreign = [], []
+    for entry in sorted(out_dir.iterdir(), key=lambda p: p.name):
+        m = _TMP_NAME_RE.match(entry.name)
+        if entry.name in DEMO_OUTPUTS and not entry.is_dir():
+            previous.append(entry.name)
+        elif not (m and m.group("name") in DEMO_OUTPUTS):  # a killed demo's temporaries are its own too
+            foreign.append(entry.name)
+    return previous, foreign
+
+
 def cmd_demo(args) -> int:
     from pathlib import Path
 
     from .. import models
+    from ..errors import OutputExistsError
     from ..fileio import check_folder
     from ..resources import load_json, resource_path
 
@@ -336,10 +395,26 @@ def cmd_demo(args) -> int:
     query = args.query or sample["query"]
     preset, notice = models.best_available_preset(args.preset)
     out_dir = check_folder(Path(args.out_dir), "--out-dir")
+    # the demo's own outputs are its to replace; anything else in the folder is never touched, and
+    # without --overwrite it stops the demo (it may be a folder the user meant for something else)
+    previous, foreign = demo_folder_entries(out_dir)
+    if foreign and not args.overwrite:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputExistsError(f"--out-dir {out_dir} holds files the demo did not write ({shown}); choose another "
+                                "--out-dir, or pass --overwrite to write the demo's files beside them")
+    args.overwrite = True  # the demo's own files, from an earlier run
     if notice:
         sys.stderr.write(terminal_safe(f"{PROG} demo: {notice}", one_line=True) + "\n")
-    res = _run_segment(volume, query, out_dir / "demo_mask.nii.gz", out_dir / "demo.anchor.json",
-                       out_dir / "demo_qc.png", args, preset, notice)
+    res = _run_segment(volume, query, out_dir / DEMO_OUTPUTS[0], out_dir / DEMO_OUTPUTS[1],
+                       out_dir / DEMO_OUTPUTS[2], args, preset, notice)
+    written = {Path(p).name for p in (res["out"], res["anchor_out"], res["qc"]) if p}
+    for name in previous:
+        if name not in written:  # e.g. an earlier run's mask, when this answer was "not present"
+            (out_dir / name).unlink(missing_ok=True)
+    if previous:
+        res["replaced"] = previous
+        sys.stderr.write(terminal_safe(f"{PROG} demo: replaced the previous demo output in {out_dir} "
+                                       f"({', '.join(previous)})", one_line=True) + "\n")
     text = f"demo on {volume.name} with preset '{preset}', query: {query!r}\n" + _segment_text(res)
     emit(res, args.json, text)
     return 0
@@ -456,7 +531,10 @@ def add_volume_commands(add) -> None:
     _add_segment_options(sp)
 
     sp = add("demo", "Run the main job on the sample CT shipped with MedVol, with the best model present.", cmd_demo)
-    sp.add_argument("--out-dir", default="medvol-demo", help="where to write the mask, anchor and QC picture (default ./medvol-demo)")
+    sp.add_argument("--out-dir", default="medvol-demo",
+                    help="where to write the mask, anchor and QC picture (default ./medvol-demo); a second demo "
+                         "replaces the demo's own files there without --overwrite, and stops if the folder holds "
+                         "anything else (--overwrite: write beside it; other files are never removed)")
     sp.add_argument("--query", help="override the demo query ('the organ that secretes bile')")
     _add_segment_options(sp)
     sp.set_defaults(preset=None)

@@ -24,10 +24,13 @@ from .prompt import THINK_CLOSE
 
 class StepProcessor(LogitsProcessor):
     """Times the first call (``first_call``, a ``perf_counter`` value), applies an optional guide and
-    records each chosen token's log-probability (see :meth:`token_logprobs`)."""
+    records each chosen token's log-probability (see :meth:`token_logprobs`). ``on_step(done)``,
+    when given, is called at each step with the number of tokens generated so far (progress and
+    cancel: it may raise to stop ``generate``)."""
 
-    def __init__(self, guide=None):
+    def __init__(self, guide=None, on_step=None):
         self.guide = guide
+        self.on_step = on_step
         self.first_call = None
         self._last = None  # log-softmax of the previous step's returned scores, (batch, vocab)
         self._logprobs: list = []  # per step: (batch,) log p of the token then chosen
@@ -42,6 +45,8 @@ class StepProcessor(LogitsProcessor):
             self.first_call = time.perf_counter()
         else:  # the previous step's token is the last input id now
             self._logprobs.append(self._last.gather(1, input_ids[:, -1:].to(self._last.device))[:, 0])
+        if self.on_step is not None:
+            self.on_step(len(self._allowed))
         out = scores if self.guide is None else self.guide(input_ids, scores)
         self._last = torch.log_softmax(out.float(), dim=-1)
         self._allowed.append(torch.isfinite(out).sum(dim=-1))

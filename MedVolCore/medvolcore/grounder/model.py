@@ -93,6 +93,7 @@ Importing this module does not import torch or transformers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -323,6 +324,7 @@ class QwenVLGrounder:
         self._compiled: Dict[str, object] = {}
         self._keep_prefix = False  # set by _ground around its generate calls: hand back the prompt's cache
         self._prefix_in = None  # set by _ground for a retry: the prompt's cache to continue from
+        self._reporter = None  # set by ground/ground_samples: a .progress.GroundingProgress, or None
 
     # -- loading -------------------------------------------------------------------------------
     @classmethod
@@ -661,7 +663,11 @@ class QwenVLGrounder:
                                                     bool(self.settings.get("allow_absent", True))))
             guide = GrammarGuide(xgr, torch, compiled, batch, vocab, close_ids, max_new_tokens,
                                   plan["force_close_at"])
-        step = StepProcessor(guide)
+        from .progress import watch_prefill
+
+        reporter = self._reporter
+        step = StepProcessor(guide, None if reporter is None else
+                             (lambda done: reporter.decode_step(done, int(max_new_tokens))))
         config = self._generation_config(do_sample, max_new_tokens, sampling)
         extra = {} if prefix is None else {"past_key_values": prefix}
         devices = [dev] if dev.type == "cuda" else []
@@ -674,7 +680,10 @@ class QwenVLGrounder:
             with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.inference_mode():
                 if seed is not None:
                     torch.manual_seed(int(seed))
-                out = self.model.generate(**model_inputs, generation_config=config, logits_processor=[step], **extra)
+                with watch_prefill(self.model, reporter if prefix is None else None, len(shown),
+                                   int(model_inputs["input_ids"].shape[1])):
+                    out = self.model.generate(**model_inputs, generation_config=config, logits_processor=[step],
+                                              **extra)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
         finally:
@@ -696,6 +705,8 @@ class QwenVLGrounder:
             results.append((text, new[:n_new], signal))
             counts.append(n_new)
             stopped_all = stopped_all and stopped
+        if reporter is not None:
+            reporter.decode_done(max(counts), int(max_new_tokens), stopped_all)
         first = step.first_call if step.first_call is not None else t1
         timings = {"prefill_s": first - t0, "decode_s": t1 - first,
                    "new_tokens": counts[0] if batch == 1 else sum(counts), "stopped": stopped_all}
@@ -812,16 +823,34 @@ class QwenVLGrounder:
         return query, max_new_tokens
 
     def ground(self, stack, query: str, *, constrain: bool = True, do_sample: bool = False, seed: Optional[int] = None,
-               max_new_tokens: Optional[int] = None, retries: int = 2, window=None) -> GroundingResult:
+               max_new_tokens: Optional[int] = None, retries: int = 2, window=None, progress=None,
+               cancel=None) -> GroundingResult:
         """Answer ``query`` on ``stack`` with an evidence anchor (see the module docstring).
 
         Greedy by default; ``do_sample=True`` with ``seed`` samples reproducibly. Failed attempts
         are retried with sampling seeded ``seed + attempt`` (``0 + attempt`` without a seed).
         ``max_new_tokens`` defaults to the preset's (256, the paper's limit). The anchor carries
         the answer signal (:meth:`_answer_signal`) when the decoder's scores were seen.
+        ``progress(stage, fraction, message)`` hears the encoding, the prefill and each decoding
+        step as fractions of the ``ground`` stage, and ``cancel`` (an Event or a callable) is
+        checked at each of them (:mod:`medvolcore.grounder.progress`).
         """
-        return self._ground(stack, query, constrain=constrain, do_sample=do_sample, seed=seed,
-                            max_new_tokens=max_new_tokens, retries=retries, window=window)[0]
+        with self._reporting(progress, cancel, consensus=False):
+            return self._ground(stack, query, constrain=constrain, do_sample=do_sample, seed=seed,
+                                max_new_tokens=max_new_tokens, retries=retries, window=window)[0]
+
+    @contextlib.contextmanager
+    def _reporting(self, progress, cancel, consensus: bool):
+        """``self._reporter`` for one call (none when neither ``progress`` nor ``cancel`` is given)."""
+        from .progress import GroundingProgress
+
+        saved = self._reporter
+        self._reporter = None if progress is None and cancel is None else GroundingProgress(
+            progress, cancel, consensus=consensus)
+        try:
+            yield self._reporter
+        finally:
+            self._reporter = saved
 
     def _ground(self, stack, query, *, constrain, do_sample, seed, max_new_tokens, retries, window,
                 want_prefix: bool = False):
@@ -834,6 +863,8 @@ class QwenVLGrounder:
         inputs, shown = self._single_inputs(stack, query, window)
         if constrain:
             plan_budget(shown, max_new_tokens, self.settings)  # fail early on a too-small budget
+        if self._reporter is not None:
+            self._reporter.prompt_ready(len(shown), int(inputs["input_ids"].shape[1]))
         prompt_s = time.perf_counter() - t_start
         self._keep_prefix = want_prefix or retries > 0
         try:
@@ -853,6 +884,8 @@ class QwenVLGrounder:
             sample = do_sample or attempt > 0
             s = seed if attempt == 0 else (seed or 0) + attempt
             self._prefix_in = prefix
+            if self._reporter is not None:
+                self._reporter.attempt_started(attempt + 1, retries + 1)
             text, timings = self._generate_text(inputs, shown, constrain=constrain, do_sample=sample,
                                                 seed=s if sample else None, max_new_tokens=max_new_tokens)
             self._prefix_in = None
@@ -884,7 +917,8 @@ class QwenVLGrounder:
         raise err
 
     def ground_samples(self, stack, query: str, samples: int, *, constrain: bool = True, seed: Optional[int] = None,
-                       max_new_tokens: Optional[int] = None, retries: int = 2, window=None) -> SampledGrounding:
+                       max_new_tokens: Optional[int] = None, retries: int = 2, window=None, progress=None,
+                       cancel=None) -> SampledGrounding:
         """``samples`` answers to one query: the greedy one, then ``samples - 1`` sampled ones.
 
         Sample 1 is exactly :meth:`ground`'s answer (greedy, with its retries). Samples 2..G are
@@ -893,8 +927,14 @@ class QwenVLGrounder:
         greedy call's cache of the prompt: the slices are encoded and the prompt is prefilled
         once for all G (only the prompt's last token runs again, once per row). Each sample is
         parsed; one that is unusable keeps its raw text and the reason (it is not retried).
+        ``progress`` and ``cancel`` as in :meth:`ground`, over the samples' decode too.
         """
         n = check_samples(samples)
+        with self._reporting(progress, cancel, consensus=n > 1):
+            return self._ground_samples(stack, query, n, constrain=constrain, seed=seed,
+                                        max_new_tokens=max_new_tokens, retries=retries, window=window)
+
+    def _ground_samples(self, stack, query, n, *, constrain, seed, max_new_tokens, retries, window):
         if seed is None:
             seed = 0
         greedy, inputs, shown, prefix = self._ground(stack, query, constrain=constrain, do_sample=False, seed=None,
@@ -906,6 +946,8 @@ class QwenVLGrounder:
         if n > 1:
             t1 = time.perf_counter()
             budget = int(self.settings["max_new_tokens"]) if max_new_tokens is None else max_new_tokens
+            if self._reporter is not None:
+                self._reporter.samples_started(n - 1)
             texts, st = self._generate_samples(inputs, shown, n - 1, constrain=constrain, seed=seed,
                                                max_new_tokens=budget, prefix=prefix)
             del prefix

@@ -580,13 +580,19 @@ class Worker:
                 log.warning("could not deliver the reply to request %r", job.id)
 
     def _progress(self, job: _Job) -> Callable[[str, float, str], None]:
+        from ..progress import StageClock
+
+        clock = StageClock()
+
         def progress(stage: str, fraction: float, message: str = "") -> None:
             job.stage, job.fraction, job.message = stage, float(fraction), str(message)
             if job.cancel.is_set():
                 raise CancelledError(f"request {job.id!r} cancelled during {stage}")
+            elapsed, eta, _ = clock.update(stage, fraction)
             if job.transport == "stdio":
                 job.reply({"id": job.id, "event": "progress", "stage": stage, "fraction": round(float(fraction), 4),
-                           "message": str(message)})
+                           "message": str(message), "elapsed_s": round(elapsed, 2),
+                           "eta_s": None if eta is None else round(eta, 1)})
 
         return progress
 
