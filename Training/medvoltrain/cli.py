@@ -18,6 +18,7 @@ from medvolcore import RESEARCH_USE_NOTICE
 from medvolcore.errors import MedVolError
 
 from . import __version__
+from .distributed import check_launcher, is_main_process, quiet_other_ranks, rank as rank_text
 
 PROG = "medvol-train"
 
@@ -54,6 +55,8 @@ def cmd_sft(args) -> int:
     settings = load_settings(args.config, parse_overrides(args.overrides), preset=args.preset,
                              max_steps=args.max_steps)
     summary = train_sft(args.data, args.output, settings, resume=args.resume, overwrite=args.overwrite)
+    if not is_main_process():  # rank 0 reports the run
+        return 0
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     else:
@@ -71,6 +74,8 @@ def cmd_grpo(args) -> int:
     summary = train_grpo(args.data, args.output, settings, adapter=args.adapter, resume=args.resume,
                          overwrite=args.overwrite, sam_checkpoint=args.sam_checkpoint,
                          random_weights=args.random_weights)
+    if not is_main_process():  # rank 0 reports the run
+        return 0
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     else:
@@ -345,12 +350,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     for lg in loggers:
         lg.addHandler(handler)
         lg.propagate = False
+    where = "" if is_main_process() else f" (rank {rank_text()})"
     try:
+        if args.command in ("sft", "grpo"):
+            check_launcher(argv)
+            quiet_other_ranks()
         return int(args.func(args) or 0)
     except MedVolError as e:
         if args.debug:
             raise
-        sys.stderr.write(f"{PROG}: error: {e}\n")
+        if not where:  # every rank meets the same bad input: rank 0 says it once
+            sys.stderr.write(f"{PROG}: error: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted" + ("; rerun with --resume to continue" if args.command in ("sft", "grpo")
@@ -360,7 +370,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.debug:
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        sys.stderr.write(f"{PROG}: internal error: {type(e).__name__}: {msg} (rerun with --debug for details)\n")
+        sys.stderr.write(f"{PROG}: internal error{where}: {type(e).__name__}: {msg} (rerun with --debug for details)\n")
         return 1
     finally:
         for lg, prop in saved:

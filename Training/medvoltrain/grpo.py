@@ -41,6 +41,7 @@ from .config import GRPOSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples
 from .rewards import ConsistencyScorer, RewardFunctions
+from .distributed import describe
 from .runs import open_run, save_adapter, step_of, tensorboard_dir, trainer_arguments, write_summary
 from .sft import load_grounder, lora_target_modules, resolve_model_dir, use_bf16
 
@@ -184,7 +185,8 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
                "reward_weights": dict(zip([f.__name__ for f in funcs], weights)),
                "reward_failures": dict(rewards.failures),
                "history": [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history],
-               "settings": settings.to_dict()}
+               "settings": settings.to_dict(),
+               "distributed": describe(trainer)}
     write_summary(trainer, run, summary)
     return summary
 

@@ -20,6 +20,7 @@ from typing import Optional
 
 from medvolcore.errors import OutputExistsError
 
+from .distributed import is_main_process
 from .errors import DataError
 
 
@@ -52,8 +53,9 @@ def open_run(run_dir, resume: bool, overwrite: bool) -> tuple:
         if not overwrite:
             raise OutputExistsError(f"{run} already holds a run; pass --resume to continue it or --overwrite to "
                                     "start again")
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)
-        shutil.rmtree(run / "adapter", ignore_errors=True)
+        if is_main_process():  # one process clears the folder (the others may still be looking at it)
+            shutil.rmtree(run / "checkpoints", ignore_errors=True)
+            shutil.rmtree(run / "adapter", ignore_errors=True)
     return run, None
 
 
@@ -108,6 +110,11 @@ def trainer_arguments(settings, run: Path, bf16: bool) -> dict:
         report_to=[] if settings.report_to in ("none", "", None) else [settings.report_to],
         dataloader_num_workers=settings.dataloader_num_workers, remove_unused_columns=False,
         deepspeed=settings.deepspeed, disable_tqdm=False,
+        # every trainable LoRA weight gets a gradient in every forward (the LoRA sits on layers each
+        # token passes through), so DDP need not search the graph for unused ones; PEFT models are not
+        # PreTrainedModel, for which transformers' default would be True (and DDP warns about it)
+        ddp_find_unused_parameters=False,
+        log_level_replica="error",  # the other ranks print errors only (distributed.quiet_other_ranks)
     )
 
 
