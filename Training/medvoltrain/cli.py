@@ -113,7 +113,8 @@ def cmd_evaluate(args) -> int:
                        sam_image_size=args.sam_image_size, device=args.device, shard=args.shard, limit=args.limit,
                        constrain=not args.unconstrained, overwrite=args.overwrite, retry_failed=args.retry_failed,
                        save_masks=not args.no_masks, progress=not args.no_progress,
-                       aggregate_only=args.aggregate_only, stop_after_empty=args.stop_after_empty)
+                       aggregate_only=args.aggregate_only, stop_after_empty=args.stop_after_empty,
+                       protocol=args.protocol)
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     else:
@@ -264,9 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shard", metavar="I/N", help="evaluate the samples with index %% N == I (one shard per GPU)")
     sp.add_argument("--limit", type=int, help="only the first N samples of the split")
     sp.add_argument("--unconstrained", action="store_true", help="decode without the answer grammar (still greedy)")
+    sp.add_argument("--protocol", choices=("product", "paper"),
+                    help="paper: the paper's Table 1 protocol (MedSAM2 over the whole volume, no early stop; test "
+                         "split); product (default): early stop as `medvol segment` does")
     sp.add_argument("--stop-after-empty", type=int, metavar="K",
                     help="early stop: each direction ends once every mask has been empty on K slices (default: "
-                         "medvol's default; 0 = the whole volume, the paper's Table 1 protocol)")
+                         "medvol's default; 0 = the whole volume, as --protocol paper)")
     sp.add_argument("--overwrite", action="store_true",
                     help="redo this shard's cases, also in a DIR made with other settings")
     sp.add_argument("--retry-failed", action="store_true",
