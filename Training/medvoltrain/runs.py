@@ -73,16 +73,31 @@ def tensorboard_dir(run: Path):
             os.environ["TENSORBOARD_LOGGING_DIR"] = old
 
 
+def zero3_state_dict(trainer) -> Optional[dict]:
+    """Under DeepSpeed ZeRO-3 the model's weights are sharded over the processes: the whole state dict,
+    gathered (a collective: every process must call this; configs/zero3.json sets
+    ``stage3_gather_16bit_weights_on_model_save``), as transformers' ``Trainer.save_model`` does.
+    None otherwise (the model's own weights are whole). Not run here: no GPU, no DeepSpeed."""
+    engine = getattr(trainer, "deepspeed", None)
+    if not getattr(trainer, "is_deepspeed_enabled", False) or engine is None:
+        return None
+    if (engine.config.get("zero_optimization") or {}).get("stage") != 3:
+        return None
+    return trainer.accelerator.get_state_dict(engine)
+
+
 def save_adapter(trainer, run: Path, meta: dict) -> Path:
     """Write the trained adapter and ``medvol_adapter.json`` to ``RUN/adapter`` atomically (main process only)."""
     adapter = Path(run) / "adapter"
+    state_dict = zero3_state_dict(trainer)  # every process takes part in gathering ZeRO-3's shards
     if not trainer.is_world_process_zero():
         return adapter
     tmp = Path(run) / f".adapter.tmp-{uuid.uuid4().hex[:8]}"
     try:
         # only the trained adapter: GRPO's TRL also holds a frozen "ref" copy of the SFT adapter
         names = getattr(trainer.model, "peft_config", {})
-        trainer.model.save_pretrained(str(tmp), **({"selected_adapters": ["default"]} if "ref" in names else {}))
+        trainer.model.save_pretrained(str(tmp), **({"selected_adapters": ["default"]} if "ref" in names else {}),
+                                      **({"state_dict": state_dict} if state_dict is not None else {}))
         (tmp / "medvol_adapter.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         if adapter.exists():
             shutil.rmtree(adapter)
@@ -125,5 +140,5 @@ def write_summary(trainer, run: Path, summary: dict) -> None:
         write_text_atomic(Path(run) / "training.json", json.dumps(summary, indent=1) + "\n", overwrite=True)
 
 
-__all__ = ["last_checkpoint", "step_of", "open_run", "tensorboard_dir", "save_adapter", "trainer_arguments",
+__all__ = ["last_checkpoint", "step_of", "open_run", "tensorboard_dir", "save_adapter", "zero3_state_dict", "trainer_arguments",
            "write_summary"]
