@@ -21,7 +21,7 @@ REPO = CONFIGS.parents[1]
 def test_accelerate_configs_load_with_accelerates_config_class(name, kind, machines):
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 
-    c = load_config_from_file(str(CONFIGS / name))  # a key accelerate does not know is a TypeError here
+    c = load_config_from_file(str(CONFIGS / name))  # a key accelerate does not know is refused here (ValueError)
     assert isinstance(c, ClusterConfig) and c.distributed_type.value == kind and c.num_machines == machines
     assert c.num_processes % c.num_machines == 0 and c.use_cpu is False
     if kind == "DEEPSPEED":
