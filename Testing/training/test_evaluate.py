@@ -363,11 +363,23 @@ def test_stop_after_empty_is_a_setting(oracle_crop, crop_data, tmp_path, capsys)
     case = json.loads(next((oracle_crop / "cases").glob("*.json")).read_text(encoding="utf-8"))
     assert case["details"]["propagation"]["stop_after_empty"] == DEFAULT_STOP_AFTER_EMPTY
 
-    out = tmp_path / "EVAL0"
-    rc, _, err = run_cli(["--data", crop_data, "--out", out, *ORACLE, "--stop-after-empty", 0], capsys)
+    summary = json.loads((oracle_crop / "summary.json").read_text(encoding="utf-8"))
+    assert summary["protocol"] == "product"
+    assert "Protocol: not the paper's: early stop" in (oracle_crop / "table.md").read_text(encoding="utf-8")
+
+    out = tmp_path / "EVAL0"  # --protocol paper: the paper's Table 1 = K 0 (the whole volume) on the test split
+    rc, _, err = run_cli(["--data", crop_data, "--out", out, *ORACLE, "--protocol", "paper"], capsys)
     assert rc == 0, err
     s0 = json.loads((out / "settings.json").read_text(encoding="utf-8"))
     assert s0["settings"]["stop_after_empty"] == 0 and "early stop" not in s0["method"]
+    assert json.loads((out / "summary.json").read_text(encoding="utf-8"))["protocol"] == "paper"
+    assert "Protocol: the paper's (Table 1)" in (out / "table.md").read_text(encoding="utf-8")
+    case = json.loads(next((out / "cases").glob("*.json")).read_text(encoding="utf-8"))
+    assert case["details"]["propagation"]["stop_after_empty"] == 0
+    for extra, word in ((["--stop-after-empty", 2], "--stop-after-empty 2"), (["--split", "train"], "test split")):
+        rc, _, err = run_cli(["--data", crop_data, "--out", tmp_path / "bad", *ORACLE, "--protocol", "paper", *extra],
+                             capsys)
+        assert rc == 2 and word in err and len(err.strip().splitlines()) == 1
     old = {k: v for k, v in s0["settings"].items() if k != "stop_after_empty"}  # a settings.json from before
     assert EvalSettings(**old).fingerprint() == s0["fingerprint"]
     import hashlib

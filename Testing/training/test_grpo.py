@@ -140,7 +140,7 @@ def grpo_run(sft_run, sm_data, tmp_path_factory):
     rc = main(["grpo", "--data", str(sm_data), "--adapter", str(sft_run / "adapter"), "--output", str(run),
                "--preset", "tiny", "--max-steps", "2", "--random-weights", "0", "learning_rate=1e-3",
                "warmup_ratio=0", "save_steps=1", "max_completion_length=48", "delta=1", "max_samples=2",
-               "num_generations=2"])
+               "num_generations=2", "eval_steps=2", "eval_max_samples=1", "log_completions=true"])
     assert rc == 0
     return run
 
@@ -161,6 +161,12 @@ def test_two_grpo_steps_from_the_sft_adapter_log_every_term(grpo_run):
     assert meta["stage"] == "grpo"
     assert not (grpo_run / "adapter" / "ref").exists()  # TRL's frozen reference copy is not the product
     assert {p.name for p in (grpo_run / "checkpoints").glob("checkpoint-*")} == {"checkpoint-1", "checkpoint-2"}
+    # the feedback: zero-spread fraction per step, TRL's completion log, and the held-out evaluation at step 2
+    assert all(0 <= h["frac_reward_zero_std"] <= 1 for h in report["history"])
+    assert sorted(p.name for p in (grpo_run / "checkpoints" / "completions").glob("*.parquet")) == \
+        ["completions_00001.parquet", "completions_00002.parquet"]
+    [ev] = report["evaluations"]
+    assert ev["step"] == 2 and all(math.isfinite(ev[f"eval_rewards/{t}/mean"]) for t in TERMS)
 
 
 def test_grpo_adapter_loads_in_the_grounder(grpo_run):
@@ -273,3 +279,33 @@ def test_resume_continues_from_the_saved_step(grpo_run, sft_run, sm_data, tmp_pa
     original = json.loads((grpo_run / "training.json").read_text(encoding="utf-8"))["history"]
     assert report["history"][0] == original[0]  # step 1 comes from the checkpoint, not run again
     assert (run / "checkpoints" / "checkpoint-2").is_dir()
+
+
+def test_zero_reward_spread_warns_once_after_n_steps_in_a_row(caplog):
+    from types import SimpleNamespace
+
+    from medvoltrain._grpo_trainer import ZeroRewardStdWarning
+
+    def feed(cb, fracs, every=1):
+        for i, f in enumerate(fracs, 1):
+            cb.on_log(SimpleNamespace(num_generations=4), SimpleNamespace(global_step=i * every), None,
+                      logs={"frac_reward_zero_std": f, "loss": 0.0})
+
+    def warnings_():
+        return [r for r in caplog.records if "no learning signal" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="medvoltrain"):
+        feed(ZeroRewardStdWarning(3), [1, 1, 0.5, 1, 1, 0.75])  # never 3 steps in a row
+        assert warnings_() == []
+        feed(ZeroRewardStdWarning(3), [1, 1, 1, 1, 1])  # once per streak, at step 3
+        assert len(warnings_()) == 1 and "for 3 step(s) (steps 1-3)" in warnings_()[0].getMessage()
+        caplog.clear()
+        feed(ZeroRewardStdWarning(4), [1, 1], every=2)  # logging_steps=2: a log averages 2 steps
+        assert len(warnings_()) == 1 and "for 4 step(s)" in warnings_()[0].getMessage()
+        caplog.clear()
+        feed(ZeroRewardStdWarning(0), [1] * 10)  # 0: never
+        assert warnings_() == []
+    with pytest.raises(ConfigError, match="zero_std_warn_steps must be ≥ 0"):
+        load_settings(None, {"zero_std_warn_steps": "-1"}, cls=GRPOSettings)
+    with pytest.raises(ConfigError, match="eval_split must be train or test"):
+        load_settings(None, {"eval_split": "val"}, cls=GRPOSettings)

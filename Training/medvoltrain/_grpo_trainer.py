@@ -7,10 +7,15 @@ trainer overrides and why: :mod:`medvoltrain.grpo`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .prepare import load_slices
+
+log = logging.getLogger("medvoltrain.grpo")
 
 
 class GrounderGRPOTrainer(GRPOTrainer):
@@ -97,4 +102,35 @@ class GrounderGRPOTrainer(GRPOTrainer):
         return torch.cat(pv).to(device), torch.cat(grids).to(device), counts, mm
 
 
-__all__ = ["GrounderGRPOTrainer"]
+class ZeroRewardStdWarning(TrainerCallback):
+    """Warns once per streak when every group's rewards have been equal for ``steps`` optimiser steps
+    in a row (TRL logs ``frac_reward_zero_std``, the fraction of groups whose rewards have zero spread):
+    the group-normalised advantages are then all zero and the policy gets no learning signal."""
+
+    def __init__(self, steps: int):
+        self.steps = int(steps)
+        self.last_step = 0  # the step of the previous training log
+        self.streak_from = None  # the last step before the current run of zero-spread logs
+        self.warned = False
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        frac = (logs or {}).get("frac_reward_zero_std")  # training logs only (evaluation's are eval_*)
+        if frac is None:
+            return
+        step = int(state.global_step)
+        if frac >= 1.0 - 1e-6:  # averaged over the steps since the last log: 1 only if every step had it
+            if self.streak_from is None:
+                self.streak_from = self.last_step
+            if self.steps and not self.warned and step - self.streak_from >= self.steps:
+                self.warned = True
+                log.warning("GRPO has had no learning signal for %d step(s) (steps %d-%d): every group's %d "
+                            "rollouts got the same reward (frac_reward_zero_std = 1), so every advantage is 0. "
+                            "Check the rollouts (log_completions=true) and rewards/format/mean; more rollouts "
+                            "(num_generations) or a better SFT adapter usually help", step - self.streak_from,
+                            self.streak_from + 1, step, getattr(args, "num_generations", 0))
+        else:
+            self.streak_from, self.warned = None, False
+        self.last_step = step
+
+
+__all__ = ["GrounderGRPOTrainer", "ZeroRewardStdWarning"]

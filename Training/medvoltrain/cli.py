@@ -19,6 +19,7 @@ from medvolcore.cpu import threads_arg
 from medvolcore.errors import MedVolError
 
 from . import __version__
+from .distributed import check_launcher, is_main_process, quiet_other_ranks, rank as rank_text
 
 PROG = "medvol-train"
 log = logging.getLogger("medvoltrain")
@@ -67,6 +68,8 @@ def cmd_sft(args) -> int:
                              max_steps=args.max_steps)
     _apply_threads(args)
     summary = train_sft(args.data, args.output, settings, resume=args.resume, overwrite=args.overwrite)
+    if not is_main_process():  # rank 0 reports the run
+        return 0
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     else:
@@ -85,6 +88,8 @@ def cmd_grpo(args) -> int:
     summary = train_grpo(args.data, args.output, settings, adapter=args.adapter, resume=args.resume,
                          overwrite=args.overwrite, sam_checkpoint=args.sam_checkpoint,
                          random_weights=args.random_weights)
+    if not is_main_process():  # rank 0 reports the run
+        return 0
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     else:
@@ -124,7 +129,8 @@ def cmd_evaluate(args) -> int:
                        sam_image_size=args.sam_image_size, device=args.device, shard=args.shard, limit=args.limit,
                        constrain=not args.unconstrained, overwrite=args.overwrite, retry_failed=args.retry_failed,
                        save_masks=not args.no_masks, progress=not args.no_progress,
-                       aggregate_only=args.aggregate_only, stop_after_empty=args.stop_after_empty)
+                       aggregate_only=args.aggregate_only, stop_after_empty=args.stop_after_empty,
+                       protocol=args.protocol)
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     else:
@@ -277,9 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shard", metavar="I/N", help="evaluate the samples with index %% N == I (one shard per GPU)")
     sp.add_argument("--limit", type=int, help="only the first N samples of the split")
     sp.add_argument("--unconstrained", action="store_true", help="decode without the answer grammar (still greedy)")
+    sp.add_argument("--protocol", choices=("product", "paper"),
+                    help="paper: the paper's Table 1 protocol (MedSAM2 over the whole volume, no early stop; test "
+                         "split); product (default): early stop as `medvol segment` does")
     sp.add_argument("--stop-after-empty", type=int, metavar="K",
                     help="early stop: each direction ends once every mask has been empty on K slices (default: "
-                         "medvol's default; 0 = the whole volume, the paper's Table 1 protocol)")
+                         "medvol's default; 0 = the whole volume, as --protocol paper)")
     sp.add_argument("--overwrite", action="store_true",
                     help="redo this shard's cases, also in a DIR made with other settings")
     sp.add_argument("--retry-failed", action="store_true",
@@ -364,12 +373,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     for lg in loggers:
         lg.addHandler(handler)
         lg.propagate = False
+    where = "" if is_main_process() else f" (rank {rank_text()})"
     try:
+        if args.command in ("sft", "grpo"):
+            check_launcher(argv)
+            quiet_other_ranks()
         return int(args.func(args) or 0)
     except MedVolError as e:
         if args.debug:
             raise
-        sys.stderr.write(f"{PROG}: error: {e}\n")
+        if not where:  # every rank meets the same bad input: rank 0 says it once
+            sys.stderr.write(f"{PROG}: error: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted" + ("; rerun with --resume to continue" if args.command in ("sft", "grpo")
@@ -379,7 +393,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.debug:
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        sys.stderr.write(f"{PROG}: internal error: {type(e).__name__}: {msg} (rerun with --debug for details)\n")
+        sys.stderr.write(f"{PROG}: internal error{where}: {type(e).__name__}: {msg} (rerun with --debug for details)\n")
         return 1
     finally:
         for lg, prop in saved:

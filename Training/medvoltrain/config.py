@@ -140,6 +140,16 @@ class GRPOSettings(TrainSettings):
     # skips the rest of a direction once the masks have been empty on K slices, which then count
     # as predicted empty: the Dice is still taken over the whole window)
     consistency_stop_after_empty: int = 0
+    # -- feedback while training --
+    # warn when every group's rewards have been equal (TRL's frac_reward_zero_std = 1: zero advantages,
+    # no learning signal) for this many steps in a row; 0 never warns
+    zero_std_warn_steps: int = 5
+    log_completions: bool = False  # TRL's: print sampled completions (rich) at every log, RUN/checkpoints/completions/*.parquet
+    # periodic evaluation (TRL's eval_strategy "steps"): rewards of G rollouts per prompt of eval_split every
+    # eval_steps steps, logged as eval_* (TensorBoard, training.json); 0 = off
+    eval_steps: int = 0
+    eval_split: str = "test"
+    eval_max_samples: Optional[int] = None  # only the first N samples of eval_split
     # -- shared settings with other defaults here (lr and epochs are the paper's) --
     learning_rate: float = 2e-6
     num_train_epochs: float = 3.0
@@ -166,6 +176,13 @@ class GRPOSettings(TrainSettings):
             raise ConfigError(f"top_p must be in (0, 1] and top_k ≥ 0, got top_p={self.top_p}, top_k={self.top_k}")
         if self.delta < 0:
             raise ConfigError(f"delta must be ≥ 0 (the paper's ablation uses {', '.join(map(str, DELTAS))}), got {self.delta}")
+        for key in ("zero_std_warn_steps", "eval_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be ≥ 0 (0 = off), got {getattr(self, key)}")
+        if self.eval_split not in ("train", "test"):
+            raise ConfigError(f"eval_split must be train or test, got {self.eval_split!r}")
+        if self.eval_max_samples is not None and self.eval_max_samples < 1:
+            raise ConfigError(f"eval_max_samples must be ≥ 1 or null (all), got {self.eval_max_samples}")
         if self.consistency_stop_after_empty < 0:
             raise ConfigError("consistency_stop_after_empty must be ≥ 0 (0 = propagate the whole window, the paper's "
                               f"reward), got {self.consistency_stop_after_empty}")

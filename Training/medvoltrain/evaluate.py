@@ -108,6 +108,18 @@ EXISTENCE_DEFINITION = ("existence accuracy: the answer is [] exactly when the t
                         "case (a failed case is wrong); FP rate: negative cases answered with a slice and boxes; FN "
                         "rate: positive cases answered []; in %; negative cases are not scored for DSC, IoU, hit or "
                         "box IoU, and an absent answer on a positive case scores DSC = IoU = 0")
+# --protocol: named settings of a whole evaluation. "paper": Table 1 as the MedVol-R1 paper measures it, MedSAM2
+# propagating the anchor over the whole volume (no early stop) on the test split; "product": what `medvol
+# segment` does (early stop, K = the product default). Decoding is the same in both (64 shown slices, greedy,
+# at most 256 new tokens, constrained unless --unconstrained).
+PROTOCOLS = ("product", "paper")
+
+
+def protocol_of(settings: "EvalSettings") -> str:
+    """``paper`` when the settings are the paper's Table 1 protocol (whole volume, test split), else ``product``."""
+    return "paper" if settings.stop_after_empty == 0 and settings.split == "test" else "product"
+
+
 FAILURE_POLICY = ("failed cases (the model gave no usable answer) count as DSC = IoU = 0, a miss and box IoU 0; "
                   "cases that could not be evaluated (errors) are left out of every mean")
 
@@ -540,7 +552,7 @@ def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, finger
     ds_with_cases = [d for d in per_dataset.values() if d["cases"]]
     summary = {
         "schema": SCHEMA, "method": label, "smoke": smoke, "settings": asdict(settings), "fingerprint": fingerprint,
-        "split": settings.split, "cases_in_split": len(samples), "cases_evaluated": len(rows),
+        "protocol": protocol_of(settings), "split": settings.split, "cases_in_split": len(samples), "cases_evaluated": len(rows),
         "cases_pending": len(samples) - len(rows), "cases_ok": sum(r["status"] == "ok" for r in rows),
         "cases_failed": sum(r["status"] == "failed" for r in rows),
         "cases_error": sum(r["status"] == "error" for r in rows),
@@ -621,7 +633,14 @@ def table_markdown(summary: dict, header: List[str], line: List[str]) -> str:
     out += ["DSC and IoU in %, mean over cases (3-D masks on the canonical axial stack).", ""]
     out += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
             "| " + " | ".join(c.replace("|", "\\|") for c in line) + " |", ""]
-    notes = [f"Cases: {s['cases_evaluated']} of {s['cases_in_split']} in the split evaluated — {s['cases_ok']} ok, "
+    k = s["settings"].get("stop_after_empty", 0)
+    notes = [("Protocol: the paper's (Table 1): MedSAM2 propagates the anchor over the whole volume, test split."
+              if s.get("protocol") == "paper" else
+              "Protocol: not the paper's: " + (f"early stop (each direction ends once every mask has been empty on "
+                                               f"{k} slices), as `medvol segment` does" if k else
+                                               f"whole-volume propagation on the {s['split']} split")
+              + "; `--protocol paper` gives the paper's Table 1 protocol."),
+             f"Cases: {s['cases_evaluated']} of {s['cases_in_split']} in the split evaluated — {s['cases_ok']} ok, "
              f"{s['cases_failed']} failed, {s['cases_error']} errors."]
     if s["cases_pending"]:
         notes.append(f"**Partial:** {s['cases_pending']} case(s) not evaluated yet (other shards, --limit, or an "
@@ -708,10 +727,13 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
              sam_checkpoint=None, random_weights: Optional[int] = None, sam_image_size: Optional[int] = None,
              device: str = "auto", shard=None, limit: Optional[int] = None, constrain: bool = True,
              overwrite: bool = False, retry_failed: bool = False, save_masks: bool = True, progress: bool = True,
-             aggregate_only: bool = False, stop_after_empty: Optional[int] = None) -> dict:
+             aggregate_only: bool = False, stop_after_empty: Optional[int] = None,
+             protocol: Optional[str] = None) -> dict:
     """Evaluate the pipeline (or the oracle anchor) on a prepared split and write the tables (see the
     module docstring); returns the summary, with ``summary["run"]`` saying what this call did.
     ``stop_after_empty``: early stop's K (None: the product default; 0: the whole volume, the paper's).
+    ``protocol``: ``"paper"`` (K = 0 on the test split; an explicit K > 0 or another split is refused) or
+    ``"product"``/None (the product default K unless ``stop_after_empty`` is given); :data:`PROTOCOLS`.
 
     ``aggregate_only``: rebuild the tables of ``out`` from its case files and settings (the other
     arguments are not used)."""
@@ -732,6 +754,15 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
 
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}: use {' or '.join(SPLITS)}")
+    if protocol not in (None,) + PROTOCOLS:
+        raise InputError(f"unknown protocol {protocol!r}: use {' or '.join(PROTOCOLS)}")
+    if protocol == "paper":
+        if stop_after_empty not in (None, 0):
+            raise InputError(f"--protocol paper propagates over the whole volume; drop --stop-after-empty "
+                             f"{stop_after_empty} (or use the product's protocol)")
+        if split != "test":
+            raise InputError(f"--protocol paper evaluates the test split, not {split!r}")
+        stop_after_empty = 0
     i_shard, n_shards = parse_shard(shard)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InputError(f"--limit must be a whole number ≥ 1, got {limit!r}")
@@ -833,5 +864,5 @@ def format_result(summary: dict, out_dir) -> str:
 
 
 __all__ = ["EvalSettings", "evaluate", "evaluate_case", "score_case", "score_negative", "existence", "aggregate",
-           "parse_shard", "dataset_name", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT",
+           "parse_shard", "dataset_name", "protocol_of", "PROTOCOLS", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT",
            "EXISTENCE_COLUMNS"]

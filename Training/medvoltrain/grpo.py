@@ -42,6 +42,7 @@ from .config import GRPOSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples
 from .rewards import ConsistencyScorer, RewardFunctions
+from .distributed import describe
 from .runs import open_run, save_adapter, step_of, tensorboard_dir, trainer_arguments, write_summary
 from .sft import load_grounder, lora_target_modules, resolve_model_dir, use_bf16
 
@@ -74,14 +75,18 @@ def _suppressed_ids(tokenizer) -> list:
     return ids
 
 
-def _grpo_config(settings: GRPOSettings, run: Path, bf16: bool, weights, suppress=()):
+def _grpo_config(settings: GRPOSettings, run: Path, bf16: bool, weights, suppress=(), evaluate: bool = False):
     from trl import GRPOConfig
 
-    return GRPOConfig(**trainer_arguments(settings, run, bf16),
+    per_device = settings.prompts_per_device * settings.num_generations
+    feedback = dict(log_completions=settings.log_completions,
+                    eval_strategy="steps" if evaluate else "no", eval_steps=settings.eval_steps or None,
+                    per_device_eval_batch_size=per_device)
+    return GRPOConfig(**trainer_arguments(settings, run, bf16), **feedback,
                       num_generations=settings.num_generations, beta=settings.beta,
                       max_completion_length=settings.max_completion_length, temperature=settings.temperature,
                       top_p=settings.top_p, top_k=settings.top_k,
-                      per_device_train_batch_size=settings.prompts_per_device * settings.num_generations,
+                      per_device_train_batch_size=per_device,
                       reward_weights=list(weights), use_vllm=settings.use_vllm,
                       generation_kwargs={"suppress_tokens": list(suppress)} if suppress else None)
 
@@ -150,6 +155,12 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
         samples = samples[: max(0, int(settings.max_samples))]
     if not samples:
         raise DataError(f"{data_dir} has no {settings.split!r} samples to train on")
+    eval_samples = []
+    if settings.eval_steps:
+        eval_samples = load_samples(data_dir, settings.eval_split)[: settings.eval_max_samples]
+        if not eval_samples:
+            raise DataError(f"eval_steps={settings.eval_steps}: {data_dir} has no {settings.eval_split!r} samples "
+                            "to evaluate on (set eval_split, or eval_steps=0)")
     if adapter is not None and not Path(adapter).expanduser().is_dir():
         raise ModelError(f"--adapter {adapter} is not a folder; give RUN/adapter of `medvol-train sft`")
     model_dir = resolve_model_dir(settings)
@@ -160,17 +171,20 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
     scorer = make_scorer(settings, sam_checkpoint, random_weights, device=device)
     grounder = load_grounder(model_dir, bf16)
     model, peft_config = _policy(grounder, adapter, settings)
-    rewards = RewardFunctions(tokenizer=grounder.tokenizer, scorer=scorer, samples={s["id"]: s for s in samples})
+    rewards = RewardFunctions(tokenizer=grounder.tokenizer, scorer=scorer,
+                              samples={s["id"]: s for s in samples + eval_samples})
     funcs, weights = rewards.functions(settings.reward_weights)
     run.mkdir(parents=True, exist_ok=True)
-    args = _grpo_config(settings, run, bf16, weights, _suppressed_ids(grounder.tokenizer))
-    from ._grpo_trainer import GrounderGRPOTrainer
+    args = _grpo_config(settings, run, bf16, weights, _suppressed_ids(grounder.tokenizer), evaluate=bool(eval_samples))
+    from ._grpo_trainer import GrounderGRPOTrainer, ZeroRewardStdWarning
 
     t0 = time.perf_counter()
     with tensorboard_dir(run):
         trainer = GrounderGRPOTrainer(model=model, reward_funcs=funcs, args=args,
                                       train_dataset=grpo_dataset(samples), processing_class=grounder.tokenizer,
-                                      peft_config=peft_config, grounder=grounder, samples=samples)
+                                      eval_dataset=grpo_dataset(eval_samples) if eval_samples else None,
+                                      peft_config=peft_config, grounder=grounder, samples=samples + eval_samples,
+                                      callbacks=[ZeroRewardStdWarning(settings.zero_std_warn_steps)])
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     seconds = time.perf_counter() - t0
     out_adapter = save_adapter(trainer, run, adapter_metadata(
@@ -178,7 +192,9 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
         reward_weights=dict(zip([f.__name__ for f in funcs], weights))))
     history = [h for h in trainer.state.log_history if "loss" in h]
     keys = [k for k in (history[0] if history else {}) if k.startswith("rewards/") or k in
-            ("loss", "kl", "reward", "reward_std", "learning_rate", "completions/mean_length")]
+            ("loss", "kl", "reward", "reward_std", "frac_reward_zero_std", "learning_rate", "completions/mean_length")]
+    evaluations = [{k: v for k, v in h.items() if k == "step" or k.startswith("eval_")}
+                   for h in trainer.state.log_history if "eval_loss" in h]
     summary = {"adapter": str(out_adapter), "base_model": str(model_dir), "started_from": str(adapter) if adapter else None,
                "samples": len(samples), "global_step": int(trainer.state.global_step),
                "resumed_from": str(checkpoint) if checkpoint else None, "bf16": bf16, "seconds": round(seconds, 2),
@@ -186,7 +202,9 @@ def train_grpo(data_dir, run_dir, settings: GRPOSettings, adapter=None, resume: 
                "reward_weights": dict(zip([f.__name__ for f in funcs], weights)),
                "reward_failures": dict(rewards.failures),
                "history": [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history],
-               "settings": settings.to_dict()}
+               "evaluations": evaluations,
+               "settings": settings.to_dict(),
+               "distributed": describe(trainer)}
     write_summary(trainer, run, summary)
     return summary
 

@@ -22,6 +22,7 @@ from typing import Optional
 from medvolcore.errors import OutputExistsError
 
 from .adapter import write_adapter_files
+from .distributed import is_main_process
 from .errors import DataError
 
 
@@ -54,8 +55,9 @@ def open_run(run_dir, resume: bool, overwrite: bool) -> tuple:
         if not overwrite:
             raise OutputExistsError(f"{run} already holds a run; pass --resume to continue it or --overwrite to "
                                     "start again")
-        shutil.rmtree(run / "checkpoints", ignore_errors=True)
-        shutil.rmtree(run / "adapter", ignore_errors=True)
+        if is_main_process():  # one process clears the folder (the others may still be looking at it)
+            shutil.rmtree(run / "checkpoints", ignore_errors=True)
+            shutil.rmtree(run / "adapter", ignore_errors=True)
     return run, None
 
 
@@ -73,17 +75,32 @@ def tensorboard_dir(run: Path):
             os.environ["TENSORBOARD_LOGGING_DIR"] = old
 
 
+def zero3_state_dict(trainer) -> Optional[dict]:
+    """Under DeepSpeed ZeRO-3 the model's weights are sharded over the processes: the whole state dict,
+    gathered (a collective: every process must call this; configs/zero3.json sets
+    ``stage3_gather_16bit_weights_on_model_save``), as transformers' ``Trainer.save_model`` does.
+    None otherwise (the model's own weights are whole). Not run here: no GPU, no DeepSpeed."""
+    engine = getattr(trainer, "deepspeed", None)
+    if not getattr(trainer, "is_deepspeed_enabled", False) or engine is None:
+        return None
+    if (engine.config.get("zero_optimization") or {}).get("stage") != 3:
+        return None
+    return trainer.accelerator.get_state_dict(engine)
+
+
 def save_adapter(trainer, run: Path, meta: dict) -> Path:
     """Write the trained adapter, ``medvol_adapter.json`` (``meta``, see :func:`.adapter.adapter_metadata`)
     and its model card to ``RUN/adapter`` atomically (main process only)."""
     adapter = Path(run) / "adapter"
+    state_dict = zero3_state_dict(trainer)  # every process takes part in gathering ZeRO-3's shards
     if not trainer.is_world_process_zero():
         return adapter
     tmp = Path(run) / f".adapter.tmp-{uuid.uuid4().hex[:8]}"
     try:
         # only the trained adapter: GRPO's TRL also holds a frozen "ref" copy of the SFT adapter
         names = getattr(trainer.model, "peft_config", {})
-        trainer.model.save_pretrained(str(tmp), **({"selected_adapters": ["default"]} if "ref" in names else {}))
+        trainer.model.save_pretrained(str(tmp), **({"selected_adapters": ["default"]} if "ref" in names else {}),
+                                      **({"state_dict": state_dict} if state_dict is not None else {}))
         write_adapter_files(tmp, dict(meta, steps=int(trainer.state.global_step)))  # card, metadata, Hub id
         if adapter.exists():
             shutil.rmtree(adapter)
@@ -111,6 +128,11 @@ def trainer_arguments(settings, run: Path, bf16: bool) -> dict:
         report_to=[] if settings.report_to in ("none", "", None) else [settings.report_to],
         dataloader_num_workers=settings.dataloader_num_workers, remove_unused_columns=False,
         deepspeed=settings.deepspeed, disable_tqdm=False,
+        # every trainable LoRA weight gets a gradient in every forward (the LoRA sits on layers each
+        # token passes through), so DDP need not search the graph for unused ones; PEFT models are not
+        # PreTrainedModel, for which transformers' default would be True (and DDP warns about it)
+        ddp_find_unused_parameters=False,
+        log_level_replica="error",  # the other ranks print errors only (distributed.quiet_other_ranks)
     )
 
 
@@ -121,5 +143,5 @@ def write_summary(trainer, run: Path, summary: dict) -> None:
         write_text_atomic(Path(run) / "training.json", json.dumps(summary, indent=1) + "\n", overwrite=True)
 
 
-__all__ = ["last_checkpoint", "step_of", "open_run", "tensorboard_dir", "save_adapter", "trainer_arguments",
+__all__ = ["last_checkpoint", "step_of", "open_run", "tensorboard_dir", "save_adapter", "zero3_state_dict", "trainer_arguments",
            "write_summary"]

@@ -39,6 +39,7 @@ from .adapter import adapter_metadata
 from .config import SFTSettings
 from .errors import ConfigError, DataError
 from .prepare import load_samples, load_slices
+from .distributed import describe
 from .runs import open_run, save_adapter, step_of, tensorboard_dir, trainer_arguments, write_summary
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,8 @@ def train_sft(data_dir, run_dir, settings: SFTSettings, resume: bool = False, ov
                "loss_first": history[0]["loss"] if history else None, "loss_last": history[-1]["loss"] if history else None,
                "loss_history": [{"step": h["step"], "loss": h["loss"], "learning_rate": h.get("learning_rate")}
                                 for h in history],
-               "train_loss": float(result.training_loss), "settings": settings.to_dict()}
+               "train_loss": float(result.training_loss), "settings": settings.to_dict(),
+               "distributed": describe(trainer)}
     write_summary(trainer, run, summary)
     return summary
 
