@@ -2,12 +2,27 @@
 events (:data:`medvolcore.pipeline.Progress`): what the CLI's non-terminal lines and the worker's
 ``progress`` events add to a fraction. The estimate assumes the rest of the stage goes at the
 average pace so far; it is rough where a stage's steps differ in speed (see
-:mod:`medvolcore.grounder.progress` for how the grounding stage is divided)."""
+:mod:`medvolcore.grounder.progress` for how the grounding stage is divided). Also
+:func:`cancel_checker`, the one form of a cancel that the grounder and the propagator check."""
 
 from __future__ import annotations
 
 import time
 from typing import Callable, Optional, Tuple
+
+from .errors import InputError
+
+
+def cancel_checker(cancel) -> Callable[[], bool]:
+    """``cancel`` (None, a ``threading.Event`` or a zero-argument callable) as a callable: the one
+    form the grounder and the propagator check between their steps."""
+    if cancel is None:
+        return lambda: False
+    if hasattr(cancel, "is_set"):
+        return cancel.is_set
+    if callable(cancel):
+        return lambda: bool(cancel())
+    raise InputError(f"cancel must be a threading.Event or a zero-argument callable, got {type(cancel).__name__}")
 
 
 class StageClock:

@@ -24,21 +24,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..errors import CancelledError, InputError
+from ..errors import CancelledError
+from ..progress import cancel_checker
 
 # (step, start, end) within the ground stage
 SPANS = {"prompt": (0.0, 0.02), "vision": (0.02, 0.25), "prefill": (0.25, 0.55), "decode": (0.55, 1.0)}
-
-
-def cancel_checker(cancel) -> Callable[[], bool]:
-    """``cancel`` (None, a ``threading.Event`` or a zero-argument callable) as a callable."""
-    if cancel is None:
-        return lambda: False
-    if hasattr(cancel, "is_set"):
-        return cancel.is_set
-    if callable(cancel):
-        return lambda: bool(cancel())
-    raise InputError(f"cancel must be a threading.Event or a zero-argument callable, got {type(cancel).__name__}")
 
 
 class GroundingProgress:

@@ -33,6 +33,7 @@ from ..devices import resolve_device
 from ..errors import CancelledError, CheckpointError, DependencyError, InputError
 from ..resources import resource_path
 from ..windowing import WindowLike, get_window
+from ..progress import cancel_checker
 from ..prompts import plan_objects
 from .frames import DEFAULT_IMAGE_SIZE, FeatureStore, MedSAM2Frames
 
@@ -228,16 +229,6 @@ def keep_largest_component(mask: np.ndarray) -> np.ndarray:
     sizes = np.bincount(labels.ravel())
     sizes[0] = 0
     return labels == int(np.argmax(sizes))
-
-
-def _cancel_checker(cancel: CancelLike) -> Callable[[], bool]:
-    if cancel is None:
-        return lambda: False
-    if hasattr(cancel, "is_set"):
-        return cancel.is_set
-    if callable(cancel):
-        return lambda: bool(cancel())
-    raise InputError(f"cancel must be a threading.Event or a zero-argument callable, got {type(cancel).__name__}")
 
 
 def _check_stack(stack_hu) -> np.ndarray:
@@ -514,7 +505,7 @@ class MedSAM2Propagator:
             if outside:
                 raise InputError(f"object {obj.number} is prompted on slice {outside[0]}, outside the propagated "
                                  f"slices {lo}..{hi}")
-        is_cancelled = _cancel_checker(cancel)
+        is_cancelled = cancel_checker(cancel)
         if progress is not None and not callable(progress):
             raise InputError("progress must be a callable progress(done, total, message)")
         if features is not None and not isinstance(features, FeatureStore):
