@@ -1197,6 +1197,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             name = params.unique_name(params.segment_name(anchor.get("query") or target.query), existing)
             segmentId = segmentation.AddEmptySegment("", name)
             previous = None
+            style = params.segment_style(result.get("terminology"))  # the worker's coded name and colour
+            if style is not None:
+                segment = segmentation.GetSegment(segmentId)
+                segment.SetColor(*style[0])
+                segment.SetTerminology(style[1])
         slicer.util.updateSegmentBinaryLabelmapFromArray(mask, segNode, segmentId, volumeNode)
         agreementId = self._replaceAgreement(p, segNode, volumeNode, agreement, anchor.get("query") or target.query,
                                              samples, keep=segmentId)

@@ -257,6 +257,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     """
     from .errors import CancelledError
     from .pipeline import as_stack
+    from .terminology import match
     from .volume import save_mask
 
     t0 = time.perf_counter()
@@ -291,8 +292,11 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         progress("write", 0.0, "writing the mask")
     t_write = time.perf_counter()
     wrote_mask = not seg.absent or outputs.empty_mask_on_absent
+    named = seg.anchor.query or query or ""
+    term = match(named) if named else None  # the segment's coded name and colour (terminology.py)
     if wrote_mask:
-        save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite)
+        save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite,
+                  segments=[{"name": named or "Segment_1", "value": 1, "term": term}])
     if outputs.agreement:
         save_mask(seg.agreement, stack.volume, outputs.agreement, overwrite=outputs.overwrite)
     if outputs.anchor:
@@ -321,6 +325,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         "query": seg.anchor.query or (query or ""), "preset": seg.preset, "smoke": bool(seg.smoke),
         "absent": bool(seg.absent),
         "identity": seg.identity,
+        "terminology": term.to_dict() if term is not None else None,
         "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
         "notes": list(seg.notes), "shape": [int(s) for s in stack.volume.shape], "mask_voxels": int(seg.mask.sum()),
         "propagation": seg.anchor.propagation, "metrics": metrics, "timings": timings,

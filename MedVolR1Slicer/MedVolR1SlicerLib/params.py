@@ -79,6 +79,19 @@ def absent_message(query: str) -> str:
             "It may be wrong: if you can see it, rephrase the query, or draw it with the Segment Editor.")
 
 
+def segment_style(terminology) -> Optional[Tuple[Tuple[float, float, float], str]]:
+    """``((r, g, b) in 0..1, Slicer terminology entry)`` for a new segment, from a result's
+    ``terminology`` (medvolcore.terminology: the SNOMED CT code its query was matched to, or the
+    generic one, and the colour that goes with it); None when the result has none (an older worker)."""
+    if not isinstance(terminology, dict):
+        return None
+    color, entry = terminology.get("color"), terminology.get("slicer_terminology")
+    if not (isinstance(color, list) and len(color) == 3 and all(isinstance(c, int) and 0 <= c <= 255 for c in color)
+            and isinstance(entry, str) and entry.count("~") == 6):
+        return None
+    return (color[0] / 255.0, color[1] / 255.0, color[2] / 255.0), entry
+
+
 def unique_name(name: str, existing: Sequence[str]) -> str:
     """``name`` or ``name (2)``, ``name (3)``… whichever is not in ``existing``."""
     taken = set(existing)

@@ -149,3 +149,20 @@ def test_an_in_memory_volume_is_still_an_input(tmp_path, small_ct, calls):
         run_segment_job(calls, stack, SegmentRequest(key_slice=3, boxes=[BOX]),
                         SegmentOutputs(small_ct[0], overwrite=True))
     assert calls.made == [] and small_ct[0].read_bytes() == before
+
+
+def test_a_seg_nrrd_names_its_segment_by_the_query_with_its_terminology(tmp_path, small_ct, calls):
+    """The anchor's query names the segment of a ``.seg.nrrd``; the result says how the query was
+    coded (the worker hands this to Slicer); without a query the segment is "Segment_1", generic."""
+    ct, _ = small_ct
+    first = run_segment_job(calls, ct, SegmentRequest(key_slice=3, boxes=[BOX]), SegmentOutputs(tmp_path / "a.seg.nrrd"))
+    assert first["terminology"] is None
+    assert b"Segment0_Name:=Segment_1\n" in (tmp_path / "a.seg.nrrd").read_bytes()[:4000]
+    anchor = dict(first["anchor"], query="the right kidney")
+    (tmp_path / "k.anchor.json").write_text(json.dumps(anchor))
+    res = run_segment_job(calls, ct, SegmentRequest(anchor=str(tmp_path / "k.anchor.json")),
+                          SegmentOutputs(tmp_path / "k.seg.nrrd"))
+    assert res["terminology"]["structure"] == "kidney_right" and res["terminology"]["how"] == "name"
+    header = (tmp_path / "k.seg.nrrd").read_bytes()[:4000].decode("latin1")
+    assert "Segment0_Name:=the right kidney\n" in header and "SCT^24028007^Right" in header
+    assert "Segment0_LabelValue:=1\n" in header and "Segment0_Color:=" in header

@@ -255,3 +255,13 @@ def test_the_panel_shows_the_research_use_notice_first():
     assert text["noticeLabel"] == RESEARCH_USE_NOTICE
     assert ui.find("widget/layout/item/widget").get("name") == "noticeLabel"  # first in the panel, always visible
     assert "modelLabel" in widgets  # filled from model_text (Testing/slicer_mrml/test_mrml_widget.py)
+
+
+def test_segment_style_from_a_results_terminology():
+    from MedVolR1SlicerLib.params import segment_style
+
+    entry = "Segmentation category and type - DICOM master list~SCT^123037004^Anatomical Structure~SCT^10200004^Liver~^^~Anatomic codes - DICOM master list~^^~^^"
+    color, got = segment_style({"color": [255, 0, 51], "slicer_terminology": entry})
+    assert color == (1.0, 0.0, 0.2) and got == entry
+    for bad in (None, {}, {"color": [300, 0, 0], "slicer_terminology": entry}, {"color": [1, 2, 3], "slicer_terminology": "x"}):
+        assert segment_style(bad) is None  # an older worker, or nonsense: Slicer's own defaults

@@ -213,11 +213,17 @@ def test_apply_result_puts_the_workers_mask_in_a_segment_bit_for_bit(logic, vari
     p = logic.getParameterNode()
     p.inputVolume, p.query = node, "the liver"
     result, mask, stack = worker_result(logic, node, labels, [LIVER], tmp_path)
+    from medvolcore.terminology import match
+
+    result["terminology"] = match("the liver").to_dict()  # as the worker's segment reply carries it
     notes = logic.applyResult(p, node, result, replaceSegment=False)
     assert notes == []
     seg = p.outputSegmentation
     assert seg is not None and seg.GetSegmentation().GetNumberOfSegments() == 1
-    assert seg.GetSegmentation().GetSegment(p.segmentId).GetName() == "the liver"
+    segment = seg.GetSegmentation().GetSegment(p.segmentId)
+    assert segment.GetName() == "the liver"
+    assert np.allclose(segment.GetColor(), [c / 255 for c in match("liver").color], atol=1e-6)  # the coded colour
+    assert "SCT^10200004^Liver" in segment.GetTerminology()
     got = segment_array(p, node)
     assert got.shape == kji(mask).shape
     np.testing.assert_array_equal(got, kji(mask))
