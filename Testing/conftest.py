@@ -119,6 +119,7 @@ def _write_dicom_series(sitk, img, folder, uid: str = "1.2.826.0.1.3680043.2.112
             "0008|0018": f"{uid}.3.{k + 1}",
             "0020|000d": f"{uid}.1",
             "0020|000e": f"{uid}.2",
+            "0020|0052": f"{uid}.4",  # FrameOfReferenceUID: a DICOM-SEG of the series shares it
             "0020|0037": orientation,
             "0020|0032": "\\".join(str(v) for v in img.TransformIndexToPhysicalPoint((0, 0, k))),
             "0020|0013": str(k + 1),

@@ -285,7 +285,7 @@ def _remove_temporary(tmp_path: Path) -> None:
 def check_written(path: PathLike, final: PathLike) -> None:
     """Check a file a writer has just made under a temporary name, before it is renamed to
     ``final``: it exists and is not empty, and a mask or NIfTI (``.nii``, ``.nii.gz``, ``.nrrd``,
-    ``.mha``) has a header its reader accepts, a PNG its signature. A writer that silently wrote
+    ``.seg.nrrd``, ``.mha``) has a header its reader accepts, a PNG or DICOM file its signature. A writer that silently wrote
     nothing (or elsewhere) is an :class:`OutputError`, never a success."""
     p = Path(path)
     why = None
@@ -302,7 +302,7 @@ def check_written(path: PathLike, final: PathLike) -> None:
                 import nibabel as nib
 
                 nib.load(str(p)).header  # noqa: B018 - reads the header only (the first bytes of a .gz)
-            elif suffix in (".nrrd", ".mha"):
+            elif suffix in (".nrrd", ".seg.nrrd", ".mha"):
                 import SimpleITK as sitk
 
                 reader = sitk.ImageFileReader()
@@ -312,6 +312,10 @@ def check_written(path: PathLike, final: PathLike) -> None:
                 with open(p, "rb") as f:
                     if f.read(8) != b"\x89PNG\r\n\x1a\n":
                         why = "the file written is not a PNG picture"
+            elif suffix == ".dcm":
+                with open(p, "rb") as f:
+                    if f.read(132)[128:] != b"DICM":
+                        why = "the file written is not a DICOM file"
         except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is not usable
             why = f"the file written cannot be read back ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else 'unreadable'})"
     if why:

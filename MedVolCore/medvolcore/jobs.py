@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 from .errors import InputError
+from .dicomseg import check_dicom_source, is_dicom_output
 from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix
 from .models.identity import SMOKE_BANNER  # re-exported here, where it always was
 
@@ -157,7 +158,12 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
     check_distinct([(m, outputs.mask), (a, outputs.anchor), (q, outputs.qc), (outputs.agreement_name, outputs.agreement)],
                    list(inputs))
     create = outputs.create_folders
-    check_output(outputs.mask, outputs.overwrite, suffixes=MASK_SUFFIXES, what="mask", create_folder=create)
+    if is_dicom_output(outputs.mask):  # a DICOM-SEG references the series it segments
+        check_dicom_source(inputs[0][1] if inputs else None, m)
+        check_output(outputs.mask, outputs.overwrite, suffixes=(".dcm",), what="DICOM segmentation",
+                     create_folder=create)
+    else:
+        check_output(outputs.mask, outputs.overwrite, suffixes=MASK_SUFFIXES, what="mask", create_folder=create)
     if outputs.agreement:
         check_output(outputs.agreement, outputs.overwrite, suffixes=MASK_SUFFIXES, what="agreement map",
                      create_folder=create)
@@ -294,9 +300,16 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     wrote_mask = not seg.absent or outputs.empty_mask_on_absent
     named = seg.anchor.query or query or ""
     term = match(named) if named else None  # the segment's coded name and colour (terminology.py)
-    if wrote_mask:
-        save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite,
-                  segments=[{"name": named or "Segment_1", "value": 1, "term": term}])
+    segments = [{"name": named or "Segment_1", "value": 1, "term": term}]
+    if wrote_mask and is_dicom_output(outputs.mask):
+        from . import __version__
+        from .dicomseg import save_dicom_seg
+
+        save_dicom_seg(seg.mask, stack.volume.affine, volume_path or stack.volume.path, outputs.mask, segments,
+                       algorithm="MedVol " + ((seg.identity or {}).get("label") or "propagation of a given anchor"),
+                       version=__version__, overwrite=outputs.overwrite, notes=seg.notes)
+    elif wrote_mask:
+        save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite, segments=segments)
     if outputs.agreement:
         save_mask(seg.agreement, stack.volume, outputs.agreement, overwrite=outputs.overwrite)
     if outputs.anchor:

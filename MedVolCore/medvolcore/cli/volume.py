@@ -525,7 +525,9 @@ def add_volume_commands(add) -> None:
     sp = add("segment", "Segment a CT from a free-form query: evidence anchor (Qwen3-VL) + 3-D mask (MedSAM2).", cmd_segment)
     sp.add_argument("--volume", required=True, help=VOLUME_HELP)
     sp.add_argument("--query", required=True, help="what to segment, e.g. 'the organ that secretes bile'")
-    sp.add_argument("--out", required=True, help="mask to write (.nii.gz, .nii or .nrrd), on the CT's grid")
+    sp.add_argument("--out", required=True,
+                    help="mask to write, on the CT's grid: a label map (.nii.gz, .nii, .nrrd, .mha), a Slicer "
+                         "segmentation (.seg.nrrd) or, for a DICOM series folder, a DICOM Segmentation (.dcm)")
     sp.add_argument("--anchor-out", metavar="PATH", help="anchor file (default: beside --out, *.anchor.json)")
     sp.add_argument("--qc", metavar="PNG", help="also write a picture of the key slice, boxes, mask outline and reasoning")
     _add_segment_options(sp)
