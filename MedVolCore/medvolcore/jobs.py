@@ -69,7 +69,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 from .errors import InputError
 from .dicomseg import check_dicom_source, is_dicom_output
-from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix
+from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix, write_text_atomic
+from .stats import STATS_SUFFIXES, check_stats_path, stats_text, target_stats
 from .models.identity import SMOKE_BANNER  # re-exported here, where it always was
 
 __all__ = ["SegmentRequest", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "default_anchor_path",
@@ -142,6 +143,7 @@ class SegmentOutputs:
     empty_mask_on_absent: bool = False
     agreement: Optional[PathLike] = None
     agreement_name: str = "--agreement"
+    stats: Optional[PathLike] = None  # the target's statistics (.json or .csv; medvolcore.stats)
 
 
 def default_anchor_path(mask_path: PathLike) -> str:
@@ -155,8 +157,8 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
     """Refuse, before any work, outputs that clash with each other or with an input, that exist
     (without ``overwrite``), that cannot be written, or whose suffix is not of their kind."""
     m, a, q = outputs.names
-    check_distinct([(m, outputs.mask), (a, outputs.anchor), (q, outputs.qc), (outputs.agreement_name, outputs.agreement)],
-                   list(inputs))
+    check_distinct([(m, outputs.mask), (a, outputs.anchor), (q, outputs.qc), (outputs.agreement_name, outputs.agreement),
+                    ("--stats", outputs.stats)], list(inputs))
     create = outputs.create_folders
     if is_dicom_output(outputs.mask):  # a DICOM-SEG references the series it segments
         check_dicom_source(inputs[0][1] if inputs else None, m)
@@ -169,6 +171,10 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
                      create_folder=create)
     if outputs.anchor:
         check_output(outputs.anchor, outputs.overwrite, create_folder=create)
+    if outputs.stats:
+        check_stats_path(outputs.stats)
+        check_output(outputs.stats, outputs.overwrite, suffixes=STATS_SUFFIXES, what="statistics",
+                     create_folder=create)
     if outputs.qc:
         check_output(outputs.qc, outputs.overwrite, suffixes=PNG_SUFFIXES, what="QC picture", create_folder=create)
 
@@ -312,6 +318,12 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite, segments=segments)
     if outputs.agreement:
         save_mask(seg.agreement, stack.volume, outputs.agreement, overwrite=outputs.overwrite)
+    world = (seg.anchor.world or {}) if not seg.absent else {}
+    stats = target_stats(seg.mask, stack.volume.array, stack.volume.affine, named,
+                         None if seg.absent else int(seg.anchor.slice),
+                         (world.get("slice_center_ras") or [None, None, None])[2])
+    if outputs.stats:
+        write_text_atomic(outputs.stats, stats_text([stats], outputs.stats), overwrite=outputs.overwrite)
     if outputs.anchor:
         seg.anchor.save(outputs.anchor, outputs.overwrite)
     if outputs.qc:
@@ -339,6 +351,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         "absent": bool(seg.absent),
         "identity": seg.identity,
         "terminology": term.to_dict() if term is not None else None,
+        "stats": stats, "stats_out": str(outputs.stats) if outputs.stats else None,
         "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
         "notes": list(seg.notes), "shape": [int(s) for s in stack.volume.shape], "mask_voxels": int(seg.mask.sum()),
         "propagation": seg.anchor.propagation, "metrics": metrics, "timings": timings,

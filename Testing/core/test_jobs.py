@@ -161,8 +161,11 @@ def test_a_seg_nrrd_names_its_segment_by_the_query_with_its_terminology(tmp_path
     anchor = dict(first["anchor"], query="the right kidney")
     (tmp_path / "k.anchor.json").write_text(json.dumps(anchor))
     res = run_segment_job(calls, ct, SegmentRequest(anchor=str(tmp_path / "k.anchor.json")),
-                          SegmentOutputs(tmp_path / "k.seg.nrrd"))
+                          SegmentOutputs(tmp_path / "k.seg.nrrd", stats=tmp_path / "k.json"))
     assert res["terminology"]["structure"] == "kidney_right" and res["terminology"]["how"] == "name"
+    written = json.loads((tmp_path / "k.json").read_text())
+    assert written == [res["stats"]] and res["stats"]["voxels"] == res["mask_voxels"] > 0
+    assert res["stats"]["key_slice"] == 3 and res["stats"]["key_slice_s_mm"] == round(anchor["world"]["slice_center_ras"][2], 2)
     header = (tmp_path / "k.seg.nrrd").read_bytes()[:4000].decode("latin1")
     assert "Segment0_Name:=the right kidney\n" in header and "SCT^24028007^Right" in header
     assert "Segment0_LabelValue:=1\n" in header and "Segment0_Color:=" in header

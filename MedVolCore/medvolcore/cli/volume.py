@@ -242,7 +242,8 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     _check_consensus_options(args)
     adapter = getattr(args, "adapter", None)
     outputs = SegmentOutputs(out, anchor=anchor_out, qc=qc, overwrite=args.overwrite,
-                             empty_mask_on_absent=args.empty_mask_on_absent, agreement=args.agreement)
+                             empty_mask_on_absent=args.empty_mask_on_absent, agreement=args.agreement,
+                             stats=args.stats)
     # every output checked before the models load: distinct files, not an input, writable, right type
     check_outputs(outputs, [("--volume", volume), ("--adapter", adapter)])
     from ..models import check_adapter_given
@@ -267,7 +268,8 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     finally:
         if bar is not None:
             bar.close()
-    keep = ("preset", "smoke", "absent", "identity", "anchor", "reasoning", "raw_text", "notes", "mask_voxels",
+    keep = ("preset", "smoke", "absent", "identity", "terminology", "stats", "stats_out", "anchor", "reasoning",
+            "raw_text", "notes", "mask_voxels",
             "answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask", "confidence", "samples", "timings")
     out_res = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"], "agreement_out": res["agreement_out"],
                "volume": res["volume"] or str(volume),
@@ -314,7 +316,11 @@ def _segment_text(res: dict) -> str:
     sure = _sureness_text(res)
     if sure:
         lines.append(sure)
-    written = [res["anchor_out"]] + [res[k] for k in ("qc", "agreement_out") if res.get(k)]
+    written = [res["anchor_out"]] + [res[k] for k in ("qc", "agreement_out", "stats_out") if res.get(k)]
+    st = res.get("stats") or {}
+    if st.get("voxels"):
+        lines.append(f"volume {st['volume_ml']:.1f} mL, HU mean {st['mean_hu']:.0f} (sd {st['std_hu']:.0f}), key slice "
+                     f"{st['key_slice']} at S {st['key_slice_s_mm']} mm")
     lines += [f"wrote {res['out']} ({res['mask_voxels']} voxels), " + ", ".join(written),
               "timings: " + ", ".join(f"{k} {v:.2f}" for k, v in res["timings"].items() if isinstance(v, float))]
     if res.get("threads_rule"):
@@ -469,6 +475,9 @@ def _add_segment_options(sp) -> None:
                     help="when the model answers that the target is not in this CT, still write the mask, all zero, "
                          "on the CT's grid (default: no mask file; the anchor and QC picture say 'not found')")
     add_consensus_options(sp, "--agreement")
+    sp.add_argument("--stats", metavar="FILE", help="also write the target's statistics (.json or .csv): voxels, "
+                                                    "volume in mL, HU mean/std/min/max, key slice and its S "
+                                                    "position, bounding box in mm")
     add_compute_options(sp)
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")

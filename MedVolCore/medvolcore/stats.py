@@ -1,0 +1,74 @@
+"""Statistics of a segmented target (``--stats FILE.json|.csv``, and ``stats`` in every result).
+
+Per target: ``query``, ``voxels``, ``volume_ml`` (voxels × the voxel volume from the CT's affine),
+the HU inside the mask (``mean_hu``, ``std_hu``, ``min_hu``, ``max_hu``; null for an empty mask),
+the anchor's key slice (index in the canonical axial stack, 0 = most superior) and its S position
+in mm (RAS), and the mask's bounding box in RAS millimetres (the voxel centres at its corners,
+``[[r_min, a_min, s_min], [r_max, a_max, s_max]]``). Numbers only: what the mask holds, not
+whether it is right.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from .errors import InputError
+
+STATS_SUFFIXES = (".json", ".csv")
+COLUMNS = ("query", "voxels", "volume_ml", "mean_hu", "std_hu", "min_hu", "max_hu", "key_slice", "key_slice_s_mm",
+           "bbox_ras_min", "bbox_ras_max")
+
+
+def _r(x, nd=3):
+    return None if x is None else round(float(x), nd)
+
+
+def target_stats(mask: np.ndarray, hu: np.ndarray, affine: np.ndarray, query: str = "",
+                 key_slice: Optional[int] = None, key_slice_s_mm: Optional[float] = None) -> dict:
+    """The statistics of one target (``mask`` and ``hu`` on one grid, ``affine`` its voxel → RAS)."""
+    m = np.asarray(mask) > 0
+    if m.shape != np.asarray(hu).shape:
+        raise InputError(f"mask {m.shape} and CT {np.asarray(hu).shape} are not on one grid")
+    voxel_ml = abs(float(np.linalg.det(np.asarray(affine, dtype=np.float64)[:3, :3]))) / 1000.0
+    n = int(m.sum())
+    out = {"query": query, "voxels": n, "volume_ml": _r(n * voxel_ml), "mean_hu": None, "std_hu": None,
+           "min_hu": None, "max_hu": None, "key_slice": key_slice, "key_slice_s_mm": _r(key_slice_s_mm, 2),
+           "bbox_ras_min": None, "bbox_ras_max": None}
+    if n:
+        v = np.asarray(hu, dtype=np.float64)[m]
+        out.update(mean_hu=_r(v.mean(), 2), std_hu=_r(v.std(), 2), min_hu=_r(v.min(), 2), max_hu=_r(v.max(), 2))
+        idx = np.nonzero(m)
+        lo, hi = [int(a.min()) for a in idx], [int(a.max()) for a in idx]
+        corners = np.array([[i, j, k, 1.0] for i in (lo[0], hi[0]) for j in (lo[1], hi[1]) for k in (lo[2], hi[2])])
+        ras = (np.asarray(affine, dtype=np.float64) @ corners.T).T[:, :3]
+        out["bbox_ras_min"] = [_r(x, 2) for x in ras.min(axis=0)]
+        out["bbox_ras_max"] = [_r(x, 2) for x in ras.max(axis=0)]
+    return out
+
+
+def check_stats_path(path) -> None:
+    if not str(path).lower().endswith(STATS_SUFFIXES):
+        raise InputError(f"--stats: write .json or .csv, got {Path(str(path)).name!r}")
+
+
+def stats_text(rows: List[dict], path) -> str:
+    """``rows`` as the file ``path`` wants: a JSON list, or CSV with :data:`COLUMNS` (boxes as
+    ``r a s`` triples)."""
+    if str(path).lower().endswith(".json"):
+        return json.dumps(rows, indent=1) + "\n"
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(COLUMNS)
+    for r in rows:
+        w.writerow(["" if r.get(c) is None else (" ".join(str(x) for x in r[c]) if isinstance(r[c], list) else r[c])
+                    for c in COLUMNS])
+    return buf.getvalue()
+
+
+__all__ = ["target_stats", "stats_text", "check_stats_path", "COLUMNS", "STATS_SUFFIXES"]

@@ -1,0 +1,42 @@
+"""medvolcore.stats: a target's numbers, checked against hand-computed values."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import numpy as np
+import pytest
+
+from medvolcore.errors import InputError
+from medvolcore.stats import COLUMNS, check_stats_path, stats_text, target_stats
+
+
+def test_stats_by_hand():
+    affine = np.diag([2.0, 0.5, 3.0, 1.0])  # voxels of 2 × 0.5 × 3 mm = 3 mm³
+    affine[:3, 3] = [10.0, -20.0, 100.0]
+    hu = np.zeros((10, 10, 10), np.float32)
+    mask = np.zeros_like(hu, dtype=np.uint8)
+    mask[2:4, 5:10, 1:3] = 1  # 2 × 5 × 2 = 20 voxels
+    hu[2:4, 5:10, 1] = 40.0
+    hu[2:4, 5:10, 2] = 60.0
+    s = target_stats(mask, hu, affine, "the liver", key_slice=7, key_slice_s_mm=103.0)
+    assert s["voxels"] == 20 and s["volume_ml"] == pytest.approx(20 * 3 / 1000)
+    assert (s["mean_hu"], s["std_hu"], s["min_hu"], s["max_hu"]) == (50.0, 10.0, 40.0, 60.0)
+    assert s["bbox_ras_min"] == [14.0, -17.5, 103.0] and s["bbox_ras_max"] == [16.0, -15.5, 106.0]
+    assert (s["query"], s["key_slice"], s["key_slice_s_mm"]) == ("the liver", 7, 103.0)
+    empty = target_stats(np.zeros_like(mask), hu, affine, "nothing")
+    assert empty["voxels"] == 0 and empty["volume_ml"] == 0 and empty["mean_hu"] is None and empty["bbox_ras_min"] is None
+    with pytest.raises(InputError, match="not on one grid"):
+        target_stats(mask[:5], hu, affine)
+
+
+def test_stats_files():
+    row = target_stats(np.ones((2, 2, 2)), np.full((2, 2, 2), 7.0), np.eye(4), "a, \"quoted\" query")
+    assert json.loads(stats_text([row], "s.json")) == [row]
+    got = list(csv.DictReader(io.StringIO(stats_text([row], "s.CSV"))))
+    assert list(got[0]) == list(COLUMNS) and got[0]["query"] == 'a, "quoted" query' and got[0]["voxels"] == "8"
+    assert got[0]["bbox_ras_max"] == "1.0 1.0 1.0" and got[0]["key_slice"] == ""
+    with pytest.raises(InputError, match="--stats: write .json or .csv"):
+        check_stats_path("stats.txt")
