@@ -68,6 +68,8 @@ def test_segment_writes_mask_on_the_ct_grid(first_segment, ct_sm_path):
     assert a["slice"] in sample_slice_indices(as_stack(ct_sm_path).depth)
     assert res["smoke"] is True and any("tiny" in n for n in res["notes"])
     assert res["timings"]["models_reloaded"] is True and res["timings"]["volume_cached"] is False
+    assert res["terminology"]["structure"] == "liver" and res["terminology"]["slicer_terminology"].count("~") == 6
+    assert res["stats"]["voxels"] == res["mask_voxels"] and res["stats"]["query"] == "the liver"
     stages = [e["stage"] for e in events]
     assert "ground" in stages and "propagate" in stages
     assert all(0.0 <= e["fraction"] <= 1.0 for e in events)

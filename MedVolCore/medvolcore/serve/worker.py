@@ -746,7 +746,8 @@ class Worker:
             raise
         if not cached:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
-        result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "absent", "notes", "preset", "terminology")}
+        result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "absent", "notes", "preset", "terminology",
+                                      "stats")}
         result.update(identity=res.get("identity"), model_label=(res.get("identity") or {}).get("label"))
         result.update(volume_sha256=digest, shape=res["shape"], mask_voxels=res["mask_voxels"],
                       propagation=res["propagation"], slices_encoded=res["slices_encoded"])
