@@ -96,7 +96,8 @@ def slice_position_mm(stack, z: int) -> Tuple[float, bool]:
     """The S coordinate (RAS mm) of slice ``z`` at its centre, and whether S varies across the
     slice by more than 0.5 mm (an oblique grid: the value is then the centre's)."""
     h, w = stack.height, stack.width
-    pts = stack.stack_to_ras([[z, (h - 1) / 2, (w - 1) / 2], [z, 0, 0], [z, 0, w - 1], [z, h - 1, 0], [z, h - 1, w - 1]])
+    centre_and_corners = [[z, (h - 1) / 2, (w - 1) / 2], [z, 0, 0], [z, 0, w - 1], [z, h - 1, 0], [z, h - 1, w - 1]]
+    pts = stack.stack_to_ras(centre_and_corners)
     s = pts[:, 2]
     return float(s[0]), bool(np.ptp(s[1:]) > 0.5)
 
@@ -104,7 +105,7 @@ def slice_position_mm(stack, z: int) -> Tuple[float, bool]:
 def _file_index(stack, z: int) -> str:
     """Which index of the source file the stack slice ``z`` is (``k=74``), for other viewers."""
     axis = stack.perm[0]
-    idx = int(round(stack.stack_to_source_index([z, 0, 0])[axis]))
+    idx = round(float(stack.stack_to_source_index([z, 0, 0])[axis]))
     return f"{'ijk'[axis]}={idx}"
 
 
@@ -234,9 +235,13 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
                   fill=_BOX_COLOURS[group[0] % len(_BOX_COLOURS)], font=small)
     rgb = np.asarray(img).copy()
     has_gt = gt_mask is not None
+    gt_here = mask_here = False
     if has_gt:
-        rgb[_ring(enlarged(stack.to_stack(np.asarray(gt_mask))[z]), inside=True)] = _GT_COLOUR
+        gt_slice = np.asarray(stack.to_stack(np.asarray(gt_mask))[z], bool)
+        gt_here = bool(gt_slice.any())
+        rgb[_ring(enlarged(gt_slice), inside=True)] = _GT_COLOUR
     if mask_stack is not None and not absent:
+        mask_here = bool(np.any(mask_stack[z]))
         rgb[_ring(enlarged(mask_stack[z]), inside=False)] = _MASK_COLOUR
     img = Image.fromarray(rgb)
 
@@ -266,7 +271,8 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
     add(title, (255, 255, 255))
     add(model, (255, 200, 120))
     pos, oblique = slice_position_mm(stack, z)
-    where = f"S {pos:+.1f} mm ({'centre, oblique slice' if oblique else 'slice centre'}), file index {_file_index(stack, z)}"
+    centre = "centre, oblique slice" if oblique else "slice centre"
+    where = f"S {pos:+.1f} mm ({centre}), file index {_file_index(stack, z)}"
     if absent:
         add("NOT FOUND: the model answered that the target is not in this CT", (255, 200, 60))
         add(f"no key slice; showing the middle slice z={z} of {stack.depth} (z=0 at the head end)", (200, 200, 200))
@@ -281,9 +287,10 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
         legend.append([(_BOX_COLOURS[i % len(_BOX_COLOURS)], str(i + 1)) for i in range(len(boxes))]
                       + [(None, "evidence box(es)")])
     if mask_stack is not None and not absent:
-        legend.append([(_MASK_COLOUR, "mask outline, outside its edge")])
+        legend.append([(_MASK_COLOUR, "mask outline, outside its edge" if mask_here else "mask: none on this slice")])
     if has_gt:
-        legend.append([(_GT_COLOUR, "ground truth, inside its edge")])
+        gt_text = "ground truth, inside its edge" if gt_here else "ground truth: none on this slice"
+        legend.append([(_GT_COLOUR, gt_text)])
     if legend:
         lines.append(("legend:", (200, 200, 200)))
         lines.extend(legend)

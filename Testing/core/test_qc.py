@@ -99,7 +99,8 @@ def anchor():
     stack = AxialStack(vol)
     z = 2  # stack z runs head → feet: source k = 5 - 2 = 3
     ys, xs = np.nonzero(stack.to_stack(_mask(vol))[z])
-    return EvidenceAnchor(z, [[int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())]], [stack.width, stack.height])
+    box = [int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())]
+    return EvidenceAnchor(z, [box], [stack.width, stack.height])
 
 
 def test_orientation_letters_come_from_the_stack_direction():
@@ -124,8 +125,9 @@ def test_the_same_ct_stored_ras_or_lps_gives_the_same_picture_with_the_letters_o
     _, lps_pic = _render(_lps_copy(_ras_volume()), anchor, name="lps.png")
     assert np.array_equal(ras_pic, lps_pic)
     h, w = stack.height * SCALE, stack.width * SCALE
-    bands = {"R": ras_pic[:, :MARGIN_PX], "L": ras_pic[:, MARGIN_PX + w:2 * MARGIN_PX + w],
-             "A": ras_pic[:MARGIN_PX, :2 * MARGIN_PX + w], "P": ras_pic[MARGIN_PX + h:2 * MARGIN_PX + h, :2 * MARGIN_PX + w]}
+    beside = 2 * MARGIN_PX + w  # the slice and its margins, not the panel
+    bands = {"R": ras_pic[:, :MARGIN_PX], "L": ras_pic[:, MARGIN_PX + w:beside],
+             "A": ras_pic[:MARGIN_PX, :beside], "P": ras_pic[MARGIN_PX + h:2 * MARGIN_PX + h, :beside]}
     for letter, band in bands.items():
         assert _find(band, _glyph(letter)), letter
         assert not any(_find(band, _glyph(o)) for o in "RLAP" if o != letter), letter
@@ -155,6 +157,11 @@ def test_mask_outline_is_2px_outside_the_mask_and_the_ground_truth_inside_its_ed
     assert np.array_equal(_is(area, RED), (outside >= 1) & (outside <= RING_PX))
     for legend in ("mask outline, outside its edge", "ground truth, inside its edge", "evidence box(es)"):
         assert _find(pic, _text(legend, (230, 230, 230))), legend
+    elsewhere = np.zeros(SHAPE, bool)
+    elsewhere[20:34, 8:22, 5] = True  # on file slice k=5 (stack z=0), not on the key slice
+    _, other = _render(vol, anchor, gt=elsewhere, name="gt_elsewhere.png")
+    assert not _is(other, CYAN)[:, :2 * MARGIN_PX + stack.width * SCALE].any()
+    assert _find(other, _text("ground truth: none on this slice", (230, 230, 230)))
     # the swatches of the legend: the outline's and the ground truth's colours in the panel
     panel = pic[:, 2 * MARGIN_PX + stack.width * SCALE:]
     assert _is(panel, RED).sum() == 100 and _is(panel, CYAN).sum() == 100  # 10×10 px each
@@ -162,7 +169,7 @@ def test_mask_outline_is_2px_outside_the_mask_and_the_ground_truth_inside_its_ed
 
 def test_panel_says_window_key_slice_and_its_s_position(tmp_path, anchor):
     _render.tmp = tmp_path
-    stack, pic = _render(_ras_volume(), anchor, window="abdomen")
+    _, pic = _render(_ras_volume(), anchor, window="abdomen")
     grey = (200, 200, 200)
     # stack slice 2 is file slice k = 3: S = 100 + 5 * 3 = +115 mm
     assert _find(pic, _text("S +115.0 mm (slice centre), file index k=3", grey))
