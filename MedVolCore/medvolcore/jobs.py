@@ -331,7 +331,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
 
         title = request.qc_title if request.qc_title is not None else f"query: {seg.anchor.query or query or ''}"
         save_qc(outputs.qc, stack, seg.anchor, seg.mask_stack, overwrite=outputs.overwrite, title=title,
-                reasoning=seg.reasoning, window=window, **_qc_identity(seg, request.grounded))
+                reasoning=seg.reasoning, window=window, gt_mask=request.reference, **_qc_identity(seg, request.grounded))
     metrics = None
     if request.reference is not None:
         from .metrics import overlap

@@ -1,29 +1,112 @@
-"""Quality-control picture of a segmentation: the key slice with the evidence boxes and the
-mask outline, next to the query, the model that made it and its reasoning, with the research-use
-notice as its last line. The PNG also carries them as text chunks (``Source``: the model line,
-``Warning``: the banner, ``Disclaimer``: the notice), so a picture read back says what made it."""
+"""Quality-control picture of a segmentation: the key slice with the evidence boxes, the mask
+outline and, when given, the ground-truth contour, with the orientation letters on its edges, next
+to a panel: the query, the model that made it, the key slice (index and S position in mm), the
+window/level, a legend of the colours, duplicate boxes flagged, the reasoning, and the research-use
+notice as its last line. The PNG also carries text chunks (``Source``: the model line,
+``Warning``: the banner, ``Disclaimer``: the notice), so a picture read back says what made it.
+
+What the picture draws (all in display pixels, after the slice is enlarged ``scale`` times with
+nearest neighbour):
+
+* the mask outline: a 2 px ring just *outside* the mask (the mask's own edge voxels stay visible);
+* the ground-truth contour (``gt_mask``): a 2 px ring just *inside* the ground truth's edge, so a
+  perfect mask shows the two colours side by side rather than one over the other;
+* each evidence box: a 2 px (or ``scale // 2``) frame just outside the outline ring, around the
+  box's inclusive pixels, numbered from 1 as in the anchor file;
+* the orientation letters on the four edges, from the stack's direction (radiological view:
+  the patient's right on the image's left).
+"""
 
 from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import RESEARCH_USE_NOTICE, __version__
 from .fileio import atomic_path
 
-_BOX_COLOURS = [(255, 215, 0), (0, 200, 255), (255, 80, 200), (120, 255, 120),
-                (255, 140, 0), (180, 120, 255), (255, 255, 255), (0, 255, 180)]
+# Box colours leave out the outline's red and the ground truth's cyan.
+_BOX_COLOURS = [(255, 215, 0), (255, 80, 200), (120, 255, 120), (255, 140, 0),
+                (180, 120, 255), (255, 255, 255), (80, 130, 255), (200, 160, 100)]
 _MASK_COLOUR = (255, 40, 40)
+_GT_COLOUR = (0, 220, 255)
+_LETTER_COLOUR = (255, 255, 120)
+_BACKGROUND = (20, 20, 20)
+RING_PX = 2  # width of the mask outline and of the ground-truth contour, in display pixels
+MARGIN_PX = 22  # the band around the slice that holds the orientation letters
+DUPLICATE_IOU = 0.9  # boxes with an IoU above this (or identical) are flagged as duplicates
+# A direction's secondary letter is shown when its component is at least this large (about 17°
+# off the main axis), as DICOM viewers write "RA" for an oblique edge.
+_OBLIQUE_COMPONENT = 0.3
 
 
-def _outline(mask2d: np.ndarray) -> np.ndarray:
+def _ring(mask2d: np.ndarray, inside: bool) -> np.ndarray:
+    """The :data:`RING_PX`-wide band along a mask's edge: just outside it or just inside it."""
     from scipy import ndimage
 
     m = np.asarray(mask2d, dtype=bool)
-    return m & ~ndimage.binary_erosion(m, structure=np.ones((3, 3), bool), border_value=0)
+    square = np.ones((3, 3), bool)
+    if inside:
+        return m & ~ndimage.binary_erosion(m, structure=square, iterations=RING_PX, border_value=0)
+    return ndimage.binary_dilation(m, structure=square, iterations=RING_PX) & ~m
+
+
+def _direction_letters(v: Sequence[float]) -> str:
+    """The side of the patient a RAS direction points to: ``R``/``L``, ``A``/``P``, ``S``/``I``,
+    the largest component first, a second letter for an oblique direction."""
+    v = np.asarray(v, dtype=np.float64)
+    v = v / np.linalg.norm(v)
+    order = np.argsort(-np.abs(v), kind="stable")
+    letters = ("RL", "AP", "SI")
+    out = [letters[a][0 if v[a] > 0 else 1] for a in order[:2]
+           if a == order[0] or abs(v[a]) >= _OBLIQUE_COMPONENT]
+    return "".join(out)
+
+
+def orientation_letters(stack) -> Dict[str, str]:
+    """The patient sides at the picture's ``left``, ``right``, ``top`` and ``bottom`` edges, from
+    the stack's direction (``stack.index_to_ras``: the RAS direction of its columns and rows), not
+    assumed: ``{"left": "R", "right": "L", "top": "A", "bottom": "P"}`` for the canonical axial
+    view whatever the file's axis order; an oblique grid gets two letters (e.g. ``"RA"``)."""
+    m = np.asarray(stack.index_to_ras, dtype=np.float64)
+    cols, rows = m[:3, 2], m[:3, 1]  # RAS direction of increasing x (columns) and y (rows)
+    return {"left": _direction_letters(-cols), "right": _direction_letters(cols),
+            "top": _direction_letters(-rows), "bottom": _direction_letters(rows)}
+
+
+def duplicate_boxes(boxes, threshold: float = DUPLICATE_IOU) -> List[Tuple[int, int, float]]:
+    """Pairs ``(i, j, iou)`` (0-based, ``i < j``) of inclusive pixel boxes ``[x0, y0, x1, y1]``
+    that are identical or overlap with IoU above ``threshold``."""
+    from .anchor import box_iou
+
+    cont = [(b[0], b[1], b[2] + 1, b[3] + 1) for b in boxes]  # inclusive pixels → continuous extent
+    pairs = []
+    for i in range(len(cont)):
+        for j in range(i + 1, len(cont)):
+            iou = 1.0 if list(boxes[i]) == list(boxes[j]) else box_iou(cont[i], cont[j])
+            if iou > threshold or iou == 1.0:
+                pairs.append((i, j, float(iou)))
+    return pairs
+
+
+def slice_position_mm(stack, z: int) -> Tuple[float, bool]:
+    """The S coordinate (RAS mm) of slice ``z`` at its centre, and whether S varies across the
+    slice by more than 0.5 mm (an oblique grid: the value is then the centre's)."""
+    h, w = stack.height, stack.width
+    centre_and_corners = [[z, (h - 1) / 2, (w - 1) / 2], [z, 0, 0], [z, 0, w - 1], [z, h - 1, 0], [z, h - 1, w - 1]]
+    pts = stack.stack_to_ras(centre_and_corners)
+    s = pts[:, 2]
+    return float(s[0]), bool(np.ptp(s[1:]) > 0.5)
+
+
+def _file_index(stack, z: int) -> str:
+    """Which index of the source file the stack slice ``z`` is (``k=74``), for other viewers."""
+    axis = stack.perm[0]
+    idx = round(float(stack.stack_to_source_index([z, 0, 0])[axis]))
+    return f"{'ijk'[axis]}={idx}"
 
 
 def signal_text(anchor) -> str:
@@ -70,57 +153,152 @@ def _drawable(text: str, font) -> str:
     return "".join(out)
 
 
-def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: str = "", reasoning: str = "",
-              banner: str = "", model: str = "", footer: str = RESEARCH_USE_NOTICE, window=None,
-              scale: Optional[int] = None, panel_width: int = 360):
-    """A PIL image: the key slice (radiological view, patient right on the left) with each box
-    and the mask outline of that slice, and a text panel (banner, title, ``model`` — which model
-    made it —, reasoning) whose last line is always ``footer`` (the research-use notice). For an
-    absent anchor (the model answered that the target is not in this CT) it shows the middle slice,
-    with no box and no outline, and the panel says so."""
-    from PIL import Image, ImageDraw, ImageFont
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)  # scalable (Pillow ≥ 10.1)
+    except TypeError:
+        return ImageFont.load_default()
+
+
+def _window_text(window) -> str:
+    name = "" if window.name == "custom" else f" ({window.name.replace('_', ' ')})"
+    return f"window/level {window.width:g}/{window.center:g} HU{name}"
+
+
+def _groups(n: int, pairs) -> List[List[int]]:
+    """Boxes 0..n-1 joined through the duplicate pairs, each group in anchor order."""
+    parent = list(range(n))
+
+    def root(i):
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, j, _ in pairs:
+        parent[root(j)] = root(i)
+    groups: Dict[int, List[int]] = {}
+    for i in range(n):
+        groups.setdefault(root(i), []).append(i)
+    return sorted(groups.values())
+
+
+def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask: Optional[np.ndarray] = None,
+              title: str = "", reasoning: str = "", banner: str = "", model: str = "",
+              footer: str = RESEARCH_USE_NOTICE, window=None, scale: Optional[int] = None, panel_width: int = 360):
+    """A PIL image: the key slice (radiological view, patient right on the left) with each box,
+    the mask outline and the ground-truth contour of that slice (see the module docstring for
+    how each is drawn), orientation letters on its edges, and a text panel (banner, title,
+    ``model`` — which model made it —, key slice and S position, window/level, legend, duplicate
+    boxes, reasoning) whose last line is always ``footer`` (the research-use notice).
+
+    ``mask_stack``: the mask on the stack (``(z, y, x)``, as ``Segmentation.mask_stack``).
+    ``gt_mask``: a ground-truth mask on the volume's own grid (the volume's shape, as
+    ``SegmentRequest.reference``). For an absent anchor (the model answered that the target is not
+    in this CT) it shows the middle slice, with no box and no outline (the ground truth still, when
+    given), and the panel says so."""
+    from PIL import Image, ImageDraw
+
+    from .windowing import get_window
 
     absent = bool(getattr(anchor, "absent", False))
     z = stack.depth // 2 if absent else anchor.slice
-    gray = stack.windowed(z, window)
+    win = get_window(window)
+    gray = stack.windowed(z, win)
     h, w = gray.shape
     s = scale or max(1, int(np.ceil(512 / max(h, w))))
-    rgb = np.repeat(gray[:, :, None], 3, axis=2)
-    if mask_stack is not None and not absent:
-        rgb[_outline(mask_stack[z])] = _MASK_COLOUR
-    img = Image.fromarray(rgb).resize((w * s, h * s), Image.NEAREST)
+    rgb = np.repeat(np.repeat(np.repeat(gray[:, :, None], 3, axis=2), s, axis=0), s, axis=1)
+
+    def enlarged(m2d):
+        return np.repeat(np.repeat(np.asarray(m2d, bool), s, axis=0), s, axis=1)
+
+    boxes = [] if absent else [list(map(int, b)) for b in anchor.boxes]
+    pairs = duplicate_boxes(boxes)
+    bw = max(2, s // 2)
+    img = Image.fromarray(rgb)
     draw = ImageDraw.Draw(img)
-    for i, (x0, y0, x1, y1) in enumerate(anchor.boxes):
-        c = _BOX_COLOURS[i % len(_BOX_COLOURS)]
-        draw.rectangle([x0 * s, y0 * s, (x1 + 1) * s - 1, (y1 + 1) * s - 1], outline=c, width=max(1, s // 2))
-    try:
-        font = ImageFont.load_default(size=13)  # scalable (Pillow ≥ 10.1)
-    except TypeError:
-        font = ImageFont.load_default()
-    canvas = Image.new("RGB", (img.width + panel_width, max(img.height, 200)), (20, 20, 20))
-    canvas.paste(img, (0, 0))
+    small = _font(11)
+    gap = RING_PX + 1  # boxes sit outside the outline ring
+    for group in _groups(len(boxes), pairs):
+        for i in group:
+            x0, y0, x1, y1 = boxes[i]
+            c = _BOX_COLOURS[i % len(_BOX_COLOURS)]
+            # clamped to the slice: a box at its border keeps a visible frame (over its edge pixels)
+            draw.rectangle([max(0, x0 * s - gap - bw), max(0, y0 * s - gap - bw),
+                            min(w * s - 1, (x1 + 1) * s - 1 + gap + bw), min(h * s - 1, (y1 + 1) * s - 1 + gap + bw)],
+                           outline=c, width=bw)
+        x0, y0 = boxes[group[0]][:2]
+        label = "=".join(str(i + 1) for i in group)
+        ly = y0 * s - gap - bw - 13
+        draw.text((max(0, x0 * s - gap - bw), ly if ly >= 0 else y0 * s + 2), label,
+                  fill=_BOX_COLOURS[group[0] % len(_BOX_COLOURS)], font=small)
+    rgb = np.asarray(img).copy()
+    has_gt = gt_mask is not None
+    gt_here = mask_here = False
+    if has_gt:
+        gt_slice = np.asarray(stack.to_stack(np.asarray(gt_mask))[z], bool)
+        gt_here = bool(gt_slice.any())
+        rgb[_ring(enlarged(gt_slice), inside=True)] = _GT_COLOUR
+    if mask_stack is not None and not absent:
+        mask_here = bool(np.any(mask_stack[z]))
+        rgb[_ring(enlarged(mask_stack[z]), inside=False)] = _MASK_COLOUR
+    img = Image.fromarray(rgb)
+
+    font, big = _font(13), _font(16)
+    mg = MARGIN_PX
+    canvas = Image.new("RGB", (img.width + 2 * mg + panel_width, max(img.height + 2 * mg, 200)), _BACKGROUND)
+    canvas.paste(img, (mg, mg))
     d = ImageDraw.Draw(canvas)
-    x, y = img.width + 10, 8
+    letters = orientation_letters(stack)
+    cx, cy = mg + img.width // 2, mg + img.height // 2
+    for side, (ax, ay) in {"left": (mg // 2, cy), "right": (mg + img.width + mg // 2, cy),
+                           "top": (cx, mg // 2), "bottom": (cx, mg + img.height + mg // 2)}.items():
+        d.text((ax, ay), letters[side], fill=_LETTER_COLOUR, font=big, anchor="mm")
+
+    x, y = img.width + 2 * mg + 10, 8
     chars = max(20, (panel_width - 20) // 7)
     title, banner, model, reasoning, footer = (_drawable(t, font) for t in (title, banner, model, reasoning, footer))
-    lines = []
+    lines: list = []  # (text, colour) or ("", None) for a gap, or a legend row: [(swatch colour, text), ...]
+
+    def add(text, colour):
+        for ln in textwrap.wrap(text, chars):
+            lines.append((ln, colour))
+
     if banner:
-        for ln in textwrap.wrap(banner, chars):
-            lines.append((ln, (255, 90, 90)))
+        add(banner, (255, 90, 90))
         lines.append(("", None))
-    for ln in textwrap.wrap(title, chars):
-        lines.append((ln, (255, 255, 255)))
-    for ln in textwrap.wrap(model, chars):
-        lines.append((ln, (255, 200, 120)))
+    add(title, (255, 255, 255))
+    add(model, (255, 200, 120))
+    pos, oblique = slice_position_mm(stack, z)
+    centre = "centre, oblique slice" if oblique else "slice centre"
+    where = f"S {pos:+.1f} mm ({centre}), file index {_file_index(stack, z)}"
     if absent:
-        for ln in textwrap.wrap("NOT FOUND: the model answered that the target is not in this CT", chars):
-            lines.append((ln, (255, 200, 60)))
-        for ln in textwrap.wrap(f"no key slice; showing the middle slice z={z} of {stack.depth}", chars):
-            lines.append((ln, (200, 200, 200)))
+        add("NOT FOUND: the model answered that the target is not in this CT", (255, 200, 60))
+        add(f"no key slice; showing the middle slice z={z} of {stack.depth} (z=0 at the head end)", (200, 200, 200))
     else:
-        lines.append((f"key slice z={z} of {stack.depth}; {len(anchor.boxes)} box(es)", (200, 200, 200)))
-    for ln in textwrap.wrap(signal_text(anchor), chars):
-        lines.append((ln, (255, 220, 120)))
+        add(f"key slice z={z} of {stack.depth} (z=0 at the head end)", (200, 200, 200))
+    add(where, (200, 200, 200))
+    add(_window_text(win), (200, 200, 200))
+    add(signal_text(anchor), (255, 220, 120))
+    lines.append(("", None))
+    legend = []
+    if boxes:
+        legend.append([(_BOX_COLOURS[i % len(_BOX_COLOURS)], str(i + 1)) for i in range(len(boxes))]
+                      + [(None, "evidence box(es)")])
+    if mask_stack is not None and not absent:
+        legend.append([(_MASK_COLOUR, "mask outline, outside its edge" if mask_here else "mask: none on this slice")])
+    if has_gt:
+        gt_text = "ground truth, inside its edge" if gt_here else "ground truth: none on this slice"
+        legend.append([(_GT_COLOUR, gt_text)])
+    if legend:
+        lines.append(("legend:", (200, 200, 200)))
+        lines.extend(legend)
+    for i, j, iou in pairs:
+        kind = "identical" if iou == 1.0 else f"IoU {iou:.2f}"
+        lines.append((f"duplicate boxes {i + 1} and {j + 1} ({kind})", (255, 200, 60)))
+    if pairs:
+        add("flagged, not merged: all drawn, labelled together; the anchor keeps every box", (255, 200, 60))
     lines.append(("", None))
     if reasoning:
         lines.append(("reasoning:", (200, 200, 200)))
@@ -129,12 +307,20 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, title: 
                 lines.append((ln, (230, 230, 230)))
     foot = textwrap.wrap(footer, chars)
     bottom = canvas.height - 16 * len(foot) - 6  # the footer's lines are never cut
-    for text, colour in lines:
+    for entry in lines:
         if y > bottom - 14:
             d.text((x, y), "…", fill=(200, 200, 200), font=font)
             break
-        if colour:
-            d.text((x, y), text, fill=colour, font=font)
+        if isinstance(entry, list):  # a legend row: a swatch, then its text, left to right
+            xx = x
+            for colour, text in entry:
+                if colour is not None:
+                    d.rectangle([xx, y + 3, xx + 9, y + 12], fill=colour)
+                    xx += 13
+                d.text((xx, y), text, fill=(230, 230, 230), font=font)
+                xx += int(d.textlength(text, font=font)) + 8
+        elif entry[1]:
+            d.text((x, y), entry[0], fill=entry[1], font=font)
         y += 16
     for i, ln in enumerate(foot):
         d.text((x, bottom + 16 * i), ln, fill=(255, 255, 160), font=font)

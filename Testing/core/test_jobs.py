@@ -85,6 +85,8 @@ def test_a_given_anchor_file_and_a_reference_mask(tmp_path, small_ct, calls):
 
     with Image.open(tmp_path / "qc.png") as im:  # a given anchor: no language model ran, and it says so
         assert im.text["Disclaimer"] == RESEARCH_USE_NOTICE and "no language model ran" in im.text["Source"]
+        # the reference is drawn as the ground-truth contour (cyan, medvolcore.qc)
+        assert np.all(np.asarray(im.convert("RGB")) == (0, 220, 255), axis=-1).sum() > 100
     assert res["identity"] is None and "Warning" not in im.text
 
 

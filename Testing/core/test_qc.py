@@ -1,0 +1,200 @@
+"""The QC picture (:mod:`medvolcore.qc`), read back from the PNG pixel by pixel: orientation letters
+from the stack's direction, the mask outline (2 px, outside the mask), the ground-truth contour,
+the legend, window/level, key slice and S position, duplicate boxes flagged. A small synthetic CT
+on a known grid; no model."""
+
+from __future__ import annotations
+
+import nibabel as nib
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+from scipy import ndimage, signal
+
+from medvolcore.anchor import EvidenceAnchor
+from medvolcore.qc import MARGIN_PX, RING_PX, _font, duplicate_boxes, orientation_letters, save_qc
+from medvolcore.stack import AxialStack
+from medvolcore.volume import CTVolume
+
+RED, CYAN, BG = (255, 40, 40), (0, 220, 255), (20, 20, 20)
+SHAPE = (40, 32, 6)  # i → R, j → A, k → S; 40 wide: the picture enlarges it 13 times
+SCALE = 13
+AFFINE_RAS = np.array([[2.0, 0, 0, -40.0], [0, 2.0, 0, -30.0], [0, 0, 5.0, 100.0], [0, 0, 0, 1]])
+
+
+def _ras_volume():
+    """A CT (RAS axes): -1000 HU air with a 200 HU block left of centre (the patient's right)."""
+    a = np.full(SHAPE, -1000.0, np.float32)
+    a[20:34, 8:22, 1:5] = 200.0  # i 20..33: patient right (+R) of the grid's middle
+    a[5:9, 5:9, :] = 60.0  # a small asymmetric mark, so a flip would show
+    return CTVolume(a, AFFINE_RAS.copy())
+
+
+def _lps_copy(vol):
+    """The same CT stored with the first two axes reversed (LPS): same voxels at the same RAS points."""
+    flip = np.diag([-1.0, -1.0, 1.0, 1.0])
+    flip[0, 3], flip[1, 3] = SHAPE[0] - 1, SHAPE[1] - 1
+    return CTVolume(np.ascontiguousarray(vol.array[::-1, ::-1, :]), vol.affine @ flip)
+
+
+def _mask(vol):
+    return vol.array > 100
+
+
+def _render(vol, anchor, *, mask=True, gt=None, tmp_path=None, name="qc.png", window="abdomen"):
+    stack = AxialStack(vol)
+    path = (tmp_path or _render.tmp) / name
+    ms = stack.to_stack(_mask(vol)) if mask else None
+    save_qc(path, stack, anchor, ms, overwrite=True, gt_mask=gt, title="query: the block", window=window,
+            reasoning="a bright block", model="model: test")
+    with Image.open(path) as im:
+        return stack, np.asarray(im.convert("RGB")).copy()
+
+
+def _slice_area(pic, stack):
+    return pic[MARGIN_PX:MARGIN_PX + stack.height * SCALE, MARGIN_PX:MARGIN_PX + stack.width * SCALE]
+
+
+def _enlarged(m2d):
+    return np.kron(np.asarray(m2d, np.uint8), np.ones((SCALE, SCALE), np.uint8)).astype(bool)
+
+
+def _is(pic, colour):
+    return np.all(pic == np.array(colour, np.uint8), axis=-1)
+
+
+def _text(text, colour, size=13, height=16):
+    """``text`` as the picture draws it (the default font, on the panel's background)."""
+    font = _font(size)
+    im = Image.new("RGB", (int(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(text, font=font)) + 1, height), BG)
+    ImageDraw.Draw(im).text((0, 0), text, fill=colour, font=font)
+    return np.asarray(im).astype(np.float64)
+
+
+def _glyph(letter):
+    """An orientation letter as the picture draws it (centred on its point), cropped to its ink."""
+    im = Image.new("RGB", (60, 60), BG)
+    ImageDraw.Draw(im).text((30, 30), letter, fill=(255, 255, 120), font=_font(16), anchor="mm")
+    a = np.asarray(im).astype(np.float64)
+    ys, xs = np.nonzero(np.any(a != BG, axis=-1))
+    return a[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+
+
+def _find(pic, template) -> bool:
+    """Whether ``template`` occurs pixel for pixel in ``pic`` (FFT to find candidates, then exact)."""
+    p = pic.astype(np.float64)
+    th, tw = template.shape[:2]
+    corr = sum(signal.fftconvolve(p[..., c], template[::-1, ::-1, c], mode="valid") for c in range(3))
+    win = signal.fftconvolve((p ** 2).sum(-1), np.ones((th, tw)), mode="valid")
+    ssd = win - 2 * corr + (template ** 2).sum()
+    for y, x in zip(*np.nonzero(ssd < 1000)):
+        if np.array_equal(p[y:y + th, x:x + tw], template):
+            return True
+    return False
+
+
+@pytest.fixture
+def anchor():
+    vol = _ras_volume()
+    stack = AxialStack(vol)
+    z = 2  # stack z runs head → feet: source k = 5 - 2 = 3
+    ys, xs = np.nonzero(stack.to_stack(_mask(vol))[z])
+    box = [int(xs.min()), int(ys.min()), int(xs.max()), int(ys.max())]
+    return EvidenceAnchor(z, [box], [stack.width, stack.height])
+
+
+def test_orientation_letters_come_from_the_stack_direction():
+    ras, lps = _ras_volume(), _lps_copy(_ras_volume())
+    assert "".join(nib.aff2axcodes(ras.affine)) == "RAS" and "".join(nib.aff2axcodes(lps.affine)) == "LPS"
+    radiological = {"left": "R", "right": "L", "top": "A", "bottom": "P"}
+    # both files give the same view (the stack reorders them), so the same letters; letters read off
+    # the file's own axes would swap them for one of the two
+    assert orientation_letters(AxialStack(ras)) == orientation_letters(AxialStack(lps)) == radiological
+    # a grid turned 30° about S: columns point (cos, sin, 0) in RAS; the stack reverses them, so its
+    # x axis points (-0.87, -0.5, 0): left and posterior (right edge "LP"); its y axis (0.5, -0.87, 0)
+    t = np.deg2rad(30)
+    rot = np.eye(4)
+    rot[:2, :2] = [[np.cos(t), -np.sin(t)], [np.sin(t), np.cos(t)]]
+    turned = AxialStack(CTVolume(np.zeros((8, 8, 3), np.float32), rot @ AFFINE_RAS))
+    assert orientation_letters(turned) == {"left": "RA", "right": "LP", "top": "AL", "bottom": "PR"}
+
+
+def test_the_same_ct_stored_ras_or_lps_gives_the_same_picture_with_the_letters_on_the_right_edges(tmp_path, anchor):
+    _render.tmp = tmp_path
+    stack, ras_pic = _render(_ras_volume(), anchor, name="ras.png")
+    _, lps_pic = _render(_lps_copy(_ras_volume()), anchor, name="lps.png")
+    assert np.array_equal(ras_pic, lps_pic)
+    h, w = stack.height * SCALE, stack.width * SCALE
+    beside = 2 * MARGIN_PX + w  # the slice and its margins, not the panel
+    bands = {"R": ras_pic[:, :MARGIN_PX], "L": ras_pic[:, MARGIN_PX + w:beside],
+             "A": ras_pic[:MARGIN_PX, :beside], "P": ras_pic[MARGIN_PX + h:2 * MARGIN_PX + h, :beside]}
+    for letter, band in bands.items():
+        assert _find(band, _glyph(letter)), letter
+        assert not any(_find(band, _glyph(o)) for o in "RLAP" if o != letter), letter
+    # the block lies at the patient's right: the image's left half
+    block = _mask(_ras_volume())
+    assert stack.to_stack(block)[anchor.slice][:, :stack.width // 2].sum() > 0
+    assert stack.to_stack(block)[anchor.slice][:, stack.width // 2:].sum() == 0
+
+
+def test_mask_outline_is_2px_outside_the_mask_and_the_ground_truth_inside_its_edge(tmp_path, anchor):
+    _render.tmp = tmp_path
+    vol = _ras_volume()
+    stack, pic = _render(vol, anchor, name="no_gt.png")
+    area = _slice_area(pic, stack)
+    m = _enlarged(stack.to_stack(_mask(vol))[anchor.slice])
+    outside = ndimage.distance_transform_cdt(~m, metric="chessboard")  # steps from the mask
+    assert np.array_equal(_is(area, RED), (outside >= 1) & (outside <= RING_PX))
+    assert RING_PX == 2 and not _is(area, RED)[m].any()  # the mask's own edge voxels stay visible
+    assert not _is(pic, CYAN).any()
+    assert not _find(pic, _text("ground truth, inside its edge", (230, 230, 230)))
+
+    # a ground truth equal to the mask: its contour lies just inside, beside the outline, not under it
+    _, pic = _render(vol, anchor, gt=_mask(vol), name="gt.png")
+    area = _slice_area(pic, stack)
+    inside = ndimage.distance_transform_cdt(m, metric="chessboard")
+    assert np.array_equal(_is(area, CYAN), m & (inside <= RING_PX))
+    assert np.array_equal(_is(area, RED), (outside >= 1) & (outside <= RING_PX))
+    for legend in ("mask outline, outside its edge", "ground truth, inside its edge", "evidence box(es)"):
+        assert _find(pic, _text(legend, (230, 230, 230))), legend
+    elsewhere = np.zeros(SHAPE, bool)
+    elsewhere[20:34, 8:22, 5] = True  # on file slice k=5 (stack z=0), not on the key slice
+    _, other = _render(vol, anchor, gt=elsewhere, name="gt_elsewhere.png")
+    assert not _is(other, CYAN)[:, :2 * MARGIN_PX + stack.width * SCALE].any()
+    assert _find(other, _text("ground truth: none on this slice", (230, 230, 230)))
+    # the swatches of the legend: the outline's and the ground truth's colours in the panel
+    panel = pic[:, 2 * MARGIN_PX + stack.width * SCALE:]
+    assert _is(panel, RED).sum() == 100 and _is(panel, CYAN).sum() == 100  # 10×10 px each
+
+
+def test_panel_says_window_key_slice_and_its_s_position(tmp_path, anchor):
+    _render.tmp = tmp_path
+    _, pic = _render(_ras_volume(), anchor, window="abdomen")
+    grey = (200, 200, 200)
+    # stack slice 2 is file slice k = 3: S = 100 + 5 * 3 = +115 mm
+    assert _find(pic, _text("S +115.0 mm (slice centre), file index k=3", grey))
+    assert _find(pic, _text("key slice z=2 of 6 (z=0 at the head end)", grey))
+    assert _find(pic, _text("window/level 350/60 HU (abdomen)", grey))
+    _, pic = _render(_ras_volume(), anchor, window=(-600, 1500), name="lung.png")
+    assert _find(pic, _text("window/level 1500/-600 HU", grey))
+
+
+def test_duplicate_boxes_are_found_and_flagged_in_the_picture(tmp_path, anchor):
+    b = anchor.boxes[0]
+    near = [b[0], b[1], b[2] + 1, b[3]]  # one column wider: IoU 14·14 / (15·14) ≈ 0.93 (the block is 14×14 voxels)
+    far = [0, 0, 3, 3]
+    pairs = duplicate_boxes([b, list(b), near, far])
+    assert [(i, j) for i, j, _ in pairs] == [(0, 1), (0, 2), (1, 2)]
+    assert pairs[0][2] == 1.0 and 0.9 < pairs[1][2] < 1.0
+    assert duplicate_boxes([[0, 0, 9, 9], [0, 0, 9, 10]], threshold=0.95) == []  # IoU 100/110
+    assert duplicate_boxes([[0, 0, 9, 9], [1, 0, 10, 9]]) == []  # IoU 90/110: not a duplicate
+
+    _render.tmp = tmp_path
+    dup = EvidenceAnchor(anchor.slice, [b, list(b), far], anchor.image_size)
+    _, pic = _render(_ras_volume(), dup, name="dup.png")
+    flag = (255, 200, 60)
+    assert _find(pic, _text("duplicate boxes 1 and 2 (identical)", flag))
+    assert not _find(pic, _text("duplicate boxes 1 and 3 (identical)", flag))
+    assert _find(pic, _text("flagged, not merged: all drawn, labelled", flag))
+    _, pic = _render(_ras_volume(), anchor, name="single.png")
+    assert not _find(pic, _text("flagged, not merged: all drawn, labelled", flag))
