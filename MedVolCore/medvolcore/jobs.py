@@ -93,7 +93,8 @@ class SegmentRequest:
     volume). ``constrain``/``sample``/``seed``: the grounder's decoding. ``span``: propagate only
     slices ``[k - span, k + span]``; ``largest_component``: keep each box's largest 3-D component.
     ``qc_title``: the QC picture's title (default ``"query: …"``). ``reference``: a ground-truth
-    mask on the volume's own grid (a boolean array of its shape) to score the mask against.
+    mask on the volume's own grid (a boolean array of its shape) to score the mask against and to draw
+    as a contour in the QC picture.
     ``prompts`` (pixel-form correction prompts, :mod:`medvolcore.prompts`) are added after the
     given anchor's own, and ``z_range`` replaces its slice range (``medvol propagate``'s
     ``--add-box``, ``--add-point`` and ``--z-range``); both need a given anchor or key slice.
