@@ -795,17 +795,17 @@ def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress
 
 
 def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress, fingerprint, t0) -> dict:
+    from .geometry import gt_on_grid
     from .jobs import SegmentOutputs, SegmentRequest, run_segment_job
     from .pipeline import as_stack
-    from .volume import label_mask, load_label_map
+    from .volume import CTVolume, label_mask, load_label_map
 
     stack = as_stack(c.volume)
-    target = None
+    target = on = None
     if c.gt is not None:  # read before the model runs: a bad label map fails the case cheaply
         labels = load_label_map(c.gt)
-        if labels.shape != stack.volume.shape:
-            raise InputError(f"ground truth {c.gt} has shape {labels.shape}, the CT {c.volume} has {stack.volume.shape}; "
-                             "they must be on the same grid")
+        on = gt_on_grid(stack.volume, labels)  # by geometry (medvolcore.geometry), or refused
+        labels = CTVolume(on.array, stack.volume.affine, path=labels.path)
         target = label_mask(labels, c.label)
     request = SegmentRequest(query=c.query, hu_window=hu_window, stop_after_empty=opts.stop_after_empty,
                              sample=opts.sample, seed=opts.seed, reference=target, qc_title=f"{c.id} · query: {c.query}",
@@ -821,7 +821,9 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
     rec = {
         "schema": CASE_SCHEMA, "id": c.id, "status": "absent" if res["absent"] else "done",
         "seconds": round(time.perf_counter() - t0, 3),
-        "case": fingerprint, "metrics": res["metrics"],
+        "case": fingerprint,
+        "metrics": dict(res["metrics"], gt_resampled=on.note) if res["metrics"] is not None and on is not None
+        else res["metrics"],
         "anchor": {"slice": a["slice"], "n_boxes": len(a["boxes"]), "boxes": [list(b) for b in a["boxes"]]},
         "reasoning": res["reasoning"], "mask_voxels": res["mask_voxels"], "smoke": res["smoke"],
         "identity": res.get("identity"),
