@@ -3,9 +3,13 @@
 A manifest lists cases, one per CSV row or JSONL line, with the fields ``id``, ``volume``,
 ``query`` and optionally ``gt`` (a label map) and ``label`` (an id, or several: ``2,3`` in CSV,
 ``[2, 3]`` in JSONL; without ``label`` every non-zero voxel of ``gt`` is the target). Relative
-paths are resolved against the manifest's folder. The whole manifest is validated before any
-work starts (missing columns, empty fields, duplicate ids, ids that are not safe folder names,
-``label`` without ``gt``): every problem is reported at once, as one error.
+paths are resolved against the manifest's folder. Everything is checked before any model loads:
+every row's fields (missing columns, empty fields, duplicate ids, ids that are not safe folder
+names, ``label`` without ``gt``) and, for this shard's rows, their files from headers only
+(:func:`check_case_files`: they exist, read as 3-D images, and the ground truth covers the CT's
+space by :mod:`medvolcore.geometry`'s rule). Every problem is reported at once (``details``: one
+line each) and nothing runs, unless ``skip_invalid``: rows with a problem are then recorded with
+status ``invalid`` (no case folder) and the rest run. ``dry_run`` stops after the check and the plan.
 
 For each case the run writes, in this order and each atomically (temporary name + rename),
 
@@ -46,7 +50,7 @@ named ``summary.shard-I-of-N.csv`` / ``.html`` (``summary.csv`` / ``summary.html
 
 The summary covers every case of the shard, including those skipped by ``--resume`` (read back
 from their ``done.json``). ``summary.csv`` has exactly the columns
-``id,status,error,slice,boxes,seconds,dice,iou,confidence`` (``status`` ``done``, ``absent`` or ``failed``;
+``id,status,error,slice,boxes,seconds,dice,iou,confidence`` (``status`` ``done``, ``absent``, ``failed`` or ``invalid``;
 ``boxes`` is the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``; an absent case is
 scored as an all-zero mask, so Dice is 0 when the ground truth has the target and 1 when it has none;
 ``confidence`` the agreement of the case's samples with ``--consensus``, empty without).
