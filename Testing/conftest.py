@@ -105,7 +105,20 @@ def small_ct(tmp_path_factory, ct_sm_path, seg_sm_path):
 
 
 def _write_dicom_series(sitk, img, folder, uid: str = "1.2.826.0.1.3680043.2.1125.7731"):
-    """Write a SimpleITK 3-D image as a CT DICOM series (one file per slice, names out of order)."""
+    """Write a SimpleITK 3-D image as a CT DICOM series (one file per slice, names out of order).
+
+    GDCM's writer sets the process locale to "C" (ASCII): restored after, or every later
+    subprocess read as text in this pytest process fails on a non-ASCII character."""
+    import locale
+
+    saved = locale.setlocale(locale.LC_ALL, None)
+    try:
+        _write_dicom_slices(sitk, img, folder, uid)
+    finally:
+        locale.setlocale(locale.LC_ALL, saved)
+
+
+def _write_dicom_slices(sitk, img, folder, uid):
     folder.mkdir()
     writer = sitk.ImageFileWriter()
     writer.KeepOriginalImageUIDOn()

@@ -3,9 +3,13 @@
 A manifest lists cases, one per CSV row or JSONL line, with the fields ``id``, ``volume``,
 ``query`` and optionally ``gt`` (a label map) and ``label`` (an id, or several: ``2,3`` in CSV,
 ``[2, 3]`` in JSONL; without ``label`` every non-zero voxel of ``gt`` is the target). Relative
-paths are resolved against the manifest's folder. The whole manifest is validated before any
-work starts (missing columns, empty fields, duplicate ids, ids that are not safe folder names,
-``label`` without ``gt``): every problem is reported at once, as one error.
+paths are resolved against the manifest's folder. Everything is checked before any model loads:
+every row's fields (missing columns, empty fields, duplicate ids, ids that are not safe folder
+names, ``label`` without ``gt``) and, for this shard's rows, their files from headers only
+(:func:`check_case_files`: they exist, read as 3-D images, and the ground truth covers the CT's
+space by :mod:`medvolcore.geometry`'s rule). Every problem is reported at once (``details``: one
+line each) and nothing runs, unless ``skip_invalid``: rows with a problem are then recorded with
+status ``invalid`` (no case folder) and the rest run. ``dry_run`` stops after the check and the plan.
 
 For each case the run writes, in this order and each atomically (temporary name + rename),
 
@@ -46,7 +50,7 @@ named ``summary.shard-I-of-N.csv`` / ``.html`` (``summary.csv`` / ``summary.html
 
 The summary covers every case of the shard, including those skipped by ``--resume`` (read back
 from their ``done.json``). ``summary.csv`` has exactly the columns
-``id,status,error,slice,boxes,seconds,dice,iou,confidence`` (``status`` ``done``, ``absent`` or ``failed``;
+``id,status,error,slice,boxes,seconds,dice,iou,confidence`` (``status`` ``done``, ``absent``, ``failed`` or ``invalid``;
 ``boxes`` is the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``; an absent case is
 scored as an all-zero mask, so Dice is 0 when the ground truth has the target and 1 when it has none;
 ``confidence`` the agreement of the case's samples with ``--consensus``, empty without).
@@ -84,6 +88,7 @@ CASE_SCHEMA = "medvol.batch-case/1"
 SUMMARY_COLUMNS = ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou", "confidence")
 OUTPUTS = ("mask.nii.gz", "anchor.json", "qc.png")
 FINISHED = ("done", "absent")  # statuses of a complete case
+INVALID = "invalid"  # a row that failed the check before the run (recorded with --skip-invalid, never run)
 AGREEMENT = "agreement.nii.gz"  # with --consensus G ≥ 2
 _CASE_FILES = OUTPUTS + (AGREEMENT,)
 DONE, ERROR = "done.json", "error.json"
@@ -107,12 +112,13 @@ class Case:
     """One manifest entry; ``index`` is its 0-based position in the manifest, ``line`` its line."""
 
     id: str
-    volume: Path
+    volume: Optional[Path]
     query: str
     gt: Optional[Path] = None
     label: Optional[Union[int, List[int]]] = None
     index: int = 0
     line: int = 0
+    problem: Optional[str] = None  # why the row cannot run (checked before any model loads); None: valid
 
     def fingerprint(self, preset: str = "", adapter=None, consensus: int = 1, consensus_mask: str = "greedy") -> dict:
         """What a finished case must match to be skipped by ``--resume``: its fields, the model,
@@ -277,6 +283,28 @@ def _read_rows(path: Path) -> Tuple[List[Tuple[int, dict]], List[str]]:
 
 def read_manifest(path) -> List[Case]:
     """Read and validate a manifest (``.csv`` or ``.jsonl``); every problem is reported at once."""
+    path, cases, fatal = _read_cases(path)
+    problems = fatal + [f"line {c.line} ({c.id}): {c.problem}" for c in cases if c.problem]
+    if problems:
+        raise _problems_error(path, problems)
+    return cases
+
+
+def _problems_error(path, problems: Sequence[str], hint: str = "") -> "ManifestError":
+    """One error for many problems: its message names the first ten and the count; ``details``
+    holds one line per problem (the CLI prints each)."""
+    shown = problems[:10]
+    more = f"; … and {len(problems) - 10} more" if len(problems) > 10 else ""
+    e = ManifestError(f"{path}: {len(problems)} problem(s){hint}: " + "; ".join(shown) + more)
+    e.details = list(problems)
+    e.summary = f"{path}: {len(problems)} problem(s){hint}"
+    return e
+
+
+def _read_cases(path) -> Tuple[Path, List[Case], List[str]]:
+    """``(path, cases, fatal problems)``: every row with a usable, unique id is a :class:`Case`,
+    with ``problem`` set when one of its other fields is wrong (``--skip-invalid`` records it as
+    ``invalid``); a row without a usable id is a fatal problem (nothing could name its folder)."""
     from .grounder import validate_query
 
     path = Path(os.path.abspath(os.path.expanduser(str(path))))
@@ -290,11 +318,10 @@ def read_manifest(path) -> List[Case]:
     seen: Dict[str, Tuple[str, int]] = {}
     for line, rec in rows:
         where = f"line {line}"
-        missing = [k for k in REQUIRED_FIELDS if rec.get(k) is None or (isinstance(rec.get(k), str) and not rec[k].strip())]
-        if missing:
-            problems.append(f"{where}: missing {', '.join(missing)}")
+        cid = rec.get("id")
+        if cid is None or (isinstance(cid, str) and not cid.strip()):
+            problems.append(f"{where}: missing id")
             continue
-        cid = rec["id"]
         if isinstance(cid, int) and not isinstance(cid, bool):
             cid = str(cid)
         if not isinstance(cid, str):
@@ -315,34 +342,73 @@ def read_manifest(path) -> List[Case]:
                                 "their folders would clash on case-insensitive file systems")
             continue
         seen[key] = (cid, line)
+        # positions are manifest positions (invalid rows included), so shards are stable
+        case = Case(id=cid, volume=None, query=rec.get("query") if isinstance(rec.get("query"), str) else "",
+                    index=len(cases), line=line)
+        cases.append(case)
+        missing = [k for k in REQUIRED_FIELDS[1:] if rec.get(k) is None or (isinstance(rec.get(k), str) and not rec[k].strip())]
+        if missing:
+            case.problem = f"missing {', '.join(missing)}"
+            continue
         bad = [k for k in ("volume", "query", "gt") if rec.get(k) is not None and not isinstance(rec.get(k), str)]
         if bad:
-            problems.append(f"{where} ({cid}): {', '.join(bad)} must be text")
+            case.problem = f"{', '.join(bad)} must be text"
             continue
         try:
-            query = validate_query(rec["query"])
+            case.query = validate_query(rec["query"])
         except InputError as e:
-            problems.append(f"{where} ({cid}): {e}")
+            case.problem = str(e)
             continue
         gt_text = (rec.get("gt") or "").strip()
         try:
-            label = parse_label(rec.get("label"), "label")
+            case.label = parse_label(rec.get("label"), "label")
         except ValueError as e:
-            problems.append(f"{where} ({cid}): {e}")
+            case.problem = str(e)
             continue
-        if label is not None and not gt_text:
-            problems.append(f"{where} ({cid}): 'label' is given without 'gt'; give the label map in 'gt'")
+        if case.label is not None and not gt_text:
+            case.problem = "'label' is given without 'gt'; give the label map in 'gt'"
             continue
-        cases.append(Case(id=cid, volume=_resolve(rec["volume"].strip(), base), query=query,
-                          gt=_resolve(gt_text, base) if gt_text else None, label=label, index=len(cases), line=line))
-    if problems:
-        shown = problems[:10]
-        more = f"; … and {len(problems) - 10} more" if len(problems) > 10 else ""
-        raise ManifestError(f"{path}: {len(problems)} problem(s): " + "; ".join(shown) + more)
-    if not cases:
+        case.volume = _resolve(rec["volume"].strip(), base)
+        case.gt = _resolve(gt_text, base) if gt_text else None
+    if not cases and not problems:
         raise ManifestError(f"{path}: the manifest lists no cases")
-    # positions are manifest positions, so shards are stable whatever was skipped above (nothing is)
-    return cases
+    return path, cases, problems
+
+
+def check_case_files(cases: Sequence[Case]) -> None:
+    """Set ``problem`` on each valid case whose files cannot be used, from headers only (no voxel
+    read, nothing loaded): the volume and the ground truth exist, are regular files or DICOM
+    folders and their headers read as 3-D scalar images (:func:`medvolcore.volume.read_grid`), and
+    the ground truth covers the volume's space (:func:`medvolcore.geometry.match_grids`: the rule
+    ``medvol metrics`` uses). Each distinct file is read once. A DICOM folder's geometry needs
+    every slice scanned: its files are checked here, its grid when the case runs."""
+    from .geometry import match_grids
+    from .volume import read_grid
+
+    grids: Dict[str, object] = {}
+
+    def grid(p: Path):
+        key = str(p)
+        if key not in grids:
+            try:
+                grids[key] = read_grid(p)
+            except MedVolError as e:
+                grids[key] = e
+        if isinstance(grids[key], MedVolError):
+            raise grids[key]
+        return grids[key]
+
+    for c in cases:
+        if c.problem:
+            continue
+        try:
+            vg = grid(c.volume)
+            gg = grid(c.gt) if c.gt is not None else None
+            if vg is not None and gg is not None:
+                match_grids(vg[0], vg[1], gg[0], gg[1], pred_name=f"the CT {c.volume.name}",
+                            gt_name=f"the ground truth {c.gt.name}")
+        except MedVolError as e:
+            c.problem = _one_line(str(e))
 
 
 # ---- shards ----------------------------------------------------------------------------------
@@ -455,6 +521,8 @@ class BatchOptions:
     overwrite: bool = False
     progress: bool = True
     empty_mask_on_absent: bool = False  # write an all-zero mask for a case the model answers "not present"
+    skip_invalid: bool = False  # run the valid rows and record the others as "invalid" (default: refuse the run)
+    dry_run: bool = False  # check everything, say what would run, load and write nothing
     threads: Optional[int] = None  # CPU threads (None: medvolcore.cpu's rule)
     grounder_dtype: Optional[str] = None  # fp32, bf16, or None/auto (medvolcore.cpu.grounder_dtype)
 
@@ -512,8 +580,16 @@ def _check_batch_inputs(manifest, out_dir, opts: BatchOptions) -> BatchPlan:
     if opts.resume and opts.overwrite:
         raise InputError("--resume and --overwrite do not go together: --resume keeps finished cases, "
                          "--overwrite redoes every case")
-    cases = read_manifest(manifest)
+    manifest_path, cases, fatal = _read_cases(manifest)
     mine = shard_cases(cases, opts.shard)
+    check_case_files(mine)  # headers only: a missing file in row 500 is found before any model loads
+    # every row's fields are checked (a shard refuses a manifest with a bad row anywhere, as before);
+    # files only for this shard's rows (each shard checks its own)
+    problems = fatal + [f"line {c.line} ({c.id}): {c.problem}" for c in cases if c.problem]
+    if fatal or (problems and not opts.skip_invalid):
+        hint = ("; nothing ran (fix them, or pass --skip-invalid to run the other rows)" if not fatal
+                else "; nothing ran")
+        raise _problems_error(manifest_path, problems, hint)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputError(f"cannot use --out-dir {out}: it is a file, not a folder")
@@ -527,7 +603,8 @@ def _check_batch_inputs(manifest, out_dir, opts: BatchOptions) -> BatchPlan:
     # nothing a run writes or clears may be one of its inputs: refuse before any work
     check_distinct([("the summary table", out / csv_name), ("the summary page", out / html_name)],
                    [("--manifest", manifest)])
-    inputs = [(f"case {c.id} {k}", p) for c in mine for k, p in (("volume", c.volume), ("gt", c.gt)) if p is not None]
+    inputs = [(f"case {c.id} {k}", p) for c in mine if not c.problem
+              for k, p in (("volume", c.volume), ("gt", c.gt)) if p is not None]
     check_outside_cases(out, [c.id for c in mine], inputs,
                         [("the summary table", out / csv_name), ("the summary page", out / html_name)])
     return BatchPlan(cases=cases, mine=mine, out=out, csv_name=csv_name, html_name=html_name)
@@ -580,6 +657,8 @@ def _plan_cases(plan: BatchPlan, opts: BatchOptions, preset: str) -> None:
     out = plan.out
     occupied = []
     for c in plan.mine:
+        if c.problem:  # --skip-invalid: recorded as invalid, never run, its folder untouched
+            continue
         cdir = out / c.id
         if opts.resume:
             rec = completed_record(cdir, c, c.fingerprint(preset, opts.adapter, opts.consensus, opts.consensus_mask))
@@ -593,7 +672,8 @@ def _plan_cases(plan: BatchPlan, opts: BatchOptions, preset: str) -> None:
         shown = ", ".join(occupied[:5]) + (f" and {len(occupied) - 5} more" if len(occupied) > 5 else "")
         raise OutputExistsError(f"{out} already holds outputs for {len(occupied)} case(s) ({shown}); pass --resume to "
                                 "skip finished cases and rerun the others, or --overwrite to redo them all")
-    check_folder(out, "--out-dir")  # exists and writable, before the models load
+    if not opts.dry_run:
+        check_folder(out, "--out-dir")  # exists and writable, before the models load
 
 
 def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipeline=None,
@@ -615,6 +695,8 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     from .windowing import get_window
 
     hu_window = get_window(opts.ct_window)
+    if opts.dry_run:
+        return _dry_run(plan, opts, pipeline, manifest)
     if pipeline is None:
         from .pipeline import Pipeline
 
@@ -659,6 +741,10 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     from .progress import StageClock, clock_text
 
     rows_by_id: Dict[str, dict] = {cid: _row_from_done(rec) for cid, rec in done_before.items()}
+    for c in mine:
+        if c.problem:
+            rows_by_id[c.id] = _row(c.id, INVALID, c.problem, _query=c.query, _reasoning="", _smoke=None,
+                                    _skipped=False, _run_seconds=None)
     ran = 0
     t_loop = time.perf_counter()
     try:
@@ -710,12 +796,13 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         "shard": f"{opts.shard[0]}/{opts.shard[1]}" if opts.shard else None,
         "cases": len(mine), "manifest_cases": len(cases),
         "done": sum(r["status"] == "done" for r in rows), "absent": sum(r["status"] == "absent" for r in rows),
-        "failed": sum(r["status"] == "failed" for r in rows),
+        "failed": sum(r["status"] == "failed" for r in rows), "invalid": sum(r["status"] == INVALID for r in rows),
         "skipped": len(done_before), "ran": ran,
         "seconds": round(seconds, 3), "model_load_s": round(load_s, 3), "cases_seconds": round(run_s, 3),
         "cases_per_minute": round(60.0 * ran / seconds, 3) if ran and seconds > 0 else None,
         "summary_csv": str(out / csv_name), "summary_html": str(out / html_name),
         "failures": [{"id": r["id"], "error": r["error"]} for r in rows if r["status"] == "failed"],
+        "invalid_cases": [{"id": r["id"], "error": r["error"]} for r in rows if r["status"] == INVALID],
         "consensus": opts.consensus, "consensus_mask": opts.consensus_mask,
         "threads": threads.threads, "threads_rule": threads.describe(),
     }
@@ -728,6 +815,24 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     elif identity_note(identity):
         info["notice"] = identity_note(identity)
     return BatchResult(rows=rows, info=info)
+
+
+def _dry_run(plan: BatchPlan, opts: BatchOptions, pipeline, manifest) -> BatchResult:
+    """What a run would do, after every check and without loading a model or writing a file."""
+    if pipeline is not None:
+        preset = pipeline.preset
+    else:
+        from .models import resolve
+
+        preset = resolve(opts.preset, adapter=opts.adapter).name
+    _plan_cases(plan, opts, preset)
+    info = {"manifest": str(manifest), "out_dir": str(plan.out), "preset": preset, "dry_run": True,
+            "shard": f"{opts.shard[0]}/{opts.shard[1]}" if opts.shard else None,
+            "cases": len(plan.mine), "manifest_cases": len(plan.cases),
+            "would_run": [c.id for c in plan.to_run], "would_skip": sorted(plan.done_before),
+            "invalid_cases": [{"id": c.id, "error": c.problem} for c in plan.mine if c.problem],
+            "research_use": RESEARCH_USE_NOTICE}
+    return BatchResult(rows=[], info=info)
 
 
 def _run_identity(pipeline, smoke: bool) -> Optional[dict]:
@@ -795,17 +900,17 @@ def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress
 
 
 def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress, fingerprint, t0) -> dict:
+    from .geometry import gt_on_grid
     from .jobs import SegmentOutputs, SegmentRequest, run_segment_job
     from .pipeline import as_stack
-    from .volume import label_mask, load_label_map
+    from .volume import CTVolume, label_mask, load_label_map
 
     stack = as_stack(c.volume)
-    target = None
+    target = on = None
     if c.gt is not None:  # read before the model runs: a bad label map fails the case cheaply
         labels = load_label_map(c.gt)
-        if labels.shape != stack.volume.shape:
-            raise InputError(f"ground truth {c.gt} has shape {labels.shape}, the CT {c.volume} has {stack.volume.shape}; "
-                             "they must be on the same grid")
+        on = gt_on_grid(stack.volume, labels)  # by geometry (medvolcore.geometry), or refused
+        labels = CTVolume(on.array, stack.volume.affine, path=labels.path)
         target = label_mask(labels, c.label)
     request = SegmentRequest(query=c.query, hu_window=hu_window, stop_after_empty=opts.stop_after_empty,
                              sample=opts.sample, seed=opts.seed, reference=target, qc_title=f"{c.id} · query: {c.query}",
@@ -821,7 +926,9 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
     rec = {
         "schema": CASE_SCHEMA, "id": c.id, "status": "absent" if res["absent"] else "done",
         "seconds": round(time.perf_counter() - t0, 3),
-        "case": fingerprint, "metrics": res["metrics"],
+        "case": fingerprint,
+        "metrics": dict(res["metrics"], gt_resampled=on.note) if res["metrics"] is not None and on is not None
+        else res["metrics"],
         "anchor": {"slice": a["slice"], "n_boxes": len(a["boxes"]), "boxes": [list(b) for b in a["boxes"]]},
         "reasoning": res["reasoning"], "mask_voxels": res["mask_voxels"], "smoke": res["smoke"],
         "identity": res.get("identity"),
@@ -867,7 +974,7 @@ th{background:#eee} .banner{background:#b00020;color:#fff;padding:.6em 1em;font-
 .case h2{font-size:1.1em;margin:.2em 0 .5em} .done{color:#087f23} .failed{color:#b00020} .absent{color:#8a5a00}
 .case img{max-width:100%;height:auto;border:1px solid #333;display:block;margin:.5em 0}
 .reasoning{white-space:pre-wrap;background:#f4f4f4;padding:.5em;border-radius:4px;font-size:.9em}
-.error{white-space:pre-wrap;color:#b00020} .meta{color:#555;font-size:.9em}
+.error{white-space:pre-wrap;color:#b00020} .invalid{color:#b00020} .meta{color:#555;font-size:.9em}
 .notice{font-weight:bold;color:#7a4d00}
 """
 
@@ -880,7 +987,8 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
     esc = html.escape
     n_done = sum(r["status"] == "done" for r in rows)
     n_absent = sum(r["status"] == "absent" for r in rows)
-    n_failed = len(rows) - n_done - n_absent
+    n_invalid = sum(r["status"] == INVALID for r in rows)
+    n_failed = len(rows) - n_done - n_absent - n_invalid
     parts = [f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{esc(title)}</title>",
              f"<style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>",
              f"<p class=\"notice\">{esc(RESEARCH_USE_NOTICE)}</p>"]
@@ -891,7 +999,7 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
         parts.append(f"<p class=\"banner\">{esc(identity_note(identity) or identity['label'])}.</p>")
     model = f"model: {identity['label']} · " if identity else ""
     parts.append(f"<p class=\"meta\">{esc(model)}preset {esc(preset)} · {len(rows)} case(s): {n_done} done, "
-                 f"{n_absent} not found, {n_failed} failed · written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>")
+                 f"{n_absent} not found, {n_failed} failed, {n_invalid} invalid (not run) · written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>")
     parts.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS) + "</tr>")
     for r, cells in zip(rows, summary_csv_rows(rows)):
         anchor = "case-" + quote(r["id"])

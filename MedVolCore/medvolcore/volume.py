@@ -293,6 +293,51 @@ def _read_any(path, max_voxels=None, cancel=None, dtype=None) -> tuple:
     return data, affine, header, fmt
 
 
+def read_grid(path) -> Optional[tuple]:
+    """``(shape, affine)`` of a volume or label map from its header alone (no voxel read), its files
+    checked first as by :func:`load_volume`; None for a DICOM folder, whose geometry only a scan of
+    every slice gives (it is checked when the case is read). :class:`VolumeError` when the header
+    cannot be read or does not describe a 3-D scalar image."""
+    from .sources import volume_sources
+
+    p = Path(path)
+    src = volume_sources(p)
+    if src.kind == "dicom":
+        return None
+    if _is_nifti(p):
+        try:
+            _klass, header = _nifti_header(p)
+            shape = tuple(int(v) for v in header.get_data_shape())
+            affine = np.asarray(header.get_best_affine(), dtype=np.float64)
+        except VolumeError:
+            raise
+        except Exception as exc:  # nibabel raises many types for corrupt files
+            raise VolumeError(f"cannot read {p} as NIfTI: {exc}") from None
+        while len(shape) > 3 and shape[-1] == 1:
+            shape = shape[:-1]
+        _check_3d_scalar(p, shape)
+    elif p.name.lower().endswith(ITK_SUFFIXES):
+        sitk = _require_sitk(p.suffix.upper().lstrip(".") + " files")
+        try:
+            reader = sitk.ImageFileReader()
+            reader.SetImageIO(_ITK_IO[p.suffix.lower()])
+            reader.SetFileName(str(p))
+            reader.ReadImageInformation()
+        except Exception as exc:  # noqa: BLE001 - SimpleITK raises RuntimeError subclasses
+            raise VolumeError(f"cannot read {p}: {str(exc).strip().splitlines()[-1]}") from None
+        shape = tuple(int(v) for v in reader.GetSize())
+        _check_3d_scalar(p, shape, reader.GetNumberOfComponents())
+        affine = _lps_to_ras(reader.GetSpacing(), reader.GetOrigin(), reader.GetDirection())
+    else:
+        raise VolumeError(f"{p}: unsupported file type; use NIfTI (.nii, .nii.gz), NRRD (.nrrd), MetaImage (.mha) "
+                          "or a DICOM folder")
+    if min(shape) < 1:
+        raise VolumeError(f"{p}: image is empty (shape {shape})")
+    if not np.all(np.isfinite(affine)) or abs(np.linalg.det(affine[:3, :3])) < 1e-12:
+        raise VolumeError(f"{p}: the voxel-to-world matrix is singular or not finite")
+    return shape, affine
+
+
 def load_volume(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVolume:
     """Read a CT (values in HU) as float32 on its source grid.
 
@@ -442,5 +487,5 @@ def _clear_free_text(header) -> None:
         del header.extensions[:]
 
 
-__all__ = ["CTVolume", "load_volume", "load_label_map", "label_mask", "save_mask", "segmentation_metadata",
+__all__ = ["CTVolume", "load_volume", "load_label_map", "read_grid", "label_mask", "save_mask", "segmentation_metadata",
            "OutputExistsError"]

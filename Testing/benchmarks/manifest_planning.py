@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark: planning a 10,000-row batch manifest, before the first case starts.
 
-Builds, in a temporary folder, ROWS cases whose CTs and label maps are small placeholder files
-(planning reads no volume): by default every row has its own CT and label map, 100 files per
+Builds, in a temporary folder, ROWS cases whose CTs and label maps are tiny NIfTI files (planning
+reads every distinct file's header, never its voxels): by default every row has its own CT and label map, 100 files per
 folder (``--shared`` makes every row name the same two files). Then times what each batch front
 door does before its first case would start:
 
@@ -38,13 +38,25 @@ QUERY = "the organ that secretes bile"
 GOAL_S = 10.0
 
 
+def _tiny_nifti() -> bytes:
+    """A 6×5×4 NIfTI's bytes: planning reads its header (and checks the label map's grid against the CT's)."""
+    import gzip
+
+    import nibabel as nib
+    import numpy as np
+
+    img = nib.Nifti1Image(np.zeros((6, 5, 4), dtype=np.uint8), np.eye(4))
+    return gzip.compress(img.header.binaryblock + b"\0" * 4 + np.asarray(img.dataobj).tobytes(order="F"))
+
+
 def _inputs(work: Path, rows: int, shared: bool):
-    """(volume, label map) paths per row; placeholder files, never read."""
+    """(volume, label map) paths per row; tiny NIfTI files whose headers only are read."""
+    data = _tiny_nifti()
     if shared:
         ct, seg = work / "data" / "ct.nii.gz", work / "data" / "seg.nii.gz"
         ct.parent.mkdir(parents=True)
-        ct.write_bytes(b"x")
-        seg.write_bytes(b"x")
+        ct.write_bytes(data)
+        seg.write_bytes(data)
         return [(ct, seg)] * rows
     pairs = []
     for i in range(rows):
@@ -52,8 +64,8 @@ def _inputs(work: Path, rows: int, shared: bool):
         if i % 100 == 0:
             folder.mkdir(parents=True)
         ct, seg = folder / f"ct{i:05d}.nii.gz", folder / f"seg{i:05d}.nii.gz"
-        ct.write_bytes(b"x")
-        seg.write_bytes(b"x")
+        ct.write_bytes(data)
+        seg.write_bytes(data)
         pairs.append((ct, seg))
     return pairs
 

@@ -70,6 +70,8 @@ def data_dir(tmp_path_factory, ct_sm_path, seg_sm_path):
     shutil.copy(ct_sm_path, d / "ct.nii.gz")
     shutil.copy(seg_sm_path, d / "seg.nii.gz")
     (d / "corrupt.nii.gz").write_bytes(b"this is not a NIfTI file\x00\x01\x02" * 10)
+    # a header that reads (so the check before the run passes) over voxels cut short: fails when the case runs
+    (d / "truncated.nii.gz").write_bytes((d / "ct.nii.gz").read_bytes()[:4000])
     # 8 slices of the same CT (every voxel kept, affine shifted): cheaper cases for the multi-case runs
     ct, seg = nib.load(str(ct_sm_path)), nib.load(str(seg_sm_path))
     k0 = 11
@@ -83,7 +85,7 @@ def data_dir(tmp_path_factory, ct_sm_path, seg_sm_path):
 def mixed_rows(label, ct="ct.nii.gz", seg="seg.nii.gz"):
     return [
         {"id": "good", "volume": ct, "query": QUERY, "gt": seg, "label": label},
-        {"id": "corrupt", "volume": "corrupt.nii.gz", "query": QUERY},
+        {"id": "corrupt", "volume": "truncated.nii.gz", "query": QUERY},
         {"id": "missing", "volume": "no_such_ct.nii.gz", "query": QUERY},
     ]
 
@@ -97,12 +99,15 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
     manifest = write_manifest(data_dir / f"mixed.{fmt}", rows, fmt)
     seg_file = data_dir / rows[0]["gt"]
     out = tmp_path / "out"
-    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--json")
+    # the missing file is found before the run: with --skip-invalid its row is recorded as invalid
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--json",
+                                      "--skip-invalid")
     assert code == 3, err
     assert "Traceback" not in err
     info = json.loads(stdout)
-    assert (info["cases"], info["done"], info["failed"], info["skipped"], info["ran"]) == (3, 1, 2, 0, 3)
-    assert info["smoke"] is True and {f["id"] for f in info["failures"]} == {"corrupt", "missing"}
+    assert (info["cases"], info["done"], info["failed"], info["invalid"], info["skipped"], info["ran"]) == (3, 1, 1, 1, 0, 2)
+    assert info["smoke"] is True and [f["id"] for f in info["failures"]] == ["corrupt"]
+    assert [f["id"] for f in info["invalid_cases"]] == ["missing"] and not (out / "missing").exists()
 
     # the good case: all three outputs, then done.json; metrics checked against the files themselves
     good = out / "good"
@@ -120,12 +125,11 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
 
     # the failures: error.json only, with a useful message
     errors = {}
-    for cid, needle in (("corrupt", "corrupt.nii.gz"), ("missing", "no_such_ct.nii.gz")):
+    for cid, needle in (("corrupt", "truncated.nii.gz"),):
         assert [p.name for p in (out / cid).iterdir()] == ["error.json"]
         e = json.loads((out / cid / "error.json").read_text())
         assert e["status"] == "failed" and e["error"]["code"] == "bad_volume" and needle in e["error"]["message"]
         errors[cid] = e
-    assert "does not exist" in errors["missing"]["error"]["message"]
 
     # summary.csv: exact header and rows
     header, rows = read_summary(out / "summary.csv")
@@ -133,10 +137,11 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
                                                 "confidence")
     expected = [["good", "done", "", str(anchor["slice"]), str(len(anchor["boxes"])), f"{done['seconds']:.2f}",
                  f"{m['dice']:.4f}", f"{m['iou']:.4f}", ""]]  # no --consensus: no confidence
-    for cid in ("corrupt", "missing"):
-        e = errors[cid]
-        expected.append([cid, "failed", f"{e['error']['code']}: {e['error']['message']}", "", "", f"{e['seconds']:.2f}", "", "",
-                         ""])
+    e = errors["corrupt"]
+    expected.append(["corrupt", "failed", f"{e['error']['code']}: {e['error']['message']}", "", "", f"{e['seconds']:.2f}",
+                     "", "", ""])
+    missing = str(data_dir / "no_such_ct.nii.gz")
+    expected.append(["missing", "invalid", f"{missing} does not exist", "", "", "", "", "", ""])
     assert rows == expected
 
     # summary.html: every id, a QC picture for the done case only, the errors, the smoke banner
@@ -149,17 +154,18 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
 
     # a second run without --resume/--overwrite refuses to start and changes nothing
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE)
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--skip-invalid")
     assert code == 2 and "--resume" in err and "--overwrite" in err and "Traceback" not in err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
     if fmt == "jsonl":
         return
     # --resume keeps the finished case and retries only the failed ones
-    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--resume", "--json")
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--resume", "--json",
+                                      "--skip-invalid")
     assert code == 3, err
     info = json.loads(stdout)
-    assert (info["skipped"], info["ran"], info["done"], info["failed"]) == (1, 2, 1, 2)
+    assert (info["skipped"], info["ran"], info["done"], info["failed"], info["invalid"]) == (1, 1, 1, 1, 1)
     assert (good / "done.json").stat().st_mtime_ns == before[good / "done.json"]
     assert read_summary(out / "summary.csv")[1][0] == expected[0]  # the skipped case, read back from done.json
 
@@ -245,7 +251,7 @@ def test_shard_partition_is_exact():
 
 
 def test_sharded_run_partitions_the_manifest(capsys, tmp_path, data_dir):
-    # one real case (position 0 → shard 1) and five missing files, which fail fast
+    # one real case (position 0 → shard 1) and five missing files, found before the run (invalid, not run)
     rows = [{"id": "real", "volume": "ct8.nii.gz", "query": QUERY}] + \
            [{"id": f"m{i}", "volume": f"absent{i}.nii.gz", "query": QUERY} for i in range(1, 6)]
     manifest = write_manifest(data_dir / "shards.jsonl", rows, "jsonl")
@@ -253,7 +259,7 @@ def test_sharded_run_partitions_the_manifest(capsys, tmp_path, data_dir):
     seen = []
     for i in (1, 2, 3):
         code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE,
-                                          "--shard", f"{i}/3", "--json")
+                                          "--shard", f"{i}/3", "--json", "--skip-invalid")
         assert code == 3, err
         info = json.loads(stdout)
         assert info["shard"] == f"{i}/3" and info["manifest_cases"] == 6
@@ -309,6 +315,7 @@ BAD_MANIFESTS = [
 def test_bad_manifest_is_one_clear_error(capsys, tmp_path, fmt, text, needle):
     manifest = tmp_path / f"cases.{fmt}"
     manifest.write_text(text, encoding="utf-8")
+    _tiny_ct(tmp_path / "ct.nii.gz")  # the rows' files exist: the one problem is the manifest's
     out = tmp_path / "out"
     code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE)
     assert code == 2
@@ -321,6 +328,7 @@ def test_bad_manifest_is_one_clear_error(capsys, tmp_path, fmt, text, needle):
 def test_all_manifest_problems_reported_at_once(capsys, tmp_path):
     manifest = tmp_path / "cases.csv"
     manifest.write_text("id,volume,query\na,ct.nii.gz,liver\na,ct.nii.gz,liver\nb c,ct.nii.gz,liver\n")
+    _tiny_ct(tmp_path / "ct.nii.gz")
     code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", tmp_path / "out", *BASE)
     assert code == 2 and "2 problem(s)" in err and "line 3" in err and "line 4" in err
 
@@ -359,15 +367,15 @@ class _Loading(Exception):
     pass
 
 
-def _tiny_ct(path: Path, depth: int = 4) -> Path:
-    nib.save(nib.Nifti1Image(np.zeros((6, 5, depth), dtype=np.int16), np.eye(4)), str(path))
+def _tiny_ct(path: Path, depth: int = 4, value: int = 0) -> Path:
+    nib.save(nib.Nifti1Image(np.full((6, 5, depth), value, dtype=np.int16), np.eye(4)), str(path))
     return path
 
 
 @pytest.mark.probe("II.6", "planning a manifest: os.path.realpath calls for 50 and 200 rows")
 def test_planning_is_linear_in_the_manifest(tmp_path, monkeypatch, record_property):
     """Before, every (case folder × input) pair was resolved: 200 rows cost 16× the calls of 50
-    (10,000 rows never started). Planning reads no volume: the files need not exist."""
+    (10,000 rows never started). Planning reads headers only, each distinct file once."""
     from medvolcore.batch import BatchOptions, run_batch
 
     real = os.path.realpath
@@ -381,6 +389,9 @@ def test_planning_is_linear_in_the_manifest(tmp_path, monkeypatch, record_proper
     for n in (50, 200):
         manifest = write_manifest(tmp_path / f"m{n}.csv", [{"id": f"c{i}", "volume": f"ct{i}.nii.gz", "query": QUERY,
                                                              "gt": f"seg{i}.nii.gz", "label": 5} for i in range(n)], "csv")
+        for i in range(n):
+            _tiny_ct(tmp_path / f"ct{i}.nii.gz", value=0)
+            _tiny_ct(tmp_path / f"seg{i}.nii.gz", value=5)
         calls[0] = 0
         monkeypatch.setattr(os.path, "realpath", counting)
         t = time.perf_counter()
@@ -420,7 +431,7 @@ def test_resume_reruns_a_case_whose_input_was_replaced(tmp_path, replaced):
     opts = BatchOptions(resume=True, progress=False)
     res = run_batch(manifest, out, opts, pipeline=_StopAtLoad())  # unchanged: skipped, nothing loads
     assert (res.info["skipped"], res.info["ran"]) == (1, 0)
-    _tiny_ct(ct if replaced == "volume" else seg, depth=7)  # another scan under the same name
+    _tiny_ct(ct if replaced == "volume" else seg, value=7)  # another scan under the same name (same grid)
     with pytest.raises(_Loading):  # the case runs again: models load
         run_batch(manifest, out, opts, pipeline=_StopAtLoad())
 

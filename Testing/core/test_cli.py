@@ -267,7 +267,7 @@ def test_metrics_per_label(capsys, seg_sm_path):
 
 def test_metrics_grid_mismatch(capsys, seg_path, seg_sm_path):
     code, _, err = run_cli(capsys, "metrics", "--pred", seg_sm_path, "--gt", seg_path)
-    assert_one_line_error(code, err, "not on the same grid")
+    assert_one_line_error(code, err, "do not cover the same space")
 
 
 # ---- as a real process ----------------------------------------------------------------------

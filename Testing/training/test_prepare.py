@@ -57,7 +57,7 @@ def test_prepare_reports_each_bad_row_and_keeps_the_rest(prepared):
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     reasons = {(s["case"], s.get("target")): s["reason"] for s in summary["skipped"]}
     assert reasons == {("full", "brain"): "unknown_label", ("upper", "urinary_bladder"): "unknown_label",
-                       ("wrong_shape", None): "shape_mismatch", ("wrong_affine", None): "affine_mismatch",
+                       ("wrong_shape", None): "grid_mismatch", ("wrong_affine", None): "grid_mismatch",
                        ("no_file", None): "missing_file", ("bad_split", None): "bad_row"}
     samples = load_samples(out)
     # full/brain: label 90 is not in the label map, so it is the negative (not present) sample

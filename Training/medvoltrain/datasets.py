@@ -254,7 +254,7 @@ def _m3d_affine(orientation: Optional[str]) -> np.ndarray:
     return aff
 
 
-def load_case(case: Case, affine_tol: float = 1e-3):
+def load_case(case: Case):
     """``(stack, labels, window, intensity)`` of a case, or :class:`CaseError` with a reason.
 
     ``stack`` is the :class:`~medvolcore.stack.AxialStack` of the CT, ``labels`` a
@@ -263,6 +263,7 @@ def load_case(case: Case, affine_tol: float = 1e-3):
     ``"m3d_normalised"``.
     """
     from medvolcore.errors import MedVolError
+    from medvolcore.geometry import gt_on_grid
     from medvolcore.stack import AxialStack
     from medvolcore.volume import CTVolume, load_label_map, load_volume
 
@@ -290,13 +291,14 @@ def load_case(case: Case, affine_tol: float = 1e-3):
         lab = load_label_map(case.labels)
     except MedVolError as e:
         raise CaseError("unreadable", str(e)) from None
-    if vol.shape != lab.shape:
-        raise CaseError("shape_mismatch", f"volume {vol.shape} and label map {lab.shape} differ in shape")
-    if not np.allclose(vol.affine, lab.affine, atol=affine_tol):
-        raise CaseError("affine_mismatch", f"volume and label map have different affines (max difference "
-                                           f"{float(np.abs(vol.affine - lab.affine).max()):.4g} mm)")
+    try:  # by geometry, as medvol metrics and batch compare (medvolcore.geometry): flipped or reordered axes are fine
+        on = gt_on_grid(vol, lab)
+    except MedVolError as e:
+        raise CaseError("grid_mismatch", str(e)) from None
+    if on.note:
+        log.info("case %s: label map %s", case.id, on.note)
     stack = AxialStack(vol)
-    return stack, LabelSource(label_stack=np.ascontiguousarray(stack.to_stack(lab.array))), None, "hu"
+    return stack, LabelSource(label_stack=np.ascontiguousarray(stack.to_stack(on.array))), None, "hu"
 
 
 def read_m3d_mask(path: Path) -> np.ndarray:

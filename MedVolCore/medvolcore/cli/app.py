@@ -86,7 +86,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except MedVolError as e:
         if args.debug:
             raise
-        sys.stderr.write(terminal_safe(f"{PROG} {args.command}: error: {e}", one_line=True) + "\n")
+        details = getattr(e, "details", None) or []
+        if len(details) > 1:  # several problems found at once (a batch manifest): one line each, then the count
+            for line in details:
+                sys.stderr.write(terminal_safe(f"{PROG} {args.command}: {line}", one_line=True) + "\n")
+        text = e.summary if len(details) > 1 and getattr(e, "summary", None) else e
+        sys.stderr.write(terminal_safe(f"{PROG} {args.command}: error: {text}", one_line=True) + "\n")
         return e.exit_code
     except KeyboardInterrupt as e:
         hint = getattr(args, "interrupt_hint", "")

@@ -4,8 +4,8 @@
 is :func:`medvolcore.batch.run_batch`. ``python -m medvolcore.cli_batch --manifest CASES.csv
 --out-dir DIR …`` is the same as ``medvol batch …``.
 
-Exit codes: 0 every case done; 3 some case failed (each is in ``error.json`` and the summary);
-2 the run could not start (bad manifest, bad ``--shard``, outputs already present, a model that
+Exit codes: 0 every case done; 3 some case failed (each is in ``error.json`` and the summary) or was
+recorded invalid (``--skip-invalid``); 2 the run could not start (bad manifest or files, bad ``--shard``, outputs already present, a model that
 cannot load); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM, e.g. a cluster's time limit).
 """
 
@@ -36,8 +36,14 @@ also gets DIR/<id>/agreement.nii.gz and a confidence (agreement of its samples, 
 
 --shard I/N (1-based I) takes the cases at 0-based manifest positions p with p % N == I-1.
 
-exit codes: 0 no case failed (done or absent), 3 some failed, 2 the run could not start, 130 interrupted,
-143 terminated (SIGTERM)."""
+checked before any model loads: every row's fields, and for this shard's rows the files (exist,
+headers read as 3-D images) and the ground truth's grid against the CT's (by geometry, as medvol
+metrics compares). Every problem is printed, one line each, then the count, and nothing runs
+(exit 2) unless --skip-invalid: then those rows get status 'invalid' in the summaries and the rest
+run. --dry-run stops after the check and lists what would run.
+
+exit codes: 0 no case failed (done or absent), 3 some failed or were invalid, 2 the run could not start,
+130 interrupted, 143 terminated (SIGTERM)."""
 
 
 def add_batch_command(sub, add):
@@ -64,17 +70,36 @@ def add_batch_command(sub, add):
                     help="for a case the model answers 'not present', still write mask.nii.gz, all zero")
     add_consensus_options(sp, agreement=None)
     add_compute_options(sp)
+    sp.add_argument("--skip-invalid", action="store_true",
+                    help="run the rows that pass the check and record the others as 'invalid' (default: any problem "
+                         "stops the run before a model loads)")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="check the manifest and every file's header, say what would run, then stop (loads no model, "
+                         "writes nothing)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return sp
 
 
+def _dry_text(info: dict) -> str:
+    shard = f" (shard {info['shard']} of {info['manifest_cases']})" if info.get("shard") else ""
+    lines = [f"dry run: {info['cases']} case(s){shard} checked with preset {info['preset']}; nothing was loaded or written",
+             f"would run {len(info['would_run'])}: {', '.join(info['would_run']) or 'none'}"]
+    if info["would_skip"]:
+        lines.append(f"would skip {len(info['would_skip'])} as already finished: {', '.join(info['would_skip'])}")
+    for c in info["invalid_cases"]:
+        lines.append(terminal_safe(f"invalid {c['id']} (not run): {c['error']}", one_line=True))
+    return "\n".join(lines)
+
+
 def _text(info: dict) -> str:
+    if info.get("dry_run"):
+        return _dry_text(info)
     lines = [f"model: {info['model_label']}"] if info.get("model_label") else []
     if info.get("notice"):
         lines.append("NOTE: " + info["notice"])
     shard = f" (shard {info['shard']} of {info['manifest_cases']})" if info.get("shard") else ""
     lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info.get('absent', 0)} not found in their CT, "
-                 f"{info['failed']} failed, "
+                 f"{info['failed']} failed, {info.get('invalid', 0)} invalid (not run), "
                  f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
     if info.get("confidence"):
         c = info["confidence"]
@@ -84,6 +109,8 @@ def _text(info: dict) -> str:
         lines.append(f"compute: {info['threads_rule']}")
     for f in info["failures"]:
         lines.append(terminal_safe(f"failed {f['id']}: {f['error']}", one_line=True))
+    for f in info.get("invalid_cases", []):
+        lines.append(terminal_safe(f"invalid {f['id']} (not run): {f['error']}", one_line=True))
     lines.append(f"summary: {info['summary_csv']}, {info['summary_html']}")
     return "\n".join(lines)
 
@@ -96,7 +123,7 @@ def cmd_batch(args) -> int:
                         consensus=args.consensus, consensus_mask=args.consensus_mask, shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                         empty_mask_on_absent=args.empty_mask_on_absent, threads=args.threads,
-                        grounder_dtype=args.grounder_dtype)
+                        grounder_dtype=args.grounder_dtype, skip_invalid=args.skip_invalid, dry_run=args.dry_run)
 
     # a cluster's time limit (SIGTERM) stops the run like Ctrl-C: cli.main turns it into an
     # exception, so temporary files are removed and --resume finishes the rest

@@ -431,29 +431,30 @@ def cmd_demo(args) -> int:
 def cmd_metrics(args) -> int:
     import numpy as np
 
+    from ..geometry import gt_on_grid
     from ..metrics import label_metrics, overlap
-    from ..volume import label_mask, load_label_map
+    from ..volume import CTVolume, label_mask, load_label_map
 
     pred = load_label_map(args.pred)
     gt = load_label_map(args.gt)
-    if pred.shape != gt.shape:
-        raise MedVolError(f"{args.pred} ({pred.shape}) and {args.gt} ({gt.shape}) are not on the same grid")
-    if not np.allclose(pred.affine, gt.affine, atol=1e-3):
-        logging.getLogger("medvolcore").warning("%s and %s have different affines; comparing voxel by voxel", args.pred, args.gt)
+    on = gt_on_grid(pred, gt)  # by geometry: reordered, flipped or resampled onto pred's grid, or refused
+    gt = CTVolume(on.array, pred.affine, path=gt.path, source_format=gt.source_format)
     label = parse_labels(args.label)
     binary_pred = int(pred.array.max(initial=0)) <= 1
     if label is not None or binary_pred:
         g = label_mask(gt, label) if label is not None else gt.array != 0
         p = pred.array != 0 if binary_pred else np.isin(pred.array, label if isinstance(label, list) else [label])
         m = overlap(p, g)
-        res = {"pred": str(args.pred), "gt": str(args.gt), "label": label, **m}
+        res = {"pred": str(args.pred), "gt": str(args.gt), "label": label, **m, "gt_resampled": on.note}
         text = f"Dice {m['dice']:.4f}  IoU {m['iou']:.4f}  (pred {m['pred_voxels']} voxels, gt {m['gt_voxels']} voxels)"
     else:
         per = label_metrics(pred.array, gt.array)
         res = {"pred": str(args.pred), "gt": str(args.gt), "per_label": {str(k): v for k, v in per.items()},
-               "mean_dice": float(np.mean([v["dice"] for v in per.values()])) if per else 1.0}
+               "mean_dice": float(np.mean([v["dice"] for v in per.values()])) if per else 1.0, "gt_resampled": on.note}
         text = "\n".join(f"label {k}: Dice {v['dice']:.4f}  IoU {v['iou']:.4f}" for k, v in per.items())
         text += f"\nmean Dice {res['mean_dice']:.4f}"
+    if on.note:
+        text += f"\nground truth put on the prediction's grid: {on.note}"
     emit(res, args.json, text)
     return 0
 
@@ -552,7 +553,7 @@ def add_volume_commands(add) -> None:
 
 
 def add_metrics_command(add) -> None:
-    sp = add("metrics", "Dice and IoU of a predicted mask against a label map, on the source grid.", cmd_metrics)
+    sp = add("metrics", "Dice and IoU of a predicted mask against a label map, compared by geometry on the prediction's grid.", cmd_metrics)
     sp.add_argument("--pred", required=True, help="predicted mask or label map")
     sp.add_argument("--gt", required=True, help="ground-truth label map")
     sp.add_argument("--label", action="append", metavar="N", help="ground-truth label id(s) (default: all non-zero / per label)")
