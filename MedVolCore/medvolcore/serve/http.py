@@ -9,6 +9,14 @@ this transport adds (``docs/architecture.md``, "Worker trust boundary"):
   address (or an ``--allowed-host``), or whose POST body is not ``application/json`` /
   ``application/octet-stream`` is refused before its body is read (what a web page could send to
   a server on 127.0.0.1);
+- a JSON body is at most ``--max-request-mb``; a volume body (``application/octet-stream``, NIfTI
+  or gzip NIfTI) is bounded by the voxel limit instead: its header is read from its first bytes
+  and a volume over ``--max-voxels`` is refused before the rest is read, the body may not be
+  longer than its header's voxels need, and it is streamed to a private file in the worker's
+  temporary folder (removed once the request has its reply), never held in memory
+  (:mod:`.upload`);
+- a client that sends ``Accept: application/gzip`` gets a mask as the reply body (``.nii.gz``)
+  with the reply envelope in the ``X-MedVol-Reply`` header, instead of ``mask_b64``;
 - at most ``max_connections`` connections are served at once (more get 503 at once); a client
   gets ``client_timeout`` seconds to send its request line and headers, and 1 s more per 256 KB
   of body, else it is disconnected; the listen backlog is 128;

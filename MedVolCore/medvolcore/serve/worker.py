@@ -287,7 +287,11 @@ class Worker:
         from ..anchor import MAX_BOXES
         from ..prompts import MAX_OBJECTS, MAX_POINTS, MAX_PROMPTS
 
+        from .upload import upload_ceiling
+
+        ceiling = upload_ceiling(self.max_voxels)
         return {"max_request_mb": round(self.max_request_bytes / (1 << 20), 3), "max_voxels": self.max_voxels,
+                "max_volume_body_mb": None if ceiling is None else round(ceiling / (1 << 20), 3),
                 "max_boxes": MAX_BOXES, "max_objects": MAX_OBJECTS, "max_prompts": MAX_PROMPTS,
                 "max_points": MAX_POINTS}
 
