@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import gzip
 import itertools
 import json
 import os
@@ -41,6 +42,9 @@ from .signals import Signal
 PROTOCOL = 1
 SESSION_HEADER = "X-MedVol-Session"  # the remote worker scopes status and cancel to it
 STAGES = ("load", "read", "ground", "propagate", "write")
+MASK_TYPE = "application/gzip"  # asked for in ``Accept``: the worker sends the mask as the reply body
+REPLY_HEADER = "X-MedVol-Reply"  # … and the reply envelope in this header
+UPLOAD_GZIP_LEVEL = 1  # the fastest level: see docs/benchmarks.md for the upload figures
 
 
 class WorkerError(Exception):
@@ -369,8 +373,12 @@ class StdioWorker(_BaseWorker):
 class RemoteWorker(_BaseWorker):
     """A worker on another machine: ``medvol serve --http`` at ``url`` (``http://host:port``).
 
-    Segment and propagate requests send the local volume file as the request body and write the
-    returned mask to a local temporary file, so callers see ``mask_path`` as with a local worker.
+    Segment and propagate requests send the local volume file as the request body, gzip-compressed
+    (a ``.nii`` is compressed into this client's folder first; the worker checks the voxel limit
+    from the header before decompressing the rest), and ask for the mask as the reply body
+    (``Accept: application/gzip``); the mask is written to a local temporary file, so callers
+    see ``mask_path`` as with a local worker. An older worker that answers with ``mask_b64`` in
+    JSON is understood too.
     Progress comes from polling ``GET /status``. The server scopes ``status`` and ``cancel`` to
     a session: the first reply carries a session id (``X-MedVol-Session``), sent back on every
     later request, so this client sees and cancels its own requests only.
@@ -392,6 +400,8 @@ class RemoteWorker(_BaseWorker):
         self.tmp_dir = Path(tmp_dir or tempfile.mkdtemp(prefix="medvol-remote-"))
         self.session: Optional[str] = None
         self._session_lock = threading.Lock()
+        self._gzip_cache = None  # ((path, size, mtime_ns), the compressed copy in tmp_dir)
+        self._gzip_lock = threading.Lock()
 
     @property
     def running(self) -> bool:
@@ -416,13 +426,19 @@ class RemoteWorker(_BaseWorker):
         if sid:
             self.session = sid
 
-    def _http(self, method: str, path: str, data: Optional[bytes] = None, headers: Optional[dict] = None,
-              timeout: Optional[float] = None) -> dict:
+    def _http(self, method: str, path: str, data=None, headers: Optional[dict] = None,
+              timeout: Optional[float] = None, mask_to: Optional[Path] = None) -> dict:
+        """One request; its reply envelope. ``data``: bytes or a binary file (sent with its
+        ``Content-Length`` in the headers). ``mask_to``: where a mask sent as the reply body
+        (``Content-Type: application/gzip``, the envelope in ``X-MedVol-Reply``) is written; its
+        result then has ``mask_path``."""
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or self._headers())
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as r:
-                body = r.read()
                 self._keep_session(r.headers)
+                if mask_to is not None and (r.headers.get("Content-Type") or "").startswith(MASK_TYPE):
+                    return self._mask_reply(r, mask_to)
+                body = r.read()
         except urllib.error.HTTPError as e:
             body = e.read()
             self._keep_session(e.headers)
@@ -435,6 +451,50 @@ class RemoteWorker(_BaseWorker):
             raise WorkerError("connection", f"{self.url} did not answer with MedVol JSON; is it a `medvol serve --http` "
                                             "worker?") from None
 
+    def _mask_reply(self, r, mask_to: Path) -> dict:
+        """A reply whose body is the mask: the body goes to ``mask_to`` in 1 MB chunks."""
+        try:
+            reply = json.loads(r.headers.get(REPLY_HEADER) or "")
+        except json.JSONDecodeError:
+            reply = None
+        if not isinstance(reply, dict) or not isinstance(reply.get("result"), dict):
+            raise WorkerError("connection", f"{self.url} sent a mask without a readable {REPLY_HEADER} header")
+        part = mask_to.with_name(mask_to.name + ".part")
+        with open(part, "wb") as f:
+            shutil.copyfileobj(r, f, 1 << 20)
+        os.replace(part, mask_to)
+        reply["result"]["mask_path"] = str(mask_to)
+        return reply
+
+    def _gzipped(self, volume: str) -> Path:
+        """``volume`` as the gzip bytes the request sends: a ``.nii.gz`` (or any file that is gzip
+        already) as it is, a ``.nii`` compressed into this client's folder (level
+        :data:`UPLOAD_GZIP_LEVEL`, no file name or time in the gzip header), reused while the file
+        keeps its size and modification time; only the latest one is kept (it is patient data)."""
+        src = Path(volume)
+        with open(src, "rb") as f:
+            if f.read(2) == b"\x1f\x8b":
+                return src
+        st = src.stat()
+        key = (str(src.resolve()), st.st_size, st.st_mtime_ns)
+        with self._gzip_lock:
+            if self._gzip_cache is not None and self._gzip_cache[0] == key and self._gzip_cache[1].is_file():
+                return self._gzip_cache[1]
+            if self._gzip_cache is not None:
+                self._gzip_cache[1].unlink(missing_ok=True)
+                self._gzip_cache = None
+            fd, name = tempfile.mkstemp(prefix="upload-", suffix=".nii.gz", dir=self.tmp_dir)
+            try:
+                with open(src, "rb") as fin, os.fdopen(fd, "wb") as raw:
+                    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=UPLOAD_GZIP_LEVEL,
+                                       mtime=0) as gz:
+                        shutil.copyfileobj(fin, gz, 1 << 20)
+            except BaseException:
+                Path(name).unlink(missing_ok=True)
+                raise
+            self._gzip_cache = (key, Path(name))
+            return Path(name)
+
     def submit(self, op: str, **fields) -> Job:
         job = self._new_job(op, fields)
         threading.Thread(target=self._run, args=(job,), daemon=True, name=f"medvol-{job.id}").start()
@@ -443,25 +503,33 @@ class RemoteWorker(_BaseWorker):
     def _run(self, job: Job) -> None:
         req = dict(job.request)
         stop = threading.Event()
+        body = None
         try:
             self._ensure_session()
             volume = req.get("volume")
+            mask_to = None
             if volume is not None and job.op in ("segment", "propagate"):
                 del req["volume"]
-                data = Path(volume).read_bytes()
+                upload = self._gzipped(volume)
+                body = open(upload, "rb")
                 headers = self._headers("application/octet-stream")
+                headers["Content-Length"] = str(os.fstat(body.fileno()).st_size)  # streamed, never chunked
                 headers["X-MedVol-Request"] = json.dumps(req)
+                headers["Accept"] = MASK_TYPE + ", application/json"  # the mask as bytes, not base64
+                data, mask_to = body, self.tmp_dir / f"{job.id}.mask.nii.gz"
             else:
                 data, headers = json.dumps(req).encode("utf-8"), self._headers()
             if job.op in ("load", "segment", "propagate"):
                 threading.Thread(target=self._watch_status, args=(job, stop), daemon=True).start()
-            reply = self._http("POST", "/rpc", data, headers)
+            reply = self._http("POST", "/rpc", data, headers, mask_to=mask_to)
         except WorkerError as e:
             reply = {"id": job.id, "ok": False, "error": {"code": e.code, "message": e.message}}
         except OSError as e:
             reply = {"id": job.id, "ok": False, "error": {"code": "bad_input", "message": f"cannot read the volume: {e}"}}
         finally:
             stop.set()
+            if body is not None:
+                body.close()
         reply["id"] = job.id
         self._inbox.put(("msg", reply))
 

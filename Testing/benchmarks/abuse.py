@@ -57,10 +57,13 @@ class ProbeTable:
 
 
 def _item_key(row):
-    """Sort the first review's items ("1" … "13") before the second's ("II.1" … "II.11")."""
+    """Sort the first review's items ("1" … "13") before the second's ("II.1" … "II.11"), then
+    issue items ("26.6": issue 26, item 6)."""
     item = str(row["item"])
     if item.startswith("II."):
         return (2, int(item[3:]), row["test"])
+    if "." in item:
+        return (3, tuple(int(v) for v in item.split(".")), row["test"])
     return (1, int(item), row["test"])
 
 

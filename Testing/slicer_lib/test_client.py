@@ -221,3 +221,59 @@ def test_remote_worker_over_http(ct_sm_path, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_remote_worker_uploads_gzip_and_reads_a_binary_mask(tmp_path, ct_sm_path):
+    """Against a stand-in server: a ``.nii`` goes out gzip-compressed with a Content-Length (never
+    chunked, which the worker refuses) and ``Accept: application/gzip``; a mask sent as the reply
+    body (the envelope in ``X-MedVol-Reply``) lands in ``mask_path`` byte for byte."""
+    import gzip
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    nii = tmp_path / "ct.nii"
+    nii.write_bytes(gzip.decompress(ct_sm_path.read_bytes()))
+    mask = gzip.compress(b"mask bytes " * 1000)
+    seen = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.headers, body))
+            req = json.loads(self.headers.get("X-MedVol-Request") or body)
+            if req["op"] == "hello":
+                out, ctype, extra = json.dumps({"id": req["id"], "ok": True, "result": {}}).encode(), "application/json", {}
+            else:
+                reply = {"id": req["id"], "ok": True, "result": {"mask_voxels": 7}}
+                out, ctype, extra = mask, "application/gzip", {"X-MedVol-Reply": json.dumps(reply)}
+            self.send_response(200)
+            for k, v in {"Content-Type": ctype, "Content-Length": str(len(out)), "X-MedVol-Session": "s1", **extra}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(out)
+
+    srv = HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    w = RemoteWorker(f"http://127.0.0.1:{srv.server_address[1]}")
+    try:
+        res = w.call("segment", 30, volume=str(nii), query="the liver")
+        headers, body = seen[-1]
+        assert body[:2] == b"\x1f\x8b" and gzip.decompress(body) == nii.read_bytes()  # the CT, gzip-compressed
+        assert len(body) < 0.8 * nii.stat().st_size
+        assert "Transfer-Encoding" not in headers and int(headers["Content-Length"]) == len(body)
+        assert headers["Accept"].startswith("application/gzip")
+        assert json.loads(headers["X-MedVol-Request"])["query"] == "the liver"
+        assert Path(res["mask_path"]).read_bytes() == mask and res["mask_voxels"] == 7
+        w.call("segment", 30, volume=str(nii), query="again")
+        assert seen[-1][1] == body  # the compressed copy is reused while the file is unchanged
+        assert len(list(w.tmp_dir.glob("upload-*"))) == 1
+        res = w.call("segment", 30, volume=str(ct_sm_path), query="gz")
+        assert seen[-1][1] == ct_sm_path.read_bytes()  # a .nii.gz goes as it is
+    finally:
+        srv.shutdown()
+        w.stop()
+    assert not w.tmp_dir.exists()

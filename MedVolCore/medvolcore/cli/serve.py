@@ -76,7 +76,8 @@ def _add_arguments(sp) -> None:
     sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for --preset")
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="cpu, cuda or auto (default)")
     sp.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_MB,
-                    help=f"largest request line / HTTP body in MB (default {DEFAULT_MAX_REQUEST_MB})")
+                    help=f"largest request line / JSON body in MB (default {DEFAULT_MAX_REQUEST_MB}); a volume sent "
+                         "as the HTTP body is bounded by --max-voxels instead")
     sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto",
                     help="CPU threads for the models (default auto, decided at the first job: the physical cores "
                          "this process may use, less those other work keeps busy, less one left to Slicer when "

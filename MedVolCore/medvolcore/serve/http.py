@@ -9,6 +9,14 @@ this transport adds (``docs/architecture.md``, "Worker trust boundary"):
   address (or an ``--allowed-host``), or whose POST body is not ``application/json`` /
   ``application/octet-stream`` is refused before its body is read (what a web page could send to
   a server on 127.0.0.1);
+- a JSON body is at most ``--max-request-mb``; a volume body (``application/octet-stream``, NIfTI
+  or gzip NIfTI) is bounded by the voxel limit instead: its header is read from its first bytes
+  and a volume over ``--max-voxels`` is refused before the rest is read, the body may not be
+  longer than its header's voxels need, and it is streamed to a private file in the worker's
+  temporary folder (removed once the request has its reply), never held in memory
+  (:mod:`.upload`);
+- a client that sends ``Accept: application/gzip`` gets a mask as the reply body (``.nii.gz``)
+  with the reply envelope in the ``X-MedVol-Reply`` header, instead of ``mask_b64``;
 - at most ``max_connections`` connections are served at once (more get 503 at once); a client
   gets ``client_timeout`` seconds to send its request line and headers, and 1 s more per 256 KB
   of body, else it is disconnected; the listen backlog is 128;
@@ -32,6 +40,7 @@ worker until it stops. ``--port 0`` picks a free port, shown in the ready line
 
 from __future__ import annotations
 
+import base64
 import collections
 import hmac
 import ipaddress
@@ -51,9 +60,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..errors import InputError
+from ..errors import InputError, LimitError, MedVolError
 from .lifecycle import Stop, install_signals, loggable, say, stop_worker
-from .protocol import PROTOCOL, encode_line, error_reply, internal_reply
+from .protocol import PROTOCOL, _jsonable, encode_line, error_reply, internal_reply
+from .upload import WHAT as UPLOAD_WHAT
+from .upload import Upload, body_bound, check_space, read_header, store_body, upload_ceiling
+from .worker import MASK_BYTES_KEY
 from .worker import Worker, WorkerSettings, log
 
 __all__ = ["HttpSettings", "HttpServer", "Handler", "SessionTable", "serve_http", "read_token", "is_loopback",
@@ -72,6 +84,11 @@ DEFAULT_SESSION_IDLE_S = 3600.0
 SESSION_HEADER = "X-MedVol-Session"
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")  # ASCII digits only: int() would also take '²' or '١'
 _QUERY = re.compile(r"\?[^\s\"]*")
+_FIRST_READ = 1 << 16  # a volume body's first read: its NIfTI header, checked before the rest is read
+_DRAIN_MAX = 16 << 20  # the most of a refused volume body read (and dropped) so its client sees the reply
+MASK_TYPE = "application/gzip"  # ``Accept`` this: the mask comes back as the body, the reply in a header
+REPLY_HEADER = "X-MedVol-Reply"
+MAX_REPLY_HEADER = 32 << 10  # a longer reply goes back as JSON with ``mask_b64`` (clients cap header lines)
 
 
 @dataclass
@@ -437,21 +454,34 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
+    def wants_mask_bytes(self) -> bool:
+        """True when the client asked for the mask as the reply body (``Accept: application/gzip``)."""
+        accept = self.headers.get("Accept") or ""
+        return any(part.split(";")[0].strip().lower() == MASK_TYPE for part in accept.split(","))
+
     def _call(self, raw, body=None) -> None:
         t0 = time.monotonic()
         done = threading.Event()
         box = {}
+        upload = body if isinstance(body, Upload) else None
 
         def reply(obj):
             if "event" in obj:
                 return
+            if upload is not None:  # the worker is done with it: its one final reply
+                upload.remove()
             box["reply"] = obj
             done.set()
 
-        job = self.server.worker.handle_line(raw, reply=reply, body=body, transport="http", session=self.session)
+        try:
+            job = self.server.worker.handle_line(raw, reply=reply, body=body, transport="http", session=self.session,
+                                                 mask_bytes=self.wants_mask_bytes())
+        finally:
+            if upload is not None and done.is_set():
+                upload.remove()
         while not done.wait(0.25):
             if job is not None and self._client_gone():
-                self.server.worker.abandon(job)
+                self.server.worker.abandon(job)  # its reply, when it comes, removes the upload
                 self._access(job.op, job.id, "client disconnected: cancelled", t0)
                 self.close_connection = True
                 return
@@ -459,9 +489,32 @@ class Handler(BaseHTTPRequestHandler):
         op = job.op if job is not None else "-"
         self._access(op, r.get("id"), "ok" if r.get("ok") else r.get("error", {}).get("code"), t0)
         self.server.sessions.touch(self.session)
-        self._send(200, r)
+        mask = (r.get("result") or {}).pop(MASK_BYTES_KEY, None) if r.get("ok") else None
+        if mask is not None:
+            self._send_mask(r, mask)
+        else:
+            self._send(200, r)
         if self.server.worker.stopped.is_set():
             threading.Thread(target=self.server.shutdown, daemon=True).start()
+
+    def _send_mask(self, r: dict, mask: bytes) -> None:
+        """A reply whose mask the client asked for as bytes: the mask (``.nii.gz``) is the body,
+        the reply envelope (without the mask) the ``X-MedVol-Reply`` header, ASCII JSON. A reply
+        too long for one header line goes as JSON with ``mask_b64``, as to an old client."""
+        head = json.dumps(_jsonable(r), ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+        if len(head) > MAX_REPLY_HEADER:
+            r["result"]["mask_b64"] = base64.b64encode(mask).decode("ascii")
+            self._send(200, r)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", MASK_TYPE)
+        self.send_header("Content-Length", str(len(mask)))
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Cache-Control", "no-store")
+        self.send_header(REPLY_HEADER, head)
+        if self.session:
+            self.send_header(SESSION_HEADER, self.session)
+        self._write_reply(mask)
 
     def _guarded(self, method) -> None:
         try:
@@ -507,6 +560,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send(411, error_reply(None, "bad_request", "a Content-Length header is required"), close=True)
             return
         n = int(length.strip(" \t"))
+        if ctype == "application/octet-stream":
+            self._post_volume(n)
+            return
         limit = self.server.limit
         if n > limit:
             # read (and drop) a moderately oversized body so the client sees the reply, not a reset
@@ -526,15 +582,62 @@ class Handler(BaseHTTPRequestHandler):
         if len(data) < n:
             self.close_connection = True
             return
-        if ctype == "application/json":
-            self._call(data)
-        else:  # raw volume bytes; the request object rides in a header
-            header = self.headers.get("X-MedVol-Request")
-            if header is None:
-                self._send(200, error_reply(None, "bad_request", "a volume body needs the request object in the "
-                                                                 "X-MedVol-Request header"))
-                return
-            self._call(header, body=data)
+        self._call(data)
+
+    def _refuse_body(self, status: int, code: str, message: str, unread: int) -> None:
+        """Refuse a volume body of which ``unread`` bytes were not read: the reply goes first, then
+        up to 16 MB of the rest are read and dropped (so that a client still sending its body sees
+        the reply, not a reset) and the connection is closed; a bigger rest is never read."""
+        self._refuse(status, code, message)
+        if 0 < unread <= _DRAIN_MAX:
+            self.server.watchdog.arm(self.connection, self.server.settings.client_timeout + unread / BODY_MIN_RATE)
+            while unread > 0:
+                chunk = self.rfile.read(min(unread, 1 << 20))
+                if not chunk:
+                    break
+                unread -= len(chunk)
+
+    def _post_volume(self, n: int) -> None:
+        """A volume body (``application/octet-stream``, NIfTI bytes, ``.nii`` or ``.nii.gz``): bounded
+        by the voxel limit from its header, streamed to a private file (:mod:`.upload`), never held
+        in memory. The request object rides in the ``X-MedVol-Request`` header."""
+        worker = self.server.worker
+        header = self.headers.get("X-MedVol-Request")
+        if header is None:
+            self._refuse_body(400, "bad_request", "a volume body needs the request object in the X-MedVol-Request "
+                                                  "header", n)
+            return
+        ceiling = upload_ceiling(worker.max_voxels)
+        if ceiling is not None and n > ceiling:
+            self._refuse_body(413, "too_large", f"a volume body of {n:,} bytes is more than --max-voxels "
+                                                f"{worker.max_voxels:,} allows ({ceiling:,} bytes)", n)
+            return
+        self.server.watchdog.arm(self.connection, self.server.settings.client_timeout + n / BODY_MIN_RATE)
+        prefix, info = b"", None
+        try:
+            while info is None:  # the header first: refused from it before the rest is read
+                # read1: what has arrived (at most 64 kB), so the header is checked as soon as it is here
+                chunk = self.rfile.read1(min(n - len(prefix), _FIRST_READ))
+                if not chunk and len(prefix) < n:
+                    self.close_connection = True
+                    return
+                prefix += chunk
+                info = read_header(prefix, len(prefix) >= n, worker.max_voxels)
+            bound = body_bound(info)
+            if n > bound:
+                raise LimitError(f"the {UPLOAD_WHAT} is {n:,} bytes, more than the {info.raw_bytes:,} bytes its "
+                                 f"header declares need")
+            check_space(worker.tmp_dir, n)
+            upload = store_body(prefix, self.rfile.read, n, info, worker.tmp_dir)
+        except MedVolError as e:
+            self._refuse_body(413 if e.code == "too_large" else 400, e.code, str(e), n - len(prefix))
+            return
+        finally:
+            self.server.watchdog.disarm(self.connection)
+        if upload is None:  # the client stopped sending (or was too slow)
+            self.close_connection = True
+            return
+        self._call(header, body=upload)
 
     def do_PUT(self):  # noqa: N802
         self._send(405, error_reply(None, "bad_request", "use POST /rpc"), close=True)

@@ -28,6 +28,7 @@ from .. import RESEARCH_USE_NOTICE, __version__
 from ..cpu import apply_threads, check_threads
 from ..errors import CancelledError, ForbiddenError, MedVolError
 from ..sources import client_parts, private_copy
+from .upload import Upload
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
 from .lifecycle import make_tmp_dir, release_tmp_dir
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
@@ -38,6 +39,7 @@ log = logging.getLogger("medvolcore.serve")
 __all__ = ["Worker", "WorkerSettings", "SHUTDOWN_WAIT_S"]
 
 SHUTDOWN_WAIT_S = 15.0
+MASK_BYTES_KEY = "_mask_bytes"  # a result's mask as bytes, for a transport that sends them raw (never JSON)
 
 
 @dataclass
@@ -89,11 +91,12 @@ def _release_memory() -> None:
 
 class _Job:
     __slots__ = ("id", "op", "req", "reply", "cancel", "stage", "fraction", "message", "started", "transport", "body",
-                 "session")
+                 "session", "mask_bytes")
 
-    def __init__(self, req: dict, reply: Callable[[dict], None], transport: str, body: Optional[bytes] = None,
-                 session: Optional[str] = None):
+    def __init__(self, req: dict, reply: Callable[[dict], None], transport: str, body=None,
+                 session: Optional[str] = None, mask_bytes: bool = False):
         self.session = session
+        self.mask_bytes = mask_bytes
         self.id = req.get("id")
         self.op = req.get("op")
         self.req = req
@@ -169,12 +172,17 @@ class Worker:
         return worker
 
     # -- entry points ------------------------------------------------------------------------
-    def handle_line(self, raw, reply: Optional[Callable[[dict], None]] = None, body: Optional[bytes] = None,
-                    transport: Optional[str] = None, session: Optional[str] = None) -> Optional[_Job]:
+    def handle_line(self, raw, reply: Optional[Callable[[dict], None]] = None, body=None,
+                    transport: Optional[str] = None, session: Optional[str] = None,
+                    mask_bytes: bool = False) -> Optional[_Job]:
         """Handle one raw request (bytes or str): parse, check, answer or queue it.
 
         Never raises: whatever the input, exactly one reply goes to ``reply``. Returns the
         queued job (so an HTTP handler can cancel it when its client goes away), else None.
+        ``body``: the volume sent beside the request over HTTP, NIfTI bytes or an
+        :class:`.upload.Upload` (a private file). ``mask_bytes`` (HTTP): the result carries the
+        mask's ``.nii.gz`` bytes under :data:`MASK_BYTES_KEY` for the transport to send as they
+        are, instead of ``mask_b64``.
         """
         reply = reply or self.emit
         try:
@@ -185,10 +193,11 @@ class Worker:
         except Exception:  # noqa: BLE001 - nothing a client sends may stop the reader
             reply(self._internal_reply(None, "parsing a request"))
             return None
-        return self.handle(req, reply, body=body, transport=transport, session=session)
+        return self.handle(req, reply, body=body, transport=transport, session=session, mask_bytes=mask_bytes)
 
-    def handle(self, req: dict, reply: Optional[Callable[[dict], None]] = None, body: Optional[bytes] = None,
-               transport: Optional[str] = None, session: Optional[str] = None) -> Optional[_Job]:
+    def handle(self, req: dict, reply: Optional[Callable[[dict], None]] = None, body=None,
+               transport: Optional[str] = None, session: Optional[str] = None,
+               mask_bytes: bool = False) -> Optional[_Job]:
         reply = reply or self.emit
         transport = transport or self.transport
         rid = req.get("id")
@@ -219,7 +228,7 @@ class Worker:
                 self.stopped.set()
             else:
                 self._check_queued(req, body, transport)
-                job = _Job(req, reply, transport, body, session)
+                job = _Job(req, reply, transport, body, session, mask_bytes=mask_bytes and transport == "http")
                 with self._cv:
                     if self._stopping:
                         raise RequestError("the worker is shutting down", "shutting_down")
@@ -278,7 +287,11 @@ class Worker:
         from ..anchor import MAX_BOXES
         from ..prompts import MAX_OBJECTS, MAX_POINTS, MAX_PROMPTS
 
+        from .upload import upload_ceiling
+
+        ceiling = upload_ceiling(self.max_voxels)
         return {"max_request_mb": round(self.max_request_bytes / (1 << 20), 3), "max_voxels": self.max_voxels,
+                "max_volume_body_mb": None if ceiling is None else round(ceiling / (1 << 20), 3),
                 "max_boxes": MAX_BOXES, "max_objects": MAX_OBJECTS, "max_prompts": MAX_PROMPTS,
                 "max_points": MAX_POINTS}
 
@@ -670,6 +683,9 @@ class Worker:
                 raise RequestError(f"{job.op}: 'volume_b64' is not valid base64: {e}") from None
             progress("read", 0.0, f"reading the uploaded volume ({len(data)} bytes)")
             return self.cache.get_bytes(data, self.tmp_dir, job.cancel)
+        if req.get("volume") is None and isinstance(job.body, Upload):  # streamed to a private file
+            progress("read", 0.0, f"reading the uploaded volume ({job.body.size} bytes)")
+            return self.cache.get_path(job.body.path, job.cancel, digest=job.body.sha256)
         if req.get("volume") is None and job.body is not None:
             progress("read", 0.0, f"reading the uploaded volume ({len(job.body)} bytes)")
             return self.cache.get_bytes(job.body, self.tmp_dir, job.cancel)
@@ -763,7 +779,10 @@ class Worker:
         if res["out"] is None:  # the model answered "not present" and no empty mask was asked for
             result["mask_b64" if job.transport == "http" else "mask_path"] = None
         elif job.transport == "http":
-            result["mask_b64"] = base64.b64encode(out.read_bytes()).decode("ascii")
+            if job.mask_bytes:  # the transport sends them as the reply body
+                result[MASK_BYTES_KEY] = out.read_bytes()
+            else:
+                result["mask_b64"] = base64.b64encode(out.read_bytes()).decode("ascii")
             if is_temp:
                 out.unlink()
             else:
