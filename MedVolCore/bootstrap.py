@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     run([py, "-m", "pip", "install", "--quiet", "--upgrade", "pip>=23.1", "setuptools>=64", "wheel"])
     install_torch(py, args.torch)
 
-    extras = "itk" if args.no_dev else "itk,dev"
+    extras = "itk,dicom" if args.no_dev else "itk,dicom,dev"
     run([py, "-m", "pip", "install", "--quiet", "-e", f"{REPO / 'MedVolCore'}[{extras}]"] + SAM2_RUNTIME)
 
     if has_module(py, "sam2") != SAM2_SPEC.split("==")[1]:

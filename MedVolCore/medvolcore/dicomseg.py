@@ -100,8 +100,14 @@ def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source_folder, out, s
     Segmentation of the series in ``source_folder``. ``segments``: dicts with ``name`` (the query),
     ``value`` and optionally ``term`` (:class:`medvolcore.terminology.Term`). ``notes`` (a list)
     gets a line per segment coded generically. Written atomically."""
-    import highdicom as hd
-    from pydicom.sr.codedict import codes
+    try:
+        import highdicom as hd
+        from pydicom.sr.codedict import codes
+    except ImportError:
+        from .errors import DependencyError
+
+        raise DependencyError("writing a DICOM Segmentation (.dcm) needs highdicom: pip install 'medvolcore[dicom]' "
+                              "(or highdicom>=0.27); .seg.nrrd and .nii.gz need nothing more") from None
 
     from .fileio import atomic_path
     from .terminology import generic

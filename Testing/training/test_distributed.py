@@ -27,7 +27,7 @@ def test_sft_on_two_processes_under_torchrun(sm_data, tmp_path):
            "-m", "medvoltrain", "sft", "--data", str(sm_data), "--output", str(run), "--preset", "tiny",
            "--max-steps", "2", "per_device_train_batch_size=1", "gradient_checkpointing=false", "logging_steps=1",
            "save_steps=2", "dataloader_num_workers=0", "report_to=none"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads((run / "training.json").read_text(encoding="utf-8"))
     d = report["distributed"]
