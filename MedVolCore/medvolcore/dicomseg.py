@@ -118,7 +118,8 @@ def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source_folder, out, s
     for i, seg in enumerate(segments, start=1):
         term = seg.get("term") or generic(i)
         query = " ".join(str(seg["name"]).split())
-        label = query if len(query) <= MAX_LABEL else query[: MAX_LABEL - 1] + "…"
+        short = query.replace("\\", "/")  # SegmentLabel is a DICOM LO: no backslash, 64 characters at most
+        label = short if len(short) <= MAX_LABEL else short[: MAX_LABEL - 1] + "…"
         desc = hd.seg.SegmentDescription(
             segment_number=i, segment_label=label, segmented_property_category=_code(term.category),
             segmented_property_type=_code(term.type), algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
