@@ -68,10 +68,14 @@ def frames_from_mask(labels: np.ndarray, affine: np.ndarray, datasets: Sequence)
     to_voxel = np.linalg.inv(np.asarray(affine, dtype=np.float64))
     frames = []
     for ds in datasets:
-        rows, cols = int(ds.Rows), int(ds.Columns)
-        ipp = np.asarray(ds.ImagePositionPatient, dtype=np.float64)
-        iop = np.asarray(ds.ImageOrientationPatient, dtype=np.float64)
-        row_sp, col_sp = (float(v) for v in ds.PixelSpacing)  # (between rows, between columns)
+        try:
+            rows, cols = int(ds.Rows), int(ds.Columns)
+            ipp = np.asarray(ds.ImagePositionPatient, dtype=np.float64).reshape(3)
+            iop = np.asarray(ds.ImageOrientationPatient, dtype=np.float64).reshape(6)
+            row_sp, col_sp = (float(v) for v in ds.PixelSpacing)  # (between rows, between columns)
+        except (AttributeError, TypeError, ValueError):
+            raise VolumeError("a source DICOM slice lacks a usable position, orientation or pixel spacing: its "
+                              "frames cannot be placed; write .seg.nrrd or .nii.gz instead") from None
         r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
         lps = ipp[None, None, :] + c[..., None] * col_sp * iop[None, None, :3] + r[..., None] * row_sp * iop[None, None, 3:]
         ras = lps * np.array([-1.0, -1.0, 1.0])

@@ -69,3 +69,15 @@ def test_a_dicom_seg_needs_a_dicom_series(tmp_path, small_ct):
     with pytest.raises(InputError, match="must be a DICOM series folder"):
         check_outputs(SegmentOutputs(tmp_path / "m.dcm"), [("--volume", ct)])
     assert not (tmp_path / "m.dcm").exists()
+
+
+def test_a_source_slice_without_geometry_is_one_error():
+    from pydicom.dataset import Dataset
+
+    from medvolcore.dicomseg import frames_from_mask
+    from medvolcore.errors import VolumeError
+
+    ds = Dataset()
+    ds.Rows, ds.Columns, ds.ImagePositionPatient = 2, 2, [0, 0, 0]  # no orientation, no spacing
+    with pytest.raises(VolumeError, match="lacks a usable position, orientation or pixel spacing"):
+        frames_from_mask(np.zeros((2, 2, 1), np.uint8), np.eye(4), [ds])
