@@ -219,12 +219,8 @@ class Pipeline:
         stop_k = self._stop_k(stop_after_empty)
         with self._lock:
             t0 = time.perf_counter()
-            stack = as_stack(volume)
-            if stack.depth < 2:
-                raise InputError(f"volume too small: the stack has {stack.depth} axial slice(s); at least 2 are needed")
-            _stage(progress, "ground", 0.0, "rendering the slices")
+            stack = self._ground_stack(volume, progress)
             grounder = self.grounder
-            self._lvlm_to(self.device)
             sampled = None
             # progress through the encoding, the prefill and each decoding step; cancel checked at each
             if consensus > 1:
@@ -237,41 +233,108 @@ class Pipeline:
             t_ground = time.perf_counter() - t0
             if self.low_memory:
                 self._lvlm_to("cpu")
-            anchor = g.anchor.with_world(stack)
-            notes = list(stack.volume.notes) + list(g.notes)
-            if self.smoke or getattr(grounder, "is_smoke", False):
-                if not self.smoke:
-                    self.identity = _identity(self.models, smoke=True)
-                self.smoke = True
-                notes.append(SMOKE_NOTE)
-            notes += _identity_notes(self.identity)
-            if anchor.absent:
-                notes.append(absent_note(query))
-            anchor.notes = list(dict.fromkeys(list(anchor.notes) + notes))
-            if sampled is not None:
-                if features is None:
-                    from .propagation import FeatureStore
+            return self._from_grounding(stack, query, g, sampled, consensus_mask, hu_window, progress, cancel, stop_k,
+                                        features, t0, t_ground)
 
-                    features = FeatureStore()  # this call's: every slice encoded once for all samples
-            if anchor.absent:
-                seg = Segmentation(anchor=anchor, mask=np.zeros(stack.volume.shape, np.uint8),
-                                   mask_stack=np.zeros(stack.data.shape, np.uint8), stack=stack, preset=self.preset,
-                                   smoke=self.smoke, identity=self.identity,
-                                   timings={"propagate_s": 0.0, "slices_encoded": 0, "slices_propagated": 0,
-                                            "encoder_calls": 0})
-                _stage(progress, "propagate", 1.0, "not present: nothing to propagate")
-            else:
-                part = _part(progress, 0, consensus)
-                seg = self._propagate(stack, anchor, hu_window, part, cancel, stop_k, features=features)
-                seg.encoded_slices = tuple(seg.propagation.encoded_slices)
-            seg.reasoning, seg.raw_text = g.reasoning, g.raw_text
-            seg.timings.update({f"ground_{k}": v for k, v in g.timings.items()})
-            if sampled is not None:
-                self._consensus(seg, sampled, consensus_mask, hu_window, progress, cancel, stop_k, features)
-            seg.timings["ground_s"] = t_ground
-            seg.timings["total_s"] = time.perf_counter() - t0
-            seg.notes = anchor.notes
-            return seg
+    def segment_queries(self, volume: VolumeLike, queries, *, constrain: bool = True, seed: Optional[int] = None,
+                        do_sample: bool = False, hu_window=None, progress: Optional[Progress] = None, cancel=None,
+                        stop_after_empty: Optional[int] = None, features=None, consensus: int = 1,
+                        consensus_mask: str = "greedy") -> list:
+        """Several targets in one volume: one :class:`Segmentation` per query, in order, each what
+        :meth:`segment` gives for that query alone (up to floating-point rounding in the grounder).
+
+        The work the targets share is done once: the slices are rendered, encoded and the shared
+        part of the prompt prefilled once (:meth:`QwenVLGrounder.ground_queries`), and every anchor
+        is propagated through one :class:`~medvolcore.propagation.FeatureStore` (``features``, or one
+        made here), so MedSAM2 encodes each slice at most once for all the targets. ``progress``:
+        the ``ground`` stage covers every query, then the ``propagate`` stage every target, each an
+        equal part with its messages prefixed ``query i/n`` / ``target i/n``. The other arguments are
+        :meth:`segment`'s, applied to every query."""
+        from .consensus import check_mask_mode
+        from .grounder import check_samples, validate_query
+        from .propagation import FeatureStore
+
+        queries = [validate_query(q) for q in queries]
+        if not queries:
+            raise InputError("give at least one query")
+        consensus = check_samples(consensus, "consensus (the number of samples)")
+        consensus_mask = check_mask_mode(consensus_mask)
+        if consensus > 1 and do_sample:
+            raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
+        stop_k = self._stop_k(stop_after_empty)
+        with self._lock:
+            t0 = time.perf_counter()
+            stack = self._ground_stack(volume, progress)
+            grounded = self.grounder.ground_queries(stack, queries, consensus, constrain=constrain,
+                                                    do_sample=do_sample, seed=seed, window=hu_window,
+                                                    progress=progress, cancel=cancel)
+            t_ground = time.perf_counter() - t0
+            if self.low_memory:
+                self._lvlm_to("cpu")
+            features = FeatureStore() if features is None else features  # every slice encoded once for all
+            out = []
+            for i, (query, sampled) in enumerate(zip(queries, grounded)):
+                seg = self._from_grounding(stack, query, sampled.greedy, sampled if consensus > 1 else None,
+                                           consensus_mask, hu_window, _part(progress, i, len(queries), "target"),
+                                           cancel, stop_k, features, time.perf_counter(),
+                                           sampled.greedy.timings.get("total_s", 0.0))
+                out.append(seg)
+            for seg in out:
+                seg.timings["queries"] = len(queries)
+                seg.timings["ground_all_s"] = t_ground
+                seg.timings["all_s"] = time.perf_counter() - t0
+            return out
+
+    def _ground_stack(self, volume: VolumeLike, progress) -> AxialStack:
+        """The volume as a stack the grounder can take, and the language model on its device."""
+        stack = as_stack(volume)
+        if stack.depth < 2:
+            raise InputError(f"volume too small: the stack has {stack.depth} axial slice(s); at least 2 are needed")
+        _stage(progress, "ground", 0.0, "rendering the slices")
+        self.grounder  # noqa: B018 - loaded here, before the device move
+        self._lvlm_to(self.device)
+        return stack
+
+    def _from_grounding(self, stack, query: str, g, sampled, consensus_mask: str, hu_window, progress, cancel,
+                        stop_k: int, features, t0: float, t_ground: float) -> Segmentation:
+        """The :class:`Segmentation` of one grounded query: notes, then the anchor propagated (nothing
+        for an absent answer), then the consensus's other samples (``sampled``, or None)."""
+        grounder = self.grounder
+        anchor = g.anchor.with_world(stack)
+        notes = list(stack.volume.notes) + list(g.notes)
+        if self.smoke or getattr(grounder, "is_smoke", False):
+            if not self.smoke:
+                self.identity = _identity(self.models, smoke=True)
+            self.smoke = True
+            notes.append(SMOKE_NOTE)
+        notes += _identity_notes(self.identity)
+        if anchor.absent:
+            notes.append(absent_note(query))
+        anchor.notes = list(dict.fromkeys(list(anchor.notes) + notes))
+        if sampled is not None and features is None:
+            from .propagation import FeatureStore
+
+            features = FeatureStore()  # this call's: every slice encoded once for all samples
+        consensus = len(sampled.samples) if sampled is not None else 1
+        if anchor.absent:
+            seg = Segmentation(anchor=anchor, mask=np.zeros(stack.volume.shape, np.uint8),
+                               mask_stack=np.zeros(stack.data.shape, np.uint8), stack=stack, preset=self.preset,
+                               smoke=self.smoke, identity=self.identity,
+                               timings={"propagate_s": 0.0, "slices_encoded": 0, "slices_propagated": 0,
+                                        "encoder_calls": 0})
+            _stage(progress, "propagate", 1.0, "not present: nothing to propagate")
+        else:
+            part = _part(progress, 0, consensus)
+            seg = self._propagate(stack, anchor, hu_window, part, cancel, stop_k, features=features)
+            seg.encoded_slices = tuple(seg.propagation.encoded_slices)
+        seg.reasoning, seg.raw_text = g.reasoning, g.raw_text
+        seg.timings.update({f"ground_{k}": v for k, v in g.timings.items()})
+        if sampled is not None:
+            self._consensus(seg, sampled, consensus_mask, hu_window, progress, cancel, stop_k, features)
+        seg.timings["ground_s"] = t_ground
+        seg.timings["total_s"] = time.perf_counter() - t0
+        seg.notes = anchor.notes
+        return seg
 
     def _consensus(self, seg: Segmentation, sampled, mode: str, hu_window, progress, cancel, stop_k: int,
                    features) -> None:
@@ -413,13 +476,14 @@ def _stage(progress, stage, fraction, message):
         progress(stage, float(fraction), message)
 
 
-def _part(progress, index: int, count: int):
-    """``progress`` for propagation ``index`` of ``count`` (a consensus's samples): its fraction
-    mapped into the whole and its message prefixed with the sample (as is, for one)."""
+def _part(progress, index: int, count: int, what: str = "sample"):
+    """``progress`` for propagation ``index`` of ``count`` (a consensus's samples, or several targets):
+    its fraction mapped into the whole and its message prefixed with ``what`` and the number (as
+    is, for one)."""
     if progress is None or count <= 1:
         return progress
 
     def part(stage, fraction, message):
-        progress(stage, (index + float(fraction)) / count, f"sample {index + 1}/{count}: {message}")
+        progress(stage, (index + float(fraction)) / count, f"{what} {index + 1}/{count}: {message}")
 
     return part

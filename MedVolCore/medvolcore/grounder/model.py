@@ -94,6 +94,7 @@ Importing this module does not import torch or transformers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -210,6 +211,38 @@ class SampledGrounding:
     samples: List[GroundingSample]
     timings: Dict[str, float]
     seed: Optional[int] = None
+
+
+@dataclass
+class _SharedPrompt:
+    """The part of one volume's prompt that every query shares (:meth:`QwenVLGrounder._share_prompt`):
+    the processed slices and the cache of its ``length`` tokens. A query's generation extends the
+    cache in place; :meth:`rewind` cuts it back to the shared tokens for the next query."""
+
+    cache: object
+    length: int
+    pixels: dict
+    tokens: List[int]
+    shown: List[int]
+    prefill_s: float
+    prompt_s: float
+
+    def rewind(self) -> None:
+        surplus = self.cache.get_seq_length() - self.length
+        if surplus > 0:
+            self.cache.crop(-surplus)
+
+
+def _query_part(progress, index: int, count: int):
+    """``progress`` for query ``index`` of ``count``: its ``ground`` fraction mapped into the whole
+    and its messages prefixed with the query's number (as is, for one query)."""
+    if progress is None or count <= 1:
+        return progress
+
+    def part(stage, fraction, message):
+        progress(stage, (index + float(fraction)) / count, f"query {index + 1}/{count}: {message}")
+
+    return part
 
 
 # ---- lazy imports ---------------------------------------------------------------------------
@@ -525,7 +558,8 @@ class QwenVLGrounder:
         out += self._encode_text(text)
         return out, spans
 
-    def _single_inputs(self, stack, query: str, window):
+    def _render(self, stack, window):
+        """The shown slices of ``stack`` rendered for the prompt → ``(images, shown)``."""
         _torch()  # a clear DependencyError before any rendering when torch is missing
         if stack.depth < 2:
             raise InputError(f"volume too small: the stack has {stack.depth} axial slice(s); the grounder needs at "
@@ -533,8 +567,19 @@ class QwenVLGrounder:
         n = int(self.prompts.get("num_slices", 64))
         size = int(self.prompts.get("image_size", 256))
         shown = [int(z) for z in stack.sample_indices(n)]
-        images = [stack.render_slice(z, size, window) for z in shown]
+        return [stack.render_slice(z, size, window) for z in shown], shown
+
+    def _single_inputs(self, stack, query: str, window):
+        images, shown = self._render(stack, window)
         return self.inputs_from_images(images, shown, stack.depth, query, window), shown
+
+    def _pixels(self, images, shown: Sequence[int]):
+        """The image processor's output for the rendered slices and each slice's image-token count."""
+        if len(images) != len(shown):
+            raise InputError(f"{len(images)} images for {len(shown)} shown slices")
+        px = self.image_processor(images=list(images), return_tensors="pt")
+        merge = int(getattr(self.image_processor, "merge_size", 2) or 2)
+        return px, (px["image_grid_thw"].prod(-1) // (merge * merge)).tolist()
 
     def inputs_from_images(self, images, shown: Sequence[int], depth: int, query: str, window=None) -> dict:
         """Model inputs of one request from already rendered slices (for training code).
@@ -544,14 +589,14 @@ class QwenVLGrounder:
         stack depth and ``window`` the window named in the prompt. The result is token for token
         what :meth:`build_inputs` gives for the same stack and query.
         """
-        torch = _torch()
+        _torch()
         query = validate_query(query)
-        if len(images) != len(shown):
-            raise InputError(f"{len(images)} images for {len(shown)} shown slices")
-        px = self.image_processor(images=list(images), return_tensors="pt")
+        px, tokens = self._pixels(images, shown)
+        return self._inputs_from_pixels(px, tokens, shown, depth, query, window)
+
+    def _inputs_from_pixels(self, px, tokens, shown: Sequence[int], depth: int, query: str, window) -> dict:
+        torch = _torch()
         grid = px["image_grid_thw"]
-        merge = int(getattr(self.image_processor, "merge_size", 2) or 2)
-        tokens = (grid.prod(-1) // (merge * merge)).tolist()
         ids, spans = self._prompt_ids(query, [int(z) for z in shown], int(depth), window, tokens)
         input_ids = torch.tensor([ids], dtype=torch.long)
         mm = torch.zeros_like(input_ids, dtype=torch.int32)
@@ -853,14 +898,21 @@ class QwenVLGrounder:
             self._reporter = saved
 
     def _ground(self, stack, query, *, constrain, do_sample, seed, max_new_tokens, retries, window,
-                want_prefix: bool = False):
+                want_prefix: bool = False, shared: Optional["_SharedPrompt"] = None):
         """:meth:`ground`, also returning ``(inputs, shown, prefix)``: the prompt and, with
         ``want_prefix``, the prompt's cache (its first ``L - 1`` tokens; None when the generation
         seam gave none). A retry continues from the first attempt's cache: the slices are encoded
-        and the prompt prefilled once per call, however many attempts it takes."""
+        and the prompt prefilled once per call, however many attempts it takes. ``shared``: the
+        volume's shared prompt (:meth:`_share_prompt`): its slices are not rendered or encoded
+        again, and the first attempt continues from its cache (which this call extends in place:
+        the caller crops it back)."""
         t_start = time.perf_counter()
         query, max_new_tokens = self._check_request(query, retries, max_new_tokens, seed)
-        inputs, shown = self._single_inputs(stack, query, window)
+        if shared is None:
+            inputs, shown = self._single_inputs(stack, query, window)
+        else:
+            shown = shared.shown
+            inputs = self._inputs_from_pixels(shared.pixels, shared.tokens, shown, stack.depth, query, window)
         if constrain:
             plan_budget(shown, max_new_tokens, self.settings)  # fail early on a too-small budget
         if self._reporter is not None:
@@ -870,16 +922,17 @@ class QwenVLGrounder:
         try:
             return self._attempts(stack, query, inputs, shown, constrain=constrain, do_sample=do_sample,
                                   seed=seed, max_new_tokens=max_new_tokens, retries=retries, prompt_s=prompt_s,
-                                  t_start=t_start, want_prefix=want_prefix)
+                                  t_start=t_start, want_prefix=want_prefix,
+                                  prefix=None if shared is None else shared.cache)
         finally:
             self._keep_prefix, self._prefix_in = False, None
 
     def _attempts(self, stack, query, inputs, shown, *, constrain, do_sample, seed, max_new_tokens, retries,
-                  prompt_s, t_start, want_prefix):
-        """The attempts of :meth:`_ground` (its return value; :class:`GenerationError` when none is usable)."""
+                  prompt_s, t_start, want_prefix, prefix=None):
+        """The attempts of :meth:`_ground` (its return value; :class:`GenerationError` when none is usable).
+        ``prefix``: a cache of the prompt's first tokens for the first attempt to continue from."""
         failures: List[str] = []
         last_text = ""
-        prefix = None
         for attempt in range(retries + 1):
             sample = do_sample or attempt > 0
             s = seed if attempt == 0 else (seed or 0) + attempt
@@ -934,12 +987,16 @@ class QwenVLGrounder:
             return self._ground_samples(stack, query, n, constrain=constrain, seed=seed,
                                         max_new_tokens=max_new_tokens, retries=retries, window=window)
 
-    def _ground_samples(self, stack, query, n, *, constrain, seed, max_new_tokens, retries, window):
+    def _ground_samples(self, stack, query, n, *, constrain, seed, max_new_tokens, retries, window, shared=None,
+                        do_sample: bool = False):
+        greedy_seed = seed if do_sample else None
         if seed is None:
             seed = 0
-        greedy, inputs, shown, prefix = self._ground(stack, query, constrain=constrain, do_sample=False, seed=None,
-                                                     max_new_tokens=max_new_tokens, retries=retries, window=window,
-                                                     want_prefix=n > 1)
+        greedy, inputs, shown, prefix = self._ground(stack, query, constrain=constrain, do_sample=do_sample,
+                                                     seed=greedy_seed, max_new_tokens=max_new_tokens, retries=retries,
+                                                     window=window, want_prefix=n > 1, shared=shared)
+        if shared is not None and prefix is shared.cache:
+            prefix = copy.deepcopy(prefix)  # the samples repeat their cache to G - 1 rows: keep the shared one whole
         query = greedy.anchor.query
         out = [GroundingSample(1, greedy.raw_text, greedy.reasoning, greedy.anchor, signal=greedy.anchor.signal)]
         timings = {}
@@ -963,6 +1020,86 @@ class QwenVLGrounder:
             timings.update({f"samples_{k}": v for k, v in st.items()})
             timings["samples_s"] = time.perf_counter() - t1
         return SampledGrounding(greedy=greedy, samples=out, timings=timings, seed=seed)
+
+    def ground_queries(self, stack, queries: Sequence[str], samples: int = 1, *, constrain: bool = True,
+                       do_sample: bool = False, seed: Optional[int] = None, max_new_tokens: Optional[int] = None,
+                       retries: int = 2, window=None, progress=None, cancel=None) -> List[SampledGrounding]:
+        """Answer several queries on one volume: one :class:`SampledGrounding` per query, in order
+        (``samples`` answers each, as :meth:`ground_samples`; with 1, its ``greedy`` is exactly what
+        :meth:`ground` answers, up to floating-point rounding).
+
+        The prompt's layout puts the slices before the query, so everything up to the last slice
+        (the system text, ~4 100 tokens of slices and their tags at full size) is the same for every
+        query: it is rendered, encoded and prefilled once (:meth:`_share_prompt`), and each query
+        continues from that cache, running only its own ~200 tokens before decoding. A template
+        whose query comes before the slices shares nothing: each query is then grounded on its own
+        (``timings["shared_prompt"]`` says which). ``progress`` hears each query as an equal part
+        of the ``ground`` stage, its messages prefixed ``query i/n``; ``cancel`` as in :meth:`ground`.
+        """
+        n = check_samples(samples)
+        queries = [validate_query(q) for q in queries]
+        if not queries:
+            raise InputError("no query to ground")
+        if n > 1 and do_sample:
+            raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
+        budget = self._check_request(queries[0], retries, max_new_tokens, seed)[1]
+        if constrain:  # a too-small budget fails before the slices are encoded
+            plan_budget(stack.sample_indices(int(self.prompts.get("num_slices", 64))), budget, self.settings)
+        out: List[SampledGrounding] = []
+        shared = None
+        for i, query in enumerate(queries):
+            part = _query_part(progress, i, len(queries))
+            with self._reporting(part, cancel, consensus=n > 1):
+                if i == 0 and len(queries) > 1:
+                    shared = self._share_prompt(stack, queries, window)
+                try:
+                    r = self._ground_samples(stack, query, n, constrain=constrain, seed=seed,
+                                             max_new_tokens=max_new_tokens, retries=retries, window=window,
+                                             shared=shared, do_sample=do_sample)
+                except GenerationError as e:
+                    e.args = (f"query {i + 1} of {len(queries)}: {e}",) + tuple(e.args[1:])
+                    raise
+                finally:
+                    if shared is not None:
+                        shared.rewind()
+            extra = {"shared_prompt": shared is not None}
+            if shared is not None:
+                extra.update(shared_prompt_tokens=shared.length, shared_prefill_s=shared.prefill_s if i == 0 else 0.0)
+            r.greedy.timings.update(extra)
+            out.append(r)
+        return out
+
+    def _share_prompt(self, stack, queries: Sequence[str], window) -> Optional["_SharedPrompt"]:
+        """The prompt's part shared by ``queries`` (through the last slice's ``<|vision_end|>``), its
+        slices rendered and encoded and its tokens prefilled in one forward pass; None when the
+        queries' prompts differ before the last slice (a template with the query first)."""
+        torch = _torch()
+        t0 = time.perf_counter()
+        images, shown = self._render(stack, window)
+        px, tokens = self._pixels(images, shown)
+        rows = [self._prompt_ids(q, shown, stack.depth, window, tokens) for q in queries]
+        ids, spans = rows[0]
+        length = spans[-1][0] + spans[-1][1] + 1  # the last image's tokens and its <|vision_end|>
+        if ids[length - 1] != self._ids["<|vision_end|>"] or any(
+                len(other) <= length or other[:length] != ids[:length] for other, _ in rows[1:]):
+            return None
+        inputs = self._inputs_from_pixels(px, tokens, shown, stack.depth, queries[0], window)
+        dev = self.device
+        head = {k: (v[:, :length] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v).to(dev)
+                for k, v in inputs.items()}
+        head["pixel_values"] = head["pixel_values"].to(self.dtype)
+        from .progress import watch_prefill
+
+        if self._reporter is not None:
+            self._reporter.prompt_ready(len(shown), length)
+        t1 = time.perf_counter()
+        with watch_prefill(self.model, self._reporter, len(shown), length), torch.inference_mode():
+            cache = self.model(**head, use_cache=True, logits_to_keep=1).past_key_values
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t2 = time.perf_counter()
+        return _SharedPrompt(cache=cache, length=length, pixels=px, tokens=tokens, shown=shown,
+                             prefill_s=t2 - t1, prompt_s=t1 - t0)
 
     def __repr__(self) -> str:
         extra = f", adapter={self.adapter_dir}" if self.adapter_dir else ""
