@@ -62,10 +62,11 @@ The result (:func:`run_segment_job`) is one JSON-ready dict:
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from .errors import InputError
 from .dicomseg import check_dicom_source, is_dicom_output
@@ -73,11 +74,15 @@ from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, f
 from .stats import STATS_SUFFIXES, check_stats_path, stats_text, target_stats
 from .models.identity import SMOKE_BANNER  # re-exported here, where it always was
 
-__all__ = ["SegmentRequest", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "default_anchor_path",
-           "run_segment_job"]
+__all__ = ["SegmentRequest", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "check_queries", "default_anchor_path",
+           "labels_path", "numbered", "planned_files", "resolve_overlaps", "run_segment_job", "MAX_TARGETS",
+           "OVERLAP_RULE"]
 
 
 PathLike = Union[str, Path]
+MAX_TARGETS = 64  # queries in one job (label values 1..64)
+OVERLAP_RULE = ("a voxel that several targets claim goes to the one asked first (query 1 before query 2, …); "
+                "each overlap is reported")
 Progress = Callable[[str, float, str], None]  # (stage, fraction 0..1, message), as Pipeline's
 
 
@@ -100,6 +105,8 @@ class SegmentRequest:
     ``--add-box``, ``--add-point`` and ``--z-range``); both need a given anchor or key slice.
     ``consensus``: G answers instead of one (1..8; 1 = off; a query only) and ``consensus_mask``
     (``greedy`` or ``majority``), as :meth:`~medvolcore.pipeline.Pipeline.segment` takes them.
+    ``queries``: several targets in one job instead of ``query`` (see "Several targets" in the
+    module docstring); every other value applies to each of them.
     """
 
     query: Optional[str] = None
@@ -119,15 +126,22 @@ class SegmentRequest:
     z_range: Optional[Sequence[int]] = None
     consensus: int = 1
     consensus_mask: str = "greedy"
+    queries: Optional[Sequence[str]] = None
 
     @property
     def grounded(self) -> bool:
         return self.anchor is None and self.key_slice is None and not self.boxes
 
+    @property
+    def targets(self) -> int:
+        """How many targets the job segments (several only with ``queries``)."""
+        return len(self.queries) if self.queries else 1
+
 
 @dataclass
 class SegmentOutputs:
-    """Where the job writes: the ``mask`` (``.nii.gz``, ``.nii``, ``.nrrd``, ``.mha``), optionally the
+    """Where the job writes: the ``mask`` (``.nii.gz``, ``.nii``, ``.nrrd``, ``.mha``, ``.seg.nrrd``, ``.dcm``; one path or several, each
+    written from the same mask), optionally the
     ``anchor`` file, the ``qc`` picture (``.png``) and, with a consensus, the ``agreement`` map (a
     mask format). ``names`` are how messages call the first three (the CLI's options by default),
     ``agreement_name`` the fourth. ``create_folders``: make missing parent folders (False for a
@@ -135,7 +149,7 @@ class SegmentOutputs:
     grounder answers that the target is not in the volume, still write the mask (all zero, on the
     CT's grid); by default no mask file is written then."""
 
-    mask: PathLike
+    mask: Union[PathLike, Sequence[PathLike]]
     anchor: Optional[PathLike] = None
     qc: Optional[PathLike] = None
     overwrite: bool = False
@@ -146,6 +160,11 @@ class SegmentOutputs:
     agreement_name: str = "--agreement"
     stats: Optional[PathLike] = None  # the target's statistics (.json or .csv; medvolcore.stats)
 
+    @property
+    def masks(self) -> List[PathLike]:
+        """Every mask output (``mask`` may be one path or several: ``--out`` repeated)."""
+        return list(self.mask) if isinstance(self.mask, (list, tuple)) else [self.mask]
+
 
 def default_anchor_path(mask_path: PathLike) -> str:
     """``kidney.nii.gz`` → ``kidney.anchor.json``: the anchor file written beside a mask."""
@@ -154,30 +173,69 @@ def default_anchor_path(mask_path: PathLike) -> str:
     return (name[: -len(suffix)] if suffix else name) + ".anchor.json"
 
 
-def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[PathLike]]] = ()) -> None:
-    """Refuse, before any work, outputs that clash with each other or with an input, that exist
-    (without ``overwrite``), that cannot be written, or whose suffix is not of their kind."""
+def numbered(path: PathLike, k: int) -> str:
+    """``kidney.anchor.json`` → ``kidney.2.anchor.json``: target ``k``'s own file of a several-target job."""
+    name = str(path)
+    suffix = full_suffix(name)
+    return (name[: -len(suffix)] if suffix else name) + f".{k}" + suffix
+
+
+def labels_path(mask_path: PathLike) -> str:
+    """``organs.nii.gz`` → ``organs.labels.json``: the table of a several-target label map."""
+    name = str(mask_path)
+    suffix = full_suffix(name)
+    return (name[: -len(suffix)] if suffix else name) + ".labels.json"
+
+
+def _takes_labels_table(path: PathLike) -> bool:
+    """A plain label map (not a Slicer segmentation or a DICOM-SEG, which name their segments)."""
+    low = str(path).lower()
+    return not is_dicom_output(low) and not low.endswith(".seg.nrrd")
+
+
+def planned_files(outputs: SegmentOutputs, targets: int = 1) -> List[Tuple[str, str, Optional[PathLike]]]:
+    """``(kind, name, path)`` of every file a job of ``targets`` targets may write, in writing order:
+    the masks (and, for several targets, each plain label map's ``*.labels.json``), then per target
+    its agreement map, anchor and QC picture (numbered for several targets: :func:`numbered`), then
+    the statistics."""
     m, a, q = outputs.names
-    check_distinct([(m, outputs.mask), (a, outputs.anchor), (q, outputs.qc), (outputs.agreement_name, outputs.agreement),
-                    ("--stats", outputs.stats)], list(inputs))
-    create = outputs.create_folders
-    if is_dicom_output(outputs.mask):  # a DICOM-SEG references the series it segments
-        check_dicom_source(inputs[0][1] if inputs else None, m)
-        check_output(outputs.mask, outputs.overwrite, suffixes=(".dcm",), what="DICOM segmentation",
-                     create_folder=create)
-    else:
-        check_output(outputs.mask, outputs.overwrite, suffixes=MASK_SUFFIXES, what="mask", create_folder=create)
-    if outputs.agreement:
-        check_output(outputs.agreement, outputs.overwrite, suffixes=MASK_SUFFIXES, what="agreement map",
-                     create_folder=create)
-    if outputs.anchor:
-        check_output(outputs.anchor, outputs.overwrite, create_folder=create)
+    out = []
+    for path in outputs.masks:
+        out.append(("mask", m, path))
+        if targets > 1 and _takes_labels_table(path):
+            out.append(("labels", m + " (labels table)", labels_path(path)))
+    for kind, name, path in (("agreement", outputs.agreement_name, outputs.agreement), ("anchor", a, outputs.anchor),
+                             ("qc", q, outputs.qc)):
+        if path:
+            out += [(kind, name, path)] if targets == 1 else \
+                [(kind, f"{name} (target {k})", numbered(path, k)) for k in range(1, targets + 1)]
     if outputs.stats:
-        check_stats_path(outputs.stats)
-        check_output(outputs.stats, outputs.overwrite, suffixes=STATS_SUFFIXES, what="statistics",
-                     create_folder=create)
-    if outputs.qc:
-        check_output(outputs.qc, outputs.overwrite, suffixes=PNG_SUFFIXES, what="QC picture", create_folder=create)
+        out.append(("stats", "--stats", outputs.stats))
+    return out
+
+
+def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[PathLike]]] = (),
+                  targets: int = 1) -> None:
+    """Refuse, before any work, outputs that clash with each other or with an input, that exist
+    (without ``overwrite``), that cannot be written, or whose suffix is not of their kind (every
+    file of :func:`planned_files` for ``targets`` targets)."""
+    files = planned_files(outputs, targets)
+    check_distinct([(name, path) for _, name, path in files], list(inputs))
+    create, overwrite = outputs.create_folders, outputs.overwrite
+    for kind, name, path in files:
+        if kind == "mask" and is_dicom_output(path):  # a DICOM-SEG references the series it segments
+            check_dicom_source(inputs[0][1] if inputs else None, name)
+            check_output(path, overwrite, suffixes=(".dcm",), what="DICOM segmentation", create_folder=create)
+        elif kind in ("mask", "agreement"):
+            check_output(path, overwrite, suffixes=MASK_SUFFIXES, what="mask" if kind == "mask" else "agreement map",
+                         create_folder=create)
+        elif kind == "stats":
+            check_stats_path(path)
+            check_output(path, overwrite, suffixes=STATS_SUFFIXES, what="statistics", create_folder=create)
+        elif kind == "qc":
+            check_output(path, overwrite, suffixes=PNG_SUFFIXES, what="QC picture", create_folder=create)
+        else:
+            check_output(path, overwrite, create_folder=create)
 
 
 def _check_request(request: SegmentRequest):
@@ -186,7 +244,9 @@ def _check_request(request: SegmentRequest):
     from .windowing import get_window
 
     query = request.query
-    if request.grounded:
+    if request.queries is not None:
+        check_queries(request)
+    elif request.grounded:
         from .grounder import validate_query
 
         if query is None:
@@ -215,6 +275,35 @@ def _check_request(request: SegmentRequest):
                                      or request.span < 0):
         raise InputError(f"the slice span must be a whole number ≥ 0, got {request.span!r}")
     return query, get_window(request.hu_window)
+
+
+def check_queries(request: SegmentRequest) -> None:
+    """``queries``: 1..:data:`MAX_TARGETS` distinct valid queries, without ``query``, a given anchor or
+    a reference mask; cleaned in place."""
+    from .grounder import validate_query
+
+    if request.query is not None:
+        raise InputError("give one query or a list of queries, not both")
+    if not request.grounded:
+        raise InputError("several queries are grounded by the model; a given anchor has one target")
+    if isinstance(request.queries, (str, bytes)) or not request.queries:
+        raise InputError("queries must be a non-empty list of texts")
+    if len(request.queries) > MAX_TARGETS:
+        raise InputError(f"at most {MAX_TARGETS} queries in one job, got {len(request.queries)}")
+    cleaned, seen = [], {}
+    for i, q in enumerate(request.queries, start=1):
+        try:
+            q = validate_query(q)
+        except InputError as e:
+            raise InputError(f"query {i}: {e}") from None
+        key = " ".join(q.lower().split())
+        if key in seen:
+            raise InputError(f"query {i} repeats query {seen[key]} ({q!r}): give each target once")
+        seen[key] = i
+        cleaned.append(q)
+    if request.reference is not None and len(cleaned) > 1:
+        raise InputError("a reference mask scores one target; score several with `medvol metrics` per label")
+    request.queries = cleaned
 
 
 def _given_anchor(request: SegmentRequest, stack):
@@ -268,71 +357,140 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     MedSAM2, or a callable ``features(pipeline, window)`` returning it or None (the worker keeps one
     per volume).
     """
+    from dataclasses import replace
+
     from .errors import CancelledError
     from .pipeline import as_stack
-    from .terminology import match
-    from .volume import save_mask
 
     t0 = time.perf_counter()
     query, window = _check_request(request)
+    if request.queries is not None and len(request.queries) == 1:  # one line of a queries file: one query
+        request = replace(request, query=request.queries[0], queries=None)
+        query = request.query
+    targets = request.targets
     if outputs.agreement and request.consensus < 2:
         raise InputError(f"{outputs.agreement_name} writes the agreement of a consensus: it needs a consensus of 2 "
                          "or more samples")
     # an in-memory volume still names the file it was read from: no output may replace it
     volume_path = volume if isinstance(volume, (str, Path)) else getattr(getattr(volume, "volume", volume), "path", None)
-    check_outputs(outputs, [("--volume", volume_path)] + list(inputs))
+    check_outputs(outputs, [("--volume", volume_path)] + list(inputs), targets)
 
     stack = as_stack(volume)
     anchor = None if request.grounded else _given_anchor(request, stack)
     pipe = pipeline() if callable(pipeline) else pipeline
     store = features(pipe, window) if callable(features) else features
-    if request.grounded:
-        seg = pipe.segment(stack, query, constrain=request.constrain, seed=request.seed, do_sample=request.sample,
-                           hu_window=window, progress=progress, cancel=cancel,
-                           stop_after_empty=request.stop_after_empty, features=store, consensus=request.consensus,
-                           consensus_mask=request.consensus_mask)
+    if targets > 1:
+        segs = pipe.segment_queries(stack, request.queries, constrain=request.constrain, seed=request.seed,
+                                    do_sample=request.sample, hu_window=window, progress=progress, cancel=cancel,
+                                    stop_after_empty=request.stop_after_empty, features=store,
+                                    consensus=request.consensus, consensus_mask=request.consensus_mask)
+    elif request.grounded:
+        segs = [pipe.segment(stack, query, constrain=request.constrain, seed=request.seed, do_sample=request.sample,
+                             hu_window=window, progress=progress, cancel=cancel,
+                             stop_after_empty=request.stop_after_empty, features=store, consensus=request.consensus,
+                             consensus_mask=request.consensus_mask)]
     else:
-        seg = pipe.repropagate(stack, anchor, hu_window=window, progress=progress, cancel=cancel,
-                               stop_after_empty=request.stop_after_empty, span=request.span,
-                               largest_component=request.largest_component, features=store)
+        segs = [pipe.repropagate(stack, anchor, hu_window=window, progress=progress, cancel=cancel,
+                                 stop_after_empty=request.stop_after_empty, span=request.span,
+                                 largest_component=request.largest_component, features=store)]
     if cancel is not None and cancel.is_set():
         raise CancelledError("the job was cancelled")
-    if request.grounded:
-        seg.anchor.query = query
-        seg.anchor.reasoning = seg.reasoning
-        seg.anchor.source = "grounder"
+    queries = request.queries if targets > 1 else [query]
+    for seg, q in zip(segs, queries):
+        if request.grounded:
+            seg.anchor.query = q
+            seg.anchor.reasoning = seg.reasoning
+            seg.anchor.source = "grounder"
     if progress is not None:
-        progress("write", 0.0, "writing the mask")
+        progress("write", 0.0, "writing the mask" if targets == 1 else f"writing the {targets} targets")
     t_write = time.perf_counter()
+    if targets > 1:
+        res = _write_targets(segs, stack, volume_path, request, outputs, window)
+    else:
+        res = _write_target(segs[0], stack, volume_path, request, outputs, window, query)
+    res["timings"]["write_s"] = round(time.perf_counter() - t_write, 4)
+    res["timings"]["job_s"] = round(time.perf_counter() - t0, 4)
+    if progress is not None:
+        progress("write", 1.0, "done")
+    return res
+
+
+def _algorithm(seg) -> str:
+    """The DICOM-SEG's algorithm name: the model that made the anchor, or a given anchor's propagation."""
+    return "MedVol " + ((seg.identity or {}).get("label") or "propagation of a given anchor")
+
+
+def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: List[dict], algorithm: str,
+                 notes: list) -> List[str]:
+    """``labels`` written to every mask output (by suffix: label map, ``.seg.nrrd`` or DICOM-SEG)."""
+    from . import __version__
+    from .volume import save_mask
+
+    written = []
+    for path in outputs.masks:
+        if is_dicom_output(path):
+            from .dicomseg import save_dicom_seg
+
+            save_dicom_seg(labels, stack.volume.affine, volume_path or stack.volume.path, path, segments,
+                           algorithm=algorithm, version=__version__, overwrite=outputs.overwrite, notes=notes)
+        else:
+            save_mask(labels, stack.volume, path, overwrite=outputs.overwrite, segments=segments)
+        written.append(str(path))
+    return written
+
+
+def _target_fields(seg, query: str, term, stats: dict) -> dict:
+    """The fields of one target's result, the same in a one-target result and in each ``targets`` entry."""
+    return {
+        "query": seg.anchor.query or (query or ""), "absent": bool(seg.absent),
+        "terminology": term.to_dict() if term is not None else None,
+        "stats": stats,
+        "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
+        "notes": list(seg.notes), "mask_voxels": int(stats["voxels"]),
+        "propagation": seg.anchor.propagation,
+        "slices_encoded": int(seg.timings.get("slices_encoded", 0)),
+        "answer_mean_logprob": (seg.anchor.signal or {}).get("answer_mean_logprob"),
+        "answer_mean_prob": (seg.anchor.signal or {}).get("answer_mean_prob"),
+        "consensus": seg.consensus, "consensus_mask": seg.consensus_mask,
+        "confidence": None if seg.confidence is None else round(seg.confidence, 4), "samples": seg.samples,
+        "timings": {k: round(v, 4) if isinstance(v, float) else v for k, v in seg.timings.items()},
+    }
+
+
+def _target_stats(seg, mask, stack, name: str) -> dict:
+    world = (seg.anchor.world or {}) if not seg.absent else {}
+    return target_stats(mask, stack.volume.array, stack.volume.affine, name,
+                        None if seg.absent else int(seg.anchor.slice),
+                        (world.get("slice_center_ras") or [None, None, None])[2])
+
+
+def _save_qc(path, stack, seg, mask_stack, request: SegmentRequest, window, title: str, overwrite: bool) -> None:
+    from .qc import save_qc
+
+    save_qc(path, stack, seg.anchor, mask_stack, overwrite=overwrite, title=title, reasoning=seg.reasoning,
+            window=window, gt_mask=request.reference, **_qc_identity(seg, request.grounded))
+
+
+def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window, query) -> dict:
+    """Write a one-target job's files (see the module docstring's step 5) → its result."""
+    from .terminology import match
+    from .volume import save_mask
+
     wrote_mask = not seg.absent or outputs.empty_mask_on_absent
     named = seg.anchor.query or query or ""
     term = match(named) if named else None  # the segment's coded name and colour (terminology.py)
     segments = [{"name": named or "Segment_1", "value": 1, "term": term}]
-    if wrote_mask and is_dicom_output(outputs.mask):
-        from . import __version__
-        from .dicomseg import save_dicom_seg
-
-        save_dicom_seg(seg.mask, stack.volume.affine, volume_path or stack.volume.path, outputs.mask, segments,
-                       algorithm="MedVol " + ((seg.identity or {}).get("label") or "propagation of a given anchor"),
-                       version=__version__, overwrite=outputs.overwrite, notes=seg.notes)
-    elif wrote_mask:
-        save_mask(seg.mask, stack.volume, outputs.mask, overwrite=outputs.overwrite, segments=segments)
+    outs = _write_masks(seg.mask, stack, volume_path, outputs, segments, _algorithm(seg), seg.notes) if wrote_mask else []
     if outputs.agreement:
         save_mask(seg.agreement, stack.volume, outputs.agreement, overwrite=outputs.overwrite)
-    world = (seg.anchor.world or {}) if not seg.absent else {}
-    stats = target_stats(seg.mask, stack.volume.array, stack.volume.affine, named,
-                         None if seg.absent else int(seg.anchor.slice),
-                         (world.get("slice_center_ras") or [None, None, None])[2])
+    stats = _target_stats(seg, seg.mask, stack, named)
     if outputs.stats:
         write_text_atomic(outputs.stats, stats_text([stats], outputs.stats), overwrite=outputs.overwrite)
     if outputs.anchor:
         seg.anchor.save(outputs.anchor, outputs.overwrite)
     if outputs.qc:
-        from .qc import save_qc
-
         title = request.qc_title if request.qc_title is not None else f"query: {seg.anchor.query or query or ''}"
-        save_qc(outputs.qc, stack, seg.anchor, seg.mask_stack, overwrite=outputs.overwrite, title=title,
-                reasoning=seg.reasoning, window=window, gt_mask=request.reference, **_qc_identity(seg, request.grounded))
+        _save_qc(outputs.qc, stack, seg, seg.mask_stack, request, window, title, outputs.overwrite)
     metrics = None
     if request.reference is not None:
         from .metrics import overlap
@@ -340,28 +498,121 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         m = overlap(seg.mask, request.reference)
         metrics = {"dice": round(m["dice"], 6), "iou": round(m["iou"], 6), "pred_voxels": m["pred_voxels"],
                    "gt_voxels": m["gt_voxels"]}
-    timings = {k: round(v, 4) if isinstance(v, float) else v for k, v in seg.timings.items()}
-    timings["write_s"] = round(time.perf_counter() - t_write, 4)
-    timings["job_s"] = round(time.perf_counter() - t0, 4)
-    if progress is not None:
-        progress("write", 1.0, "done")
+    fields = _target_fields(seg, query, term, stats)
+    fields["notes"] = list(dict.fromkeys(seg.notes))
     return {
         "mode": "segment" if request.grounded else "propagate",
         "volume": str(stack.volume.path or volume_path) if (stack.volume.path or volume_path) else None,
-        "query": seg.anchor.query or (query or ""), "preset": seg.preset, "smoke": bool(seg.smoke),
-        "absent": bool(seg.absent),
-        "identity": seg.identity,
-        "terminology": term.to_dict() if term is not None else None,
-        "stats": stats, "stats_out": str(outputs.stats) if outputs.stats else None,
-        "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
-        "notes": list(seg.notes), "shape": [int(s) for s in stack.volume.shape], "mask_voxels": int(seg.mask.sum()),
-        "propagation": seg.anchor.propagation, "metrics": metrics, "timings": timings,
-        "slices_encoded": int(seg.timings.get("slices_encoded", 0)),
-        "answer_mean_logprob": (seg.anchor.signal or {}).get("answer_mean_logprob"),
-        "answer_mean_prob": (seg.anchor.signal or {}).get("answer_mean_prob"),
-        "consensus": seg.consensus, "consensus_mask": seg.consensus_mask,
-        "confidence": None if seg.confidence is None else round(seg.confidence, 4), "samples": seg.samples,
-        "out": str(outputs.mask) if wrote_mask else None, "anchor_out": str(outputs.anchor) if outputs.anchor else None,
+        "preset": seg.preset, "smoke": bool(seg.smoke), "identity": seg.identity,
+        **fields,
+        "stats_out": str(outputs.stats) if outputs.stats else None,
+        "shape": [int(x) for x in stack.volume.shape], "metrics": metrics,
+        "out": outs[0] if outs else None, "outs": outs,
+        "anchor_out": str(outputs.anchor) if outputs.anchor else None,
         "qc": str(outputs.qc) if outputs.qc else None,
         "agreement_out": str(outputs.agreement) if outputs.agreement else None,
     }
+
+
+def resolve_overlaps(masks: Sequence, shape) -> Tuple[object, List[dict]]:
+    """One label map from several boolean masks (label k for mask k, 1-based) by :data:`OVERLAP_RULE`
+    → ``(labels, overlaps)``; ``overlaps``: ``{"labels": [j, k], "voxels": n}`` for each pair that
+    claims common voxels (``j``, asked first, keeps them)."""
+    import numpy as np
+
+    labels = np.zeros(shape, np.uint8)
+    overlaps = []
+    for k, mask in enumerate(masks, start=1):
+        m = np.asarray(mask).astype(bool)
+        taken = labels[m]
+        for j, n in zip(*np.unique(taken[taken > 0], return_counts=True)):
+            overlaps.append({"labels": [int(j), k], "voxels": int(n)})
+        labels[m & (labels == 0)] = k
+    return labels, overlaps
+
+
+def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window) -> dict:
+    """Write a several-target job's files → its result (see "Several targets" in the module docstring)."""
+    from . import RESEARCH_USE_NOTICE
+    from .terminology import match
+    from .volume import save_mask
+
+    queries = list(request.queries)
+    n = len(queries)
+    labels, overlaps = resolve_overlaps([s.mask for s in segs], stack.volume.shape)
+    labels_stack, _ = resolve_overlaps([s.mask_stack for s in segs], stack.data.shape)
+    import numpy as np
+
+    voxel_ml = abs(float(np.linalg.det(np.asarray(stack.volume.affine, dtype=np.float64)[:3, :3]))) / 1000.0
+    notes = []
+    for o in overlaps:
+        j, k = o["labels"]
+        o.update(queries=[queries[j - 1], queries[k - 1]], volume_ml=round(o["voxels"] * voxel_ml, 3))
+        notes.append(f"targets {j} ({_short(queries[j - 1])}) and {k} ({_short(queries[k - 1])}) overlap in "
+                     f"{o['voxels']} voxels ({o['volume_ml']:g} mL): target {j}, asked first, keeps them")
+    terms = [match(q, k) for k, q in enumerate(queries, start=1)]
+    segments = [{"name": q, "value": k, "term": t} for k, (q, t) in enumerate(zip(queries, terms), start=1)]
+    wrote_mask = any(not s.absent for s in segs) or outputs.empty_mask_on_absent
+    outs = _write_masks(labels, stack, volume_path, outputs, segments, _algorithm(segs[0]), notes) if wrote_mask else []
+    targets, rows = [], []
+    for k, (seg, q, term) in enumerate(zip(segs, queries, terms), start=1):
+        mask = labels == k
+        stats = _target_stats(seg, mask, stack, q)
+        rows.append(stats)
+        files = {}
+        if outputs.agreement:
+            files["agreement_out"] = numbered(outputs.agreement, k)
+            save_mask(seg.agreement, stack.volume, files["agreement_out"], overwrite=outputs.overwrite)
+        if outputs.anchor:
+            files["anchor_out"] = numbered(outputs.anchor, k)
+            seg.anchor.save(files["anchor_out"], outputs.overwrite)
+        if outputs.qc:
+            files["qc"] = numbered(outputs.qc, k)
+            title = (request.qc_title or "") + f"target {k}/{n} · query: {q}"
+            _save_qc(files["qc"], stack, seg, (labels_stack == k).astype("uint8"), request, window, title,
+                     outputs.overwrite)
+        lost = sum(o["voxels"] for o in overlaps if o["labels"][1] == k)
+        targets.append({"label": k, **_target_fields(seg, q, term, stats), "overlap_voxels_lost": lost,
+                        "anchor_out": files.get("anchor_out"), "qc": files.get("qc"),
+                        "agreement_out": files.get("agreement_out")})
+    tables = []
+    if outs:
+        for path in outs:
+            if not _takes_labels_table(path):
+                continue
+            table = {"schema": "medvol.labels/1", "notice": RESEARCH_USE_NOTICE, "mask": Path(path).name,
+                     "volume": str(stack.volume.path or volume_path or ""),
+                     "model": (segs[0].identity or {}).get("label"), "overlap_rule": OVERLAP_RULE,
+                     "labels": [{"value": t["label"], "query": t["query"], "name": (t["terminology"] or {}).get("label"),
+                                 "absent": t["absent"], "voxels": t["mask_voxels"],
+                                 "volume_ml": t["stats"]["volume_ml"],
+                                 "color": (t["terminology"] or {}).get("color"), "terminology": t["terminology"],
+                                 "anchor": Path(t["anchor_out"]).name if t["anchor_out"] else None,
+                                 "qc": Path(t["qc"]).name if t["qc"] else None} for t in targets],
+                     "overlaps": overlaps}
+            tables.append(write_text_atomic(labels_path(path), json.dumps(table, indent=1) + "\n",
+                                            overwrite=outputs.overwrite))
+    if outputs.stats:
+        write_text_atomic(outputs.stats, stats_text(rows, outputs.stats), overwrite=outputs.overwrite)
+    first = segs[0]
+    timings = {"ground_s": round(first.timings.get("ground_all_s", 0.0), 4),
+               "propagate_s": round(sum(s.timings.get("propagate_s", 0.0) for s in segs), 4),
+               "total_s": round(first.timings.get("all_s", 0.0), 4),
+               "slices_encoded": sum(int(s.timings.get("slices_encoded", 0)) for s in segs),
+               "shared_prompt": bool(first.timings.get("ground_shared_prompt", False)),
+               "shared_prefill_s": round(first.timings.get("ground_shared_prefill_s", 0.0), 4)}
+    return {
+        "mode": "segment", "volume": str(stack.volume.path or volume_path) if (stack.volume.path or volume_path) else None,
+        "queries": queries, "preset": first.preset, "smoke": bool(any(s.smoke for s in segs)),
+        "identity": first.identity, "absent": all(s.absent for s in segs),
+        "targets": targets, "overlaps": overlaps, "overlap_rule": OVERLAP_RULE,
+        "notes": list(dict.fromkeys(notes)), "shape": [int(x) for x in stack.volume.shape],
+        "mask_voxels": int((labels > 0).sum()), "stats": rows, "stats_out": str(outputs.stats) if outputs.stats else None,
+        "slices_encoded": timings["slices_encoded"], "timings": timings,
+        "out": outs[0] if outs else None, "outs": outs, "labels_out": [str(t) for t in tables],
+    }
+
+
+def _short(query: str, limit: int = 60) -> str:
+    q = " ".join(str(query).split())
+    return repr(q if len(q) <= limit else q[: limit - 1] + "…")

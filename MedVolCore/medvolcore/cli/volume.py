@@ -232,12 +232,20 @@ def _progress(bar, line_every_s: float = 30.0):
 
 # ---- medvol segment / demo ---------------------------------------------------------------
 
-def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str = "") -> dict:
-    from ..grounder import validate_query
+def _run_segment(volume, queries, out, anchor_out, qc, args, preset, notice: str = "",
+                 inputs=()) -> dict:
+    """One ``segment``/``demo`` job: ``queries`` a query or a list of them (several targets), ``out``
+    a mask path or a list of them (the same mask in each format)."""
     from ..jobs import SegmentOutputs, SegmentRequest, check_outputs, run_segment_job
     from ..propagation import check_stop_after_empty
 
-    query = validate_query(query)
+    queries = [queries] if isinstance(queries, str) else list(queries)
+    request = SegmentRequest(query=queries[0] if len(queries) == 1 else None,
+                             queries=queries if len(queries) > 1 else None, hu_window=args.ct_window,
+                             stop_after_empty=args.stop_after_empty, constrain=not args.no_constrain,
+                             sample=args.sample, seed=args.seed, consensus=args.consensus,
+                             consensus_mask=args.consensus_mask)
+    _check_query_list(request)
     check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
     _check_consensus_options(args)
     adapter = getattr(args, "adapter", None)
@@ -245,13 +253,10 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
                              empty_mask_on_absent=args.empty_mask_on_absent, agreement=args.agreement,
                              stats=args.stats)
     # every output checked before the models load: distinct files, not an input, writable, right type
-    check_outputs(outputs, [("--volume", volume), ("--adapter", adapter)])
+    check_outputs(outputs, [("--volume", volume), ("--adapter", adapter)] + list(inputs), request.targets)
     from ..models import check_adapter_given
 
     check_adapter_given(preset, adapter)  # medvol-r1 without an adapter: one line, before anything is read
-    request = SegmentRequest(query=query, hu_window=args.ct_window, stop_after_empty=args.stop_after_empty,
-                             constrain=not args.no_constrain, sample=args.sample, seed=args.seed,
-                             consensus=args.consensus, consensus_mask=args.consensus_mask)
     pipes = []
 
     def pipeline():  # resolved once the volume is read: a bad volume is reported before a missing model
@@ -264,15 +269,21 @@ def _run_segment(volume, query, out, anchor_out, qc, args, preset, notice: str =
     compute = apply_compute_options(args)
     bar = None if args.no_progress else _bar("segment")
     try:
-        res = run_segment_job(pipeline, volume, request, outputs, progress=_progress(bar))
+        res = run_segment_job(pipeline, volume, request, outputs, inputs=list(inputs), progress=_progress(bar))
     finally:
         if bar is not None:
             bar.close()
-    keep = ("preset", "smoke", "absent", "identity", "terminology", "stats", "stats_out", "anchor", "reasoning",
-            "raw_text", "notes", "mask_voxels",
-            "answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask", "confidence", "samples", "timings")
-    out_res = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"], "agreement_out": res["agreement_out"],
-               "volume": res["volume"] or str(volume),
+    if request.targets > 1:
+        keep = ("outs", "labels_out", "queries", "preset", "smoke", "absent", "identity", "targets", "overlaps",
+                "overlap_rule", "stats", "stats_out", "notes", "mask_voxels", "timings")
+        files = {"out": res["out"]}
+    else:
+        keep = ("outs", "preset", "smoke", "absent", "identity", "terminology", "stats", "stats_out", "anchor",
+                "reasoning", "raw_text", "notes", "mask_voxels", "answer_mean_logprob", "answer_mean_prob", "consensus",
+                "consensus_mask", "confidence", "samples", "timings")
+        files = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"],
+                 "agreement_out": res["agreement_out"]}
+    out_res = {**files, "volume": res["volume"] or str(volume),
                **{k: res[k] for k in keep},
                "model_load_s": {k: round(v, 3) for k, v in pipes[0].load_seconds.items()},
                **compute, "grounder_dtype": _dtype_name(pipes[0]),
@@ -287,12 +298,77 @@ def _dtype_name(pipe) -> Optional[str]:
     return None if g is None else str(g.dtype).replace("torch.", "")
 
 
-def _segment_text(res: dict) -> str:
-    a = res["anchor"]
+def _check_query_list(request) -> None:
+    """The queries' own checks (:func:`medvolcore.jobs` does them again), with the CLI's option names."""
+    from ..grounder import validate_query
+    from ..jobs import check_queries
+
+    if request.queries is None:
+        request.query = validate_query(request.query)
+        return
+    try:
+        check_queries(request)
+    except InputError as e:
+        raise InputError(f"--query/--queries: {e}") from None
+
+
+def read_queries_file(path) -> list:
+    """The queries of a ``--queries`` file: one per line (UTF-8); blank lines and lines starting with
+    ``#`` are skipped."""
+    from pathlib import Path
+
+    from ..fileio import os_reason
+
+    p = Path(path)
+    try:
+        if p.stat().st_size > 1 << 20:
+            raise InputError(f"--queries {path}: over 1 MB; give one query per line")
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"--queries {path}: not UTF-8 text") from None
+    except IsADirectoryError:
+        raise InputError(f"--queries {path} is a folder; give a text file with one query per line") from None
+    except OSError as e:
+        raise InputError(f"--queries {path}: {os_reason(e)}") from None
+    queries = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not queries:
+        raise InputError(f"--queries {path}: no query in it (one per line; # starts a comment line)")
+    return queries
+
+
+def _targets_text(res: dict) -> str:
+    """The text output of a several-target ``segment``."""
+    lines = _model_lines(res)
+    for t in res["targets"]:
+        head = f"{t['label']}. {terminal_safe(t['query'], one_line=True)}"
+        if t["absent"]:
+            lines.append(f"{head}: not found in this CT (no voxels)")
+            continue
+        a, st = t["anchor"], t["stats"]
+        vol = f", {st['volume_ml']:.1f} mL, HU mean {st['mean_hu']:.0f}" if st.get("voxels") else ", 0 voxels"
+        if t.get("overlap_voxels_lost"):
+            vol += f" ({t['overlap_voxels_lost']} voxels went to an earlier target)"
+        lines.append(f"{head}: key slice {a['slice']}, {len(a['boxes'])} box(es){vol}")
+    lines += [terminal_safe(n, one_line=True) for n in res["notes"]]
+    written = list(res["outs"]) + list(res["labels_out"]) + \
+        [t[k] for t in res["targets"] for k in ("anchor_out", "qc", "agreement_out") if t.get(k)] + \
+        ([res["stats_out"]] if res.get("stats_out") else [])
+    lines.append("wrote " + ", ".join(str(f) for f in written) if written else
+                 "no mask written: no target was found (--empty-mask-on-absent writes an all-zero one)")
+    t = res["timings"]
+    lines.append(f"timings: ground {t['ground_s']:.2f} s for {len(res['targets'])} queries"
+                 + (f" (slices encoded and prompt prefilled once: {t['shared_prefill_s']:.2f} s)" if t.get("shared_prompt")
+                    else "") + f", propagate {t['propagate_s']:.2f} s ({t['slices_encoded']} slices encoded)")
+    return "\n".join(lines)
+
+
+def _model_lines(res: dict) -> list:
+    """The smoke or zero-shot warning and the model's label."""
     lines = []
     ident = res.get("identity") or {}
     if res.get("smoke"):
-        lines.append("NOTE: " + next((n for n in res["notes"] if "smoke" in n), "untrained smoke model"))
+        notes = list(res.get("notes") or []) + [n for t in res.get("targets") or [] for n in t["notes"]]
+        lines.append("NOTE: " + next((n for n in notes if "smoke" in n), "untrained smoke model"))
     elif not ident.get("trained_for_task"):
         from ..models.identity import identity_note
 
@@ -301,6 +377,14 @@ def _segment_text(res: dict) -> str:
             lines.append("NOTE: " + note)
     if ident.get("label"):
         lines.append(f"model: {ident['label']}")
+    return lines
+
+
+def _segment_text(res: dict) -> str:
+    if "targets" in res:
+        return _targets_text(res)
+    a = res["anchor"]
+    lines = _model_lines(res)
     if res.get("absent"):
         from ..pipeline import absent_note
 
@@ -321,7 +405,7 @@ def _segment_text(res: dict) -> str:
     if st.get("voxels"):
         lines.append(f"volume {st['volume_ml']:.1f} mL, HU mean {st['mean_hu']:.0f} (sd {st['std_hu']:.0f}), key slice "
                      f"{st['key_slice']} at S {st['key_slice_s_mm']} mm")
-    lines += [f"wrote {res['out']} ({res['mask_voxels']} voxels), " + ", ".join(written),
+    lines += [f"wrote {', '.join(res['outs'])} ({res['mask_voxels']} voxels), " + ", ".join(written),
               "timings: " + ", ".join(f"{k} {v:.2f}" for k, v in res["timings"].items() if isinstance(v, float))]
     if res.get("threads_rule"):
         lines.append(f"compute: {res['threads_rule']}" + (f"; grounder in {res['grounder_dtype']}"
@@ -364,8 +448,13 @@ def _check_consensus_options(args) -> None:
 def cmd_segment(args) -> int:
     from ..jobs import default_anchor_path
 
-    anchor_out = args.anchor_out or default_anchor_path(args.out)
-    res = _run_segment(args.volume, args.query, args.out, anchor_out, args.qc, args, args.preset)
+    queries = list(args.query or []) + (read_queries_file(args.queries) if args.queries else [])
+    if not queries:
+        raise InputError("give what to segment: --query TEXT (repeatable) or --queries FILE (one query per line)")
+    outs = list(args.out)
+    anchor_out = args.anchor_out or default_anchor_path(outs[0])
+    res = _run_segment(args.volume, queries, outs if len(outs) > 1 else outs[0], anchor_out, args.qc, args,
+                       args.preset, inputs=[("--queries", args.queries)])
     emit(res, args.json, _segment_text(res))
     return 0
 
@@ -534,12 +623,20 @@ def add_volume_commands(add) -> None:
 
     sp = add("segment", "Segment a CT from a free-form query: evidence anchor (Qwen3-VL) + 3-D mask (MedSAM2).", cmd_segment)
     sp.add_argument("--volume", required=True, help=VOLUME_HELP)
-    sp.add_argument("--query", required=True, help="what to segment, e.g. 'the organ that secretes bile'")
-    sp.add_argument("--out", required=True,
+    sp.add_argument("--query", action="append", metavar="TEXT",
+                    help="what to segment, e.g. 'the organ that secretes bile'; repeat it for several targets in "
+                         "one run (label i for the i-th query)")
+    sp.add_argument("--queries", metavar="FILE", help="a text file of queries, one per line (after any --query; "
+                                                      "blank lines and lines starting with # are skipped)")
+    sp.add_argument("--out", required=True, action="append", metavar="PATH",
                     help="mask to write, on the CT's grid: a label map (.nii.gz, .nii, .nrrd, .mha), a Slicer "
-                         "segmentation (.seg.nrrd) or, for a DICOM series folder, a DICOM Segmentation (.dcm)")
-    sp.add_argument("--anchor-out", metavar="PATH", help="anchor file (default: beside --out, *.anchor.json)")
-    sp.add_argument("--qc", metavar="PNG", help="also write a picture of the key slice, boxes, mask outline and reasoning")
+                         "segmentation (.seg.nrrd) or, for a DICOM series folder, a DICOM Segmentation (.dcm); "
+                         "repeat it to write the same result in several formats. With several queries a label map "
+                         "gets a table beside it (*.labels.json)")
+    sp.add_argument("--anchor-out", metavar="PATH", help="anchor file (default: beside the first --out, *.anchor.json; "
+                                                         "with several queries one per target, *.K.anchor.json)")
+    sp.add_argument("--qc", metavar="PNG", help="also write a picture of the key slice, boxes, mask outline and "
+                                                "reasoning (with several queries one per target, *.K.png)")
     _add_segment_options(sp)
 
     sp = add("demo", "Run the main job on the sample CT shipped with MedVol, with the best model present.", cmd_demo)
