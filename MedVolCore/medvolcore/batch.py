@@ -18,7 +18,8 @@ For each case the run writes, in this order and each atomically (temporary name 
 - ``DIR/<id>/qc.png``       the QC picture,
 - ``DIR/<id>/agreement.nii.gz``  with ``--consensus G`` (G ≥ 2): per voxel, how many of the G samples
   include it (0..G, on the CT's grid),
-- ``DIR/<id>/done.json``    status, seconds, metrics and anchor summary: written LAST.
+- ``DIR/<id>/done.json``    status, seconds, metrics, anchor summary and the target's statistics
+  (``stats``: :func:`medvolcore.stats.target_stats`): written LAST.
 
 A case whose query the model answers with "not present in this CT" finishes with status ``absent``:
 its ``anchor.json`` (schema ``medvol.anchor/3``) and ``qc.png`` say so, and no ``mask.nii.gz`` is
@@ -49,11 +50,28 @@ named ``summary.shard-I-of-N.csv`` / ``.html`` (``summary.csv`` / ``summary.html
 ``info`` (``--json``) carries the same ``identity``, ``model_label`` and ``research_use``.
 
 The summary covers every case of the shard, including those skipped by ``--resume`` (read back
-from their ``done.json``). ``summary.csv`` has exactly the columns
+from their ``done.json``; one written before statistics were recorded leaves those cells empty).
+``summary.csv`` has exactly the columns :data:`SUMMARY_COLUMNS`:
 ``id,status,error,slice,boxes,seconds,dice,iou,confidence`` (``status`` ``done``, ``absent``, ``failed`` or ``invalid``;
 ``boxes`` is the number of boxes on the key slice; ``dice``/``iou`` empty without ``gt``; an absent case is
 scored as an all-zero mask, so Dice is 0 when the ground truth has the target and 1 when it has none;
-``confidence`` the agreement of the case's samples with ``--consensus``, empty without).
+``confidence`` the agreement of the case's samples with ``--consensus``, empty without), then the
+target's statistics ``voxels,volume_ml,mean_hu,std_hu,min_hu,max_hu,key_slice_s_mm,bbox_ras_min,bbox_ras_max``
+(:data:`medvolcore.stats.COLUMNS` less ``query``, which is the manifest's, and ``key_slice``, which
+is ``slice``; a box corner as ``r a s`` in RAS mm; an absent case has 0 voxels, 0 mL and empty HU;
+a failed or invalid case empty cells).
+
+After the cases come two aggregate rows, ``summary.mean`` and ``summary.median`` (no case can
+have these ids: :func:`check_case_id` refuses ids starting with ``summary.``). One rule: each
+aggregated column (:data:`AGGREGATED`: ``seconds``, ``dice``, ``iou``, ``confidence``, ``voxels``,
+``volume_ml``) is the mean / median of that column over the *finished* cases (status ``done`` or
+``absent``) that have a value in it; failed and invalid cases never count. So ``dice``/``iou`` are
+over the finished cases with ``gt`` (an absent case scored as an empty mask, as above),
+``voxels``/``volume_ml`` over every finished case (an absent one counts as 0 mL), ``confidence``
+only with ``--consensus``. A column with no value to aggregate is empty, and so are the columns
+that are not aggregated (HU, positions, boxes). The ``status`` cell says over what, e.g.
+``mean of 12 finished; dice, iou: 9 with gt``. The run's ``info`` carries the same numbers as
+``aggregate`` (:func:`aggregate`), and ``summary.html`` shows them in a table before the cases.
 The exit code is 0 when no case failed: ``absent`` is an answer, not a failure.
 """
 
@@ -65,9 +83,11 @@ import html
 import io
 import json
 import logging
+import math
 import os
 import re
 import stat
+import statistics
 import sys
 import time
 from collections import Counter
@@ -80,12 +100,21 @@ from . import RESEARCH_USE_NOTICE
 from .errors import InputError, MedVolError, OutputError, OutputExistsError
 from .fileio import check_distinct, check_folder, remove_stale_temporaries, resolve_paths, write_text_atomic
 from .models.identity import identity_note
+from .stats import COLUMNS as _STATS_COLUMNS
+from .stats import stats_cell
 from .strictjson import DuplicateKeyError, unique_keys
 
 log = logging.getLogger(__name__)
 
 CASE_SCHEMA = "medvol.batch-case/1"
-SUMMARY_COLUMNS = ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou", "confidence")
+CASE_COLUMNS = ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou", "confidence")
+# the target's statistics (medvolcore.stats) after them, less the query (the manifest's) and key_slice (``slice``)
+STATS_COLUMNS = tuple(c for c in _STATS_COLUMNS if c not in ("query", "key_slice"))
+SUMMARY_COLUMNS = CASE_COLUMNS + STATS_COLUMNS
+# the aggregate rows' ids: check_case_id refuses ids starting with "summary.", so no case has them
+AGGREGATE_IDS = ("summary.mean", "summary.median")
+AGGREGATED = ("seconds", "dice", "iou", "confidence", "voxels", "volume_ml")  # over finished cases with a value
+_DIGITS = {"seconds": 2, "dice": 4, "iou": 4, "confidence": 3, "voxels": 1, "volume_ml": 3}  # in the CSV and page
 OUTPUTS = ("mask.nii.gz", "anchor.json", "qc.png")
 FINISHED = ("done", "absent")  # statuses of a complete case
 INVALID = "invalid"  # a row that failed the check before the run (recorded with --skip-invalid, never run)
@@ -784,10 +813,11 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     rows = [rows_by_id[c.id] for c in mine if c.id in rows_by_id]
     smoke = bool(getattr(pipeline, "smoke", False)) or any(r.get("_smoke") for r in rows)
     identity = _run_identity(pipeline, smoke)
-    write_summary_csv(out / csv_name, rows)
+    agg = aggregate(rows)
+    write_summary_csv(out / csv_name, rows, agg)
     write_summary_html(out / html_name, rows, title=f"MedVol batch: {Path(str(manifest)).name}"
                        + (f", shard {opts.shard[0]}/{opts.shard[1]}" if opts.shard else ""), preset=preset, smoke=smoke,
-                       identity=identity)
+                       identity=identity, agg=agg)
     seconds = time.perf_counter() - t_start
     run_s = sum(r["_run_seconds"] for r in rows if r.get("_run_seconds") is not None)
     info = {
@@ -805,6 +835,7 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
         "invalid_cases": [{"id": r["id"], "error": r["error"]} for r in rows if r["status"] == INVALID],
         "consensus": opts.consensus, "consensus_mask": opts.consensus_mask,
         "threads": threads.threads, "threads_rule": threads.describe(),
+        "aggregate": aggregate_info(agg),
     }
     confidences = [r["confidence"] for r in rows if r.get("confidence") is not None]
     if confidences:  # agreement of each case's samples: not accuracy
@@ -858,7 +889,8 @@ def _row_from_done(d: dict) -> dict:
                 m.get("iou"),
                 _query=d.get("case", {}).get("query", ""), _reasoning=d.get("reasoning", ""), _smoke=d.get("smoke"),
                 _skipped=True, _run_seconds=None, confidence=d.get("confidence"),
-                _agreement=AGREEMENT in (d.get("outputs") or []))
+                _agreement=AGREEMENT in (d.get("outputs") or []),
+                stats=d.get("stats") if isinstance(d.get("stats"), dict) else None)  # None: an older done.json
 
 
 def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress) -> dict:
@@ -877,7 +909,7 @@ def _run_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, progress
         return _row(c.id, rec["status"], "", rec["anchor"]["slice"], rec["anchor"]["n_boxes"], rec["seconds"],
                     (rec["metrics"] or {}).get("dice"), (rec["metrics"] or {}).get("iou"), _query=c.query,
                     _reasoning=rec["reasoning"], _smoke=rec["smoke"], _skipped=False, _run_seconds=rec["seconds"],
-                    confidence=rec.get("confidence"), _agreement=AGREEMENT in rec["outputs"])
+                    confidence=rec.get("confidence"), _agreement=AGREEMENT in rec["outputs"], stats=rec["stats"])
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - one case's failure must not stop the run
@@ -935,6 +967,7 @@ def _segment_case(c: Case, cdir: Path, pipe, opts: BatchOptions, hu_window, prog
         "notes": res["notes"], "outputs": written + ([AGREEMENT] if res["agreement_out"] else []),
         "propagation": res["propagation"], "answer_mean_prob": res["answer_mean_prob"],
         "consensus": res["consensus"], "consensus_mask": res["consensus_mask"], "confidence": res["confidence"],
+        "stats": res["stats"],
         "timings": {k: v for k, v in res["timings"].items() if isinstance(v, float)},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -953,15 +986,88 @@ def _fmt(v, digits: Optional[int] = None) -> str:
 
 
 def summary_csv_rows(rows: Sequence[dict]) -> List[List[str]]:
-    return [[r["id"], r["status"], r["error"] or "", _fmt(r["slice"]), _fmt(r["boxes"]), _fmt(r["seconds"], 2),
-             _fmt(r["dice"], 4), _fmt(r["iou"], 4), _fmt(r.get("confidence"), 3)] for r in rows]
+    """The cases' cells, in :data:`SUMMARY_COLUMNS` order (no aggregate rows)."""
+    out = []
+    for r in rows:
+        st = r.get("stats") or {}
+        out.append([r["id"], r["status"], r["error"] or "", _fmt(r["slice"]), _fmt(r["boxes"]),
+                    _fmt(r["seconds"], _DIGITS["seconds"]), _fmt(r["dice"], _DIGITS["dice"]),
+                    _fmt(r["iou"], _DIGITS["iou"]), _fmt(r.get("confidence"), _DIGITS["confidence"])]
+                   + [stats_cell(st.get(c)) for c in STATS_COLUMNS])
+    return out
 
 
-def write_summary_csv(path: Path, rows: Sequence[dict]) -> Path:
+def _number(v) -> Optional[float]:
+    """A finite number, or None (missing, text, a bool, NaN: nothing to aggregate)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _column_value(r: dict, column: str):
+    return (r.get("stats") or {}).get(column) if column in STATS_COLUMNS else r.get(column)
+
+
+def aggregate(rows: Sequence[dict]) -> dict:
+    """The run's aggregates (the module docstring's rule): the counts by status, ``finished``
+    (done + absent), ``scored`` (finished cases with a Dice), and for each column of
+    :data:`AGGREGATED` its ``<column>_mean`` and ``<column>_median`` over the finished cases with
+    a value (None when there is none) and, in ``counts``, how many cases that was. Unrounded."""
+    finished = [r for r in rows if r["status"] in FINISHED]
+    agg = {"cases": len(rows), "done": sum(r["status"] == "done" for r in rows),
+           "absent": sum(r["status"] == "absent" for r in rows), "failed": sum(r["status"] == "failed" for r in rows),
+           "invalid": sum(r["status"] == INVALID for r in rows), "finished": len(finished)}
+    counts = {}
+    for column in AGGREGATED:
+        values = [v for v in (_number(_column_value(r, column)) for r in finished) if v is not None]
+        counts[column] = len(values)
+        agg[f"{column}_mean"] = statistics.fmean(values) if values else None
+        agg[f"{column}_median"] = float(statistics.median(values)) if values else None
+    agg["scored"] = counts["dice"]
+    agg["counts"] = counts
+    return agg
+
+
+def aggregate_info(agg: dict) -> dict:
+    """:func:`aggregate` for ``--json``: means and medians rounded to 6 decimals."""
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in agg.items()}
+
+
+_OVER = {"dice": "with gt", "iou": "with gt", "voxels": "with statistics", "volume_ml": "with statistics"}
+
+
+def _aggregate_status(kind: str, agg: dict) -> str:
+    """What an aggregate row is over: ``mean of 12 finished; dice, iou: 9 with gt``."""
+    n = agg["finished"]
+    groups: Dict[Tuple[int, str], List[str]] = {}
+    for column in AGGREGATED:
+        k = agg["counts"][column]
+        if k and k != n:
+            groups.setdefault((k, _OVER.get(column, "with a value")), []).append(column)
+    parts = [f"{kind} of {n} finished"] + [f"{', '.join(cols)}: {k} {why}" for (k, why), cols in groups.items()]
+    return "; ".join(parts)
+
+
+def aggregate_csv_rows(agg: dict) -> List[List[str]]:
+    """The ``summary.mean`` and ``summary.median`` rows, in :data:`SUMMARY_COLUMNS` order."""
+    out = []
+    for row_id in AGGREGATE_IDS:
+        kind = row_id.split(".", 1)[1]
+        cells = dict.fromkeys(SUMMARY_COLUMNS, "")
+        cells.update(id=row_id, status=_aggregate_status(kind, agg))
+        for column in AGGREGATED:
+            cells[column] = _fmt(agg[f"{column}_{kind}"], _DIGITS[column])
+        out.append([cells[c] for c in SUMMARY_COLUMNS])
+    return out
+
+
+def write_summary_csv(path: Path, rows: Sequence[dict], agg: Optional[dict] = None) -> Path:
+    """The cases, then the aggregate rows (``agg``: :func:`aggregate` of ``rows`` when not given)."""
     buf = io.StringIO(newline="")
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(SUMMARY_COLUMNS)
     w.writerows(summary_csv_rows(rows))
+    w.writerows(aggregate_csv_rows(agg if agg is not None else aggregate(rows)))
     return write_text_atomic(path, buf.getvalue(), overwrite=True)
 
 
@@ -975,15 +1081,59 @@ th{background:#eee} .banner{background:#b00020;color:#fff;padding:.6em 1em;font-
 .case img{max-width:100%;height:auto;border:1px solid #333;display:block;margin:.5em 0}
 .reasoning{white-space:pre-wrap;background:#f4f4f4;padding:.5em;border-radius:4px;font-size:.9em}
 .error{white-space:pre-wrap;color:#b00020} .invalid{color:#b00020} .meta{color:#555;font-size:.9em}
-.notice{font-weight:bold;color:#7a4d00}
+.notice{font-weight:bold;color:#7a4d00} table.aggregate{margin:.8em 0 1.2em}
+table.aggregate caption{text-align:left;font-weight:bold;padding:.3em 0}
 """
 
 
+def _aggregate_html(agg: dict) -> str:
+    """The aggregates' table (the module docstring's rule), shown before the cases."""
+    esc = html.escape
+    n = agg["finished"]
+    lines = [f"<table class=\"aggregate\"><caption>Aggregates over the {n} finished case(s) (done or not found); "
+             f"failed and invalid cases are not counted</caption>",
+             "<tr><th></th><th>mean</th><th>median</th><th>over</th></tr>"]
+
+    def row(label, column, over):
+        mean, median = agg[f"{column}_mean"], agg[f"{column}_median"]
+        lines.append(f"<tr><th>{esc(label)}</th><td>{esc(_fmt(mean, _DIGITS[column]) or '—')}</td>"
+                     f"<td>{esc(_fmt(median, _DIGITS[column]) or '—')}</td><td>{esc(over)}</td></tr>")
+
+    k = agg["counts"]["dice"]
+    over = (f"{k} case(s) with ground truth (a case not found is scored as an empty mask)" if k
+            else "no finished case with ground truth")
+    row("Dice", "dice", over)
+    row("IoU", "iou", over)
+    k = agg["counts"]["volume_ml"]
+    row("volume (mL)", "volume_ml",
+        f"{k} case(s) with statistics (a case not found counts as 0 mL)" if k else "no case")
+    if agg["counts"]["confidence"]:
+        row("confidence", "confidence", f"{agg['counts']['confidence']} case(s) (agreement of the model's samples, "
+                                        "not accuracy)")
+    k = agg["counts"]["seconds"]
+    row("seconds per case", "seconds", f"{k} case(s)" if k else "no case")
+    lines.append("</table>")
+    return "\n".join(lines)
+
+
+def _stats_text(st: Optional[dict]) -> List[str]:
+    """A done case's statistics for its section: volume and the HU inside the mask."""
+    if not st or _number(st.get("volume_ml")) is None:
+        return []
+    out = [f"volume {st['volume_ml']:.3f} mL ({st.get('voxels')} voxels)"]
+    if _number(st.get("mean_hu")) is not None:
+        spread = f" ± {st['std_hu']:.1f} (SD)" if _number(st.get("std_hu")) is not None else ""
+        out.append(f"HU in the mask: mean {st['mean_hu']:.1f}{spread}, min {_fmt(st.get('min_hu'))}, "
+                   f"max {_fmt(st.get('max_hu'))}")
+    return out
+
+
 def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", preset: str = "", smoke: bool = False,
-                        identity: Optional[dict] = None) -> str:
+                        identity: Optional[dict] = None, agg: Optional[dict] = None) -> str:
     """The batch report: the research-use notice, which model made it (``identity``, see
-    :func:`medvolcore.models.identity`) with a warning banner unless a MedVol-R1 adapter did, a
-    table of the cases and one section per case."""
+    :func:`medvolcore.models.identity`) with a warning banner unless a MedVol-R1 adapter did, the
+    aggregates (``agg``: :func:`aggregate` of ``rows`` when not given), a table of the cases and
+    one section per case."""
     esc = html.escape
     n_done = sum(r["status"] == "done" for r in rows)
     n_absent = sum(r["status"] == "absent" for r in rows)
@@ -1000,7 +1150,8 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
     model = f"model: {identity['label']} · " if identity else ""
     parts.append(f"<p class=\"meta\">{esc(model)}preset {esc(preset)} · {len(rows)} case(s): {n_done} done, "
                  f"{n_absent} not found, {n_failed} failed, {n_invalid} invalid (not run) · written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>")
-    parts.append("<table><tr>" + "".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS) + "</tr>")
+    parts.append(_aggregate_html(agg if agg is not None else aggregate(rows)))
+    parts.append("<table class=\"cases\"><tr>" + "".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS) + "</tr>")
     for r, cells in zip(rows, summary_csv_rows(rows)):
         anchor = "case-" + quote(r["id"])
         tds = [f"<td><a href=\"#{anchor}\">{esc(cells[0])}</a></td>", f"<td class=\"{r['status']}\">{esc(cells[1])}</td>"]
@@ -1017,7 +1168,10 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
             metrics = []
             if r["dice"] is not None:
                 metrics.append(f"Dice {r['dice']:.4f}, IoU {r['iou']:.4f}")
-            metrics.append(f"key slice {r['slice']}, {r['boxes']} box(es)")
+            s_mm = _number((r.get("stats") or {}).get("key_slice_s_mm"))
+            at = f" (S {s_mm:.1f} mm)" if s_mm is not None else ""
+            metrics.append(f"key slice {r['slice']}{at}, {r['boxes']} box(es)")
+            metrics += _stats_text(r.get("stats"))
             if r.get("confidence") is not None:
                 metrics.append(f"confidence {r['confidence']:.3f} (agreement of the model's samples, not accuracy)")
             metrics.append(f"{_fmt(r['seconds'], 2)} s" + (" (from an earlier run)" if r.get("_skipped") else ""))
@@ -1046,9 +1200,11 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
 
 
 def write_summary_html(path: Path, rows: Sequence[dict], **kw) -> Path:
+    """:func:`render_summary_html` written atomically."""
     return write_text_atomic(path, render_summary_html(rows, **kw), overwrite=True)
 
 
 __all__ = ["Case", "ManifestError", "BatchOptions", "BatchPlan", "BatchResult", "read_manifest", "parse_shard",
            "shard_cases", "summary_names", "completed_record", "plan_batch", "run_batch", "input_state",
-           "check_outside_cases", "SUMMARY_COLUMNS", "check_case_id", "parse_label"]
+           "check_outside_cases", "SUMMARY_COLUMNS", "CASE_COLUMNS", "STATS_COLUMNS", "AGGREGATE_IDS", "AGGREGATED",
+           "aggregate", "aggregate_info", "aggregate_csv_rows", "summary_csv_rows", "check_case_id", "parse_label"]

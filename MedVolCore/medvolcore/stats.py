@@ -57,18 +57,24 @@ def check_stats_path(path) -> None:
         raise InputError(f"--stats: write .json or .csv, got {Path(str(path)).name!r}")
 
 
+def stats_cell(value) -> str:
+    """One statistic as a CSV cell: empty for None, a bounding-box corner as ``r a s``."""
+    if value is None:
+        return ""
+    return " ".join(str(x) for x in value) if isinstance(value, (list, tuple)) else str(value)
+
+
 def stats_text(rows: List[dict], path) -> str:
     """``rows`` as the file ``path`` wants: a JSON list, or CSV with :data:`COLUMNS` (boxes as
-    ``r a s`` triples)."""
+    ``r a s`` triples, :func:`stats_cell`)."""
     if str(path).lower().endswith(".json"):
         return json.dumps(rows, indent=1) + "\n"
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(COLUMNS)
     for r in rows:
-        w.writerow(["" if r.get(c) is None else (" ".join(str(x) for x in r[c]) if isinstance(r[c], list) else r[c])
-                    for c in COLUMNS])
+        w.writerow([stats_cell(r.get(c)) for c in COLUMNS])
     return buf.getvalue()
 
 
-__all__ = ["target_stats", "stats_text", "check_stats_path", "COLUMNS", "STATS_SUFFIXES"]
+__all__ = ["target_stats", "stats_text", "stats_cell", "check_stats_path", "COLUMNS", "STATS_SUFFIXES"]

@@ -1,8 +1,9 @@
 """`medvol batch`: a manifest of real CTs run with the tiny preset on CPU.
 
 Covers failures recorded while the run goes on (corrupt NIfTI, missing file), the exact summary
-table, the HTML page, refusing to overwrite, a SIGKILL midway followed by ``--resume``, shards
-that partition the manifest, and manifest validation.
+table with the targets' statistics and the aggregate rows, the HTML page, refusing to overwrite,
+a SIGKILL midway followed by ``--resume``, shards that partition the manifest, and manifest
+validation.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -21,8 +23,8 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from medvolcore.batch import (OUTPUTS, SUMMARY_COLUMNS, Case, completed_record, parse_label, parse_shard,
-                              read_manifest, shard_cases, summary_names)
+from medvolcore.batch import (AGGREGATE_IDS, OUTPUTS, SUMMARY_COLUMNS, Case, aggregate, aggregate_csv_rows,
+                              completed_record, parse_label, parse_shard, read_manifest, shard_cases, summary_names)
 from medvolcore.cli_batch import main_batch
 from medvolcore.errors import OutputError
 from medvolcore.metrics import overlap
@@ -39,10 +41,16 @@ def run_batch_cli(capsys, *argv):
     return code, out, err
 
 
-def read_summary(path: Path):
+def read_summary(path: Path, aggregates: bool = False):
+    """(header, the cases' rows) and, with ``aggregates``, the aggregate rows by kind ("mean",
+    "median") as dicts; every summary ends with exactly those two rows."""
     with open(path, newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f))
-    return rows[0], rows[1:]
+    header, body = rows[0], rows[1:]
+    assert [r[0] for r in body[-2:]] == list(AGGREGATE_IDS) == ["summary.mean", "summary.median"]
+    if not aggregates:
+        return header, body[:-2]
+    return header, body[:-2], {r[0].split(".")[1]: dict(zip(header, r)) for r in body[-2:]}
 
 
 def write_manifest(path: Path, rows, fmt: str) -> Path:
@@ -131,18 +139,37 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
         assert e["status"] == "failed" and e["error"]["code"] == "bad_volume" and needle in e["error"]["message"]
         errors[cid] = e
 
-    # summary.csv: exact header and rows
-    header, rows = read_summary(out / "summary.csv")
-    assert tuple(header) == SUMMARY_COLUMNS == ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou",
-                                                "confidence")
+    # the statistics in done.json, checked against the mask and the CT themselves
+    st = done["stats"]
+    ct_img = nib.load(str(data_dir / rows[0]["volume"]))
+    hu, inside = ct_img.get_fdata(), mask > 0
+    assert mask.any() and st["voxels"] == int(inside.sum())
+    assert st["volume_ml"] == pytest.approx(inside.sum() * abs(np.linalg.det(ct_img.affine[:3, :3])) / 1000, abs=1e-3)
+    assert (st["mean_hu"], st["min_hu"], st["max_hu"]) == pytest.approx(
+        (hu[inside].mean(), hu[inside].min(), hu[inside].max()), abs=0.01)
+
+    # summary.csv: exact header and rows, the statistics after the other columns, then the aggregates
+    header, rows, agg = read_summary(out / "summary.csv", aggregates=True)
+    assert tuple(header) == SUMMARY_COLUMNS == (
+        "id", "status", "error", "slice", "boxes", "seconds", "dice", "iou", "confidence",
+        "voxels", "volume_ml", "mean_hu", "std_hu", "min_hu", "max_hu", "key_slice_s_mm", "bbox_ras_min",
+        "bbox_ras_max")
     expected = [["good", "done", "", str(anchor["slice"]), str(len(anchor["boxes"])), f"{done['seconds']:.2f}",
-                 f"{m['dice']:.4f}", f"{m['iou']:.4f}", ""]]  # no --consensus: no confidence
+                 f"{m['dice']:.4f}", f"{m['iou']:.4f}", "",  # no --consensus: no confidence
+                 str(st["voxels"]), str(st["volume_ml"]), str(st["mean_hu"]), str(st["std_hu"]), str(st["min_hu"]),
+                 str(st["max_hu"]), str(st["key_slice_s_mm"]), " ".join(map(str, st["bbox_ras_min"])),
+                 " ".join(map(str, st["bbox_ras_max"]))]]
     e = errors["corrupt"]
     expected.append(["corrupt", "failed", f"{e['error']['code']}: {e['error']['message']}", "", "", f"{e['seconds']:.2f}",
-                     "", "", ""])
+                     "", "", ""] + [""] * 9)
     missing = str(data_dir / "no_such_ct.nii.gz")
-    expected.append(["missing", "invalid", f"{missing} does not exist", "", "", "", "", "", ""])
+    expected.append(["missing", "invalid", f"{missing} does not exist", "", "", "", "", "", ""] + [""] * 9)
     assert rows == expected
+    # one finished case: mean = median = its values; the failed case's seconds are not counted
+    for kind in ("mean", "median"):
+        assert agg[kind] == dict(zip(header, [f"summary.{kind}", f"{kind} of 1 finished", "", "", "",
+                                              f"{done['seconds']:.2f}", f"{m['dice']:.4f}", f"{m['iou']:.4f}", "",
+                                              f"{st['voxels']:.1f}", f"{st['volume_ml']:.3f}"] + [""] * 7))
 
     # summary.html: every id, a QC picture for the done case only, the errors, the smoke banner
     page = (out / "summary.html").read_text(encoding="utf-8")
@@ -167,7 +194,7 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
     info = json.loads(stdout)
     assert (info["skipped"], info["ran"], info["done"], info["failed"], info["invalid"]) == (1, 1, 1, 1, 1)
     assert (good / "done.json").stat().st_mtime_ns == before[good / "done.json"]
-    assert read_summary(out / "summary.csv")[1][0] == expected[0]  # the skipped case, read back from done.json
+    assert read_summary(out / "summary.csv")[1][0] == expected[0]  # the skipped case and its stats, from done.json
 
 
 # ---- killed midway, then resumed -----------------------------------------------------------
@@ -521,8 +548,124 @@ def test_absent_cases_finish_as_absent_count_apart_and_resume(capsys, tmp_path, 
     assert cyst["metrics"]["dice"] == 0.0 and cyst["metrics"]["gt_voxels"] > 0  # a miss, scored as an empty mask
     header, table = read_summary(out / "summary.csv")
     assert [r[:5] for r in table] == [["cyst", "absent", "", "", "0"], ["brain", "absent", "", "", "0"]]
+    # no mask: 0 voxels, 0 mL, no HU, no position
+    assert [r[len(SUMMARY_COLUMNS) - 9:] for r in table] == [["0", "0.0"] + [""] * 7] * 2
     page = (out / "summary.html").read_text(encoding="utf-8")
     assert "2 not found" in page and page.count("not found in this CT") == 2 and page.count("<img") == 2
     code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--resume", "--json")
     info = json.loads(stdout)
     assert code == 0 and (info["skipped"], info["ran"], info["absent"]) == (2, 0, 2)  # complete without a mask
+
+
+# ---- statistics and aggregates -------------------------------------------------------------------
+
+def _answer(z, box):
+    return f'<think>here</think><answer>[{{"slice": {z}, "bbox_2d_list": [{json.dumps(box)}]}}]</answer>'
+
+
+def test_summary_statistics_and_aggregates(capsys, tmp_path, data_dir, monkeypatch):
+    """Two found targets and a miss scored against ground truth (three different Dice), a miss
+    without ground truth, a failed and an invalid case: the aggregate rows are the mean and median
+    of the finished cases only, the page shows them before the cases, and --resume reads the
+    statistics back from done.json (an older done.json without them leaves empty cells)."""
+    from medvolcore.grounder import QwenVLGrounder
+
+    absent = "<think>not in this CT</think><answer>[]</answer>"
+    texts = iter([_answer(3, [200, 200, 700, 700]), _answer(4, [100, 300, 500, 800]), absent, absent])
+    monkeypatch.setattr(QwenVLGrounder, "_generate_text", lambda self, *a, **k: (next(texts), {"new_tokens": 9}))
+    ct, seg = str(data_dir / "ct8.nii.gz"), str(data_dir / "seg8.nii.gz")
+    manifest = write_manifest(tmp_path / "m.jsonl", [
+        {"id": "liver", "volume": ct, "query": "the liver", "gt": seg, "label": LIVER},
+        {"id": "spleen", "volume": ct, "query": "the spleen", "gt": seg, "label": 1},
+        {"id": "cyst", "volume": ct, "query": "the kidney cyst", "gt": seg, "label": LIVER},
+        {"id": "brain", "volume": ct, "query": "the brain"},
+        {"id": "corrupt", "volume": str(data_dir / "truncated.nii.gz"), "query": QUERY,
+         "gt": str(data_dir / "seg.nii.gz"), "label": LIVER},
+        {"id": "missing", "volume": str(tmp_path / "no_such.nii.gz"), "query": QUERY}], "jsonl")
+    out = tmp_path / "out"
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--json",
+                                      "--skip-invalid")
+    assert code == 3, err
+    info = json.loads(stdout)
+    finished = ["liver", "spleen", "cyst", "brain"]
+    done = {cid: json.loads((out / cid / "done.json").read_text()) for cid in finished}
+    assert [done[c]["status"] for c in finished] == ["done", "done", "absent", "absent"]
+    failed_seconds = json.loads((out / "corrupt" / "error.json").read_text())["seconds"]
+
+    # computed here from done.json: Dice/IoU over the finished cases with gt, the rest over all finished
+    values = {"dice": [done[c]["metrics"]["dice"] for c in finished[:3]],
+              "iou": [done[c]["metrics"]["iou"] for c in finished[:3]],
+              "seconds": [done[c]["seconds"] for c in finished],
+              "voxels": [done[c]["stats"]["voxels"] for c in finished],
+              "volume_ml": [done[c]["stats"]["volume_ml"] for c in finished]}
+    assert len(set(values["dice"])) == 3 and values["dice"][2] == 0.0  # the miss scores 0: mean ≠ median ≠ any one
+    assert values["voxels"][2:] == [0, 0] and values["voxels"][0] > 0
+    digits = {"dice": 4, "iou": 4, "seconds": 2, "voxels": 1, "volume_ml": 3}
+    header, rows, agg = read_summary(out / "summary.csv", aggregates=True)
+    assert [r[0] for r in rows] == finished + ["corrupt", "missing"]
+    for kind, f in (("mean", statistics.fmean), ("median", statistics.median)):
+        assert agg[kind]["status"] == f"{kind} of 4 finished; dice, iou: 3 with gt"
+        for col, vals in values.items():
+            assert agg[kind][col] == f"{f(vals):.{digits[col]}f}", (kind, col)
+        assert all(agg[kind][c] == "" for c in ("slice", "boxes", "confidence", "mean_hu", "bbox_ras_min"))
+    a = info["aggregate"]
+    counts = (a["cases"], a["done"], a["absent"], a["failed"], a["invalid"], a["finished"], a["scored"])
+    assert counts == (6, 2, 2, 1, 1, 4, 3)
+    assert a["dice_mean"] == pytest.approx(statistics.fmean(values["dice"]), abs=1e-6)
+    assert a["dice_median"] == pytest.approx(statistics.median(values["dice"]), abs=1e-6)
+    assert a["volume_ml_mean"] == pytest.approx(statistics.fmean(values["volume_ml"]), abs=1e-6)
+    assert a["seconds_mean"] == pytest.approx(statistics.fmean(values["seconds"]), abs=1e-6)  # not the failed case's
+    assert failed_seconds > 0 and a["counts"]["seconds"] == 4
+
+    # the page: the aggregates before the cases; volume and HU in each found case's line
+    page = (out / "summary.html").read_text(encoding="utf-8")
+    assert page.index('<table class="aggregate">') < page.index('<table class="cases">') < page.index('id="case-liver"')
+    table = page[page.index('<table class="aggregate">'):page.index('<table class="cases">')]
+    assert f"<td>{statistics.fmean(values['dice']):.4f}</td><td>{statistics.median(values['dice']):.4f}</td>" in table
+    liver = done["liver"]["stats"]
+    assert (f"volume {liver['volume_ml']:.3f} mL ({liver['voxels']} voxels) · "
+            f"HU in the mask: mean {liver['mean_hu']:.1f}") in page
+
+    # --resume: the finished cases are read back; brain's done.json as an older version wrote it (no stats)
+    old = dict(done["brain"])
+    del old["stats"]
+    (out / "brain" / "done.json").write_text(json.dumps(old))
+    code, stdout, err = run_batch_cli(capsys, "--manifest", manifest, "--out-dir", out, *BASE, "--resume",
+                                      "--skip-invalid")
+    assert code == 3 and "Traceback" not in err, err
+    header, again, agg2 = read_summary(out / "summary.csv", aggregates=True)
+    assert again[:3] == rows[:3]  # statistics from done.json
+    assert again[3] == rows[3][:len(SUMMARY_COLUMNS) - 9] + [""] * 9  # none recorded: empty, not zero
+    assert agg2["mean"]["status"] == "mean of 4 finished; dice, iou: 3 with gt; voxels, volume_ml: 3 with statistics"
+    assert agg2["mean"]["volume_ml"] == f"{statistics.fmean(values['volume_ml'][:3]):.3f}"
+    assert (f"aggregate: Dice mean {statistics.fmean(values['dice']):.3f} / median "
+            f"{statistics.median(values['dice']):.3f} over 3 case(s) with ground truth; volume mean "
+            f"{statistics.fmean(values['volume_ml'][:3]):.1f} mL") in stdout
+
+
+def test_aggregate_rule_without_a_model():
+    """The rule by hand: finished (done, absent) cases with a value; failed and invalid never."""
+    def row(cid, status, seconds=None, dice=None, stats=None, confidence=None):
+        return {"id": cid, "status": status, "error": "", "slice": None, "boxes": None, "seconds": seconds,
+                "dice": dice, "iou": None if dice is None else dice / 2, "confidence": confidence, "stats": stats}
+
+    rows = [row("a", "done", 2.0, 0.9, {"voxels": 100, "volume_ml": 10.0}, 0.5),
+            row("b", "done", 4.0, 0.5, {"voxels": 300, "volume_ml": 30.0}),
+            row("c", "absent", 1.0, 0.0, {"voxels": 0, "volume_ml": 0.0}),
+            row("d", "done", 3.0, None, None),  # no gt, an older done.json
+            row("e", "failed", 9.0, 0.99, {"voxels": 999, "volume_ml": 99.0}, 0.9),  # never counted
+            row("f", "invalid")]
+    agg = aggregate(rows)
+    assert (agg["finished"], agg["scored"], agg["failed"], agg["invalid"]) == (4, 3, 1, 1)
+    assert agg["dice_mean"] == pytest.approx(1.4 / 3) and agg["dice_median"] == 0.5
+    assert agg["iou_mean"] == pytest.approx(0.7 / 3) and agg["iou_median"] == 0.25
+    assert (agg["seconds_mean"], agg["seconds_median"]) == (2.5, 2.5)
+    assert agg["volume_ml_mean"] == pytest.approx(40 / 3) and agg["volume_ml_median"] == 10.0
+    assert agg["voxels_median"] == 100.0 and (agg["confidence_mean"], agg["confidence_median"]) == (0.5, 0.5)
+    mean, median = (dict(zip(SUMMARY_COLUMNS, r)) for r in aggregate_csv_rows(agg))
+    assert mean["status"] == ("mean of 4 finished; dice, iou: 3 with gt; confidence: 1 with a value; "
+                              "voxels, volume_ml: 3 with statistics")
+    assert (mean["dice"], median["dice"], mean["volume_ml"], mean["voxels"]) == ("0.4667", "0.5000", "13.333", "133.3")
+    nothing = dict(zip(SUMMARY_COLUMNS, aggregate_csv_rows(aggregate([row("e", "failed", 9.0, 0.99)]))[0]))
+    assert nothing["status"] == "mean of 0 finished"
+    assert all(v == "" for k, v in nothing.items() if k not in ("id", "status"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import nibabel as nib
@@ -503,8 +504,10 @@ def test_batch_with_consensus_writes_agreement_and_a_confidence_column(tiny, mon
     assert res.exit_code == 0 and res.info["confidence"] == {"cases": 1, "mean": 1.0, "min": 1.0}
     done = json.loads((out / "case1" / "done.json").read_text())
     assert done["confidence"] == 1.0 and AGREEMENT in done["outputs"] and (out / "case1" / AGREEMENT).is_file()
-    header, *rows = (out / "summary.csv").read_text().splitlines()
-    assert header.endswith(",confidence") and rows[0].endswith(",1.000")
+    with open(out / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["id"] == "case1" and rows[0]["confidence"] == "1.000"
+    assert rows[-1]["id"] == "summary.median" and rows[-1]["confidence"] == "1.000"
     assert "confidence 1.000 (agreement of the model" in (out / "summary.html").read_text()
     # --resume keeps the case for the same consensus only; without its map it is not complete
     case = read_manifest(manifest)[0]

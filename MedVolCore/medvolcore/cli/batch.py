@@ -30,9 +30,17 @@ as finished only with it); a failed case gets DIR/<id>/error.json and the run co
 A case the model answers with "not present in this CT" finishes with status 'absent': its
 anchor.json and qc.png say so and no mask.nii.gz is written (--empty-mask-on-absent writes an
 all-zero one).
-DIR/summary.csv (id,status,error,slice,boxes,seconds,dice,iou,confidence) and DIR/summary.html;
-with --shard I/N they are summary.shard-I-of-N.csv/.html. With --consensus G (G >= 2) each case
-also gets DIR/<id>/agreement.nii.gz and a confidence (agreement of its samples, not accuracy).
+DIR/summary.csv (id,status,error,slice,boxes,seconds,dice,iou,confidence, then the target's
+statistics voxels,volume_ml,mean_hu,std_hu,min_hu,max_hu,key_slice_s_mm,bbox_ras_min,bbox_ras_max)
+and DIR/summary.html; with --shard I/N they are summary.shard-I-of-N.csv/.html. With --consensus G
+(G >= 2) each case also gets DIR/<id>/agreement.nii.gz and a confidence (agreement of its samples,
+not accuracy).
+
+aggregates: summary.csv ends with the rows summary.mean and summary.median (no case id may start
+with 'summary.'): seconds, dice, iou, confidence, voxels and volume_ml, each over the finished
+cases (done or absent) that have a value in it (dice/iou: those with gt); failed and invalid
+cases never count; the status cell says over how many. summary.html shows them first and --json
+carries them as 'aggregate'.
 
 --shard I/N (1-based I) takes the cases at 0-based manifest positions p with p % N == I-1.
 
@@ -91,6 +99,23 @@ def _dry_text(info: dict) -> str:
     return "\n".join(lines)
 
 
+def _aggregate_text(agg: dict) -> str:
+    """One line of the run's aggregates (``info["aggregate"]``, :func:`medvolcore.batch.aggregate`)."""
+    if not agg.get("finished"):
+        return "aggregate: no finished case, nothing to aggregate"
+    parts = []
+    if agg.get("scored"):
+        parts.append(f"Dice mean {agg['dice_mean']:.3f} / median {agg['dice_median']:.3f} over {agg['scored']} "
+                     "case(s) with ground truth")
+    else:
+        parts.append("no finished case with ground truth (no Dice)")
+    k = (agg.get("counts") or {}).get("volume_ml")
+    if k:
+        parts.append(f"volume mean {agg['volume_ml_mean']:.1f} mL / median {agg['volume_ml_median']:.1f} mL over {k} "
+                     f"finished case(s)")
+    return "aggregate: " + "; ".join(parts)
+
+
 def _text(info: dict) -> str:
     if info.get("dry_run"):
         return _dry_text(info)
@@ -101,6 +126,8 @@ def _text(info: dict) -> str:
     lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info.get('absent', 0)} not found in their CT, "
                  f"{info['failed']} failed, {info.get('invalid', 0)} invalid (not run), "
                  f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
+    if info.get("aggregate"):
+        lines.append(_aggregate_text(info["aggregate"]))
     if info.get("confidence"):
         c = info["confidence"]
         lines.append(f"confidence over {c['cases']} case(s): mean {c['mean']:.3f}, lowest {c['min']:.3f} "
