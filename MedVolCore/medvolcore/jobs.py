@@ -22,6 +22,23 @@ The steps, in this order, so that nothing is loaded or written for a job that ca
    all-zero one (``empty_mask_on_absent``); the anchor file (schema ``medvol.anchor/3``) and the QC
    picture are written as usual and say so.
 
+Several targets (``queries``, the CLI's repeated ``--query`` or ``--queries FILE``; a list of one is
+``query``): the models load once, the grounder answers every query from one rendering, encoding
+and prefill of the slices (:meth:`~medvolcore.grounder.QwenVLGrounder.ground_queries`), and every
+anchor is propagated through one feature store, so MedSAM2 encodes each slice at most once for all
+(:meth:`~medvolcore.pipeline.Pipeline.segment_queries`). Target ``k`` (1-based, in the order given)
+is label ``k`` in every mask output: a label map gets a table beside it (:func:`labels_path`,
+``organs.labels.json``, schema ``medvol.labels/1``: each label's value, query, coded name, colour,
+terminology entry, voxels and mL, whether it was found, its anchor and QC files, and the overlaps);
+a ``.seg.nrrd`` or DICOM-SEG has one segment per query (an absent target's segment is empty). A
+voxel that several targets claim goes to the query asked first (:data:`OVERLAP_RULE`,
+:func:`resolve_overlaps`); each overlap is reported (``overlaps`` and a note), and every number of
+a target (voxels, statistics) is of its mask as written. Per-target files are numbered
+(:func:`numbered`): ``--anchor-out a.anchor.json`` → ``a.1.anchor.json``, ``a.2.anchor.json``, …;
+likewise the QC pictures and agreement maps. ``--stats`` has one row per target. The mask files
+are written unless every target is absent (then as for one absent target). A reference mask
+scores one target only.
+
 The result (:func:`run_segment_job`) is one JSON-ready dict:
 
 ``mode``         ``"segment"`` (grounded) or ``"propagate"`` (a given anchor)
@@ -57,7 +74,19 @@ The result (:func:`run_segment_job`) is one JSON-ready dict:
                  ``write_s`` and ``job_s`` (the whole job: reading, models, writing))
 ``out``, ``anchor_out``, ``qc``, ``agreement_out``  the files written (None for those not asked for, and
                  ``out`` None for an absent result without ``empty_mask_on_absent``; the agreement map
-                 of a consensus is written whenever asked, absent or not)
+                 of a consensus is written whenever asked, absent or not); ``outs`` every mask output
+                 written (``out`` is the first)
+
+A several-target result has ``mode``, ``volume``, ``preset``, ``smoke``, ``identity``, ``shape``,
+``out``/``outs`` as above and: ``queries``; ``targets``, one per query with ``label`` (its value),
+the one-target fields ``query`` … ``timings`` (``anchor``, ``reasoning``, ``stats``, ``mask_voxels``,
+``terminology``, ``absent``, ``confidence``, …), its files ``anchor_out``, ``qc``, ``agreement_out``
+and ``overlap_voxels_lost`` (its voxels that went to an earlier target); ``overlaps`` (``labels``
+``[j, k]``, ``queries``, ``voxels``, ``volume_ml``) and ``overlap_rule``; ``absent`` (every target
+absent); ``notes`` (the overlaps, generic DICOM codes); ``mask_voxels`` (labelled voxels); ``stats``
+(one row per target); ``labels_out`` (the label tables written); ``slices_encoded`` (for all
+targets) and ``timings`` (``ground_s`` for all queries, ``shared_prompt``, ``shared_prefill_s``,
+``propagate_s``, ``total_s``, ``write_s``, ``job_s``).
 """
 
 from __future__ import annotations

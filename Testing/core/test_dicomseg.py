@@ -81,3 +81,26 @@ def test_a_source_slice_without_geometry_is_one_error():
     ds.Rows, ds.Columns, ds.ImagePositionPatient = 2, 2, [0, 0, 0]  # no orientation, no spacing
     with pytest.raises(VolumeError, match="lacks a usable position, orientation or pixel spacing"):
         frames_from_mask(np.zeros((2, 2, 1), np.uint8), np.eye(4), [ds])
+
+
+def test_several_targets_are_one_segment_each(tmp_path, series):
+    import pydicom
+
+    from medvolcore.dicomseg import save_dicom_seg
+    from medvolcore.terminology import match
+    from medvolcore.volume import load_volume
+
+    ct = load_volume(series)
+    labels = np.zeros(ct.shape, np.uint8)
+    labels[20:60, 30:70, 1:4] = 1
+    labels[70:90, 10:40, 3:7] = 2
+    queries = ["the liver", "the spleen", "the kidney that contains the cyst"]  # the third found nothing
+    segments = [{"name": q, "value": k, "term": match(q, k)} for k, q in enumerate(queries, start=1)]
+    out = save_dicom_seg(labels, ct.affine, series, tmp_path / "organs.dcm", segments, algorithm="MedVol test",
+                         version="0")
+    seg = hd.seg.segread(str(out))
+    assert [d.SegmentLabel for d in seg.SegmentSequence] == queries
+    assert [d.SegmentedPropertyTypeCodeSequence[0].CodeMeaning for d in seg.SegmentSequence][:2] == ["Liver", "Spleen"]
+    uids = [pydicom.dcmread(str(f), stop_before_pixels=True).SOPInstanceUID for f in sorted(series.iterdir())]
+    got = seg.get_pixels_by_source_instance(source_sop_instance_uids=uids, segment_numbers=[1, 2, 3])
+    assert [int(got[..., k].sum()) for k in range(3)] == [int((labels == v).sum()) for v in (1, 2, 3)]

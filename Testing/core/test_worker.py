@@ -101,6 +101,33 @@ def test_second_segment_reuses_models_and_volume(worker, first_segment, ct_sm_pa
     assert r["result"]["mask_path"] != first_segment[0]["result"]["mask_path"]
 
 
+def test_several_queries_give_one_label_each_in_one_mask(worker, first_segment, small_ct):
+    r = worker.call({"id": "multi-1", "op": "segment", "volume": str(small_ct[0]),
+                     "queries": ["the liver", "the spleen"], "stop_after_empty": 0})
+    assert r["ok"] is True, r
+    res = r["result"]
+    assert res["queries"] == ["the liver", "the spleen"] and [t["label"] for t in res["targets"]] == [1, 2]
+    assert [t["terminology"]["label"] for t in res["targets"]] == ["Liver", "Spleen"]
+    labels = np.asarray(nib.load(res["mask_path"]).dataobj)
+    assert set(np.unique(labels)) <= {0, 1, 2}
+    assert [int((labels == k).sum()) for k in (1, 2)] == [t["mask_voxels"] for t in res["targets"]]
+    assert res["mask_voxels"] == int((labels > 0).sum())
+    assert sum(o["voxels"] for o in res["overlaps"]) == res["targets"][1]["overlap_voxels_lost"]
+    assert res["slices_encoded"] <= labels.shape[2]  # each slice encoded once for both targets
+    assert not list(Path(res["mask_path"]).parent.glob("*.labels.json"))  # the table is the reply's 'targets'
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"query": "the liver", "queries": ["the spleen"]}, "not both"),
+    ({"queries": "the liver"}, "must be a list"),
+    ({"queries": ["the liver", 3]}, "non-empty list of strings"),
+    ({"queries": ["the liver", "The liver"]}, "repeats query 1"),
+])
+def test_bad_queries_get_one_error_reply(worker, small_ct, extra, message):
+    r = worker.call({"id": "multi-bad", "op": "segment", "volume": str(small_ct[0]), **extra})
+    assert r["ok"] is False and message in r["error"]["message"], r
+
+
 def test_propagate_edited_anchor(worker, first_segment, ct_sm_path):
     anchor = dict(first_segment[0]["result"]["anchor"])
     edited = [[40, 30, 80, 70]]

@@ -58,3 +58,26 @@ def test_a_generic_query_gets_a_generic_entry_and_a_palette_colour(scene, tmp_pa
     segment = _read(out).GetSegmentation().GetNthSegment(0)
     assert segment.GetName() == "the organ that secretes bile"
     assert "SCT^91723000^Anatomical structure" in segment.GetTerminology()
+
+
+def test_several_targets_are_one_segment_each_in_slicer(scene, tmp_path):
+    from medvolcore.terminology import match
+    from medvolcore.volume import load_volume, save_mask
+
+    ct = load_volume(CT)
+    labels = np.zeros(ct.shape, np.uint8)
+    labels[30:60, 20:50, 5:15] = 1
+    labels[70:90, 60:80, 8:12] = 2
+    queries = ["the liver", "the spleen", "the kidney that contains the cyst"]  # the third found nothing
+    out = tmp_path / "organs.seg.nrrd"
+    save_mask(labels, ct, out, segments=[{"name": q, "value": k, "term": match(q, k)}
+                                         for k, q in enumerate(queries, start=1)])
+    node = _read(out)
+    segmentation = node.GetSegmentation()
+    assert segmentation.GetNumberOfSegments() == 3
+    assert [segmentation.GetNthSegment(i).GetName() for i in range(3)] == queries
+    assert "SCT^78961009^Spleen" in segmentation.GetNthSegment(1).GetTerminology()
+    reference = load_node(CT)
+    for i, value in enumerate((1, 2, 3)):
+        array = slicer.util.arrayFromSegmentBinaryLabelmap(node, segmentation.GetNthSegmentID(i), reference)
+        assert np.array_equal(array.transpose(2, 1, 0) > 0, labels == value)

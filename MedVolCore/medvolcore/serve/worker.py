@@ -32,7 +32,7 @@ from .upload import Upload
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
 from .lifecycle import make_tmp_dir, release_tmp_dir
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
-                       ok_reply, parse_request, valid_id)
+                       is_unicode, ok_reply, parse_request, valid_id)
 
 log = logging.getLogger("medvolcore.serve")
 
@@ -403,7 +403,15 @@ class Worker:
                 raise RequestError(f"{op}: '{what}' must end in {', '.join(MASK_SUFFIXES)}", "bad_output")
         check_distinct([("out", out_path), ("agreement", agr_path)], [("volume", vol_path)])
         if op == "segment":
-            field(req, "query", str, required=True)
+            queries = field(req, "queries", list)
+            if queries is None:
+                field(req, "query", str, required=True, what=" (or 'queries': a list of them, one target each)")
+            elif req.get("query") is not None:
+                raise RequestError("segment: give 'query' or 'queries', not both")
+            elif not queries or not all(isinstance(q, str) for q in queries):
+                raise RequestError("segment: field 'queries' must be a non-empty list of strings")
+            elif not all(is_unicode(q) for q in queries):
+                raise RequestError("segment: field 'queries' holds text that is not valid Unicode", "bad_input")
             field(req, "empty_mask_on_absent", bool)
             field(req, "seed", int)
             field(req, "constrain", bool)
@@ -725,8 +733,10 @@ class Worker:
         progress("read", 1.0, "volume from cache" if cached else "volume read")
         out, overwrite, is_temp = self._out_path(job)
         window = req.get("window")
+        queries = req.get("queries") if job.op == "segment" else None
         request = SegmentRequest(
-            query=req["query"] if job.op == "segment" else None, anchor=req.get("anchor") if job.op == "propagate" else None,
+            query=req.get("query") if job.op == "segment" else None, queries=list(queries) if queries else None,
+            anchor=req.get("anchor") if job.op == "propagate" else None,
             hu_window=tuple(window) if isinstance(window, list) else window, stop_after_empty=req.get("stop_after_empty"),
             constrain=req.get("constrain", True), sample=bool(req.get("sample", False)), seed=req.get("seed"),
             consensus=req.get("consensus") or 1, consensus_mask=req.get("consensus_mask") or "greedy")
@@ -762,12 +772,23 @@ class Worker:
             raise
         if not cached:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
-        result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "absent", "notes", "preset", "terminology",
-                                      "stats")}
+        if "targets" in res:  # several queries: one label per query in one mask
+            result = {k: res[k] for k in ("queries", "targets", "overlaps", "overlap_rule", "smoke", "absent", "notes",
+                                          "preset", "stats")}
+            for labels_file in res["labels_out"]:  # the table is the reply's 'targets'
+                if is_temp:
+                    Path(labels_file).unlink(missing_ok=True)
+                elif job.transport == "http":
+                    result["labels_path"] = os.path.relpath(labels_file, self.out_dir)
+                else:
+                    result["labels_path"] = labels_file
+        else:
+            result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "absent", "notes", "preset", "terminology",
+                                          "stats", "propagation")}
         result.update(identity=res.get("identity"), model_label=(res.get("identity") or {}).get("label"))
         result.update(volume_sha256=digest, shape=res["shape"], mask_voxels=res["mask_voxels"],
-                      propagation=res["propagation"], slices_encoded=res["slices_encoded"])
-        if job.op == "segment":
+                      slices_encoded=res["slices_encoded"])
+        if job.op == "segment" and "targets" not in res:
             result.update({k: res[k] for k in ("answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask",
                                                "confidence", "samples")})
         if agr_path is not None:
