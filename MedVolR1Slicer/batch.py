@@ -252,7 +252,10 @@ def main(argv, logic=None):
                                 reads=[("the manifest", args.manifest), ("the token file", args.token_file)])
         token = batchjobs.read_token_file(args.token_file) if args.token_file else ""
         options = params.options_from_panel(args.preset, args.adapter, args.device, args.window,
-                                            "remote" if args.worker_url else "local", args.worker_url, token)
+                                            "remote" if args.worker_url else "local", args.worker_url, token,
+                                            consensus=args.consensus)
+        if args.threads is not None:  # the local worker's; otherwise it decides (medvolcore.cpu)
+            options.extra_worker_args = ["--threads", str(args.threads)]
     except SystemExit as e:  # argparse already printed its message
         return 2 if e.code not in (0, None) else 0
     except (batchjobs.BatchError, ValueError, OSError) as e:

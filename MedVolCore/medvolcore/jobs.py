@@ -135,7 +135,9 @@ class SegmentRequest:
     ``consensus``: G answers instead of one (1..8; 1 = off; a query only) and ``consensus_mask``
     (``greedy`` or ``majority``), as :meth:`~medvolcore.pipeline.Pipeline.segment` takes them.
     ``queries``: several targets in one job instead of ``query`` (see "Several targets" in the
-    module docstring); every other value applies to each of them.
+    module docstring); every other value applies to each of them. ``target_name``: the structure
+    the query is about when the data says so (a dataset's label name, ``kidney_left``): it names
+    and codes the segment (:func:`medvolcore.terminology.match`); the model still reads the query.
     """
 
     query: Optional[str] = None
@@ -156,6 +158,7 @@ class SegmentRequest:
     consensus: int = 1
     consensus_mask: str = "greedy"
     queries: Optional[Sequence[str]] = None
+    target_name: Optional[str] = None
 
     @property
     def grounded(self) -> bool:
@@ -298,6 +301,12 @@ def _check_request(request: SegmentRequest):
             raise InputError("a consensus samples the model's answers to a query; a given anchor has none")
         if request.consensus > 1 and request.sample:
             raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
+    if request.target_name is not None:
+        if not isinstance(request.target_name, str) or not request.target_name.strip() \
+                or len(request.target_name) > 200:
+            raise InputError("the target name must be a short text (a structure's name, e.g. kidney_left)")
+        if request.queries is not None and len(request.queries) > 1:
+            raise InputError("a target name names one target; several queries are each coded by their own words")
     if request.stop_after_empty is not None:
         check_stop_after_empty(request.stop_after_empty)
     if request.span is not None and (isinstance(request.span, bool) or not isinstance(request.span, int)
@@ -507,7 +516,8 @@ def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: Seg
 
     wrote_mask = not seg.absent or outputs.empty_mask_on_absent
     named = seg.anchor.query or query or ""
-    term = match(named) if named else None  # the segment's coded name and colour (terminology.py)
+    # the segment's coded name and colour (terminology.py)
+    term = match(named, target=request.target_name) if named or request.target_name else None
     segments = [{"name": named or "Segment_1", "value": 1, "term": term}]
     outs = _write_masks(seg.mask, stack, volume_path, outputs, segments, _algorithm(seg), seg.notes) if wrote_mask else []
     if outputs.agreement:
@@ -597,7 +607,7 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
             seg.anchor.save(files["anchor_out"], outputs.overwrite)
         if outputs.qc:
             files["qc"] = numbered(outputs.qc, k)
-            title = (request.qc_title or "") + f"target {k}/{n} · query: {q}"
+            title = (f"{request.qc_title} · " if request.qc_title else "") + f"target {k}/{n} · query: {q}"
             _save_qc(files["qc"], stack, seg, (labels_stack == k).astype("uint8"), request, window, title,
                      outputs.overwrite)
         lost = sum(o["voxels"] for o in overlaps if o["labels"][1] == k)

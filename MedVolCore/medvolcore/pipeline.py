@@ -208,15 +208,8 @@ class Pipeline:
         encodes every slice at most once for all G; the result carries the agreement map, the
         confidence and the samples (:class:`Segmentation`). ``consensus_mask``: ``greedy`` (the
         mask is the greedy answer's: the same as without a consensus) or ``majority``."""
-        from .consensus import check_mask_mode
-        from .grounder import check_samples, validate_query
-
-        query = validate_query(query)  # before any model is loaded
-        consensus = check_samples(consensus, "consensus (the number of samples)")
-        consensus_mask = check_mask_mode(consensus_mask)
-        if consensus > 1 and do_sample:
-            raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
-        stop_k = self._stop_k(stop_after_empty)
+        (query,), consensus, consensus_mask, stop_k = self._check_grounding([query], consensus, consensus_mask,
+                                                                            do_sample, stop_after_empty)
         with self._lock:
             t0 = time.perf_counter()
             stack = self._ground_stack(volume, progress)
@@ -250,18 +243,10 @@ class Pipeline:
         the ``ground`` stage covers every query, then the ``propagate`` stage every target, each an
         equal part with its messages prefixed ``query i/n`` / ``target i/n``. The other arguments are
         :meth:`segment`'s, applied to every query."""
-        from .consensus import check_mask_mode
-        from .grounder import check_samples, validate_query
         from .propagation import FeatureStore
 
-        queries = [validate_query(q) for q in queries]
-        if not queries:
-            raise InputError("give at least one query")
-        consensus = check_samples(consensus, "consensus (the number of samples)")
-        consensus_mask = check_mask_mode(consensus_mask)
-        if consensus > 1 and do_sample:
-            raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
-        stop_k = self._stop_k(stop_after_empty)
+        queries, consensus, consensus_mask, stop_k = self._check_grounding(queries, consensus, consensus_mask,
+                                                                           do_sample, stop_after_empty)
         with self._lock:
             t0 = time.perf_counter()
             stack = self._ground_stack(volume, progress)
@@ -284,6 +269,21 @@ class Pipeline:
                 seg.timings["ground_all_s"] = t_ground
                 seg.timings["all_s"] = time.perf_counter() - t0
             return out
+
+    def _check_grounding(self, queries, consensus, consensus_mask, do_sample, stop_after_empty) -> tuple:
+        """The grounding request's values checked before any model is loaded →
+        ``(queries, consensus, consensus_mask, stop_k)``."""
+        from .consensus import check_mask_mode
+        from .grounder import check_samples, validate_query
+
+        queries = [validate_query(q) for q in queries]
+        if not queries:
+            raise InputError("give at least one query")
+        consensus = check_samples(consensus, "consensus (the number of samples)")
+        consensus_mask = check_mask_mode(consensus_mask)
+        if consensus > 1 and do_sample:
+            raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
+        return queries, consensus, consensus_mask, self._stop_k(stop_after_empty)
 
     def _ground_stack(self, volume: VolumeLike, progress) -> AxialStack:
         """The volume as a stack the grounder can take, and the language model on its device."""

@@ -13,7 +13,10 @@ query and says what it matched and how, never more:
 * ``generic``: nothing is named (``"the organ that secretes bile"``: an implicit query; the model
   may find the liver, but the words do not say so), or several structures are (``"the liver and
   the spleen"``): the generic code *Anatomical structure* and a note saying why. No meaning is
-  guessed from the query's wording.
+  guessed from the query's wording;
+* ``target``: the data says what the query is about (a training set's label name such as
+  ``kidney_left`` for "the organ that filters blood on the left", given as ``--target-name``): a
+  known name codes the segment, and the note says the name, not the query, did.
 
 The codes serve DICOM-SEG and Slicer's segment terminology; the colour is the table's DICOM RGB
 colour (a fixed palette colour for a generic entry, by segment number).
@@ -146,9 +149,22 @@ def generic(index: int = 1, note: str = "") -> Term:
                 "generic", note=note)
 
 
-def match(query: str, index: int = 1) -> Term:
+def match(query: str, index: int = 1, target: Optional[str] = None) -> Term:
     """The coded entry for ``query`` (see the module docstring); ``index``: the segment's number,
-    for a generic entry's colour."""
+    for a generic entry's colour. ``target``: the structure's name when the data says what the
+    query is about (a dataset's label name, ``kidney_left``; ``--target-name``): a known name codes
+    the segment (``how`` ``"target"``, said in the note) whatever the query's words; an unknown one
+    is said in the note and the query is matched as without it."""
+    if target is not None and str(target).strip():
+        t = normalise(target)
+        ph = phrases()
+        if t in ph:
+            e = table()[ph[t]]
+            return e._as("target", matched=str(target),
+                         note=f"coded as {e.label} by the given target name '{target}', not by the query's words")
+        base = match(query, index)
+        extra = f"the target name '{target}' is not a known structure"
+        return base._as(base.how, base.matched, f"{extra}; {base.note}" if base.note else extra)
     q = normalise(query)
     ph = phrases()
     if q in ph:

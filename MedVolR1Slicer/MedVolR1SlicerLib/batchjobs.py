@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .consensus import MAX_CONSENSUS
 from .params import DEFAULTS, DEVICES, PRESETS
 
 OUTPUT_SUFFIXES = (".seg.nrrd", ".nii.gz", ".nii", ".nrrd")
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", default=DEFAULTS["window"], help="window preset or 'centre,width' in HU")
     ap.add_argument("--worker-url", default="", help="use a remote `medvol serve --http` worker instead of a local one")
     ap.add_argument("--token-file", default="", help="file with the remote worker's bearer token")
+    ap.add_argument("--consensus", type=int, default=1, metavar="G",
+                    help=f"answers per case, 1 (default: off) to {MAX_CONSENSUS}: the model answers G times and the segmentation "
+                         "gains the samples' agreement (their agreement with each other, not accuracy)")
+    ap.add_argument("--threads", default="auto", metavar="N|auto",
+                    help="CPU threads of the local worker (default auto: the physical cores other work leaves "
+                         "free); a remote worker decides its own")
     ap.add_argument("--anchor-dir", default="", help="also write each evidence anchor (.anchor.json) here")
     ap.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     ap.add_argument("--keep-going", action="store_true", help="go on after a failed case (the exit code still says so)")
@@ -79,7 +86,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         ap.error("--input needs --query and --output")
     if args.manifest and (args.query or args.output):
         ap.error("--query/--output go with --input; a manifest carries them per row")
+    if not 1 <= args.consensus <= MAX_CONSENSUS:
+        ap.error(f"--consensus takes 1 to {MAX_CONSENSUS} answers (1 = off), got {args.consensus}")
+    args.threads = _threads(ap, args.threads)
+    if args.threads is not None and args.worker_url:
+        ap.error("--threads sets the local worker's threads; a remote worker (--worker-url) decides its own")
     return args
+
+
+def _threads(ap, value: str) -> Optional[int]:
+    """``--threads``: ``auto`` → None, else a whole number 1..1024."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 1024:
+        ap.error(f"--threads takes a whole number from 1 to 1024, or auto; got {value!r}")
+    return n
 
 
 def _output_ok(path: Path, what: str) -> Path:

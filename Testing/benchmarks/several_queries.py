@@ -1,11 +1,19 @@
-"""Several queries on one CT: one at a time (``ground`` per query) against ``ground_queries`` (the
-slices' part of the prompt rendered, encoded and prefilled once, each query continuing from it).
+"""Several queries on one CT: what the shared prompt saves, at a real size.
 
-Runs the grounder at a real size with random weights (the checkpoint ``fullsize.py`` builds under
-``$MEDVOL_HOME/bench``) on a CT with at least 64 slices, so the prompt is the real one (64 slices,
-~4 300 tokens). Prints the seconds of each way, the shared prefill and whether the answers agree
-(random weights: the answers are meaningless, the cost is real). Speed is the point here, not the
-answers: both ways decode the same number of tokens.
+One query at a time, each query's prompt (the slices, then the query) is prefilled whole before
+its answer is decoded. ``QwenVLGrounder.ground_queries`` prefills the slices' part once and each
+query runs only its own tokens on top of that cache. Decoding costs the same either way, so this
+benchmark times the prefills that differ, with the grounder at a real size and random weights
+(the checkpoint ``fullsize.py`` builds under ``$MEDVOL_HOME/bench``) on a CT with at least 64
+slices (the real prompt: 64 slices, ~5 200 tokens):
+
+- *alone*: one forward pass over a query's whole prompt (what ``ground`` runs before decoding),
+  for each query;
+- *shared*: ``_share_prompt`` (one forward over the common part, slices encoded once), then for
+  each query one forward of its own tokens on that cache, cut back after each.
+
+It also checks that both ways give the same next-token scores at the prompt's end (random
+weights: the scores mean nothing, their agreement and the cost are real).
 
     python Testing/benchmarks/several_queries.py --queries 3 --threads 2
 """
@@ -28,7 +36,8 @@ def main(argv=None) -> int:
                                                  "qwen3-vl-2b-random, built by fullsize.py)")
     p.add_argument("--ct", default=str(REPO / "Testing" / "data" / "totalsegmentator" / "example_ct.nii.gz"))
     p.add_argument("--queries", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--alone", type=int, default=1, help="how many queries to prefill alone (each costs the same; "
+                                                        "default 1, the others counted at its time)")
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -47,35 +56,56 @@ def main(argv=None) -> int:
     queries = QUERIES[: args.queries]
     g = QwenVLGrounder.from_pretrained(model, device="cpu", dtype=torch.float32, settings={"preset": "real"})
     stack = as_stack(args.ct)
-    inputs, shown = g.build_inputs(stack, queries[0])
-    print(f"{model.name}, fp32 on CPU, {torch.get_num_threads()} threads; {len(shown)} shown slices, prompt of "
-          f"{inputs['input_ids'].shape[1]} tokens; {len(queries)} queries, {args.max_new_tokens} new tokens at most",
-          flush=True)
-    kw = dict(max_new_tokens=args.max_new_tokens, retries=0)
+
+    def last_scores(inputs, cache=None):
+        """One forward over the prompt (or over its tokens after ``cache``) → the last position's logits."""
+        if cache is None:
+            batch = dict(inputs, pixel_values=inputs["pixel_values"].to(g.dtype))
+        else:
+            n = cache.get_seq_length()
+            ids = inputs["input_ids"]
+            batch = {"input_ids": ids[:, n:], "cache_position": torch.arange(n, ids.shape[1])}
+        with torch.inference_mode():
+            out = g.model(**batch, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    prompts = [g.build_inputs(stack, q)[0] for q in queries]
+    lengths = [int(x["input_ids"].shape[1]) for x in prompts]
+    print(f"{model.name}, fp32 on CPU, {torch.get_num_threads()} threads; {len(g.build_inputs(stack, queries[0])[1])} "
+          f"shown slices; prompts of {min(lengths)}–{max(lengths)} tokens; {len(queries)} queries", flush=True)
+
+    alone_s, alone_scores = [], []
+    for inputs in prompts[: args.alone]:
+        t = time.perf_counter()
+        alone_scores.append(last_scores(inputs))
+        alone_s.append(time.perf_counter() - t)
+        print(f"  alone: {alone_s[-1]:.1f} s", flush=True)
+    per_alone = sum(alone_s) / len(alone_s)
 
     t = time.perf_counter()
-    alone = []
-    for q in queries:
-        try:
-            alone.append(g.ground(stack, q, **kw))
-        except Exception as e:  # noqa: BLE001 - a random model's answer may be unusable; its cost still counts
-            alone.append(e)
-    alone_s = time.perf_counter() - t
-    t = time.perf_counter()
-    try:
-        shared = [s.greedy for s in g.ground_queries(stack, queries, **kw)]
-    except Exception as e:  # noqa: BLE001
-        shared = [e] * len(queries)
-    shared_s = time.perf_counter() - t
-    same = sum(1 for a, s in zip(alone, shared) if not isinstance(a, Exception) and not isinstance(s, Exception)
-               and a.raw_text == s.raw_text)
-    first = shared[0] if not isinstance(shared[0], Exception) else None
-    print(f"one query at a time: {alone_s:.1f} s ({alone_s / len(queries):.1f} s per query)")
-    print(f"ground_queries:      {shared_s:.1f} s ({shared_s / len(queries):.1f} s per query); shared prefill "
-          f"{first.timings['shared_prefill_s']:.1f} s of {first.timings['shared_prompt_tokens']} tokens"
-          if first else f"ground_queries:      {shared_s:.1f} s")
-    print(f"saved {alone_s - shared_s:.1f} s ({100 * (1 - shared_s / alone_s):.0f} %); identical answers: "
-          f"{same} of {len(queries)}")
+    shared = g._share_prompt(stack, queries, None)
+    share_s = time.perf_counter() - t
+    print(f"  shared part: {share_s:.1f} s ({shared.length} tokens, slices encoded once)", flush=True)
+    own_s, diffs = [], []
+    for i, inputs in enumerate(prompts):
+        t = time.perf_counter()
+        scores = last_scores(inputs, shared.cache)
+        own_s.append(time.perf_counter() - t)
+        shared.rewind()
+        if i < len(alone_scores):
+            diffs.append(float((scores - alone_scores[i]).abs().max()))
+        print(f"  query {i + 1}: its own {lengths[i] - shared.length} tokens in {own_s[-1]:.1f} s", flush=True)
+
+    n = len(queries)
+    alone_total = per_alone * n
+    shared_total = share_s + sum(own_s)
+    print(f"\nprefill of {n} queries one at a time: {alone_total:.1f} s ({per_alone:.1f} s each"
+          + (", measured once" if args.alone < n else "") + ")")
+    print(f"prefill of {n} queries sharing the slices: {shared_total:.1f} s ({share_s:.1f} s once + "
+          f"{sum(own_s) / n:.1f} s per query)")
+    print(f"saved {alone_total - shared_total:.1f} s ({alone_total / shared_total:.2f}× less prefill); decoding is the "
+          "same either way")
+    print(f"largest difference of the last position's logits, shared vs alone: {max(diffs):.2e}")
     return 0
 
 

@@ -201,6 +201,7 @@ def test_cli_repeated_query_and_queries_file(tmp_path, small_ct, canned, capsys)
     (["--query", "the liver", "--query", "THE liver"], "repeats query 1"),
     (["--queries", "missing.txt"], "--queries missing.txt: no such file"),
     ([], "give what to segment"),
+    (["--queries", "."], "is not a text file"),
 ])
 def test_cli_query_errors_are_one_line(tmp_path, small_ct, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)

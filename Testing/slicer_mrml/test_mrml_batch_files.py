@@ -192,3 +192,22 @@ def test_a_row_answered_not_present_writes_no_output_and_is_counted_apart(
     assert "1 of 2 done, 1 not found in their CT (no output written)" in out
     written = {p.name: json.loads(p.read_text()) for p in anchors.iterdir()}
     assert len(written) == 2 and sum(bool(a.get("absent")) for a in written.values()) == 1
+
+
+def test_consensus_and_threads_reach_the_worker_options(batch, scene, slicer_env, tmp_path, capsys):
+    ct = tmp_path / "ct.nii.gz"
+    _ct(ct)
+    logic = StandInLogic(slicer_env)
+    seen = []
+    logic.segmentBlocking = lambda volume, query, options=None, _f=logic.segmentBlocking: (seen.append(options),
+                                                                                         _f(volume, query))[1]
+    code = batch.main(["--input", str(ct), "--query", "the liver", "--output", str(tmp_path / "o.seg.nrrd"),
+                       "--consensus", "3", "--threads", "2"], logic=logic)
+    assert code == 0, capsys.readouterr().err
+    assert seen[0].consensus == 3 and seen[0].extra_worker_args == ["--threads", "2"]
+    for argv, message in ((["--consensus", "9"], "--consensus takes 1 to 8"),
+                          (["--threads", "0"], "--threads takes a whole number"),
+                          (["--threads", "2", "--worker-url", "http://127.0.0.1:8765"], "a remote worker")):
+        code = batch.main(["--input", str(ct), "--query", "q", "--output", str(tmp_path / "x.seg.nrrd"), *argv],
+                          logic=logic)
+        assert code == 2 and message in capsys.readouterr().err

@@ -244,7 +244,7 @@ def _run_segment(volume, queries, out, anchor_out, qc, args, preset, notice: str
                              queries=queries if len(queries) > 1 else None, hu_window=args.ct_window,
                              stop_after_empty=args.stop_after_empty, constrain=not args.no_constrain,
                              sample=args.sample, seed=args.seed, consensus=args.consensus,
-                             consensus_mask=args.consensus_mask)
+                             consensus_mask=args.consensus_mask, target_name=getattr(args, "target_name", None))
     _check_query_list(request)
     check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
     _check_consensus_options(args)
@@ -319,15 +319,18 @@ def read_queries_file(path) -> list:
 
     from ..fileio import os_reason
 
+    import stat
+
     p = Path(path)
     try:
-        if p.stat().st_size > 1 << 20:
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode):  # a folder, or a FIFO or device that would block or never end
+            raise InputError(f"--queries {path} is not a text file; give one with one query per line")
+        if st.st_size > 1 << 20:
             raise InputError(f"--queries {path}: over 1 MB; give one query per line")
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise InputError(f"--queries {path}: not UTF-8 text") from None
-    except IsADirectoryError:
-        raise InputError(f"--queries {path} is a folder; give a text file with one query per line") from None
     except OSError as e:
         raise InputError(f"--queries {path}: {os_reason(e)}") from None
     queries = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
@@ -633,6 +636,10 @@ def add_volume_commands(add) -> None:
                          "segmentation (.seg.nrrd) or, for a DICOM series folder, a DICOM Segmentation (.dcm); "
                          "repeat it to write the same result in several formats. With several queries a label map "
                          "gets a table beside it (*.labels.json)")
+    sp.add_argument("--target-name", metavar="NAME",
+                    help="the structure the query is about, when you know it (e.g. a dataset's label name, "
+                         "kidney_left): it names and codes the segment (SNOMED CT, colour); the model still reads "
+                         "only the query. One query only")
     sp.add_argument("--anchor-out", metavar="PATH", help="anchor file (default: beside the first --out, *.anchor.json; "
                                                          "with several queries one per target, *.K.anchor.json)")
     sp.add_argument("--qc", metavar="PNG", help="also write a picture of the key slice, boxes, mask outline and "

@@ -413,6 +413,7 @@ class Worker:
             elif not all(is_unicode(q) for q in queries):
                 raise RequestError("segment: field 'queries' holds text that is not valid Unicode", "bad_input")
             field(req, "empty_mask_on_absent", bool)
+            field(req, "target_name", str)
             field(req, "seed", int)
             field(req, "constrain", bool)
             field(req, "sample", bool)
@@ -739,7 +740,8 @@ class Worker:
             anchor=req.get("anchor") if job.op == "propagate" else None,
             hu_window=tuple(window) if isinstance(window, list) else window, stop_after_empty=req.get("stop_after_empty"),
             constrain=req.get("constrain", True), sample=bool(req.get("sample", False)), seed=req.get("seed"),
-            consensus=req.get("consensus") or 1, consensus_mask=req.get("consensus_mask") or "greedy")
+            consensus=req.get("consensus") or 1, consensus_mask=req.get("consensus_mask") or "greedy",
+            target_name=req.get("target_name") if job.op == "segment" else None)
         agreement = req.get("agreement")
         agr_path = self.output_path(agreement, job.transport, "agreement") if agreement else None
         # over HTTP no folder is created for a client
