@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Optional
 
-from ..errors import InputError, MedVolError
+from ..errors import InputError
 from .common import (PROG, add_compute_options, add_consensus_options, add_preset_option, add_stop_option,
                      apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb, seed_arg, stop_text,
                      terminal_safe)
