@@ -620,7 +620,7 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
             if not _takes_labels_table(path):
                 continue
             table = {"schema": "medvol.labels/1", "notice": RESEARCH_USE_NOTICE, "mask": Path(path).name,
-                     "volume": str(stack.volume.path or volume_path or ""),
+                     "volume": Path(str(stack.volume.path or volume_path or "")).name,  # a name, not where it lies
                      "model": (segs[0].identity or {}).get("label"), "overlap_rule": OVERLAP_RULE,
                      "labels": [{"value": t["label"], "query": t["query"], "name": (t["terminology"] or {}).get("label"),
                                  "absent": t["absent"], "voxels": t["mask_voxels"],

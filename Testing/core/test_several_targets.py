@@ -148,6 +148,7 @@ def test_a_several_target_job_writes_one_label_per_query(pipe, small_ct, canned,
     assert [(e["value"], e["query"], e["voxels"], e["absent"]) for e in table["labels"]] == \
         [(k, q, int((labels == k).sum()), k == 3) for k, q in enumerate(queries, start=1)]
     assert table["labels"][0]["name"] == "Liver" and table["labels"][1]["name"] == "Spleen"
+    assert table["volume"] == "ct.nii.gz" and table["mask"] == "organs.nii.gz"  # names, never where files lie
     assert not (tmp_path / "organs.seg.labels.json").exists()  # a segmentation names its own segments
 
     sitk = pytest.importorskip("SimpleITK")

@@ -17,6 +17,9 @@ retries=2, window=None) -> GroundingResult``
 ``grounder.ground_samples(stack, query, G, *, seed=None, ...) -> SampledGrounding``
     G answers for a consensus: the greedy one (exactly ``ground``'s), then G − 1 sampled ones,
     all from one encoding of the slices (see "Several answers from one prefill" below).
+``grounder.ground_queries(stack, [query, ...], samples=1, ...) -> [SampledGrounding, ...]``
+    several queries on one volume: the slices' part of the prompt (everything before the query)
+    rendered, encoded and prefilled once, each query continuing from that cache.
 :mod:`medvolcore.grounder.prompt` (:func:`answer_grammar`, :func:`plan_budget`, :func:`validate_query`, …)
     the pure pieces, for training code and tests.
 
