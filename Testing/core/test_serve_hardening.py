@@ -242,10 +242,12 @@ def test_sessions_scope_status_and_cancel(server, ct_path):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             _, s = server.request("GET", "/status")
-            if s["result"]["current"]:
+            if s["result"]["current"] and s["result"]["current"]["eta_s"] is not None:
                 break
             time.sleep(0.1)
         assert s["result"]["current"]["id"] == "mine"
+        cur = s["result"]["current"]  # the time left in the stage, as the stdio events carry it
+        assert cur["stage"] in ("read", "load", "propagate", "write") and 0 <= cur["eta_s"] < 3600
         _, s2 = other.request("GET", "/status")
         assert s2["result"]["busy"] is True and s2["result"]["current"] is None and s2["result"]["queued"] == []
         for key in ("tmp_dir", "pid", "cache"):

@@ -91,7 +91,7 @@ def _release_memory() -> None:
 
 class _Job:
     __slots__ = ("id", "op", "req", "reply", "cancel", "stage", "fraction", "message", "started", "transport", "body",
-                 "session", "mask_bytes")
+                 "session", "mask_bytes", "eta")
 
     def __init__(self, req: dict, reply: Callable[[dict], None], transport: str, body=None,
                  session: Optional[str] = None, mask_bytes: bool = False):
@@ -103,6 +103,7 @@ class _Job:
         self.reply = reply
         self.cancel = threading.Event()
         self.stage, self.fraction, self.message = "queued", 0.0, ""
+        self.eta = None  # seconds left in the stage (medvolcore.progress.StageClock), None until known
         self.started = None
         self.transport = transport
         self.body = body
@@ -495,6 +496,7 @@ class Worker:
                 "id": cur.id, "op": cur.op, "stage": cur.stage, "fraction": round(float(cur.fraction), 4),
                 "message": cur.message,
                 "elapsed_s": round(time.monotonic() - cur.started, 3) if cur.started else 0.0,
+                "eta_s": None if cur.eta is None else round(float(cur.eta), 1),
                 "cancelling": cur.cancel.is_set()}
             queued = [j.id for j in self._queue if j.session == session]
             queue_length = len(self._queue)
@@ -611,6 +613,7 @@ class Worker:
             if job.cancel.is_set():
                 raise CancelledError(f"request {job.id!r} cancelled during {stage}")
             elapsed, eta, _ = clock.update(stage, fraction)
+            job.eta = eta
             if job.transport == "stdio":
                 job.reply({"id": job.id, "event": "progress", "stage": stage, "fraction": round(float(fraction), 4),
                            "message": str(message), "elapsed_s": round(elapsed, 2),
