@@ -18,6 +18,7 @@ import numpy as np
 from .anchor import EvidenceAnchor
 from .devices import resolve_device
 from .errors import InputError
+from .progress import part_of
 from .stack import AxialStack
 from .volume import CTVolume, load_volume
 
@@ -260,7 +261,7 @@ class Pipeline:
             out = []
             for i, (query, sampled) in enumerate(zip(queries, grounded)):
                 seg = self._from_grounding(stack, query, sampled.greedy, sampled if consensus > 1 else None,
-                                           consensus_mask, hu_window, _part(progress, i, len(queries), "target"),
+                                           consensus_mask, hu_window, part_of(progress, i, len(queries), "target"),
                                            cancel, stop_k, features, time.perf_counter(),
                                            sampled.greedy.timings.get("total_s", 0.0))
                 out.append(seg)
@@ -324,7 +325,7 @@ class Pipeline:
                                         "encoder_calls": 0})
             _stage(progress, "propagate", 1.0, "not present: nothing to propagate")
         else:
-            part = _part(progress, 0, consensus)
+            part = part_of(progress, 0, consensus, "sample")
             seg = self._propagate(stack, anchor, hu_window, part, cancel, stop_k, features=features)
             seg.encoded_slices = tuple(seg.propagation.encoded_slices)
         seg.reasoning, seg.raw_text = g.reasoning, g.raw_text
@@ -357,7 +358,7 @@ class Pipeline:
             else:
                 key = (a.slice, tuple(map(tuple, a.boxes)))
                 if key not in masks:
-                    r = self._propagate(stack, a, hu_window, _part(progress, i, n), cancel, stop_k,
+                    r = self._propagate(stack, a, hu_window, part_of(progress, i, n, "sample"), cancel, stop_k,
                                         features=features).propagation
                     masks[key] = r.mask.astype(bool)
                     encoded += list(r.encoded_slices)
@@ -474,16 +475,3 @@ def _identity_notes(ident) -> list:
 def _stage(progress, stage, fraction, message):
     if progress is not None:
         progress(stage, float(fraction), message)
-
-
-def _part(progress, index: int, count: int, what: str = "sample"):
-    """``progress`` for propagation ``index`` of ``count`` (a consensus's samples, or several targets):
-    its fraction mapped into the whole and its message prefixed with ``what`` and the number (as
-    is, for one)."""
-    if progress is None or count <= 1:
-        return progress
-
-    def part(stage, fraction, message):
-        progress(stage, (index + float(fraction)) / count, f"{what} {index + 1}/{count}: {message}")
-
-    return part

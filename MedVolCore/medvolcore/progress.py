@@ -3,7 +3,8 @@ events (:data:`medvolcore.pipeline.Progress`): what the CLI's non-terminal lines
 ``progress`` events add to a fraction. The estimate assumes the rest of the stage goes at the
 average pace so far; it is rough where a stage's steps differ in speed (see
 :mod:`medvolcore.grounder.progress` for how the grounding stage is divided). Also
-:func:`cancel_checker`, the one form of a cancel that the grounder and the propagator check."""
+:func:`cancel_checker`, the one form of a cancel that the grounder and the propagator check, and
+:func:`part_of`, one of several equal parts of a stage (a consensus's samples, several queries)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ def cancel_checker(cancel) -> Callable[[], bool]:
     if callable(cancel):
         return lambda: bool(cancel())
     raise InputError(f"cancel must be a threading.Event or a zero-argument callable, got {type(cancel).__name__}")
+
+
+def part_of(progress, index: int, count: int, what: str):
+    """``progress`` for part ``index`` of ``count`` equal parts of a stage: its fraction mapped into
+    the whole and its messages prefixed ``"<what> i/n: "`` (``progress`` as is for one part)."""
+    if progress is None or count <= 1:
+        return progress
+
+    def part(stage, fraction, message):
+        progress(stage, (index + float(fraction)) / count, f"{what} {index + 1}/{count}: {message}")
+
+    return part
 
 
 class StageClock:

@@ -114,6 +114,7 @@ from ..devices import resolve_device
 from ..errors import (AnchorError, AnswerFormatError, DependencyError, GenerationError, InputError, ModelError,
                       ModelNotFoundError)
 from ..models import folder_listing
+from ..progress import part_of
 from .prompt import (THINK_CLOSE, answer_grammar, describe_window, fill_template, load_prompts, plan_budget,
                      resolve_settings, validate_query)
 
@@ -234,18 +235,6 @@ class _SharedPrompt:
         surplus = self.cache.get_seq_length() - self.length
         if surplus > 0:
             self.cache.crop(-surplus)
-
-
-def _query_part(progress, index: int, count: int):
-    """``progress`` for query ``index`` of ``count``: its ``ground`` fraction mapped into the whole
-    and its messages prefixed with the query's number (as is, for one query)."""
-    if progress is None or count <= 1:
-        return progress
-
-    def part(stage, fraction, message):
-        progress(stage, (index + float(fraction)) / count, f"query {index + 1}/{count}: {message}")
-
-    return part
 
 
 # ---- lazy imports ---------------------------------------------------------------------------
@@ -1051,7 +1040,7 @@ class QwenVLGrounder:
         out: List[SampledGrounding] = []
         shared = None
         for i, query in enumerate(queries):
-            part = _query_part(progress, i, len(queries))
+            part = part_of(progress, i, len(queries), "query")
             with self._reporting(part, cancel, consensus=n > 1):
                 if i == 0 and len(queries) > 1:
                     shared = self._share_prompt(stack, queries, window)
