@@ -266,9 +266,9 @@ def main(argv, logic=None):
     try:
         own = logic is None
         if own:
-            import MedVolR1Slicer
+            from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic  # the logic alone: no panel, no Qt
 
-            logic = MedVolR1Slicer.MedVolR1SlicerLogic()
+            logic = MedVolR1SlicerLogic()
         try:
             for i, job in enumerate(jobs, 1):
                 print(f"[{i}/{len(jobs)}] {job.input.name}: {job.query}", flush=True)

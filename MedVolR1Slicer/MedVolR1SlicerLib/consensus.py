@@ -1,5 +1,6 @@
 """How sure the model was, for the panel: the consensus option, the confidence line and the
-agreement segment (plain values; the logic puts them in MRML).
+agreement level (plain values; the logic puts them in MRML; the agreement segment's name is
+:func:`.segments.agreement_segment_name`).
 
 With a consensus of G answers the worker returns ``confidence`` (the samples' mean pairwise Dice,
 with "not present" answers counted: ``medvolcore.consensus``), ``samples`` and, when asked for a
@@ -11,8 +12,6 @@ and every text here says so.
 from __future__ import annotations
 
 from typing import Optional
-
-from .params import SEGMENT_NAME_MAX, segment_name
 
 MAX_CONSENSUS = 8  # = medvolcore.grounder.MAX_SAMPLES (a test checks they agree)
 
@@ -28,16 +27,6 @@ def agreement_level(samples: int) -> int:
     """The agreement segment shows the voxels at least this many of the G samples include: more
     than half of them (what a majority of the model's answers agree on)."""
     return check_consensus(samples) // 2 + 1
-
-
-def agreement_segment_name(query: str, level: int, samples: int) -> str:
-    """``"<query> agreement ≥ k/G"``, the query cut so that the name stays one short line."""
-    suffix = f" agreement ≥ {int(level)}/{int(samples)}"
-    name = segment_name(query)
-    room = max(8, SEGMENT_NAME_MAX - len(suffix))
-    if len(name) > room:
-        name = name[: room - 1].rstrip() + "…"
-    return name + suffix
 
 
 def confidence_text(result: dict) -> str:

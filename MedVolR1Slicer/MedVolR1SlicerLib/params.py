@@ -1,5 +1,6 @@
-"""Panel defaults and the small pure rules behind the panel: query history, segment names,
-window and worker settings. The parameter node (in ``MedVolR1Slicer.py``) takes its defaults
+"""Panel defaults and the small pure rules behind the panel: query history, window and worker
+settings (segment names and colours are :mod:`.segments`). The parameter node
+(``MedVolR1SlicerScene/parameters.py``) takes its defaults
 from :data:`DEFAULTS`. The model presets and their default come from ``Resources/models.json``
 (:mod:`.presets`), the windows are listed here; a test checks both agree with MedVolCore."""
 
@@ -9,6 +10,7 @@ import json
 import re
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
+from .consensus import check_consensus
 from .presets import model_presets
 from .session import Options
 
@@ -23,7 +25,6 @@ DEFAULTS = {
 PRESETS = model_presets().names  # offered in the panel, in manifest order
 WINDOWS = ("soft_tissue", "abdomen", "liver", "mediastinum", "lung", "bone", "brain")
 DEVICES = ("auto", "cuda", "cpu")
-SEGMENT_NAME_MAX = 64
 
 
 class QueryHistory:
@@ -61,49 +62,6 @@ class QueryHistory:
         return cls([i for i in items if isinstance(i, str)], size)
 
 
-def segment_name(query: str) -> str:
-    """A segment name from the query: one line, at most :data:`SEGMENT_NAME_MAX` characters."""
-    q = " ".join(str(query or "").split())
-    if not q:
-        return "MedVol segment"
-    if len(q) > SEGMENT_NAME_MAX:
-        q = q[: SEGMENT_NAME_MAX - 1].rstrip() + "…"
-    return q
-
-
-def absent_message(query: str) -> str:
-    """What the panel says when the model answered that the target is not in this CT: no segment
-    is added, and the clinician is told how to go on."""
-    q = " ".join(str(query or "").split()) or "the target"
-    return (f"Not found in this CT: {q}. The model answered that it is not present, so no segment was added. "
-            "It may be wrong: if you can see it, rephrase the query, or draw it with the Segment Editor.")
-
-
-def segment_style(terminology) -> Optional[Tuple[Tuple[float, float, float], str]]:
-    """``((r, g, b) in 0..1, Slicer terminology entry)`` for a new segment, from a result's
-    ``terminology`` (medvolcore.terminology: the SNOMED CT code its query was matched to, or the
-    generic one, and the colour that goes with it); None when the result has none (an older worker)."""
-    if not isinstance(terminology, dict):
-        return None
-    color, entry = terminology.get("color"), terminology.get("slicer_terminology")
-    if not (isinstance(color, list) and len(color) == 3 and all(isinstance(c, int) and 0 <= c <= 255 for c in color)
-            and isinstance(entry, str) and entry.count("~") == 6):
-        return None
-    return (color[0] / 255.0, color[1] / 255.0, color[2] / 255.0), entry
-
-
-def unique_name(name: str, existing: Sequence[str]) -> str:
-    """``name`` or ``name (2)``, ``name (3)``… whichever is not in ``existing``."""
-    taken = set(existing)
-    if name not in taken:
-        return name
-    base = re.sub(r" \(\d+\)$", "", name)
-    n = 2
-    while f"{base} ({n})" in taken:
-        n += 1
-    return f"{base} ({n})"
-
-
 def parse_window(text: Union[str, Sequence[float]]) -> Union[str, List[float]]:
     """A window preset name or ``"centre,width"`` (HU) from the panel → what the worker takes."""
     if not isinstance(text, str):
@@ -132,8 +90,6 @@ def options_from_panel(preset: str, adapter: str = "", device: str = "auto", win
                        worker: str = "local", remote_url: str = "", remote_token: str = "",
                        consensus: int = 1) -> Options:
     """Validated :class:`Options` from the panel's plain values (raises ValueError with a message)."""
-    from .consensus import check_consensus
-
     if device not in DEVICES and not re.match(r"^cuda:\d+$", device or ""):
         raise ValueError(f"device must be one of {', '.join(DEVICES)} or cuda:N, got {device!r}")
     if worker not in ("local", "remote"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from MedVolR1SlicerLib import params
 from MedVolR1SlicerLib.client import Job
-from MedVolR1SlicerLib.consensus import (MAX_CONSENSUS, agreement_level, agreement_segment_name, check_consensus,
-                                         confidence_note, confidence_text)
+from MedVolR1SlicerLib.consensus import MAX_CONSENSUS, agreement_level, check_consensus, confidence_note, confidence_text
+from MedVolR1SlicerLib.segments import SEGMENT_NAME_MAX, agreement_segment_name
 from MedVolR1SlicerLib.session import Options, Session, segment_fields
 
 
@@ -38,7 +38,7 @@ def test_agreement_segment_shows_what_a_majority_of_the_answers_include():
     assert [agreement_level(g) for g in range(1, MAX_CONSENSUS + 1)] == [1, 2, 2, 3, 3, 4, 4, 5]
     assert agreement_segment_name("the liver", 3, 4) == "the liver agreement ≥ 3/4"
     long = agreement_segment_name("the kidney that contains the large cyst near the lower pole, left side", 3, 4)
-    assert long.endswith("… agreement ≥ 3/4") and len(long) <= params.SEGMENT_NAME_MAX
+    assert long.endswith("… agreement ≥ 3/4") and len(long) <= SEGMENT_NAME_MAX
     with pytest.raises(ValueError):
         check_consensus(0)
 

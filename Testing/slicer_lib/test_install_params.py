@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from MedVolR1SlicerLib import install, params
+from MedVolR1SlicerLib import install, params, segments
 from MedVolR1SlicerLib.batchjobs import BatchError, anchor_path, check_outputs, jobs_from_args, parse_args, read_manifest, summary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,12 +174,12 @@ def test_query_history_keeps_recent_unique_queries():
 
 
 def test_segment_names_and_uniqueness():
-    assert params.segment_name("  the organ that\nsecretes bile ") == "the organ that secretes bile"
-    long = params.segment_name("x " * 100)
-    assert len(long) == params.SEGMENT_NAME_MAX and long.endswith("…")
-    assert params.unique_name("liver", ["liver", "liver (2)"]) == "liver (3)"
-    assert params.unique_name("liver (2)", ["liver", "liver (2)"]) == "liver (3)"
-    assert params.unique_name("spleen", ["liver"]) == "spleen"
+    assert segments.segment_name("  the organ that\nsecretes bile ") == "the organ that secretes bile"
+    long = segments.segment_name("x " * 100)
+    assert len(long) == segments.SEGMENT_NAME_MAX and long.endswith("…")
+    assert segments.unique_name("liver", ["liver", "liver (2)"]) == "liver (3)"
+    assert segments.unique_name("liver (2)", ["liver", "liver (2)"]) == "liver (3)"
+    assert segments.unique_name("spleen", ["liver"]) == "spleen"
 
 
 def test_panel_options_are_validated():

@@ -59,29 +59,119 @@ def _imports(path: Path, top_level_only: bool):
     return _imports_in(tree)
 
 
-def test_every_imported_lib_module_is_packaged():
+PARTS = ("MedVolR1SlicerLib", "MedVolR1SlicerScene", "MedVolR1SlicerPanel")
+
+
+def _module_name(path: Path) -> str:
+    """The import name of a file of the module folder (``MedVolR1SlicerScene.logic``, ``batch``)."""
+    rel = path.relative_to(MODULE).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(parts)
+
+
+def _part_imports(path: Path) -> set:
+    """The module's own files that ``path`` imports anywhere in it (function-local imports count),
+    relative imports resolved against its package."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    own = set()
+    package = _module_name(path).rsplit(".", 1)[0] if path.parent != MODULE else ""
+    if path.name == "__init__.py":
+        package = _module_name(path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(x for x in (package, base) if x)
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PARTS + ("MedVolR1Slicer", "batch"):
+                own.add(name)
+    files = {_module_name(f) for f in MODULE.rglob("*.py") if "__pycache__" not in f.parts}
+    return {n for n in own if n in files}
+
+
+def _module_files():
+    return sorted(f for f in MODULE.rglob("*.py") if "__pycache__" not in f.parts)
+
+
+def test_every_imported_module_file_is_packaged():
     text = (MODULE / "CMakeLists.txt").read_text(encoding="utf-8")
-    scripts = set(_cmake_list(text, "MODULE_PYTHON_SCRIPTS"))
-    files = [MODULE / "MedVolR1Slicer.py", MODULE / "batch.py"] + sorted((MODULE / "MedVolR1SlicerLib").glob("*.py"))
-    used = set()
-    for f in files:
-        for name in _imports(f, top_level_only=False):
-            if name.startswith("MedVolR1SlicerLib."):
-                used.add(name.split(".")[1])
-        tree = ast.parse(f.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):  # relative imports inside the Lib
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                used.add(node.module)
-    lib_files = {Path(s).stem for s in scripts if s.startswith("MedVolR1SlicerLib/")}
-    missing = {u for u in used if u not in lib_files and (MODULE / "MedVolR1SlicerLib" / f"{u}.py").exists()}
+    scripts = {s.replace("/__init__.py", "").replace("/", ".").removesuffix(".py")
+               for s in _cmake_list(text, "MODULE_PYTHON_SCRIPTS")}
+    used = set().union(*(_part_imports(f) for f in _module_files()))
+    missing = used - scripts
     assert not missing, f"imported but not in CMakeLists.txt: {missing}"
-    assert {"geometry", "client", "session", "install", "params", "batchjobs"} <= used
+    assert {f"MedVolR1SlicerLib.{n}" for n in ("geometry", "client", "session", "install", "params", "batchjobs",
+                                               "segments")} <= used
+    assert {"MedVolR1SlicerScene.logic", "MedVolR1SlicerPanel.panel", "MedVolR1SlicerPanel.selftest"} <= used
 
 
-@pytest.mark.parametrize("name", ["MedVolR1Slicer.py", "batch.py"])
-def test_module_and_batch_script_compile_and_import_nothing_heavy_at_load(name):
-    py_compile.compile(str(MODULE / name), doraise=True)
-    heavy = [m for m in _imports(MODULE / name, top_level_only=True) if m.split(".")[0] in HEAVY]
+# Which of the module's parts may import which (function-local imports count). The Lib is plain
+# Python; the Scene is MRML without Qt, so the logic runs headless and on slicer-core; the Panel is
+# the only Qt part; the module file hosts; the batch script needs the logic, not the panel.
+MAY_IMPORT = {
+    "MedVolR1SlicerLib": {"MedVolR1SlicerLib"},
+    "MedVolR1SlicerScene": {"MedVolR1SlicerLib", "MedVolR1SlicerScene"},
+    "MedVolR1SlicerPanel": {"MedVolR1SlicerLib", "MedVolR1SlicerScene", "MedVolR1SlicerPanel"},
+    "MedVolR1Slicer": {"MedVolR1SlicerLib", "MedVolR1SlicerScene", "MedVolR1SlicerPanel"},
+    "batch": {"MedVolR1SlicerLib", "MedVolR1SlicerScene"},
+}
+QT_NAMES = ("qt", "ctk", "PythonQt", "PyQt5", "slicer.qMRMLWidget")
+
+
+def test_the_parts_import_only_their_layers_and_no_circle():
+    graph = {}
+    for f in _module_files():
+        name = _module_name(f)
+        layer = name.split(".")[0]
+        targets = {t for t in _part_imports(f) if t != name}
+        wrong = sorted(t for t in targets if t.split(".")[0] not in MAY_IMPORT[layer])
+        assert wrong == [], f"{name} ({layer}) imports {wrong}"
+        graph[name] = {t for t in targets if t in {_module_name(g) for g in _module_files()}}
+    # no circle: a depth-first search finds no back edge
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = "done"
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+    assert "MedVolR1SlicerScene.logic" in graph and graph["MedVolR1SlicerScene.logic"]
+
+
+def test_the_scene_and_lib_never_import_qt():
+    """The logic is MRML only: what it does runs headless (batch, console) and is tested on
+    slicer-core without any Qt module."""
+    for f in _module_files():
+        name = _module_name(f)
+        if name.split(".")[0] not in ("MedVolR1SlicerScene", "MedVolR1SlicerLib"):
+            continue
+        qt_like = [m for m in _imports(f, top_level_only=False) if m.split(".")[0] in QT_NAMES]
+        assert qt_like == [], f"{name} imports {qt_like}"
+
+
+def test_no_file_of_the_slicer_wing_is_over_600_lines():
+    sizes = {f.relative_to(MODULE).as_posix(): len(f.read_text(encoding="utf-8").splitlines()) for f in _module_files()}
+    assert sizes["MedVolR1Slicer.py"] <= 150, "the module file only hosts"
+    big = {k: v for k, v in sizes.items() if v > 600}
+    assert big == {}
+
+
+@pytest.mark.parametrize("path", [f.relative_to(MODULE).as_posix() for f in _module_files()])
+def test_module_files_compile_and_import_nothing_heavy_at_load(path):
+    py_compile.compile(str(MODULE / path), doraise=True)
+    heavy = [m for m in _imports(MODULE / path, top_level_only=True) if m.split(".")[0] in HEAVY]
     assert heavy == []
 
 
@@ -111,7 +201,7 @@ STANDINS = textwrap.dedent('''
                     vtkMRMLMarkupsFiducialNode=type("vtkMRMLMarkupsFiducialNode", (_Node,), {}),
                     vtkMRMLScalarVolumeNode=type("vtkMRMLScalarVolumeNode", (_Node,), {}),
                     vtkMRMLSegmentationNode=type("vtkMRMLSegmentationNode", (_Node,), {}))
-    module("slicer.parameterNodeWrapper", parameterNodeWrapper=lambda cls: cls)
+    module("slicer.parameterNodeWrapper", parameterNodeWrapper=lambda cls: cls, WithinRange=lambda lo, hi: (lo, hi))
     module("slicer.ScriptedLoadableModule", **{n: type(n, (_Base,), {}) for n in (
         "ScriptedLoadableModule", "ScriptedLoadableModuleLogic", "ScriptedLoadableModuleTest",
         "ScriptedLoadableModuleWidget")})
@@ -170,19 +260,23 @@ def test_the_module_imports_of_medvolcore_only_its_resources_in_the_self_test():
     def core(tree):
         return [m for m in _imports_in(tree) if m.split(".")[0] == "medvolcore"]
 
-    tree = ast.parse((MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8"))
+    users = {f.relative_to(MODULE).as_posix(): core(ast.parse(f.read_text(encoding="utf-8")))
+             for f in _module_files()}
+    assert {k: v for k, v in users.items() if v} == {
+        "MedVolR1SlicerPanel/selftest.py": ["medvolcore.resources", "medvolcore.resources.resource_path"]}
+    tree = ast.parse((MODULE / "MedVolR1SlicerPanel" / "selftest.py").read_text(encoding="utf-8"))
     self_test = next(n for n in ast.walk(_class(tree, "MedVolR1SlicerTest"))
                      if isinstance(n, ast.FunctionDef) and n.name == "test_segment_edit_repropagate")
-    assert core(tree) == core(self_test) == ["medvolcore.resources", "medvolcore.resources.resource_path"]
+    assert core(tree) == core(self_test)
 
 
 def test_ui_has_every_widget_the_module_uses_and_parameter_names_exist():
     ui = ET.parse(MODULE / "Resources" / "UI" / "MedVolR1Slicer.ui").getroot()
     names = {w.get("name") for w in ui.iter("widget")}
-    source = (MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8")
-    used = set(re.findall(r"self\.ui\.(\w+)", source))
+    source = "\n".join(f.read_text(encoding="utf-8") for f in _module_files())
+    used = set(re.findall(r"\bui\.(\w+)", source))
     assert used and used <= names, f"missing in the .ui: {used - names}"
-    tree = ast.parse(source)
+    tree = ast.parse((MODULE / "MedVolR1SlicerScene" / "parameters.py").read_text(encoding="utf-8"))
     pnode = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MedVolR1SlicerParameterNode")
     fields = {s.target.id for s in pnode.body if isinstance(s, ast.AnnAssign)}
     assert {"inputVolume", "query", "preset", "device", "outputSegmentation", "boxes", "keySlice", "reasoning"} <= fields
@@ -229,9 +323,9 @@ def test_logic_and_batch_do_io_through_storage_nodes_not_the_qt_io_manager():
     default dict (see Testing/slicer_mrml), and the load/save helpers need Slicer's Qt I/O
     manager: the logic and the batch script use MRML storage nodes and module logics instead."""
     qt_io = {"exportNode", "saveNode", "loadVolume", "loadLabelVolume", "loadNodeFromFile", "loadSegmentation"}
-    module = ast.parse((MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8"))
+    scene = [ast.parse(f.read_text(encoding="utf-8")) for f in sorted((MODULE / "MedVolR1SlicerScene").glob("*.py"))]
     batch = ast.parse((MODULE / "batch.py").read_text(encoding="utf-8"))
-    for tree in (_class(module, "MedVolR1SlicerLogic"), batch):
+    for tree in scene + [batch]:
         used = {name.split(".")[-1] for name, _ in _calls(tree)}
         assert not used & qt_io, used & qt_io
     names = {name for name, _ in _calls(batch)}
@@ -240,8 +334,8 @@ def test_logic_and_batch_do_io_through_storage_nodes_not_the_qt_io_manager():
 
 
 def test_widget_connects_its_gui_only_through_the_binding_and_checks_the_right_radio_button():
-    widget = _class(ast.parse((MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8")), "MedVolR1SlicerWidget")
-    calls = _calls(widget)
+    panel = MODULE / "MedVolR1SlicerPanel"
+    calls = [c for f in sorted(panel.glob("*.py")) for c in _calls(ast.parse(f.read_text(encoding="utf-8")))]
     assert not [n for n, _ in calls if n.endswith((".connectGui", ".disconnectGui"))]
     assert any(n == "self._guiBinding.bind" for n, _ in calls) and any(n == "self._guiBinding.unbind" for n, _ in calls)
     for name, call in calls:
@@ -251,8 +345,8 @@ def test_widget_connects_its_gui_only_through_the_binding_and_checks_the_right_r
 
 
 def test_weights_download_waits_on_the_process_state_and_reads_qbytearray_data():
-    source = (MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8")
-    widget = _class(ast.parse(source), "MedVolR1SlicerWidget")
+    source = (MODULE / "MedVolR1SlicerPanel" / "install_dialogs.py").read_text(encoding="utf-8")
+    widget = ast.parse(source)
     names = {n for n, _ in _calls(widget)}
     assert "install.wait_for_process" in names and "install.qbytes_text" in names
     assert "bytes(proc.readAll())" not in source
@@ -262,10 +356,12 @@ def test_weights_download_waits_on_the_process_state_and_reads_qbytearray_data()
 
 
 def test_widget_offers_the_remote_worker_on_an_old_slicer():
-    widget = _class(ast.parse((MODULE / "MedVolR1Slicer.py").read_text(encoding="utf-8")), "MedVolR1SlicerWidget")
-    method = next(n for n in widget.body if isinstance(n, ast.FunctionDef) and n.name == "_ensureInstalled")
+    dialogs = ast.parse((MODULE / "MedVolR1SlicerPanel" / "install_dialogs.py").read_text(encoding="utf-8"))
+    method = next(n for n in dialogs.body if isinstance(n, ast.FunctionDef) and n.name == "ensure_installed")
     text = ast.unparse(method)
-    assert "plan.remote_only" in text and "'worker', 'remote'" in text
+    assert "plan.remote_only" in text and "useRemote()" in text
+    panel = ast.unparse(ast.parse((MODULE / "MedVolR1SlicerPanel" / "panel.py").read_text(encoding="utf-8")))
+    assert "ensure_installed(self.logic, options, self.ui, lambda: self._setParam('worker', 'remote'))" in panel
     # the remote check comes before anything that would run pip
     assert text.index("plan.remote_only") < text.index("runInstallPlan")
 
@@ -274,8 +370,7 @@ def test_module_files_load_on_the_python_of_an_old_slicer():
     """Slicer loads every module at start-up, 5.8 (Python 3.9) included: the files must parse
     there and evaluate no ``X | Y`` annotation, so that the panel can say the Slicer is too old
     (instead of a start-up traceback)."""
-    files = [MODULE / "MedVolR1Slicer.py", MODULE / "batch.py"] + sorted((MODULE / "MedVolR1SlicerLib").glob("*.py"))
-    for f in files:
+    for f in _module_files():
         source = f.read_text(encoding="utf-8")
         tree = ast.parse(source, filename=str(f), feature_version=(3, 9))
         if "from __future__ import annotations" in source:

@@ -258,7 +258,7 @@ def test_the_panel_shows_the_research_use_notice_first():
 
 
 def test_segment_style_from_a_results_terminology():
-    from MedVolR1SlicerLib.params import segment_style
+    from MedVolR1SlicerLib.segments import segment_style
 
     entry = "Segmentation category and type - DICOM master list~SCT^123037004^Anatomical Structure~SCT^10200004^Liver~^^~Anatomic codes - DICOM master list~^^~^^"
     color, got = segment_style({"color": [255, 0, 51], "slicer_terminology": entry})

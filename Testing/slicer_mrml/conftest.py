@@ -140,6 +140,9 @@ def _parameter_node_wrapper():
     """
     mod = types.ModuleType("slicer.parameterNodeWrapper")
 
+    def _base(t):  # Annotated[int, WithinRange(...)] is an int
+        return typing.get_args(t)[0] if typing.get_origin(t) is typing.Annotated else t
+
     def is_node_class(t):
         return isinstance(t, type) and issubclass(t, slicer.vtkMRMLNode)
 
@@ -156,7 +159,7 @@ def _parameter_node_wrapper():
                 n = node.GetParameter(f"{name}.len")
                 return [node.GetNodeReference(f"{name}.{i}") for i in range(int(n) if n else 0)]
             text = node.GetParameter(name)
-            return ann(json.loads(text)) if text else default
+            return _base(ann)(json.loads(text)) if text else default
 
         def write(node, name, value):
             ann, _ = fields[name]
@@ -176,7 +179,7 @@ def _parameter_node_wrapper():
                 for i in range(len(value), old):
                     node.RemoveNodeReferenceIDs(f"{name}.{i}")
             else:
-                node.SetParameter(name, json.dumps(ann(value)))
+                node.SetParameter(name, json.dumps(_base(ann)(value)))
 
         class Wrapper:
             def __init__(self, node):
@@ -229,6 +232,12 @@ def _parameter_node_wrapper():
         return Wrapper
 
     mod.parameterNodeWrapper = parameterNodeWrapper
+
+    class WithinRange:  # the annotation the module's bounded numbers carry (validators.py)
+        def __init__(self, minimum, maximum):
+            self.minimum, self.maximum = minimum, maximum
+
+    mod.WithinRange = WithinRange
     return mod
 
 

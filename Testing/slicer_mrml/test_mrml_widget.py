@@ -32,6 +32,7 @@ class FakeWidget:
         self.checked = False
         self.text = ""
         self.currentPath = ""
+        self.currentText = ""  # a combo box's text (the panel compares before writing it)
         self.toolTip = ""
         self.value = 0
         self._blocked = False

@@ -1,0 +1,388 @@
+"""``MedVolR1SlicerLogic``: the one facade of the module's logic (the panel, the Python console,
+the headless batch and the self-test use it). Nodes and plain values in, MRML out; no Qt.
+
+It owns what lives across requests — the worker session, the temporary folder, the scene count
+that keeps one scene's result out of the next, and Undo — and composes the parts, which take
+nodes and plain values and never the logic: :mod:`.results` (a result into the scene, Undo),
+:mod:`.markups` (boxes, corrections, the range, the anchor rebuilt from them), :mod:`.views`
+(key slice, 3D, Segment Editor, subject hierarchy), :mod:`.storage` (files through storage
+nodes), :mod:`.nodes` (which volume, which segmentation). The logic reaches Slicer only through
+MRML and ``slicer.util``, so ``Testing/slicer_mrml`` runs it on ``slicer-core``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import List, Optional, Tuple
+
+import slicer
+from slicer.ScriptedLoadableModule import ScriptedLoadableModuleLogic
+
+from MedVolR1SlicerLib import install
+from MedVolR1SlicerLib.client import WorkerError, python_for_worker
+from MedVolR1SlicerLib.geometry import GeometryError
+from MedVolR1SlicerLib.session import Options, Session
+
+from . import markups, nodes, storage, views
+from .parameters import MedVolR1SlicerParameterNode
+from .results import EditedSinceResult, Target, UndoRecord, apply_result
+
+__all__ = ["MedVolR1SlicerLogic", "EditedSinceResult"]
+
+
+class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
+    """Nodes and plain values in, MRML out; no GUI. Usable from Slicer's Python console::
+
+        logic = slicer.util.getModuleLogic("MedVolR1Slicer")
+        seg, segment_id, rois, anchor = logic.segmentBlocking(volumeNode, "the organ that secretes bile")
+
+    ``session``: the :class:`Session` that talks to the worker. Slicer builds the logic with no
+    argument, which gives :meth:`defaultSession`; a test or a script may pass its own (another
+    worker command, a recording client).
+    """
+
+    def __init__(self, session: Optional[Session] = None):
+        ScriptedLoadableModuleLogic.__init__(self)
+        self.session = session if session is not None else self.defaultSession()
+        self._files = storage.ExportFolder()
+        self._undo: Optional[UndoRecord] = None
+        self._generation = 0  # scenes closed so far: a result started in an earlier one is dropped
+        # called with a segmentation node just before a result or Undo changes it (the panel saves
+        # the Segment Editor's undo state there, so Ctrl+Z in the editor takes a result back too)
+        self.beforeChange = None
+        scene = slicer.mrmlScene
+        self._sceneObservers = [(scene, scene.AddObserver(scene.StartCloseEvent, self._onSceneStartClose))]
+
+    @staticmethod
+    def defaultSession() -> Session:
+        """A local worker run by Slicer's Python (``PythonSlicer``) in Slicer's start-up environment."""
+        env = None
+        try:
+            env = slicer.util.startupEnvironment()  # the child Python gets Slicer's clean environment
+        except AttributeError:
+            pass
+        return Session(python=python_for_worker(), env=env)
+
+    def getParameterNode(self):
+        return MedVolR1SlicerParameterNode(super().getParameterNode())
+
+    # the worker and the scene's lifetime
+
+    def tempDir(self) -> str:
+        """The module's temporary folder: exported volumes, the pip constraints file. Removed by
+        :meth:`cleanup` (module cleanup) and, failing that, when Python exits."""
+        return self._files.path()
+
+    def poll(self):
+        self.session.poll(0.0)
+
+    def cancel(self):
+        self.session.cancel()
+
+    def shutdown(self):
+        """Stop the worker (the next request starts a new one); the temporary files stay."""
+        self.session.shutdown()
+
+    def _onSceneStartClose(self, caller=None, event=None):
+        """The scene is closing (the next patient is coming): cancel the request that runs, and
+        make sure nothing of this scene (a result, an exported volume, an Undo) reaches the next."""
+        self._generation += 1
+        if self.session.job is not None:
+            try:
+                self.session.cancel()
+            except Exception:  # noqa: BLE001 - a dead worker: its job fails on its own
+                logging.exception("MedVol-R1: cancelling on scene close failed")
+        self._undo = None
+        self._files.forget_exports()
+
+    def cleanup(self):
+        """Stop the worker, stop watching the scene and remove the temporary folder (the module
+        is unloaded or Slicer exits)."""
+        for scene, tag in self._sceneObservers:
+            scene.RemoveObserver(tag)
+        self._sceneObservers = []
+        self.shutdown()
+        self._files.remove()
+
+    def runInstallPlan(self, plan, progress=None):
+        """Run an :class:`install.InstallPlan` with this Slicer's pip helper (``slicer.packaging``
+        on 5.12, ``slicer.util.pip_install`` on 5.10) and the PyTorch extension; raises
+        :class:`install.InstallError` (one line) on the first failure."""
+        install.run_plan(plan, os.path.join(self.tempDir(), "constraints.txt"), slicer.util,
+                         packaging=install.slicer_packaging(), progress=progress)
+
+    # files and nodes (storage.py, nodes.py)
+
+    geometry = staticmethod(nodes.geometry)
+    _storageError = staticmethod(storage.storage_error)
+    writeVolumeFile = staticmethod(storage.write_volume_file)
+    writeSegmentationFile = staticmethod(storage.write_segmentation_file)
+    readLabelmapFile = staticmethod(storage.read_labelmap_file)
+    volumeProblem = staticmethod(nodes.volume_problem)
+    referenceVolume = staticmethod(nodes.reference_volume)
+    existingSegmentId = staticmethod(nodes.existing_segment_id)
+    _inScene = staticmethod(nodes.in_scene)
+
+    firstUsableVolume = staticmethod(nodes.first_usable_volume)
+
+    def readMask(self, path: str, volumeNode, atLeast: int = 1):
+        """The worker's mask on ``volumeNode``'s grid (:func:`.storage.read_mask`)."""
+        return storage.read_mask(path, volumeNode, atLeast)
+
+    def exportVolume(self, volumeNode) -> str:
+        """The volume as the uncompressed NIfTI the worker reads (:meth:`.storage.ExportFolder.export`)."""
+        return self._files.export(volumeNode)
+
+    def resultProblem(self, p) -> str:
+        """Why the boxes in ``p`` cannot be edited or re-propagated (:func:`.nodes.result_problem`)."""
+        return nodes.result_problem(p)
+
+    def _live(self, nodeList) -> list:
+        return nodes.live(nodeList)
+
+    # requests
+
+    def _target(self, p, volume, replaceSegmentId: str = "") -> Target:
+        """Where the result of a request started now goes, fixed now: edits of the panel while
+        the worker runs (query, output, Replace/Keep both) do not move it."""
+        notes = []
+        segmentation = p.outputSegmentation
+        if segmentation is not None:
+            ref = nodes.reference_volume(segmentation)
+            if ref is not None and ref is not volume and nodes.in_scene(ref):
+                notes.append(f"{segmentation.GetName()} belongs to {ref.GetName()}; the result went into a new "
+                             "segmentation")
+                segmentation, replaceSegmentId = None, ""
+        return Target(volume, segmentation, replaceSegmentId, p.query, self._generation, notes)
+
+    def startSegment(self, p, options: Options, onFinished=None, replaceExisting: bool = False):
+        volume = p.inputVolume
+        problem = nodes.volume_problem(volume)
+        if problem:
+            raise ValueError(problem)
+        self.geometry(volume)  # refuse transformed volumes before the long run
+        target = self._target(p, volume, nodes.existing_segment_id(p) if replaceExisting else "")
+        # a local worker writes the consensus's agreement map where we say; a remote one only into
+        # its own output folder, so over HTTP the panel shows the confidence alone
+        agreement = ""
+        if options.consensus > 1 and options.worker == "local":
+            agreement = os.path.join(self.tempDir(), f"agreement-{uuid.uuid4().hex[:12]}.nii.gz")
+        job = self.session.segment(self.exportVolume(volume), p.query, options, agreement=agreement)
+        job.finished.connect(lambda j: self._finish(p, target, j, [], onFinished))
+        return job
+
+    def startRepropagate(self, p, options: Options, onFinished=None) -> Tuple[object, List[str]]:
+        """Re-run MedSAM2 on the edited boxes and the corrections (:meth:`anchorFromBoxes`:
+        ``medvol.anchor/2`` only when there are prompts or a slice range). Returns ``(job,
+        notes)``: notes say which boxes had to be put back on their slice or cut to the image."""
+        anchor, notes = self.anchorFromBoxes(p)
+        volume = p.resultVolume
+        target = self._target(p, volume, p.segmentId)
+        job = self.session.propagate(self.exportVolume(volume), anchor, options)
+        job.finished.connect(lambda j: self._finish(p, target, j, notes, onFinished))
+        return job, notes
+
+    @staticmethod
+    def _failJob(job, error: Exception) -> None:
+        """A result that came back but could not be put in the scene fails its job, so that the
+        panel shows it and ``segmentBlocking`` raises it (instead of returning stale values)."""
+        logging.exception("MedVol-R1: applying the result failed")
+        kind = "" if isinstance(error, (GeometryError, ValueError, OSError)) else f"{type(error).__name__}: "
+        job.state = "failed"
+        job.error = WorkerError("apply_failed", f"the result could not be put in the scene: {kind}{error}")
+
+    def _targetGone(self, target: Target) -> str:
+        if target.generation != self._generation:
+            return "the scene was closed while the worker ran; nothing was added to the new scene"
+        if not nodes.in_scene(target.volume):
+            return "the volume was removed while the worker ran; nothing was added"
+        if target.segmentation is not None and not nodes.in_scene(target.segmentation):
+            return "the output segmentation was removed while the worker ran; nothing was added"
+        return ""
+
+    def _finish(self, p, target: Target, job, notes, onFinished):
+        notes = list(notes)
+        if job.state == "done":
+            gone = self._targetGone(target)
+            if gone:  # never put a result into a scene or onto a volume it was not made for
+                job.state = "cancelled"
+                job.error = WorkerError("cancelled", gone)
+            else:
+                try:
+                    notes = notes + target.notes + self.applyResult(p, target.volume, job.result, target=target)
+                except Exception as e:  # noqa: BLE001 - every failure must reach the panel and the caller
+                    self._failJob(job, e)
+        if onFinished:
+            onFinished(job, notes)
+
+    # results and Undo (results.py)
+
+    def applyResult(self, p, volumeNode, result: dict, replaceSegment: bool = False,
+                    target: Optional[Target] = None) -> List[str]:
+        """Put ``result`` into the scene (:func:`.results.apply_result`) and remember what Undo
+        takes back; returns notes for the user. ``target`` (from the request's start) names the
+        segmentation and the segment to replace; without one they are read from ``p`` now
+        (``replaceSegment``: replace ``p.segmentId``). A "not present" answer adds nothing and
+        keeps the last result (and its Undo) as it was."""
+        if target is None:
+            target = Target(volumeNode, p.outputSegmentation, p.segmentId if replaceSegment else "", p.query,
+                            self._generation, [])
+        notes, undo = apply_result(p, volumeNode, result, target, beforeChange=self.beforeChange)
+        if undo is not None:
+            self._undo = undo
+        return notes
+
+    @property
+    def canUndo(self) -> bool:
+        return self._undo is not None and self._undo.available()
+
+    def editedSinceResult(self) -> int:
+        """How many voxels of the last result's segment were changed since (Segment Editor,
+        another module, a script): what Undo would throw away. 0 when none or nothing to undo."""
+        return self._undo.edited_voxels() if self.canUndo else 0
+
+    def undoLastResult(self, discardEdits: bool = False) -> bool:
+        """Take back the last result: remove the segment it added, or restore the mask it replaced.
+        Raises :class:`EditedSinceResult` when the segment was edited after the result, unless
+        ``discardEdits``: Undo would silently throw those edits away."""
+        if not self.canUndo:
+            return False
+        self._undo.undo(discardEdits, self.beforeChange)  # raises before changing anything
+        self._undo = None
+        return True
+
+    # the views around the result (views.py)
+
+    placeInStudy = staticmethod(views.place_in_study)
+    showKeySlice = staticmethod(views.show_key_slice)
+    redSliceNode = staticmethod(views.red_slice_node)
+    _interactionNode = staticmethod(views.interaction_node)
+
+    def setShow3D(self, p, show: bool) -> bool:
+        return views.set_show_3d(p, show)
+
+    def segmentEditorNode(self, p):
+        return views.segment_editor_node(p)
+
+    def keySliceText(self, p) -> str:
+        return views.key_slice_text(p)
+
+    def jumpToKeySlice(self, p) -> bool:
+        return views.jump_to_key_slice(p)
+
+    def redSliceCentre(self) -> List[float]:
+        """RAS of the centre of what the Red slice view shows."""
+        return views.red_slice_centre(self.redSliceNode())
+
+    # boxes, corrections and the range (markups.py)
+
+    nodeObject = staticmethod(markups.node_object)
+    nodeSlice = staticmethod(markups.node_slice)
+    _getRoi = staticmethod(markups.get_roi)
+    _setRoi = staticmethod(markups.set_roi)
+
+    def placeBoxes(self, p, volumeNode, anchor: dict):
+        return markups.place_boxes(p, volumeNode, anchor)
+
+    def anchorFromBoxes(self, p):
+        return markups.anchor_from_boxes(p)
+
+    def addBox(self, p):
+        return markups.add_box(p)
+
+    def addBoxHere(self, p, objectNumber: Optional[int] = None, ras=None, sliceIndex: Optional[int] = None):
+        """A box on the slice the Red view shows (or through ``ras``, or slice ``sliceIndex``):
+        :func:`.markups.add_box_here`."""
+        return markups.add_box_here(p, objectNumber, ras, sliceIndex, here=self.redSliceCentre)
+
+    def objectNumbers(self, p) -> List[int]:
+        return markups.object_numbers(p)
+
+    def nextObjectNumber(self, p) -> int:
+        return markups.next_object_number(p)
+
+    def objectChoices(self, p) -> List[Tuple[str, int]]:
+        return markups.object_choices(p)
+
+    def chooseObject(self, p, number: int) -> int:
+        return markups.choose_object(p, number)
+
+    def pointsNode(self, p, create: bool = True):
+        return markups.points_node(p, create)
+
+    def updatePointLabelFormat(self, p) -> str:
+        return markups.update_point_label_format(p)
+
+    def setNegativePoints(self, p, negative: bool) -> None:
+        markups.set_negative_points(p, negative)
+
+    def addPoint(self, p, ras, positive: Optional[bool] = None, objectNumber: Optional[int] = None) -> int:
+        """Add a point at ``ras`` (the console's and the tests' way; in the views, Place points)."""
+        return markups.add_point(p, ras, positive, objectNumber)
+
+    def startPlacingPoints(self, p) -> bool:
+        return markups.start_placing_points(p)
+
+    def stopPlacingPoints(self) -> None:
+        markups.stop_placing_points()
+
+    def placingPoints(self, p) -> bool:
+        return markups.placing_points(p)
+
+    def setRangeEnd(self, p, which: str, ras=None) -> int:
+        """Set the range's ``"start"`` or ``"end"`` to the slice the Red view shows (or through ``ras``)."""
+        return markups.set_range_end(p, which, ras, here=self.redSliceCentre)
+
+    def clearRange(self, p) -> None:
+        markups.clear_range(p)
+
+    def sliceRange(self, p) -> Optional[Tuple[int, int]]:
+        return markups.slice_range(p)
+
+    def rangeText(self, p) -> str:
+        return markups.range_label(p)
+
+    def hasCorrections(self, p) -> bool:
+        return markups.has_corrections(p)
+
+    def clearCorrections(self, p) -> bool:
+        return markups.clear_corrections(p)
+
+    # blocking use (Python console, headless batch)
+
+    def segmentBlocking(self, volumeNode, query, options: Optional[Options] = None, segmentationNode=None,
+                        timeout: Optional[float] = None):
+        """Segment and wait. Returns ``(segmentationNode, segmentId, roiNodes, anchor)``, the anchor
+        being this request's own; when the model answered that the target is not in this CT
+        (``anchor["absent"]``) nothing was added: ``(None, "", [], anchor)``. Raises
+        :class:`WorkerError` on failure."""
+        p = self.getParameterNode()
+        p.inputVolume = volumeNode
+        p.query = query
+        p.outputSegmentation = segmentationNode
+        p.segmentId = ""
+        job = self.startSegment(p, options or Options(preset=p.preset, device=p.device))
+        self.session.wait(job, timeout)
+        if job.error is not None:
+            raise job.error
+        return self._blockingResult(p, job)
+
+    def repropagateBlocking(self, options: Optional[Options] = None, timeout: Optional[float] = None):
+        """Re-propagate the (edited) boxes of the last result and wait; the same segment is
+        replaced. Returns what :meth:`segmentBlocking` returns; raises :class:`WorkerError`."""
+        p = self.getParameterNode()
+        job, _ = self.startRepropagate(p, options or Options(preset=p.preset, device=p.device))
+        self.session.wait(job, timeout)
+        if job.error is not None:
+            raise job.error
+        return self._blockingResult(p, job)
+
+    @staticmethod
+    def _blockingResult(p, job):
+        """What the blocking calls return, from ``job``'s own result (never an earlier one's)."""
+        anchor = (job.result or {}).get("anchor") or {}
+        if anchor.get("absent"):
+            return None, "", [], anchor
+        return p.outputSegmentation, p.segmentId, list(p.boxes), anchor
+
