@@ -2,9 +2,11 @@
 retries, consensus samples and several queries, and the answer signal.
 
 :class:`DecodingMixin` is the part of :class:`~medvolcore.grounder.QwenVLGrounder` that runs the
-model; it uses the grounder's ``model``, ``tokenizer``, ``settings``, ``prompts``, ``_ids``,
-``_reporter`` (a :class:`~medvolcore.grounder.progress.GroundingProgress`, or None) and, while
-:meth:`~medvolcore.grounder.QwenVLGrounder._ground` sets them, ``_keep_prefix`` and ``_prefix_in``.
+model; it uses the grounder's ``model``, ``tokenizer``, ``settings``, ``prompts``, ``device``,
+``dtype``, ``_ids``, its caches ``_xgr_state`` and ``_compiled``, ``_reporter`` (a
+:class:`~medvolcore.grounder.progress.GroundingProgress`, or None), while
+:meth:`~medvolcore.grounder.QwenVLGrounder._ground` sets them ``_keep_prefix`` and ``_prefix_in``,
+and, to share a prompt, the input building of :class:`~medvolcore.grounder.inputs.InputsMixin`.
 ``_generate_text`` and ``_generate_samples`` are the seams tests replace with canned texts.
 
 Constrained decoding

@@ -2,7 +2,8 @@
 
 :class:`InputsMixin` is the part of :class:`~medvolcore.grounder.QwenVLGrounder` that builds inputs
 (``build_inputs``, ``build_batch_inputs``, ``inputs_from_images``); it uses the grounder's
-``tokenizer``, ``image_processor``, ``model.config``, ``prompts`` and ``_ids``.
+``tokenizer``, ``image_processor``, ``model`` (its config), ``model_dir``, ``prompts`` and ``_ids``
+(which :meth:`InputsMixin._special_ids` makes when the grounder is constructed).
 
 Image tokens (ours; no ``Qwen3VLProcessor``, no torchvision, no video processor)
 ------------------------------------------------------------------------------
