@@ -25,10 +25,12 @@ def package_modules(root: Path, package: str) -> Dict[str, Path]:
     return found
 
 
-def imported_names(name: str, path: Path) -> Iterator[Tuple[int, str, List[str]]]:
-    """``(line, absolute module, imported names)`` of every import statement of module ``name``."""
+def imported_names(name: str, path: Path, module_level: bool = False) -> Iterator[Tuple[int, str, List[str]]]:
+    """``(line, absolute module, imported names)`` of every import statement of module ``name``;
+    with ``module_level``, only those run when the module is imported (outside any function)."""
     here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    for node in ast.walk(ast.parse(Path(path).read_text(encoding="utf-8"), str(path))):
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"), str(path))
+    for node in (_outside_functions(tree) if module_level else ast.walk(tree)):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here[:len(here) - node.level + 1]
@@ -39,6 +41,14 @@ def imported_names(name: str, path: Path) -> Iterator[Tuple[int, str, List[str]]
         elif isinstance(node, ast.Import):
             for a in node.names:
                 yield node.lineno, a.name, []
+
+
+def _outside_functions(node: ast.AST) -> Iterator[ast.AST]:
+    """``node`` and every node under it that is not inside a function's body (class bodies run at import)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from _outside_functions(child)
 
 
 def import_graph(modules: Dict[str, Path]) -> Dict[str, Dict[str, int]]:

@@ -299,13 +299,14 @@ def child_ground(args) -> dict:
         h1.remove()
         h2.remove()
     from medvolcore.answer import parse_answer
+    from medvolcore.grounder.answers import check_answer
 
     try:  # the grammar's promise: the answer format, with a shown slice
         format_ok = parse_answer(text).slice in set(shown)
     except Exception:  # noqa: BLE001 - reported, not raised
         format_ok = False
     try:  # a random model decoding greedily tends to repeat a digit: boxes of zero width
-        g._check_answer(text, shown)
+        check_answer(text, shown)
         parsed = True
     except Exception:  # noqa: BLE001
         parsed = False

@@ -158,7 +158,7 @@ def test_auto_dtype_of_the_grounder(monkeypatch):
     """auto: what medvolcore.cpu says for a real model; a smoke model stays fp32 on any CPU."""
     import torch
 
-    from medvolcore.grounder.model import _resolve_dtype
+    from medvolcore.grounder.build import _resolve_dtype
 
     cpu_dev, cuda_dev = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(cpu, "cpu_bf16_fast", lambda flags=None: True)  # as on a CPU with AVX-512 BF16

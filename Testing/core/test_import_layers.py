@@ -7,6 +7,8 @@ The graph is read from the source, function-local imports included (``Testing/im
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -59,6 +61,42 @@ def test_grounder_and_propagation_never_import_each_other():
     g = _graph("medvolcore")
     assert _violations(g, ["medvolcore.grounder"], ["medvolcore.propagation"]) == []
     assert _violations(g, ["medvolcore.propagation"], ["medvolcore.grounder"]) == []
+
+
+GROUNDER_BUILD = "medvolcore.grounder.build"
+GROUNDER_SHARED = ("medvolcore.grounder._common",)  # lazy heavy imports and a message helper, used by both
+# the grounder's modules that predict, and the package itself
+GROUNDER_PREDICTING = ("medvolcore.grounder", "medvolcore.grounder.model", "medvolcore.grounder.inputs",
+                       "medvolcore.grounder.decode", "medvolcore.grounder.answers", "medvolcore.grounder.prompt",
+                       "medvolcore.grounder.progress", "medvolcore.grounder._logits")
+
+
+def test_the_grounder_builds_apart_from_predicting():
+    """``grounder/build.py`` (weights, adapter, dtype, device) imports nothing that predicts; the
+    predicting modules import it only inside the function that builds (``from_pretrained``)."""
+    modules = package_modules(ROOTS["medvolcore"], "medvolcore")
+    in_grounder = sorted(m for m in modules if _in(m, "medvolcore.grounder"))
+    assert sorted(GROUNDER_PREDICTING + GROUNDER_SHARED + (GROUNDER_BUILD,)) == in_grounder  # a new one picks a side
+    g = _graph("medvolcore")
+    assert [t for t in g[GROUNDER_BUILD] if t in GROUNDER_PREDICTING] == []
+    assert [t for m in GROUNDER_SHARED for t in g[m] if _in(t, "medvolcore.grounder")] == []
+    at_import = [f"{m} imports {GROUNDER_BUILD} at module level (line {line})" for m in GROUNDER_PREDICTING
+                 for line, module, names in imported_names(m, modules[m], module_level=True)
+                 if GROUNDER_BUILD in [module] + [f"{module}.{n}" for n in names]]
+    assert at_import == []
+    assert GROUNDER_BUILD in g["medvolcore.grounder.model"]  # from_pretrained builds through it
+
+
+def test_importing_the_grounder_modules_loads_no_heavy_library_and_predicting_loads_no_building():
+    code = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'xgrammar', 'medvolcore.grounder.build') "
+            "if m in sys.modules))")
+    for module in ("medvolcore.grounder", "medvolcore.grounder.model", "medvolcore.grounder.decode",
+                   "medvolcore.grounder.inputs", "medvolcore.grounder.answers", GROUNDER_BUILD):
+        r = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        want = [GROUNDER_BUILD] if module == GROUNDER_BUILD else []
+        assert r.stdout.strip().splitlines()[-1] == str(want), module
 
 
 def test_volumes_know_nothing_of_anchors_models_or_front_doors():

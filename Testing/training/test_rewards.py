@@ -269,3 +269,78 @@ def test_consistency_scorer_does_not_propagate_an_absent_answer(small_case):
     seen.clear()
     assert scorer.score_group(hu, np.zeros_like(gt), answers, {}) == [1.0, 0.0]  # a negative sample
     assert seen == [] and scorer.last_encoder_calls == 0
+
+
+# ---- one decode and one parse per completion per step ------------------------------------------
+
+def test_each_completion_is_decoded_and_parsed_once_per_grpo_step(small_case, tmp_path, monkeypatch):
+    """TRL calls the four term functions one after another with the same completions and token ids:
+    each completion is decoded once and parsed once in that step, whichever terms read it, and the
+    scores are those of each term computed on its own."""
+    import collections
+    import json
+
+    import medvoltrain.rewards as rewards
+    from medvoltrain.rewards import TERMS, RewardFunctions
+
+    hu, gt, by_slice = small_case
+    k = int(max(by_slice, key=lambda z: gt[int(z)].sum()))
+    box = by_slice[str(k)][0]
+    completions = [format_answer(k, [box], "a"), format_answer(k + 1, [box], "b"), ABSENT, "no answer"]
+    decodes, parses = collections.Counter(), collections.Counter()
+
+    class CharTokenizer:  # one token per character; counts what it decodes
+        def decode(self, ids, skip_special_tokens=False):
+            text = "".join(map(chr, ids))
+            decodes[text] += 1
+            return text
+
+    real_parse = rewards.parse_answer
+    monkeypatch.setattr(rewards, "parse_answer", lambda text: parses.update([text]) or real_parse(text))
+
+    class Recording:  # MedSAM2's seam: the ground truth as the propagated mask
+        def propagate_many(self, stack, prompts, **kw):
+            return [type("R", (), {"mask": gt, "encoder_calls": 1})() for _ in prompts]
+
+    np.savez(tmp_path / "mask.npz", mask=gt)
+    sample = {"id": "ct/liver", "data_dir": str(tmp_path), "mask_file": "mask.npz", "gt_boxes_norm": by_slice}
+    fns = RewardFunctions(tokenizer=CharTokenizer(), scorer=ConsistencyScorer(Recording(), delta=2),
+                          samples={sample["id"]: sample})
+    fns._stack = lambda sample: (hu, None)
+    n = len(completions)
+    columns = {"slice_areas": [[int(a) for a in gt.reshape(gt.shape[0], -1).sum(1)]] * n,
+               "gt_boxes_norm": [json.dumps(by_slice)] * n, "sample_id": [sample["id"]] * n}
+
+    def step(texts):  # as GRPOTrainer._calculate_rewards calls each reward function
+        funcs, _ = fns.functions({t: 1.0 for t in TERMS})
+        assert [f.__name__ for f in funcs] == list(TERMS)
+        ids = [[ord(c) for c in t] for t in texts]
+        return [f(prompts=[sample["id"]] * n, completions=texts, completion_ids=ids, trainer_state=None,
+                  log_extra=None, log_metric=None, **columns) for f in funcs]
+
+    scores = step(completions)
+    assert decodes == {t: 1 for t in completions}
+    assert parses == {t: 1 for t in completions}
+    answers = [parsed(t) for t in completions]
+    parses.clear()
+    assert scores[0] == [format_reward(t) for t in completions] == [1.0, 1.0, 1.0, 0.0]
+    assert scores[1] == [0.0 if a is None else axial_reward(a.slice, areas)
+                         for a, areas in zip(answers, columns["slice_areas"])]
+    assert scores[2] == [0.0 if a is None else rewards.answer_box_reward(a, by_slice) for a in answers]
+    assert scores[3] == fns.scorer.score_group(hu, gt, answers, by_slice) and scores[3][0] == 1.0
+    assert not fns.failures
+    # the next step's completions are decoded and parsed anew, once each, never served the last step's
+    decodes.clear()
+    parses.clear()
+    assert step(completions[::-1]) == [s[::-1] for s in scores]
+    assert decodes == parses == {t: 1 for t in completions}
+
+
+def test_the_reward_examples_in_the_docstrings_hold():
+    """The doctests of :mod:`medvoltrain.rewards` (``format_reward``, ``RewardFunctions``) run here."""
+    import doctest
+
+    import medvoltrain.rewards as rewards
+
+    result = doctest.testmod(rewards, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 4 and result.failed == 0

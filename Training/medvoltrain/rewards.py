@@ -80,6 +80,14 @@ def parsed(completion: str):
 
 
 def format_reward(completion: str) -> float:
+    """1.0 when ``completion`` is a ``<think>…</think>`` block then an ``<answer>…</answer>`` block
+    that parses to the answer schema (the absent answer ``[]`` included), else 0.0.
+
+    >>> format_reward('<think>liver here</think><answer>[{"slice": 12, "bbox_2d_list": [[10, 20, 300, 400]]}]</answer>')
+    1.0
+    >>> format_reward('<answer>[{"slice": 12, "bbox_2d_list": [[10, 20, 300, 400]]}]</answer>')  # no <think>
+    0.0
+    """
     return 1.0 if isinstance(completion, str) and parsed(completion) is not None else 0.0
 
 
@@ -270,6 +278,13 @@ class RewardFunctions:
     keeping ``<think>``/``<answer>`` even where a tokenizer marks them special, and cut at the
     end-of-turn token. A reward that cannot be computed is logged, counted in ``failures`` and
     returned as None (TRL ignores it in the group statistics) — never as 0.
+
+    TRL calls the terms one after another with the same completions in a step; each completion
+    is decoded and parsed once for all of them (:meth:`answers`).
+
+    >>> f = RewardFunctions()
+    >>> f.format(prompts=["ct/1"] * 2, completions=["<think>not seen</think><answer>[]</answer>", "no answer"])
+    [1.0, 0.0]
     """
 
     def __init__(self, tokenizer=None, scorer: Optional[ConsistencyScorer] = None, samples: Optional[dict] = None,
@@ -282,6 +297,7 @@ class RewardFunctions:
         self.stop_tokens = tuple(stop_tokens)
         self.failures = collections.Counter()
         self._stacks = collections.OrderedDict()
+        self._step = (None, [])  # (the completions' key, their answers): the step being scored
 
     # -- plumbing --
     def texts(self, completions, completion_ids=None) -> List[str]:
@@ -293,6 +309,26 @@ class RewardFunctions:
                 out.append(text[:cut])
             return out
         return [c[-1]["content"] if isinstance(c, list) else str(c) for c in completions]
+
+    def answers(self, completions, completion_ids=None) -> list:
+        """Each completion's parsed answer (None where it does not follow the format), decoded and
+        parsed once per step: the terms of one step share them. They are kept for the completions
+        last seen, keyed by those completions themselves (their token ids, or their texts), so
+        another step or an evaluation batch is decoded and parsed anew, never served stale answers."""
+        if completion_ids is not None and self.tokenizer is not None:
+            texts, key = None, ("ids", tuple(tuple(int(i) for i in ids) for ids in completion_ids))
+        else:
+            texts = self.texts(completions)
+            key = ("text", tuple(texts))
+        if key != self._step[0]:
+            if texts is None:
+                texts = self.texts(completions, completion_ids)
+            by_text: dict = {}
+            for t in texts:
+                if t not in by_text:
+                    by_text[t] = parsed(t)
+            self._step = (key, [by_text[t] for t in texts])
+        return self._step[1]
 
     def _guard(self, term: str, n: int, fn, log_metric=None) -> list:
         import logging
@@ -315,32 +351,26 @@ class RewardFunctions:
 
     # -- the four terms --
     def format(self, prompts, completions, completion_ids=None, log_metric=None, **kw) -> list:
-        texts = self.texts(completions, completion_ids)
-        return self._guard("format", len(texts), lambda: [format_reward(t) for t in texts], log_metric)
+        answers = self.answers(completions, completion_ids)
+        # format_reward of each text, read from the step's one parse
+        return self._guard("format", len(answers), lambda: [0.0 if a is None else 1.0 for a in answers], log_metric)
 
     def axial(self, prompts, completions, completion_ids=None, slice_areas=None, log_metric=None, **kw) -> list:
-        texts = self.texts(completions, completion_ids)
+        answers = self.answers(completions, completion_ids)
 
         def run():
-            out = []
-            for t, areas in zip(texts, slice_areas):
-                a = parsed(t)
-                out.append(0.0 if a is None else axial_reward(a.slice, areas))
-            return out
+            return [0.0 if a is None else axial_reward(a.slice, areas) for a, areas in zip(answers, slice_areas)]
 
-        return self._guard("axial", len(texts), run, log_metric)
+        return self._guard("axial", len(answers), run, log_metric)
 
     def box(self, prompts, completions, completion_ids=None, gt_boxes_norm=None, log_metric=None, **kw) -> list:
-        texts = self.texts(completions, completion_ids)
+        answers = self.answers(completions, completion_ids)
 
         def run():
-            out = []
-            for t, gt in zip(texts, gt_boxes_norm):
-                a = parsed(t)
-                out.append(0.0 if a is None else answer_box_reward(a, self._boxes_by_slice(gt)))
-            return out
+            return [0.0 if a is None else answer_box_reward(a, self._boxes_by_slice(gt))
+                    for a, gt in zip(answers, gt_boxes_norm)]
 
-        return self._guard("box", len(texts), run, log_metric)
+        return self._guard("box", len(answers), run, log_metric)
 
     def _stack(self, sample: dict):
         from .prepare import load_stack
@@ -356,10 +386,10 @@ class RewardFunctions:
     def consistency(self, prompts, completions, completion_ids=None, sample_id=None, log_metric=None, **kw) -> list:
         from .prepare import load_mask
 
-        texts = self.texts(completions, completion_ids)
+        answers = self.answers(completions, completion_ids)
         if self.scorer is None:
             raise RewardError("the consistency reward needs MedSAM2: give a checkpoint or random weights")
-        scores: List[Optional[float]] = [None] * len(texts)
+        scores: List[Optional[float]] = [None] * len(answers)
         groups = {}
         for i, sid in enumerate(sample_id):
             groups.setdefault(sid, []).append(i)
@@ -369,7 +399,7 @@ class RewardFunctions:
                 if sample is None:
                     raise RewardError(f"no prepared sample {sid!r}")
                 hu, window = self._stack(sample)
-                return self.scorer.score_group(hu, load_mask(sample), [parsed(texts[i]) for i in rows],
+                return self.scorer.score_group(hu, load_mask(sample), [answers[i] for i in rows],
                                                self._boxes_by_slice(sample.get("gt_boxes_norm")), hu_window=window)
 
             for i, v in zip(rows, self._guard("consistency", len(rows), run, log_metric)):

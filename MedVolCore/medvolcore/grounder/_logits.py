@@ -1,7 +1,7 @@
 """Logits processors of the grounder's decoding (imported only when text is generated).
 
 :class:`StepProcessor` is a transformers ``LogitsProcessor`` defined at module level (this module
-imports transformers, so :mod:`medvolcore.grounder.model` imports it only inside the function that
+imports transformers, so :mod:`medvolcore.grounder.decode` imports it only inside the function that
 generates). It times the first call — the end of the prefill — and applies an optional
 :class:`GrammarGuide`: xgrammar matchers per row, the token bitmask, and the budget guard that
 forces ``</think>`` when only the answer's worst case is left (see :func:`~medvolcore.grounder.prompt.plan_budget`).

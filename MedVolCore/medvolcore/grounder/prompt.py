@@ -10,7 +10,7 @@ model's template would otherwise open ``<think>`` itself)::
 ``system`` and ``user`` come from ``Resources/prompts/grounder.json`` (:func:`load_prompts`), with
 decoding settings per preset (:func:`resolve_settings`). Inside the user turn the ``{slices}``
 placeholder becomes, for every shown slice ``z``, ``<slice z><|vision_start|><|image_pad|>×N<|vision_end|>``
-(see :mod:`medvolcore.grounder.model` for how ``N`` is counted). :func:`validate_query` checks a
+(see :mod:`medvolcore.grounder.inputs` for how ``N`` is counted). :func:`validate_query` checks a
 query before anything else runs.
 
 Answer grammar and token budget
