@@ -58,10 +58,12 @@ Outputs (all written atomically) in ``DIR``::
 Per-dataset means are over the cases of that dataset (failed as 0, errors left out); **Average**
 is the unweighted mean of the per-dataset means (each dataset counts once, whatever its size).
 
-Resume and shards: a case whose file carries the current settings' fingerprint is skipped.
-``--shard I/N`` evaluates the samples with ``index % N == I`` (index in the split, after
-``--limit``); every run — and ``--aggregate-only`` — rebuilds the tables from every matching case
-file in DIR, so shards run into one DIR give the same table as one run. A DIR made with other
+Resume and shards: the cases run through :func:`medvolcore.caseruns.run_cases`, the loop ``medvol
+batch`` runs too. A case whose file carries the current settings' fingerprint is skipped.
+``--shard I/N`` (``I`` counts from 1, :func:`medvolcore.caseruns.parse_shard`) evaluates the samples
+at 0-based positions ``p`` with ``p % N == I - 1`` (position in the split, after ``--limit``); every
+run — and ``--aggregate-only`` — rebuilds the tables from every matching case file in DIR, so
+shards run into one DIR give the same table as one run. A DIR made with other
 settings is refused unless ``--overwrite`` (which recomputes this shard's cases; case files of the
 old settings are ignored by the tables).
 """
@@ -73,7 +75,6 @@ import hashlib
 import io
 import json
 import logging
-import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -82,6 +83,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from medvolcore.caseruns import (RunProgress, mean_median, one_line, parse_shard, plan_run, read_record, run_cases,
+                                 shard_of, shard_text, status_counts, write_record)
 from medvolcore.errors import GenerationError, InputError, OutputExistsError
 
 from . import resources
@@ -99,6 +102,7 @@ PAPER_DATASETS = ("0012", "0003", "0004")  # the paper's Table 1 columns, in its
 PAPER_NAMES = {"0012": "CT-ORG", "0003": "AbdomenCT-1K", "0004": "KiTS23"}  # as the paper spells them
 ERROR_CHARS = 300  # cases.csv keeps the start of an error message; the case file keeps all of it
 SMOKE_TEXT = "Smoke model (tiny / random MedSAM2): numbers are meaningless"
+STATUSES = ("ok", "failed", "error")  # of a case row (see the module docstring)
 CASE_COLUMNS = ("id", "case_id", "dataset", "dataset_name", "label", "status", "dsc_pct", "iou_pct", "hit",
                 "axial_score", "box_iou", "pred_slice", "gt_slice", "n_boxes", "pred_voxels", "gt_voxels",
                 "seconds", "target_absent", "answer_absent", "query", "error")
@@ -150,26 +154,6 @@ class EvalSettings:
 
 # ---- small helpers ------------------------------------------------------------------------------
 
-def parse_shard(text) -> Tuple[int, int]:
-    """``"I/N"`` → ``(I, N)`` with ``0 ≤ I < N``; :class:`InputError` otherwise."""
-    if text is None:
-        return 0, 1
-    i = n = None
-    if isinstance(text, (tuple, list)) and len(text) == 2:
-        i, n = text
-    else:
-        parts = str(text).strip().split("/")
-        if len(parts) == 2:
-            try:
-                i, n = int(parts[0]), int(parts[1])
-            except ValueError:
-                pass
-    if (not isinstance(i, int) or isinstance(i, bool) or not isinstance(n, int) or isinstance(n, bool)
-            or n < 1 or not 0 <= i < n):
-        raise InputError(f"--shard must be I/N with 0 ≤ I < N (e.g. 0/4), got {text!r}")
-    return i, n
-
-
 def dataset_name(code: Optional[str]) -> str:
     """CT-ORG / AbdomenCT-1K / KiTS23 (any M3D-Seg code's name), the code itself if unknown, or "custom"."""
     if code is None or str(code).strip() == "":
@@ -203,7 +187,7 @@ def _json_default(o):
 
 
 def _write_json(path: Path, obj) -> None:
-    _write_text(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
+    write_record(path, obj, indent=1, default=_json_default)
 
 
 def _save_mask(path: Path, mask: np.ndarray) -> None:
@@ -213,14 +197,6 @@ def _save_mask(path: Path, mask: np.ndarray) -> None:
     with atomic_path(path, overwrite=True) as tmp:
         with open(tmp, "wb") as f:
             np.savez_compressed(f, mask=np.asarray(mask, dtype=bool))
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -420,10 +396,12 @@ def score_negative(pred_mask: Optional[np.ndarray], pred_slice: Optional[int], p
             "target_absent": 1, "answer_absent": int(absent)}
 
 
-def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[dict, dict, Optional[np.ndarray]]:
+def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache,
+                  progress=None) -> Tuple[dict, dict, Optional[np.ndarray]]:
     """``(row, details, predicted stack mask)`` of one sample; a model that gives no usable answer
     yields a ``failed`` row (and no mask); an absent answer yields no mask; any other problem
-    propagates to the caller."""
+    propagates to the caller. ``progress(stage, fraction, message)``: the segment job's events
+    (grounding, propagation), for the run's display."""
     from medvolcore.anchor import EvidenceAnchor, anchor_from_mask
 
     from .rewards import parsed
@@ -448,14 +426,17 @@ def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[d
         else:
             anchor = gt_anchor
             # what Pipeline.repropagate does, without a language model (nor its weights) behind it
+            on_slice = None if progress is None else (
+                lambda done, total, message: progress("propagate", done / max(total, 1), message))
             r = engine.propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=window,
-                                            stop_after_empty=engine.settings.stop_after_empty)
+                                            stop_after_empty=engine.settings.stop_after_empty, progress=on_slice)
             pred_mask, boxes_norm = r.mask, anchor.boxes_norm
             details.update(anchor=anchor.to_dict(), slices_encoded=r.slices_encoded, propagation=r.stop_summary())
     else:
         try:
             seg = engine.pipeline.segment(stack, sample["query"], constrain=engine.settings.constrain,
-                                          hu_window=window, stop_after_empty=engine.settings.stop_after_empty)
+                                          hu_window=window, stop_after_empty=engine.settings.stop_after_empty,
+                                          progress=progress)
         except GenerationError as e:
             details.update(raw_text=getattr(e, "raw_text", ""), failures=getattr(e, "failures", []),
                            error=f"GenerationError: {e}")
@@ -489,8 +470,7 @@ def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[d
 # ---- aggregation ----------------------------------------------------------------------------------
 
 def _mean(values) -> Optional[float]:
-    v = [float(x) for x in values]
-    return float(np.mean(v)) if v else None
+    return mean_median(values)[0]
 
 
 def _flag(row: dict, key: str) -> bool:
@@ -522,7 +502,7 @@ def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, finger
     summary.json; returns the summary."""
     rows = []
     for s in samples:
-        rec = _read_json(out_dir / "cases" / f"{case_key(s['id'])}.json")
+        rec = read_record(out_dir / "cases" / f"{case_key(s['id'])}.json")
         if rec and rec.get("fingerprint") == fingerprint and isinstance(rec.get("row"), dict):
             rows.append(rec["row"])
     label, smoke = method_label(settings)
@@ -676,7 +656,7 @@ def _has_cases(out_dir: Path, prev: dict) -> bool:
     """Whether ``out_dir`` holds a finished case of the settings in ``prev`` (a run that stopped before its
     first case, e.g. a model that would not load, leaves nothing worth protecting)."""
     for path in (out_dir / "cases").glob("*.json"):
-        rec = _read_json(path)
+        rec = read_record(path)
         if rec and rec.get("fingerprint") == prev.get("fingerprint"):
             return True
     return False
@@ -686,7 +666,7 @@ def _check_out_dir(out_dir: Path, settings: EvalSettings, fingerprint: str, over
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {out_dir} exists and is not a folder")
     prev_path = out_dir / "settings.json"
-    prev = _read_json(prev_path) if prev_path.exists() else None
+    prev = read_record(prev_path) if prev_path.exists() else None
     if prev_path.exists() and prev is None and not overwrite:
         raise DataError(f"{prev_path} is unreadable; pass --overwrite to start this evaluation again")
     if prev is not None and prev.get("fingerprint") != fingerprint and not overwrite and _has_cases(out_dir, prev):
@@ -710,7 +690,7 @@ def _split_samples(data_dir, split: str, limit: Optional[int]) -> List[dict]:
 
 
 def _short(text: str) -> str:
-    text = " ".join(str(text).split())
+    text = one_line(text)
     return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 1] + "…"
 
 
@@ -740,7 +720,7 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
     t_start = time.perf_counter()
     out_dir = Path(out).expanduser()
     if aggregate_only:
-        prev = _read_json(out_dir / "settings.json")
+        prev = read_record(out_dir / "settings.json")
         if prev is None or not isinstance(prev.get("settings"), dict):
             raise DataError(f"{out_dir} holds no evaluation (no readable settings.json) to aggregate")
         try:
@@ -763,7 +743,7 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
         if split != "test":
             raise InputError(f"--protocol paper evaluates the test split, not {split!r}")
         stop_after_empty = 0
-    i_shard, n_shards = parse_shard(shard)
+    shard = parse_shard(shard)  # I counts from 1; a bad one (0/N included) is one line, before anything runs
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InputError(f"--limit must be a whole number ≥ 1, got {limit!r}")
     from medvolcore.devices import resolve_device
@@ -786,63 +766,87 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
     _write_json(out_dir / "settings.json", {"schema": SCHEMA, "fingerprint": fingerprint,
                                             "settings": asdict(settings), "limit": limit, "method": label})
 
-    mine = [s for n, s in enumerate(samples) if n % n_shards == i_shard]
+    mine = shard_of(samples, shard)
     if not mine:
-        log.warning("shard %d/%d has no samples (the split has %d)", i_shard, n_shards, len(samples))
-    keep_status = ("ok",) if retry_failed else ("ok", "failed")
-    todo, resumed = [], 0
-    for s in mine:
-        rec = _read_json(out_dir / "cases" / f"{case_key(s['id'])}.json")
-        if (rec is not None and not overwrite and rec.get("fingerprint") == fingerprint
-                and (rec.get("row") or {}).get("status") in keep_status):
-            resumed += 1
-        else:
-            todo.append(s)
-
-    from tqdm import tqdm
-
+        log.warning("shard %s has no samples (the split has %d)", shard_text(shard), len(samples))
     engine = _Engine(settings, device)
-    stacks = _StackCache()
-    done = {"ok": 0, "failed": 0, "error": 0}
-    bar = tqdm(total=len(todo), desc="evaluate" + (f" {i_shard}/{n_shards}" if n_shards > 1 else ""), unit="case",
-               file=sys.stderr, disable=not progress or None)
+    keeper = _EvalCase(out_dir, fingerprint, engine, keep=("ok",) if retry_failed else ("ok", "failed"),
+                       redo=overwrite, save_masks=save_masks)
+    plan = plan_run(mine, keeper)
+    display = RunProgress("evaluate" + (f" {shard_text(shard)}" if shard and shard[1] > 1 else ""), len(mine),
+                          STATUSES, ((rec.get("row") or {}).get("status") for rec in plan.done_before.values()),
+                          enabled=progress, note=_progress_note)
     try:
-        if todo:
-            engine.load()  # a model that cannot load stops the run here, before any case is recorded
-        for s in todo:
-            key = case_key(s["id"])
-            try:
-                row, details, pred = evaluate_case(s, engine, stacks)
-            except Exception as e:  # noqa: BLE001 — one case's problem is recorded, the others go on
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                log.warning("case %s could not be evaluated: %s: %s", s["id"], type(e).__name__, msg)
-                row, details, pred = ({"status": "error", "error": _short(f"{type(e).__name__}: {msg}")},
-                                      {"error": f"{type(e).__name__}: {e}"}, None)
-            row = _complete_row(row, s)
-            if pred is not None and save_masks:
-                _save_mask(out_dir / "masks" / f"{key}.npz", pred)
-            _write_json(out_dir / "cases" / f"{key}.json",
-                        {"schema": SCHEMA, "fingerprint": fingerprint, "id": s["id"], "row": row,
-                         "device": engine.device, "details": details})
-            done[row["status"]] += 1
-            bar.update(1)
-            if row["status"] == "ok":
-                bar.set_postfix_str("absent target: answered " + ("[]" if row["answer_absent"] else "boxes")
-                                    if row["target_absent"] else f"DSC {row['dsc_pct']:.1f}", refresh=False)
+        # the models load once, only when a case must run; a model that cannot load stops the run there
+        outcome = run_cases(plan.to_run, keeper, load=engine.load, display=display)
     except BaseException:
-        bar.close()
-        if any(done.values()):  # what finished is in the tables, also after an interruption
+        if keeper.recorded:  # what finished is in the tables, also after an interruption
             try:
                 aggregate(samples, out_dir, settings, fingerprint)
             except Exception:  # noqa: BLE001 — the original problem is the one to report
                 log.debug("aggregation after an interruption failed", exc_info=True)
         raise
-    bar.close()
     summary = aggregate(samples, out_dir, settings, fingerprint)
-    summary["run"] = {"evaluated": len(todo), "resumed": resumed, "shard": f"{i_shard}/{n_shards}",
-                      "shard_cases": len(mine), **done, "device": engine.device,
+    summary["run"] = {"evaluated": len(plan.to_run), "resumed": len(plan.done_before),
+                      "shard": shard_text(shard or (1, 1)), "shard_cases": len(mine),
+                      **status_counts(outcome.rows, STATUSES), "device": engine.device,
                       "seconds": time.perf_counter() - t_start}
     return summary
+
+
+class _EvalCase:
+    """A sample of the split to :func:`medvolcore.caseruns.run_cases`: its record is
+    ``cases/<key>.json`` (the settings' fingerprint, the row, the details), its mask
+    ``masks/<key>.npz``. A record of these settings whose status is in ``keep`` is skipped, unless
+    ``redo`` (``--overwrite``)."""
+
+    def __init__(self, out_dir: Path, fingerprint: str, engine: _Engine, *, keep: Tuple[str, ...], redo: bool,
+                 save_masks: bool):
+        self.out_dir, self.fingerprint, self.engine = out_dir, fingerprint, engine
+        self.keep, self.redo, self.save_masks = keep, redo, save_masks
+        self.stacks = _StackCache()
+        self.recorded = 0
+
+    def name(self, sample: dict) -> str:
+        return sample["id"]
+
+    def previous(self, sample: dict) -> Optional[dict]:
+        if self.redo:
+            return None
+        rec = read_record(self.out_dir / "cases" / f"{case_key(sample['id'])}.json")
+        if rec is not None and rec.get("fingerprint") == self.fingerprint and (rec.get("row") or {}).get("status") in self.keep:
+            return rec
+        return None
+
+    def run(self, sample: dict, progress) -> dict:
+        row, details, pred = evaluate_case(sample, self.engine, self.stacks, progress)
+        return self._record(sample, row, details, pred)
+
+    def failed(self, sample: dict, error: Exception, seconds: float) -> dict:
+        """An ``error`` row: left out of every mean, retried by the next run."""
+        msg = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        log.warning("case %s could not be evaluated: %s: %s", sample["id"], type(error).__name__, msg)
+        return self._record(sample, {"status": "error", "error": _short(f"{type(error).__name__}: {msg}")},
+                            {"error": f"{type(error).__name__}: {error}"}, None)
+
+    def _record(self, sample: dict, row: dict, details: dict, pred: Optional[np.ndarray]) -> dict:
+        key = case_key(sample["id"])
+        row = _complete_row(row, sample)
+        if pred is not None and self.save_masks:
+            _save_mask(self.out_dir / "masks" / f"{key}.npz", pred)
+        _write_json(self.out_dir / "cases" / f"{key}.json",  # last: the case counts as evaluated
+                    {"schema": SCHEMA, "fingerprint": self.fingerprint, "id": sample["id"], "row": row,
+                     "device": self.engine.device, "details": details})
+        self.recorded += 1
+        return row
+
+
+def _progress_note(row: dict) -> str:
+    if row["status"] != "ok":
+        return ""
+    if row["target_absent"]:
+        return "absent target: answered " + ("[]" if row["answer_absent"] else "boxes")
+    return f"DSC {row['dsc_pct']:.1f}"
 
 
 def format_result(summary: dict, out_dir) -> str:
@@ -864,5 +868,5 @@ def format_result(summary: dict, out_dir) -> str:
 
 
 __all__ = ["EvalSettings", "evaluate", "evaluate_case", "score_case", "score_negative", "existence", "aggregate",
-           "parse_shard", "dataset_name", "protocol_of", "PROTOCOLS", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT",
+           "dataset_name", "protocol_of", "PROTOCOLS", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT",
            "EXISTENCE_COLUMNS"]
