@@ -43,6 +43,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence,
 
 from .errors import InputError
 from .fileio import write_text_atomic
+from .progress import Progress, StageClock, clock_text
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +157,6 @@ def one_line(text) -> str:
 
 
 # ---- the run --------------------------------------------------------------------------------------
-
-Progress = Callable[[str, float, str], None]  # progress(stage, fraction, message), as the segment job reports
-
 
 class CaseKeeper(Protocol):
     """What one kind of case is to a run. A row is a dict with at least ``status``."""
@@ -293,8 +291,6 @@ class RunProgress:
         """The progress callback of the case about to run (None when nothing shows it)."""
         if self.bar is None:
             return None
-        from .progress import StageClock, clock_text
-
         self._show(case_name, "starting")
         clock, last = StageClock(), [0.0]
 
