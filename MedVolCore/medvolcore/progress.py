@@ -4,7 +4,8 @@ events (:data:`medvolcore.pipeline.Progress`): what the CLI's non-terminal lines
 average pace so far; it is rough where a stage's steps differ in speed (see
 :mod:`medvolcore.grounder.progress` for how the grounding stage is divided). Also
 :func:`cancel_checker`, the one form of a cancel that the grounder and the propagator check, and
-:func:`part_of`, one of several equal parts of a stage (a consensus's samples, several queries)."""
+:func:`part_of`, one of several equal parts of a stage (a consensus's samples, several queries), and
+:data:`Progress`, the callback's type."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 from typing import Callable, Optional, Tuple
 
 from .errors import InputError
+
+Progress = Callable[[str, float, str], None]  # progress(stage, fraction 0..1, message): a job's progress events
 
 
 def cancel_checker(cancel) -> Callable[[], bool]:

@@ -277,6 +277,18 @@ def test_shard_partition_is_exact():
     assert summary_names((2, 3)) == ("summary.shard-2-of-3.csv", "summary.shard-2-of-3.html")
 
 
+def test_the_shard_rule_is_written_once():
+    """``medvol batch`` and ``medvol-train evaluate`` parse ``--shard`` with one function
+    (medvolcore.caseruns.parse_shard): its error message is in exactly one source file, and 0/N (the
+    old 0-based evaluate) is refused with the 1-based rule."""
+    repo = Path(__file__).resolve().parents[2]
+    found = [p for folder in ("MedVolCore", "Training") for p in (repo / folder).rglob("*.py")
+             if "--shard must be I/N" in p.read_text(encoding="utf-8")]
+    assert [p.relative_to(repo).as_posix() for p in found] == ["MedVolCore/medvolcore/caseruns.py"]
+    with pytest.raises(Exception, match=r"1 ≤ I ≤ N .*its old 0/3 is 1/3 now"):
+        parse_shard("0/3")
+
+
 def test_sharded_run_partitions_the_manifest(capsys, tmp_path, data_dir):
     # one real case (position 0 → shard 1) and five missing files, found before the run (invalid, not run)
     rows = [{"id": "real", "volume": "ct8.nii.gz", "query": QUERY}] + \

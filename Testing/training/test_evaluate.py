@@ -163,10 +163,10 @@ def test_resume_skips_finished_cases(oracle_crop, tmp_path, capsys, count_propag
 
 def test_shards_into_one_folder_give_the_single_run_table(oracle_crop, crop_data, tmp_path, capsys):
     out = tmp_path / "SHARDS"
-    rc, stdout, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "1/2", *ORACLE], capsys)
+    rc, stdout, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "2/2", *ORACLE], capsys)
     assert rc == 0 and "partial: 1 of 2" in stdout
     assert "Partial" in (out / "table.md").read_text(encoding="utf-8")
-    rc, _, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "0/2", *ORACLE], capsys)
+    rc, _, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "1/2", *ORACLE], capsys)
     assert rc == 0
     assert (out / "table.csv").read_text(encoding="utf-8") == (oracle_crop / "table.csv").read_text(encoding="utf-8")
 
@@ -177,6 +177,20 @@ def test_shards_into_one_folder_give_the_single_run_table(oracle_crop, crop_data
     (out / "table.csv").unlink()
     rc, _, _ = run_cli(["--out", out, "--aggregate-only"], capsys)
     assert rc == 0 and (out / "table.csv").read_text(encoding="utf-8") == (oracle_crop / "table.csv").read_text(encoding="utf-8")
+
+
+def test_shard_1_of_n_is_the_first_shard_as_in_medvol_batch(crop_data, tmp_path, capsys):
+    """``--shard I/N`` counts from 1, as ``medvol batch`` does: 1/2 is the split's positions 0, 2, …
+    (here its first sample); it used to be the second shard (0-based I)."""
+    from medvoltrain.prepare import load_samples
+
+    first, second = [s["id"] for s in load_samples(crop_data, "test")]
+    out = tmp_path / "FIRST"
+    rc, stdout, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "1/2", *ORACLE], capsys)
+    assert rc == 0 and stdout.startswith("shard 1/2: 1 case(s) evaluated")
+    assert [r["id"] for r in read_csv(out / "cases.csv")] == [first]
+    rc, _, _ = run_cli(["--data", crop_data, "--out", out, "--shard", "2/2", *ORACLE], capsys)
+    assert rc == 0 and [r["id"] for r in read_csv(out / "cases.csv")] == [first, second]
 
 
 def test_grounder_mode_records_rows_and_counts_failures(crop_data, tmp_path, monkeypatch):
@@ -275,13 +289,15 @@ def test_case_errors_are_excluded_and_retried(crop_data, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args, words", [
     (["--split", "val"], "unknown split"),
-    (["--split", "train", "--shard", "2/2"], "--shard must be I/N"),
+    (["--split", "train", "--shard", "3/2"], "--shard must be I/N"),
     (["--shard", "x"], "--shard must be I/N"),
+    (["--shard", "0/2"], "its old 0/2 is 1/2 now"),
     (["--limit", "0"], "--limit"),
     (["--sam-checkpoint", "m.pt"], "not allowed with argument"),
     (["--adapter", "."], "--adapter has no effect with --oracle"),
     (["--random-weights", "1"], "other settings"),
-], ids=["split", "shard-range", "shard-form", "limit", "two-weights", "adapter-oracle", "other-settings"])
+], ids=["split", "shard-range", "shard-form", "shard-0-based", "limit", "two-weights", "adapter-oracle",
+        "other-settings"])
 def test_bad_arguments_are_one_line_errors(args, words, oracle_sm, sm_data, capsys, count_propagations):
     base = ["--data", sm_data, "--out", oracle_sm, "--oracle", "--preset", "tiny", "--random-weights", "0",
             "--no-progress"]

@@ -15,6 +15,7 @@ import sys
 from typing import List, Optional
 
 from medvolcore import RESEARCH_USE_NOTICE
+from medvolcore.caseruns import SHARD_HELP
 from medvolcore.cpu import threads_arg
 from medvolcore.errors import MedVolError
 
@@ -280,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--random-weights", type=int, metavar="SEED", help="seeded random MedSAM2 weights (smoke runs)")
     sp.add_argument("--sam-image-size", type=int, help="image size for --random-weights (default: the preset's, else 512)")
     sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    sp.add_argument("--shard", metavar="I/N", help="evaluate the samples with index %% N == I (one shard per GPU)")
+    sp.add_argument("--shard", metavar="I/N", help=SHARD_HELP + " (one shard per GPU)")
     sp.add_argument("--limit", type=int, help="only the first N samples of the split")
     sp.add_argument("--unconstrained", action="store_true", help="decode without the answer grammar (still greedy)")
     sp.add_argument("--protocol", choices=("product", "paper"),

@@ -1,5 +1,9 @@
 """``medvol-train evaluate``: the full pipeline on a prepared split, scored like the paper's Table 1.
 
+This module is the command and one case; the settings and their fingerprint are
+:mod:`medvoltrain.eval_settings`', the tables :mod:`medvoltrain.eval_tables`', and the run (shards,
+resume, records, errors, progress) :mod:`medvolcore.caseruns`', as for ``medvol batch``.
+
 Per sample of the split (``medvol.train.samples/1``, :mod:`medvoltrain.prepare`):
 
 * **grounder mode** (default): :meth:`medvolcore.pipeline.Pipeline.segment` on the sample's CT
@@ -58,258 +62,43 @@ Outputs (all written atomically) in ``DIR``::
 Per-dataset means are over the cases of that dataset (failed as 0, errors left out); **Average**
 is the unweighted mean of the per-dataset means (each dataset counts once, whatever its size).
 
-Resume and shards: a case whose file carries the current settings' fingerprint is skipped.
-``--shard I/N`` evaluates the samples with ``index % N == I`` (index in the split, after
-``--limit``); every run — and ``--aggregate-only`` — rebuilds the tables from every matching case
-file in DIR, so shards run into one DIR give the same table as one run. A DIR made with other
+Resume and shards: the cases run through :func:`medvolcore.caseruns.run_cases`, the loop ``medvol
+batch`` runs too. A case whose file carries the current settings' fingerprint is skipped.
+``--shard I/N`` (``I`` counts from 1, :func:`medvolcore.caseruns.parse_shard`) evaluates the samples
+at 0-based positions ``p`` with ``p % N == I - 1`` (position in the split, after ``--limit``); every
+run — and ``--aggregate-only`` — rebuilds the tables from every matching case file in DIR, so
+shards run into one DIR give the same table as one run. A DIR made with other
 settings is refused unless ``--overwrite`` (which recomputes this shard's cases; case files of the
 old settings are ignored by the tables).
 """
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import io
-import json
 import logging
-import sys
 import time
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from dataclasses import asdict
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
+from medvolcore.caseruns import (RunProgress, one_line, parse_shard, plan_run, read_record, run_cases, shard_of,
+                                 shard_text, status_counts)
 from medvolcore.errors import GenerationError, InputError, OutputExistsError
 
-from . import resources
-from .adapter import record_evaluation
-from .datasets import SPLITS, safe_name
+from .datasets import SPLITS
 from .errors import DataError
+from .eval_settings import (PROTOCOLS, SCHEMA, SMOKE_TEXT, EvalSettings, case_key, dataset_name, method_label,
+                            protocol_of, resolve_settings, write_json)
+from .eval_tables import CASE_COLUMNS, EXISTENCE_COLUMNS, STATUSES, aggregate, existence, table_row
 from .prepare import load_mask, load_samples, load_stack
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "medvol.train.evaluation/1"
-# Bump when the per-case numbers would change for the same settings (a resume then redoes them).
-EVAL_VERSION = 1
-PAPER_DATASETS = ("0012", "0003", "0004")  # the paper's Table 1 columns, in its order
-PAPER_NAMES = {"0012": "CT-ORG", "0003": "AbdomenCT-1K", "0004": "KiTS23"}  # as the paper spells them
 ERROR_CHARS = 300  # cases.csv keeps the start of an error message; the case file keeps all of it
-SMOKE_TEXT = "Smoke model (tiny / random MedSAM2): numbers are meaningless"
-CASE_COLUMNS = ("id", "case_id", "dataset", "dataset_name", "label", "status", "dsc_pct", "iou_pct", "hit",
-                "axial_score", "box_iou", "pred_slice", "gt_slice", "n_boxes", "pred_voxels", "gt_voxels",
-                "seconds", "target_absent", "answer_absent", "query", "error")
-# the extra columns after the paper's (existence: is the target there?)
-EXISTENCE_COLUMNS = ("Existence acc. (%)", "FP rate, negatives (%)", "FN rate, positives (%)")
-EXISTENCE_DEFINITION = ("existence accuracy: the answer is [] exactly when the target is absent, over every scored "
-                        "case (a failed case is wrong); FP rate: negative cases answered with a slice and boxes; FN "
-                        "rate: positive cases answered []; in %; negative cases are not scored for DSC, IoU, hit or "
-                        "box IoU, and an absent answer on a positive case scores DSC = IoU = 0")
-# --protocol: named settings of a whole evaluation. "paper": Table 1 as the MedVol-R1 paper measures it, MedSAM2
-# propagating the anchor over the whole volume (no early stop) on the test split; "product": what `medvol
-# segment` does (early stop, K = the product default). Decoding is the same in both (64 shown slices, greedy,
-# at most 256 new tokens, constrained unless --unconstrained).
-PROTOCOLS = ("product", "paper")
 
 
-def protocol_of(settings: "EvalSettings") -> str:
-    """``paper`` when the settings are the paper's Table 1 protocol (whole volume, test split), else ``product``."""
-    return "paper" if settings.stop_after_empty == 0 and settings.split == "test" else "product"
-
-
-FAILURE_POLICY = ("failed cases (the model gave no usable answer) count as DSC = IoU = 0, a miss and box IoU 0; "
-                  "cases that could not be evaluated (errors) are left out of every mean")
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """What decides the per-case numbers; its fingerprint guards a DIR against mixing settings."""
-
-    data: str
-    split: str = "test"
-    oracle: bool = False
-    preset: Optional[str] = None  # the preset's name; None in oracle mode with explicit MedSAM2 weights
-    adapter: Optional[str] = None
-    sam: str = "preset"  # "preset", "checkpoint:<path>" or "random:<seed>:<image size>"
-    constrain: bool = True
-    version: int = EVAL_VERSION
-    # 0 here (not the product default) so that a settings.json written before early stop existed
-    # reads back as what it was: whole-volume propagation; evaluate() passes the product default
-    stop_after_empty: int = 0
-
-    def fingerprint(self) -> str:
-        d = asdict(self)
-        if d["stop_after_empty"] == 0:  # the fingerprint of every evaluation made before the field existed
-            del d["stop_after_empty"]
-        blob = json.dumps(d, sort_keys=True)
-        return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
-
-
-# ---- small helpers ------------------------------------------------------------------------------
-
-def parse_shard(text) -> Tuple[int, int]:
-    """``"I/N"`` → ``(I, N)`` with ``0 ≤ I < N``; :class:`InputError` otherwise."""
-    if text is None:
-        return 0, 1
-    i = n = None
-    if isinstance(text, (tuple, list)) and len(text) == 2:
-        i, n = text
-    else:
-        parts = str(text).strip().split("/")
-        if len(parts) == 2:
-            try:
-                i, n = int(parts[0]), int(parts[1])
-            except ValueError:
-                pass
-    if (not isinstance(i, int) or isinstance(i, bool) or not isinstance(n, int) or isinstance(n, bool)
-            or n < 1 or not 0 <= i < n):
-        raise InputError(f"--shard must be I/N with 0 ≤ I < N (e.g. 0/4), got {text!r}")
-    return i, n
-
-
-def dataset_name(code: Optional[str]) -> str:
-    """CT-ORG / AbdomenCT-1K / KiTS23 (any M3D-Seg code's name), the code itself if unknown, or "custom"."""
-    if code is None or str(code).strip() == "":
-        return "custom"
-    if str(code).strip() in PAPER_NAMES:
-        return PAPER_NAMES[str(code).strip()]
-    info = resources.dataset_info().get(str(code).strip())
-    return info["dataset"] if info else str(code)
-
-
-def case_key(sample_id: str) -> str:
-    """File name stem of a case: readable and collision-free (``a/b_c`` and ``a_b/c`` differ)."""
-    return f"{safe_name(sample_id)}-{hashlib.sha1(sample_id.encode('utf-8')).hexdigest()[:8]}"
-
-
-def _write_text(path: Path, text: str) -> None:
-    from medvolcore.fileio import write_text_atomic
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, text, overwrite=True)
-
-
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"{type(o).__name__} is not JSON serialisable")
-
-
-def _write_json(path: Path, obj) -> None:
-    _write_text(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
-
-
-def _save_mask(path: Path, mask: np.ndarray) -> None:
-    from medvolcore.fileio import atomic_path
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path, overwrite=True) as tmp:
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, mask=np.asarray(mask, dtype=bool))
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-# ---- models ---------------------------------------------------------------------------------
-
-def _resolve_settings(data_dir: Path, split: str, oracle: bool, preset: Optional[str], adapter, sam_checkpoint,
-                      random_weights: Optional[int], sam_image_size: Optional[int], constrain: bool,
-                      stop_after_empty: int = 0) -> EvalSettings:
-    """Check the model options and return the :class:`EvalSettings`; nothing is loaded here."""
-    from medvolcore import models
-    from medvolcore.propagation import check_stop_after_empty
-
-    stop_after_empty = check_stop_after_empty(stop_after_empty, "--stop-after-empty")
-
-    if sam_checkpoint is not None and random_weights is not None:
-        raise InputError("give either --sam-checkpoint or --random-weights, not both")
-    if random_weights is not None and (isinstance(random_weights, bool) or not isinstance(random_weights, int)):
-        raise InputError(f"--random-weights takes an integer seed, got {random_weights!r}")
-    if sam_image_size is not None and random_weights is None:
-        raise InputError("--sam-image-size applies to --random-weights only (MedSAM2 checkpoints run at 512)")
-    if oracle and adapter is not None:
-        raise InputError("--adapter has no effect with --oracle (no language model runs); drop one of them")
-    if oracle and not constrain:
-        raise InputError("--unconstrained has no effect with --oracle (no language model runs); drop one of them")
-    preset_name = preset or models.default_preset()
-    p = models.get_preset(preset_name)  # an unknown preset is one line, before anything loads
-    if not oracle:  # medvol-r1 without --adapter: one line, before anything loads
-        models.check_adapter_given(preset_name, adapter)
-    adapter_path = None
-    if adapter is not None:
-        adapter_path = Path(adapter).expanduser().resolve()
-        if not (adapter_path / "adapter_config.json").is_file():
-            raise InputError(f"--adapter {adapter}: not a LoRA adapter folder (no adapter_config.json); give the "
-                             "folder `medvol-train sft` wrote, e.g. RUN/adapter")
-    if sam_checkpoint is not None:
-        ckpt = Path(sam_checkpoint).expanduser().resolve()
-        if not ckpt.is_file():
-            raise InputError(f"--sam-checkpoint {sam_checkpoint} does not exist (or is not a file)")
-        sam = f"checkpoint:{ckpt}"
-    elif random_weights is not None:
-        from medvolcore.propagation import check_image_size
-
-        size = sam_image_size
-        if size is None:  # the preset's own random size (tiny: 64 px), else MedSAM2's 512
-            size = int(p.medsam2["image_size"]) if p.medsam2_kind == "random" else 512
-        size = check_image_size(size)
-        sam = f"random:{int(random_weights)}:{int(size)}"
-    else:
-        sam = "preset"
-    return EvalSettings(
-        data=str(data_dir), split=split, oracle=bool(oracle),
-        # the oracle with its own MedSAM2 weights uses nothing of the preset
-        preset=None if (oracle and sam != "preset") else preset_name,
-        adapter=str(adapter_path) if adapter_path else None, sam=sam, constrain=bool(constrain),
-        stop_after_empty=stop_after_empty)
-
-
-def _sam_description(settings: EvalSettings) -> Tuple[str, bool]:
-    """Human text of the MedSAM2 weights and whether they are random."""
-    if settings.sam.startswith("checkpoint:"):
-        return Path(settings.sam.split(":", 1)[1]).name, False
-    if settings.sam.startswith("random:"):
-        _, seed, size = settings.sam.split(":")
-        return f"random weights, seed {seed}, {size} px", True
-    from medvolcore import models
-
-    p = models.get_preset(settings.preset)
-    if p.medsam2_kind == "random":
-        return f"random weights, seed {p.medsam2['random_seed']}, {p.medsam2['image_size']} px", True
-    return (p.medsam2_filename or p.source_text()[1]), False
-
-
-def method_label(settings: EvalSettings) -> Tuple[str, bool]:
-    """The table's method label and whether the run is a smoke run (tiny grounder or random MedSAM2)."""
-    from medvolcore import models
-
-    sam_text, sam_random = _sam_description(settings)
-    if settings.stop_after_empty:
-        sam_text += f", early stop K={settings.stop_after_empty}"
-    if settings.oracle:
-        return f"Oracle anchor → MedSAM2 ({sam_text})", sam_random
-    p = models.get_preset(settings.preset)
-    label = settings.preset
-    if settings.adapter:
-        a = Path(settings.adapter)
-        label += f" + LoRA {a.parent.name}/{a.name}" if a.parent.name else f" + LoRA {a.name}"
-    if not settings.constrain:
-        label += " (unconstrained)"
-    return f"{label} → MedSAM2 ({sam_text})", bool(p.smoke) or sam_random
-
+# ---- models ---------------------------------------------------------------------------------------
 
 def _build_propagator(settings: EvalSettings, device: str):
     from medvolcore import models
@@ -420,10 +209,12 @@ def score_negative(pred_mask: Optional[np.ndarray], pred_slice: Optional[int], p
             "target_absent": 1, "answer_absent": int(absent)}
 
 
-def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[dict, dict, Optional[np.ndarray]]:
+def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache,
+                  progress=None) -> Tuple[dict, dict, Optional[np.ndarray]]:
     """``(row, details, predicted stack mask)`` of one sample; a model that gives no usable answer
     yields a ``failed`` row (and no mask); an absent answer yields no mask; any other problem
-    propagates to the caller."""
+    propagates to the caller. ``progress(stage, fraction, message)``: the segment job's events
+    (grounding, propagation), for the run's display."""
     from medvolcore.anchor import EvidenceAnchor, anchor_from_mask
 
     from .rewards import parsed
@@ -448,14 +239,17 @@ def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[d
         else:
             anchor = gt_anchor
             # what Pipeline.repropagate does, without a language model (nor its weights) behind it
+            on_slice = None if progress is None else (
+                lambda done, total, message: progress("propagate", done / max(total, 1), message))
             r = engine.propagator.propagate(stack.data, anchor.slice, anchor.boxes, hu_window=window,
-                                            stop_after_empty=engine.settings.stop_after_empty)
+                                            stop_after_empty=engine.settings.stop_after_empty, progress=on_slice)
             pred_mask, boxes_norm = r.mask, anchor.boxes_norm
             details.update(anchor=anchor.to_dict(), slices_encoded=r.slices_encoded, propagation=r.stop_summary())
     else:
         try:
             seg = engine.pipeline.segment(stack, sample["query"], constrain=engine.settings.constrain,
-                                          hu_window=window, stop_after_empty=engine.settings.stop_after_empty)
+                                          hu_window=window, stop_after_empty=engine.settings.stop_after_empty,
+                                          progress=progress)
         except GenerationError as e:
             details.update(raw_text=getattr(e, "raw_text", ""), failures=getattr(e, "failures", []),
                            error=f"GenerationError: {e}")
@@ -486,188 +280,74 @@ def evaluate_case(sample: dict, engine: _Engine, stacks: _StackCache) -> Tuple[d
     return row, details, None if answer_absent else pred_mask
 
 
-# ---- aggregation ----------------------------------------------------------------------------------
-
-def _mean(values) -> Optional[float]:
-    v = [float(x) for x in values]
-    return float(np.mean(v)) if v else None
+def _short(text: str) -> str:
+    text = one_line(text)
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 1] + "…"
 
 
-def _flag(row: dict, key: str) -> bool:
-    """A 0/1 column of a case row; absent (a case file from before the column existed) is 0."""
-    v = row.get(key)
-    return bool(int(v)) if v not in (None, "") else False
+def _complete_row(row: dict, sample: dict) -> dict:
+    full = {k: "" for k in CASE_COLUMNS}
+    full.update(id=sample["id"], case_id=sample.get("case_id", ""), dataset=sample.get("dataset"),
+                dataset_name=dataset_name(sample.get("dataset")), label=sample.get("label", ""),
+                query=sample.get("query", ""), target_absent=int(bool(sample.get("absent"))))
+    full.update(row)
+    return full
 
 
-def existence(scored: List[dict]) -> dict:
-    """Existence accuracy and the false-positive / false-negative rates (%) over scored case rows (ok
-    and failed; see the module docstring)."""
-    neg = [r for r in scored if _flag(r, "target_absent")]
-    pos = [r for r in scored if not _flag(r, "target_absent")]
+def _save_mask(path: Path, mask: np.ndarray) -> None:
+    from medvolcore.fileio import atomic_path
 
-    def right(r):
-        return r["status"] == "ok" and _flag(r, "answer_absent") == _flag(r, "target_absent")
-
-    fp = sum(r["status"] == "ok" and not _flag(r, "answer_absent") for r in neg)
-    fn = sum(r["status"] == "ok" and _flag(r, "answer_absent") for r in pos)
-    return {"accuracy_pct": _mean(100.0 * right(r) for r in scored),
-            "fp_rate_pct": 100.0 * fp / len(neg) if neg else None,
-            "fn_rate_pct": 100.0 * fn / len(pos) if pos else None,
-            "negatives": len(neg), "positives": len(pos), "false_positives": fp, "false_negatives": fn,
-            "true_negatives": sum(right(r) for r in neg), "definition": EXISTENCE_DEFINITION}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path, overwrite=True) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, mask=np.asarray(mask, dtype=bool))
 
 
-def aggregate(samples: List[dict], out_dir: Path, settings: EvalSettings, fingerprint: str) -> dict:
-    """Read every case file of the current settings and write cases.csv, table.md, table.csv and
-    summary.json; returns the summary."""
-    rows = []
-    for s in samples:
-        rec = _read_json(out_dir / "cases" / f"{case_key(s['id'])}.json")
-        if rec and rec.get("fingerprint") == fingerprint and isinstance(rec.get("row"), dict):
-            rows.append(rec["row"])
-    label, smoke = method_label(settings)
-    scored_all = [r for r in rows if r["status"] in ("ok", "failed")]  # failed count as 0 (FAILURE_POLICY)
-    # DSC, IoU, hit, axial and box are over positive cases only (a negative has no target to overlap)
-    scored = [r for r in scored_all if not _flag(r, "target_absent")]
-    ok = [r for r in scored if r["status"] == "ok"]
+class _EvalCase:
+    """A sample of the split to :func:`medvolcore.caseruns.run_cases`: its record is
+    ``cases/<key>.json`` (the settings' fingerprint, the row, the details), its mask
+    ``masks/<key>.npz``. A record of these settings whose status is in ``keep`` is skipped, unless
+    ``redo`` (``--overwrite``)."""
 
-    def val(r, key):
-        return float(r[key]) if r["status"] == "ok" else 0.0
+    def __init__(self, out_dir: Path, fingerprint: str, engine: _Engine, *, keep: Tuple[str, ...], redo: bool,
+                 save_masks: bool):
+        self.out_dir, self.fingerprint, self.engine = out_dir, fingerprint, engine
+        self.keep, self.redo, self.save_masks = keep, redo, save_masks
+        self.stacks = _StackCache()
+        self.recorded = 0
 
-    codes = sorted({r["dataset"] for r in rows},
-                   key=lambda c: (PAPER_DATASETS.index(c) if c in PAPER_DATASETS else len(PAPER_DATASETS),
-                                  c is None, str(c)))
-    per_dataset = {}
-    for c in codes:
-        rs = [r for r in scored if r["dataset"] == c]
-        rs_ok = [r for r in ok if r["dataset"] == c]
-        per_dataset[dataset_name(c)] = {
-            "code": c, "cases": len(rs), "failed": sum(r["status"] == "failed" for r in rs),
-            "negatives": sum(1 for r in scored_all if r["dataset"] == c and _flag(r, "target_absent")),
-            "errors": sum(r["status"] == "error" for r in rows if r["dataset"] == c),
-            "dsc_pct": _mean(val(r, "dsc_pct") for r in rs), "iou_pct": _mean(val(r, "iou_pct") for r in rs),
-            "dsc_pct_ok_only": _mean(float(r["dsc_pct"]) for r in rs_ok),
-            "iou_pct_ok_only": _mean(float(r["iou_pct"]) for r in rs_ok),
-        }
-    ds_with_cases = [d for d in per_dataset.values() if d["cases"]]
-    summary = {
-        "schema": SCHEMA, "method": label, "smoke": smoke, "settings": asdict(settings), "fingerprint": fingerprint,
-        "protocol": protocol_of(settings), "split": settings.split, "cases_in_split": len(samples), "cases_evaluated": len(rows),
-        "cases_pending": len(samples) - len(rows), "cases_ok": sum(r["status"] == "ok" for r in rows),
-        "cases_failed": sum(r["status"] == "failed" for r in rows),
-        "cases_error": sum(r["status"] == "error" for r in rows),
-        "failure_policy": FAILURE_POLICY,
-        "per_dataset": per_dataset,
-        "average": {"dsc_pct": _mean(d["dsc_pct"] for d in ds_with_cases),
-                    "iou_pct": _mean(d["iou_pct"] for d in ds_with_cases),
-                    "definition": "unweighted mean of the per-dataset means"},
-        "all_cases": {"dsc_pct": _mean(val(r, "dsc_pct") for r in scored),
-                      "iou_pct": _mean(val(r, "iou_pct") for r in scored)},
-        "hit_rate_pct": _mean(100.0 * val(r, "hit") for r in scored),
-        "box_iou": _mean(val(r, "box_iou") for r in scored),
-        "axial_score": _mean(val(r, "axial_score") for r in scored),
-        "ok_only": {"cases": len(ok), "dsc_pct": _mean(float(r["dsc_pct"]) for r in ok),
-                    "iou_pct": _mean(float(r["iou_pct"]) for r in ok),
-                    "hit_rate_pct": _mean(100.0 * float(r["hit"]) for r in ok),
-                    "box_iou": _mean(float(r["box_iou"]) for r in ok)},
-        "existence": existence(scored_all),
-        "seconds_per_case": _mean(float(r["seconds"]) for r in rows if r.get("seconds") not in (None, "")),
-        "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    _write_text(out_dir / "cases.csv", _cases_csv(rows))
-    header, line = table_row(summary)
-    _write_text(out_dir / "table.csv", _csv_text([header, line]))
-    _write_text(out_dir / "table.md", table_markdown(summary, header, line))
-    _write_json(out_dir / "summary.json", summary)
-    record_evaluation(settings.adapter, out_dir, summary, header, line)  # into a medvol-train adapter's card
-    return summary
+    def name(self, sample: dict) -> str:
+        return sample["id"]
 
+    def previous(self, sample: dict) -> Optional[dict]:
+        if self.redo:
+            return None
+        rec = read_record(self.out_dir / "cases" / f"{case_key(sample['id'])}.json")
+        if rec is None or rec.get("fingerprint") != self.fingerprint:
+            return None
+        return rec if (rec.get("row") or {}).get("status") in self.keep else None
 
-def _fmt(v, digits: int = 2) -> str:
-    return "—" if v is None else f"{v:.{digits}f}"
+    def run(self, sample: dict, progress) -> dict:
+        row, details, pred = evaluate_case(sample, self.engine, self.stacks, progress)
+        return self._record(sample, row, details, pred)
 
+    def failed(self, sample: dict, error: Exception, seconds: float) -> dict:
+        """An ``error`` row: left out of every mean, retried by the next run."""
+        msg = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        log.warning("case %s could not be evaluated: %s: %s", sample["id"], type(error).__name__, msg)
+        return self._record(sample, {"status": "error", "error": _short(f"{type(error).__name__}: {msg}")},
+                            {"error": f"{type(error).__name__}: {error}"}, None)
 
-def _csv_text(rows: Sequence[Sequence]) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    for r in rows:
-        w.writerow(r)
-    return buf.getvalue()
-
-
-def _cases_csv(rows: List[dict]) -> str:
-    def cell(r, k):
-        v = r.get(k, "")
-        if v is None:
-            return ""
-        if isinstance(v, float):
-            return f"{v:.4f}"
-        return v
-
-    return _csv_text([list(CASE_COLUMNS)] + [[cell(r, k) for k in CASE_COLUMNS] for r in rows])
-
-
-def table_row(summary: dict) -> Tuple[List[str], List[str]]:
-    """Header and the one row of Table 1 (DSC and IoU in % per dataset, average, hit rate, box IoU, cases),
-    then the extra existence columns (:data:`EXISTENCE_COLUMNS`)."""
-    header, line = ["Method"], [summary["method"]]
-    for name, d in summary["per_dataset"].items():
-        header += [f"{name} DSC", f"{name} IoU"]
-        line += [_fmt(d["dsc_pct"]), _fmt(d["iou_pct"])]
-    box = summary["box_iou"]
-    header += ["Average DSC", "Average IoU", "Hit rate (%)", "Box IoU (%)", "Cases", "Failed", "Errors"]
-    line += [_fmt(summary["average"]["dsc_pct"]), _fmt(summary["average"]["iou_pct"]), _fmt(summary["hit_rate_pct"]),
-             _fmt(None if box is None else 100.0 * box), f"{summary['cases_evaluated']}/{summary['cases_in_split']}",
-             str(summary["cases_failed"]), str(summary["cases_error"])]
-    ex = summary.get("existence") or {}  # extra columns, after the paper's
-    header += list(EXISTENCE_COLUMNS)
-    line += [_fmt(ex.get("accuracy_pct")), _fmt(ex.get("fp_rate_pct")), _fmt(ex.get("fn_rate_pct"))]
-    return header, line
-
-
-def table_markdown(summary: dict, header: List[str], line: List[str]) -> str:
-    s = summary
-    out = [f"# Evaluation: {s['split']} split of {s['settings']['data']}", ""]
-    if s["smoke"]:
-        out += [f"**{SMOKE_TEXT}.**", ""]
-    out += ["DSC and IoU in %, mean over cases (3-D masks on the canonical axial stack).", ""]
-    out += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-            "| " + " | ".join(c.replace("|", "\\|") for c in line) + " |", ""]
-    k = s["settings"].get("stop_after_empty", 0)
-    notes = [("Protocol: the paper's (Table 1): MedSAM2 propagates the anchor over the whole volume, test split."
-              if s.get("protocol") == "paper" else
-              "Protocol: not the paper's: " + (f"early stop (each direction ends once every mask has been empty on "
-                                               f"{k} slices), as `medvol segment` does" if k else
-                                               f"whole-volume propagation on the {s['split']} split")
-              + "; `--protocol paper` gives the paper's Table 1 protocol."),
-             f"Cases: {s['cases_evaluated']} of {s['cases_in_split']} in the split evaluated — {s['cases_ok']} ok, "
-             f"{s['cases_failed']} failed, {s['cases_error']} errors."]
-    if s["cases_pending"]:
-        notes.append(f"**Partial:** {s['cases_pending']} case(s) not evaluated yet (other shards, --limit, or an "
-                     "interrupted run); run them into this folder, then `--aggregate-only`.")
-    notes.append("Failed cases (the model gave no usable answer) count as DSC = IoU = 0, a key-slice miss and box "
-                 "IoU 0; errors (the case could not be evaluated) are left out of every mean and retried by the "
-                 "next run; see cases.csv.")
-    notes.append("Average: the unweighted mean of the per-dataset means. Hit rate: the predicted key slice holds "
-                 "target foreground. Box IoU: Hungarian-matched IoU of the predicted boxes with the ground-truth "
-                 "boxes of the predicted slice (the box reward), in %.")
-    ex = s.get("existence") or {}
-    notes.append(f"Extra columns (not in the paper): existence accuracy over all "
-                 f"{ex.get('positives', 0) + ex.get('negatives', 0)} scored case(s), {ex.get('negatives', 0)} of them "
-                 "negative (the target is not in the volume); the "
-                 "false-positive rate is over the negative cases (a slice and boxes answered), the false-negative "
-                 "rate over the positive ones ([] answered). Negative cases are not in DSC, IoU, hit rate or box "
-                 "IoU; an absent answer on a positive case counts as DSC = IoU = 0 there.")
-    if s["settings"]["oracle"]:
-        notes.append("Oracle anchor: MedSAM2 is given the ground-truth anchor (largest-area slice, its "
-                     "connected-component boxes), so hit rate and box IoU are 100 by construction and DSC is the "
-                     "propagation's upper bound.")
-    ok = s["ok_only"]
-    n_ok = ok.get("cases", s["cases_ok"])
-    notes.append(f"Over the {n_ok} successful {'positive ' if ex.get('negatives') else ''}case(s) only: "
-                 f"DSC {_fmt(ok['dsc_pct'])}, IoU {_fmt(ok['iou_pct'])}.")
-    out += [f"- {n}" for n in notes]
-    return "\n".join(out) + "\n"
+    def _record(self, sample: dict, row: dict, details: dict, pred: Optional[np.ndarray]) -> dict:
+        key = case_key(sample["id"])
+        row = _complete_row(row, sample)
+        if pred is not None and self.save_masks:
+            _save_mask(self.out_dir / "masks" / f"{key}.npz", pred)
+        write_json(self.out_dir / "cases" / f"{key}.json",  # last: the case counts as evaluated
+                   {"schema": SCHEMA, "fingerprint": self.fingerprint, "id": sample["id"], "row": row,
+                    "device": self.engine.device, "details": details})
+        self.recorded += 1
+        return row
 
 
 # ---- the command ------------------------------------------------------------------------------
@@ -676,7 +356,7 @@ def _has_cases(out_dir: Path, prev: dict) -> bool:
     """Whether ``out_dir`` holds a finished case of the settings in ``prev`` (a run that stopped before its
     first case, e.g. a model that would not load, leaves nothing worth protecting)."""
     for path in (out_dir / "cases").glob("*.json"):
-        rec = _read_json(path)
+        rec = read_record(path)
         if rec and rec.get("fingerprint") == prev.get("fingerprint"):
             return True
     return False
@@ -686,7 +366,7 @@ def _check_out_dir(out_dir: Path, settings: EvalSettings, fingerprint: str, over
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {out_dir} exists and is not a folder")
     prev_path = out_dir / "settings.json"
-    prev = _read_json(prev_path) if prev_path.exists() else None
+    prev = read_record(prev_path) if prev_path.exists() else None
     if prev_path.exists() and prev is None and not overwrite:
         raise DataError(f"{prev_path} is unreadable; pass --overwrite to start this evaluation again")
     if prev is not None and prev.get("fingerprint") != fingerprint and not overwrite and _has_cases(out_dir, prev):
@@ -709,20 +389,6 @@ def _split_samples(data_dir, split: str, limit: Optional[int]) -> List[dict]:
     return samples[:limit] if limit else samples
 
 
-def _short(text: str) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS - 1] + "…"
-
-
-def _complete_row(row: dict, sample: dict) -> dict:
-    full = {k: "" for k in CASE_COLUMNS}
-    full.update(id=sample["id"], case_id=sample.get("case_id", ""), dataset=sample.get("dataset"),
-                dataset_name=dataset_name(sample.get("dataset")), label=sample.get("label", ""),
-                query=sample.get("query", ""), target_absent=int(bool(sample.get("absent"))))
-    full.update(row)
-    return full
-
-
 def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Optional[str] = None, adapter=None,
              sam_checkpoint=None, random_weights: Optional[int] = None, sam_image_size: Optional[int] = None,
              device: str = "auto", shard=None, limit: Optional[int] = None, constrain: bool = True,
@@ -740,7 +406,7 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
     t_start = time.perf_counter()
     out_dir = Path(out).expanduser()
     if aggregate_only:
-        prev = _read_json(out_dir / "settings.json")
+        prev = read_record(out_dir / "settings.json")
         if prev is None or not isinstance(prev.get("settings"), dict):
             raise DataError(f"{out_dir} holds no evaluation (no readable settings.json) to aggregate")
         try:
@@ -763,7 +429,7 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
         if split != "test":
             raise InputError(f"--protocol paper evaluates the test split, not {split!r}")
         stop_after_empty = 0
-    i_shard, n_shards = parse_shard(shard)
+    shard = parse_shard(shard)  # I counts from 1; a bad one (0/N included) is one line, before anything runs
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise InputError(f"--limit must be a whole number ≥ 1, got {limit!r}")
     from medvolcore.devices import resolve_device
@@ -774,8 +440,8 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
         from medvolcore.propagation import DEFAULT_STOP_AFTER_EMPTY
 
         stop_after_empty = DEFAULT_STOP_AFTER_EMPTY
-    settings = _resolve_settings(data_dir, split, oracle, preset, adapter, sam_checkpoint, random_weights,
-                                 sam_image_size, constrain, stop_after_empty)
+    settings = resolve_settings(data_dir, split, oracle, preset, adapter, sam_checkpoint, random_weights,
+                                sam_image_size, constrain, stop_after_empty)
     samples = _split_samples(data_dir, split, limit)
     fingerprint = settings.fingerprint()
     _check_out_dir(out_dir, settings, fingerprint, overwrite)
@@ -783,66 +449,43 @@ def evaluate(data, out, *, split: str = "test", oracle: bool = False, preset: Op
     if smoke:
         log.warning("%s: %s", label, SMOKE_TEXT[0].lower() + SMOKE_TEXT[1:])
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(out_dir / "settings.json", {"schema": SCHEMA, "fingerprint": fingerprint,
-                                            "settings": asdict(settings), "limit": limit, "method": label})
+    write_json(out_dir / "settings.json", {"schema": SCHEMA, "fingerprint": fingerprint,
+                                           "settings": asdict(settings), "limit": limit, "method": label})
 
-    mine = [s for n, s in enumerate(samples) if n % n_shards == i_shard]
+    mine = shard_of(samples, shard)
     if not mine:
-        log.warning("shard %d/%d has no samples (the split has %d)", i_shard, n_shards, len(samples))
-    keep_status = ("ok",) if retry_failed else ("ok", "failed")
-    todo, resumed = [], 0
-    for s in mine:
-        rec = _read_json(out_dir / "cases" / f"{case_key(s['id'])}.json")
-        if (rec is not None and not overwrite and rec.get("fingerprint") == fingerprint
-                and (rec.get("row") or {}).get("status") in keep_status):
-            resumed += 1
-        else:
-            todo.append(s)
-
-    from tqdm import tqdm
-
+        log.warning("shard %s has no samples (the split has %d)", shard_text(shard), len(samples))
     engine = _Engine(settings, device)
-    stacks = _StackCache()
-    done = {"ok": 0, "failed": 0, "error": 0}
-    bar = tqdm(total=len(todo), desc="evaluate" + (f" {i_shard}/{n_shards}" if n_shards > 1 else ""), unit="case",
-               file=sys.stderr, disable=not progress or None)
+    keeper = _EvalCase(out_dir, fingerprint, engine, keep=("ok",) if retry_failed else ("ok", "failed"),
+                       redo=overwrite, save_masks=save_masks)
+    plan = plan_run(mine, keeper)
+    display = RunProgress("evaluate" + (f" {shard_text(shard)}" if shard and shard[1] > 1 else ""), len(mine),
+                          STATUSES, ((rec.get("row") or {}).get("status") for rec in plan.done_before.values()),
+                          enabled=progress, note=_progress_note)
     try:
-        if todo:
-            engine.load()  # a model that cannot load stops the run here, before any case is recorded
-        for s in todo:
-            key = case_key(s["id"])
-            try:
-                row, details, pred = evaluate_case(s, engine, stacks)
-            except Exception as e:  # noqa: BLE001 — one case's problem is recorded, the others go on
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                log.warning("case %s could not be evaluated: %s: %s", s["id"], type(e).__name__, msg)
-                row, details, pred = ({"status": "error", "error": _short(f"{type(e).__name__}: {msg}")},
-                                      {"error": f"{type(e).__name__}: {e}"}, None)
-            row = _complete_row(row, s)
-            if pred is not None and save_masks:
-                _save_mask(out_dir / "masks" / f"{key}.npz", pred)
-            _write_json(out_dir / "cases" / f"{key}.json",
-                        {"schema": SCHEMA, "fingerprint": fingerprint, "id": s["id"], "row": row,
-                         "device": engine.device, "details": details})
-            done[row["status"]] += 1
-            bar.update(1)
-            if row["status"] == "ok":
-                bar.set_postfix_str("absent target: answered " + ("[]" if row["answer_absent"] else "boxes")
-                                    if row["target_absent"] else f"DSC {row['dsc_pct']:.1f}", refresh=False)
+        # the models load once, only when a case must run; a model that cannot load stops the run there
+        outcome = run_cases(plan.to_run, keeper, load=engine.load, display=display)
     except BaseException:
-        bar.close()
-        if any(done.values()):  # what finished is in the tables, also after an interruption
+        if keeper.recorded:  # what finished is in the tables, also after an interruption
             try:
                 aggregate(samples, out_dir, settings, fingerprint)
             except Exception:  # noqa: BLE001 — the original problem is the one to report
                 log.debug("aggregation after an interruption failed", exc_info=True)
         raise
-    bar.close()
     summary = aggregate(samples, out_dir, settings, fingerprint)
-    summary["run"] = {"evaluated": len(todo), "resumed": resumed, "shard": f"{i_shard}/{n_shards}",
-                      "shard_cases": len(mine), **done, "device": engine.device,
+    summary["run"] = {"evaluated": len(plan.to_run), "resumed": len(plan.done_before),
+                      "shard": shard_text(shard or (1, 1)), "shard_cases": len(mine),
+                      **status_counts(outcome.rows, STATUSES), "device": engine.device,
                       "seconds": time.perf_counter() - t_start}
     return summary
+
+
+def _progress_note(row: dict) -> str:
+    if row["status"] != "ok":
+        return ""
+    if row["target_absent"]:
+        return "absent target: answered " + ("[]" if row["answer_absent"] else "boxes")
+    return f"DSC {row['dsc_pct']:.1f}"
 
 
 def format_result(summary: dict, out_dir) -> str:
@@ -864,5 +507,5 @@ def format_result(summary: dict, out_dir) -> str:
 
 
 __all__ = ["EvalSettings", "evaluate", "evaluate_case", "score_case", "score_negative", "existence", "aggregate",
-           "parse_shard", "dataset_name", "protocol_of", "PROTOCOLS", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT",
+           "dataset_name", "protocol_of", "PROTOCOLS", "case_key", "method_label", "format_result", "table_row", "SMOKE_TEXT",
            "EXISTENCE_COLUMNS"]

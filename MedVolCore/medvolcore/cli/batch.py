@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from ..caseruns import SHARD_HELP
 from .common import add_compute_options, add_consensus_options, add_preset_option, add_stop_option, seed_arg, terminal_safe
 
 HELP = "Segment every case of a manifest (CSV or JSONL); resumable, shardable, with a summary table and page."
@@ -42,7 +43,8 @@ cases (done or absent) that have a value in it (dice/iou: those with gt); failed
 cases never count; the status cell says over how many. summary.html shows them first and --json
 carries them as 'aggregate'.
 
---shard I/N (1-based I) takes the cases at 0-based manifest positions p with p % N == I-1.
+--shard I/N (I counts from 1: 1/4 is the first of 4) takes the cases at 0-based manifest
+positions p with p % N == I-1 (for a cluster job array: --shard $((SLURM_ARRAY_TASK_ID+1))/N).
 
 checked before any model loads: every row's fields, and for this shard's rows the files (exist,
 headers read as 3-D images) and the ground truth's grid against the CT's (by geometry, as medvol
@@ -66,7 +68,7 @@ def add_batch_command(sub, add):
     sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for the grounder (overrides the preset's)")
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
                     help="cpu (fp32) or cuda (bfloat16); auto picks cuda when available")
-    sp.add_argument("--shard", metavar="I/N", help="run only shard I of N (1-based), e.g. 2/4, for cluster job arrays")
+    sp.add_argument("--shard", metavar="I/N", help=SHARD_HELP)
     g = sp.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="skip finished cases (done.json); rerun failed or incomplete ones")
     g.add_argument("--overwrite", action="store_true", help="redo every case of the shard, replacing its outputs")
@@ -143,7 +145,8 @@ def _text(info: dict) -> str:
 
 
 def cmd_batch(args) -> int:
-    from ..batch import BatchOptions, parse_shard, run_batch
+    from ..batch import BatchOptions, run_batch
+    from ..caseruns import parse_shard
 
     opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
                         sample=args.sample, ct_window=args.ct_window, stop_after_empty=args.stop_after_empty,
