@@ -21,6 +21,21 @@ class InputError(MedVolError):
     code = "bad_input"
 
 
+class FieldError(InputError):
+    """A request's field, or fields together, break a rule of the request's declaration
+    (:mod:`medvolcore.request`): a missing or mistyped field, a value outside its limits, fields
+    that do not go together. The message names each field as the door that built the request calls
+    it (``--consensus``, ``'consensus'``). The worker answers it as ``bad_request`` (text that is not
+    valid Unicode: ``bad_input``)."""
+
+    code = "bad_request"
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        if code:
+            self.code = code
+
+
 class VolumeError(MedVolError):
     """A volume or label map cannot be read or is not a 3-D numeric image."""
 

@@ -1,13 +1,15 @@
-"""One segment job, written once: check the outputs, run the pipeline, write the outputs, return one result.
+"""One segment job, written once: check the request and the outputs, run the pipeline, write the outputs, return one result.
 
 Every front door runs its volumes through :func:`run_segment_job`: ``medvol segment`` and
 ``medvol demo``, ``medvol propagate``, each case of ``medvol batch`` and the worker's ``segment``
-and ``propagate`` requests. Each front door then names the result's fields the way its users
-already read them (the CLI's ``--json``, ``done.json``, the worker's replies).
+and ``propagate`` requests. The request (:class:`~medvolcore.request.SegmentRequest`) and the
+result (:class:`~medvolcore.result.SegmentResult`) are declared once, each field with its names at
+every door; the doors build the one and show the other from that declaration.
 
 The steps, in this order, so that nothing is loaded or written for a job that cannot finish:
 
-1. the request's own values (query, early-stop K, display window, slice span) and every output
+1. the request (:meth:`~medvolcore.request.SegmentRequest.check`: every rule, named as the door
+   that built it names its fields) and every output
    (:func:`check_outputs`: distinct files, none of them an input, each writable, with a suffix
    of its kind, absent unless ``overwrite``) — before the volume is read;
 2. the volume (a path, a :class:`~medvolcore.volume.CTVolume` or an
@@ -39,54 +41,8 @@ likewise the QC pictures and agreement maps. ``--stats`` has one row per target.
 are written unless every target is absent (then as for one absent target). A reference mask
 scores one target only.
 
-The result (:func:`run_segment_job`) is one JSON-ready dict:
-
-``mode``         ``"segment"`` (grounded) or ``"propagate"`` (a given anchor)
-``volume``       the volume's path, or None for an in-memory volume
-``query``        the query (``""`` when propagating an anchor without one)
-``preset``       the model preset's name (``""`` for a propagation-only pipeline)
-``smoke``        True when an untrained smoke model made the anchor or mask
-``absent``       True when the grounder answered that the target is not in this volume: the mask
-                 is all zero, nothing was propagated, and ``out`` is None unless an empty mask was
-                 asked for
-``identity``     what the models are (:func:`medvolcore.models.identity`: ``label``, ``zero_shot``,
-                 ``trained_for_task``, …), None for a MedSAM2-only pipeline
-``anchor``       the evidence anchor as written to its file (``medvol.anchor/1``, or ``/2`` with
-                 correction prompts or a slice range), with
-                 ``propagation``: early stop's K and where each direction stopped
-``reasoning``    the model's reasoning (the anchor's, when propagating)
-``raw_text``     the model's whole answer (``""`` when propagating)
-``notes``        remarks a reader must see (smoke model, reordered boxes, NaN voxels, …)
-``shape``        the volume's source grid shape; ``mask_voxels`` the mask's voxel count
-``propagation``  the same early-stop record as in ``anchor``
-``slices_encoded`` how many slices MedSAM2's image encoder ran on (0 when a kept feature store had
-                 every slice the propagation visited)
-``metrics``      with a ``reference``: ``{"dice", "iou", "pred_voxels", "gt_voxels"}`` (Dice and IoU
-                 rounded to 6 places), else None
-``answer_mean_logprob``, ``answer_mean_prob`` the greedy answer's token signal (the anchor's; None when
-                 not measured, e.g. propagating a given anchor): how peaked the decoder's choice was,
-                 not a probability that the answer is right
-``consensus``    the number of samples G (1: no consensus); ``consensus_mask`` ``greedy`` or ``majority``
-``confidence``   with G > 1, the samples' mean pairwise agreement in [0, 1] (:mod:`medvolcore.consensus`),
-                 else None; ``samples`` each sample in compact form (None without a consensus)
-``timings``      seconds per stage (``ground_*``, ``propagate_s``, ``propagate_s_per_slice``,
-                 ``slices_encoded``, ``slices_propagated``, ``encoder_calls``, ``total_s`` (the pipeline's),
-                 ``write_s`` and ``job_s`` (the whole job: reading, models, writing))
-``out``, ``anchor_out``, ``qc``, ``agreement_out``  the files written (None for those not asked for, and
-                 ``out`` None for an absent result without ``empty_mask_on_absent``; the agreement map
-                 of a consensus is written whenever asked, absent or not); ``outs`` every mask output
-                 written (``out`` is the first)
-
-A several-target result has ``mode``, ``volume``, ``preset``, ``smoke``, ``identity``, ``shape``,
-``out``/``outs`` as above and: ``queries``; ``targets``, one per query with ``label`` (its value),
-the one-target fields ``query`` … ``timings`` (``anchor``, ``reasoning``, ``stats``, ``mask_voxels``,
-``terminology``, ``absent``, ``confidence``, …), its files ``anchor_out``, ``qc``, ``agreement_out``
-and ``overlap_voxels_lost`` (its voxels that went to an earlier target); ``overlaps`` (``labels``
-``[j, k]``, ``queries``, ``voxels``, ``volume_ml``) and ``overlap_rule``; ``absent`` (every target
-absent); ``notes`` (the overlaps, generic DICOM codes); ``mask_voxels`` (labelled voxels); ``stats``
-(one row per target); ``labels_out`` (the label tables written); ``slices_encoded`` (for all
-targets) and ``timings`` (``ground_s`` for all queries, ``shared_prompt``, ``shared_prefill_s``,
-``propagate_s``, ``total_s``, ``write_s``, ``job_s``).
+The result is a :class:`~medvolcore.result.SegmentResult`: each of its fields is described there,
+with the doors that show it.
 """
 
 from __future__ import annotations
@@ -97,77 +53,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from .errors import InputError
 from .dicomseg import check_dicom_source, is_dicom_output
 from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix, write_text_atomic
 from .stats import STATS_SUFFIXES, check_stats_path, stats_text, target_stats
 from .models.identity import SMOKE_BANNER  # re-exported here, where it always was
+from .request import MAX_TARGETS, SegmentRequest  # declared in medvolcore.request; imported from here too
+from .result import SegmentResult
 
-__all__ = ["SegmentRequest", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "check_queries", "default_anchor_path",
+__all__ = ["SegmentRequest", "SegmentResult", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "default_anchor_path",
            "labels_path", "numbered", "planned_files", "resolve_overlaps", "run_segment_job", "MAX_TARGETS",
            "OVERLAP_RULE"]
 
 
 PathLike = Union[str, Path]
-MAX_TARGETS = 64  # queries in one job (label values 1..64)
 OVERLAP_RULE = ("a voxel that several targets claim goes to the one asked first (query 1 before query 2, …); "
                 "each overlap is reported")
 Progress = Callable[[str, float, str], None]  # (stage, fraction 0..1, message), as Pipeline's
-
-
-@dataclass
-class SegmentRequest:
-    """What to segment and how. Give ``query`` (ground, then propagate) or a given anchor:
-    ``anchor`` (an :class:`~medvolcore.anchor.EvidenceAnchor`, its dict, or an ``*.anchor.json``
-    path; ``boxes`` or ``world``) or ``key_slice`` + ``boxes`` (inclusive pixel boxes on that
-    canonical slice, ``source: "user"``).
-
-    ``hu_window``: the display window (a preset name, ``(centre, width)`` in HU, or None for soft
-    tissue). ``stop_after_empty``: early stop's K (None: the pipeline's default; 0: the whole
-    volume). ``constrain``/``sample``/``seed``: the grounder's decoding. ``span``: propagate only
-    slices ``[k - span, k + span]``; ``largest_component``: keep each box's largest 3-D component.
-    ``qc_title``: the QC picture's title (default ``"query: …"``). ``reference``: a ground-truth
-    mask on the volume's own grid (a boolean array of its shape) to score the mask against and to draw
-    as a contour in the QC picture.
-    ``prompts`` (pixel-form correction prompts, :mod:`medvolcore.prompts`) are added after the
-    given anchor's own, and ``z_range`` replaces its slice range (``medvol propagate``'s
-    ``--add-box``, ``--add-point`` and ``--z-range``); both need a given anchor or key slice.
-    ``consensus``: G answers instead of one (1..8; 1 = off; a query only) and ``consensus_mask``
-    (``greedy`` or ``majority``), as :meth:`~medvolcore.pipeline.Pipeline.segment` takes them.
-    ``queries``: several targets in one job instead of ``query`` (see "Several targets" in the
-    module docstring); every other value applies to each of them. ``target_name``: the structure
-    the query is about when the data says so (a dataset's label name, ``kidney_left``): it names
-    and codes the segment (:func:`medvolcore.terminology.match`); the model still reads the query.
-    """
-
-    query: Optional[str] = None
-    anchor: object = None
-    key_slice: Optional[int] = None
-    boxes: Optional[Sequence[Sequence[int]]] = None
-    hu_window: object = None
-    stop_after_empty: Optional[int] = None
-    constrain: bool = True
-    sample: bool = False
-    seed: Optional[int] = None
-    span: Optional[int] = None
-    largest_component: bool = False
-    qc_title: Optional[str] = None
-    reference: object = None
-    prompts: Optional[Sequence[dict]] = None
-    z_range: Optional[Sequence[int]] = None
-    consensus: int = 1
-    consensus_mask: str = "greedy"
-    queries: Optional[Sequence[str]] = None
-    target_name: Optional[str] = None
-
-    @property
-    def grounded(self) -> bool:
-        return self.anchor is None and self.key_slice is None and not self.boxes
-
-    @property
-    def targets(self) -> int:
-        """How many targets the job segments (several only with ``queries``)."""
-        return len(self.queries) if self.queries else 1
 
 
 @dataclass
@@ -270,80 +171,6 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
             check_output(path, overwrite, create_folder=create)
 
 
-def _check_request(request: SegmentRequest):
-    """The request's own values, checked; returns ``(query, window)``."""
-    from .propagation import check_stop_after_empty
-    from .windowing import get_window
-
-    query = request.query
-    if request.queries is not None:
-        check_queries(request)
-    elif request.grounded:
-        from .grounder import validate_query
-
-        if query is None:
-            raise InputError("give a query to segment, or an anchor (or a key slice with boxes) to propagate")
-        query = validate_query(query)
-    elif request.anchor is not None and (request.key_slice is not None or request.boxes):
-        raise InputError("give either an anchor or a key slice with boxes, not both")
-    elif request.anchor is None and (request.key_slice is None or not request.boxes):
-        raise InputError("a key slice needs one or more boxes, and boxes need a key slice")
-    if request.grounded and (request.prompts or request.z_range is not None):
-        raise InputError("correction prompts and a slice range apply to a given anchor (medvol propagate), "
-                         "not to a query")
-    if request.consensus != 1 or request.consensus_mask != "greedy":
-        from .consensus import check_mask_mode
-        from .grounder import check_samples
-
-        check_samples(request.consensus, "consensus (the number of samples)")
-        check_mask_mode(request.consensus_mask)
-        if not request.grounded:
-            raise InputError("a consensus samples the model's answers to a query; a given anchor has none")
-        if request.consensus > 1 and request.sample:
-            raise InputError("a consensus samples its own answers after the greedy one: do not ask for sampling too")
-    if request.target_name is not None:
-        if not isinstance(request.target_name, str) or not request.target_name.strip() \
-                or len(request.target_name) > 200:
-            raise InputError("the target name must be a short text (a structure's name, e.g. kidney_left)")
-        if request.queries is not None and len(request.queries) > 1:
-            raise InputError("a target name names one target; several queries are each coded by their own words")
-    if request.stop_after_empty is not None:
-        check_stop_after_empty(request.stop_after_empty)
-    if request.span is not None and (isinstance(request.span, bool) or not isinstance(request.span, int)
-                                     or request.span < 0):
-        raise InputError(f"the slice span must be a whole number ≥ 0, got {request.span!r}")
-    return query, get_window(request.hu_window)
-
-
-def check_queries(request: SegmentRequest) -> None:
-    """``queries``: 1..:data:`MAX_TARGETS` distinct valid queries, without ``query``, a given anchor or
-    a reference mask; cleaned in place."""
-    from .grounder import validate_query
-
-    if request.query is not None:
-        raise InputError("give one query or a list of queries, not both")
-    if not request.grounded:
-        raise InputError("several queries are grounded by the model; a given anchor has one target")
-    if isinstance(request.queries, (str, bytes)) or not request.queries:
-        raise InputError("queries must be a non-empty list of texts")
-    if len(request.queries) > MAX_TARGETS:
-        raise InputError(f"at most {MAX_TARGETS} queries in one job, got {len(request.queries)}")
-    cleaned, seen = [], {}
-    for i, q in enumerate(request.queries, start=1):
-        try:
-            q = validate_query(q)
-        except InputError as e:
-            raise InputError(f"query {i}: {e}") from None
-        key = " ".join(q.lower().split())
-        if key in seen:
-            raise InputError(f"query {i} repeats query {seen[key]} ({q!r}): give each target once")
-        seen[key] = i
-        cleaned.append(q)
-    if request.reference is not None and len(cleaned) > 1:
-        raise InputError("a reference mask scores one target; score several with `medvol metrics` per label")
-    request.queries = cleaned
-
-
 def _given_anchor(request: SegmentRequest, stack):
     """The anchor to propagate, checked against ``stack`` (world coordinates filled)."""
     from .anchor import EvidenceAnchor
@@ -383,32 +210,28 @@ def _qc_identity(seg, grounded: bool) -> dict:
 
 def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentOutputs, *,
                     inputs: Sequence[Tuple[str, Optional[PathLike]]] = (), progress: Optional[Progress] = None,
-                    cancel=None, features=None) -> dict:
-    """Run one job (see the module docstring for the steps and the result's fields).
+                    cancel=None, features=None) -> SegmentResult:
+    """Run one job (see the module docstring for the steps; the result: :class:`~medvolcore.result.SegmentResult`).
 
-    ``pipeline``: a :class:`~medvolcore.pipeline.Pipeline` or a zero-argument callable returning
-    one (called once the inputs are read and checked). ``volume``: a path, ``CTVolume`` or
-    ``AxialStack``. ``inputs``: ``(name, path)`` pairs no output may be (the volume's path is
-    always among them). ``progress(stage, fraction, message)``; ``cancel``: an Event checked
-    between slices and before anything is written (:class:`~medvolcore.errors.CancelledError`).
-    ``features``: the volume's :class:`~medvolcore.propagation.FeatureStore` for this window and
-    MedSAM2, or a callable ``features(pipeline, window)`` returning it or None (the worker keeps one
-    per volume).
+    ``request``: checked here whoever built it (a copy: the caller's is left as it was), its
+    errors naming the fields as its door does. ``pipeline``: a :class:`~medvolcore.pipeline.Pipeline`
+    or a zero-argument callable returning one (called once the inputs are read and checked).
+    ``volume``: a path, ``CTVolume`` or ``AxialStack``. ``inputs``: ``(name, path)`` pairs no output
+    may be (the volume's path is always among them). ``progress(stage, fraction, message)``;
+    ``cancel``: an Event checked between slices and before anything is written
+    (:class:`~medvolcore.errors.CancelledError`). ``features``: the volume's
+    :class:`~medvolcore.propagation.FeatureStore` for this window and MedSAM2, or a callable
+    ``features(pipeline, window)`` returning it or None (the worker keeps one per volume).
     """
     from dataclasses import replace
 
     from .errors import CancelledError
     from .pipeline import as_stack
+    from .windowing import get_window
 
     t0 = time.perf_counter()
-    query, window = _check_request(request)
-    if request.queries is not None and len(request.queries) == 1:  # one line of a queries file: one query
-        request = replace(request, query=request.queries[0], queries=None)
-        query = request.query
-    targets = request.targets
-    if outputs.agreement and request.consensus < 2:
-        raise InputError(f"{outputs.agreement_name} writes the agreement of a consensus: it needs a consensus of 2 "
-                         "or more samples")
+    request = replace(request).check(agreement=outputs.agreement_name if outputs.agreement else None)
+    query, window, targets = request.query, get_window(request.hu_window), request.targets
     # an in-memory volume still names the file it was read from: no output may replace it
     volume_path = volume if isinstance(volume, (str, Path)) else getattr(getattr(volume, "volume", volume), "path", None)
     check_outputs(outputs, [("--volume", volume_path)] + list(inputs), targets)
@@ -446,8 +269,8 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
         res = _write_targets(segs, stack, volume_path, request, outputs, window)
     else:
         res = _write_target(segs[0], stack, volume_path, request, outputs, window, query)
-    res["timings"]["write_s"] = round(time.perf_counter() - t_write, 4)
-    res["timings"]["job_s"] = round(time.perf_counter() - t0, 4)
+    res.timings["write_s"] = round(time.perf_counter() - t_write, 4)
+    res.timings["job_s"] = round(time.perf_counter() - t0, 4)
     if progress is not None:
         progress("write", 1.0, "done")
     return res
@@ -479,20 +302,17 @@ def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: 
 
 def _target_fields(seg, query: str, term, stats: dict) -> dict:
     """The fields of one target's result, the same in a one-target result and in each ``targets`` entry."""
-    return {
-        "query": seg.anchor.query or (query or ""), "absent": bool(seg.absent),
-        "terminology": term.to_dict() if term is not None else None,
-        "stats": stats,
-        "anchor": seg.anchor.to_dict(), "reasoning": seg.reasoning, "raw_text": seg.raw_text,
-        "notes": list(seg.notes), "mask_voxels": int(stats["voxels"]),
-        "propagation": seg.anchor.propagation,
-        "slices_encoded": int(seg.timings.get("slices_encoded", 0)),
-        "answer_mean_logprob": (seg.anchor.signal or {}).get("answer_mean_logprob"),
-        "answer_mean_prob": (seg.anchor.signal or {}).get("answer_mean_prob"),
-        "consensus": seg.consensus, "consensus_mask": seg.consensus_mask,
-        "confidence": None if seg.confidence is None else round(seg.confidence, 4), "samples": seg.samples,
-        "timings": {k: round(v, 4) if isinstance(v, float) else v for k, v in seg.timings.items()},
-    }
+    return dict(
+        query=seg.anchor.query or (query or ""), absent=bool(seg.absent),
+        terminology=term.to_dict() if term is not None else None, stats=stats,
+        anchor=seg.anchor.to_dict(), reasoning=seg.reasoning, raw_text=seg.raw_text,
+        notes=list(seg.notes), mask_voxels=int(stats["voxels"]), propagation=seg.anchor.propagation,
+        slices_encoded=int(seg.timings.get("slices_encoded", 0)),
+        answer_mean_logprob=(seg.anchor.signal or {}).get("answer_mean_logprob"),
+        answer_mean_prob=(seg.anchor.signal or {}).get("answer_mean_prob"),
+        consensus=seg.consensus, consensus_mask=seg.consensus_mask,
+        confidence=None if seg.confidence is None else round(seg.confidence, 4), samples=seg.samples,
+        timings={k: round(v, 4) if isinstance(v, float) else v for k, v in seg.timings.items()})
 
 
 def _target_stats(seg, mask, stack, name: str) -> dict:
@@ -509,7 +329,13 @@ def _save_qc(path, stack, seg, mask_stack, request: SegmentRequest, window, titl
             window=window, gt_mask=request.reference, **_qc_identity(seg, request.grounded))
 
 
-def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window, query) -> dict:
+def _volume_name(stack, volume_path) -> Optional[str]:
+    path = stack.volume.path or volume_path
+    return str(path) if path else None
+
+
+def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window,
+                  query) -> SegmentResult:
     """Write a one-target job's files (see the module docstring's step 5) → its result."""
     from .terminology import match
     from .volume import save_mask
@@ -539,18 +365,13 @@ def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: Seg
                    "gt_voxels": m["gt_voxels"]}
     fields = _target_fields(seg, query, term, stats)
     fields["notes"] = list(dict.fromkeys(seg.notes))
-    return {
-        "mode": "segment" if request.grounded else "propagate",
-        "volume": str(stack.volume.path or volume_path) if (stack.volume.path or volume_path) else None,
-        "preset": seg.preset, "smoke": bool(seg.smoke), "identity": seg.identity,
-        **fields,
-        "stats_out": str(outputs.stats) if outputs.stats else None,
-        "shape": [int(x) for x in stack.volume.shape], "metrics": metrics,
-        "out": outs[0] if outs else None, "outs": outs,
-        "anchor_out": str(outputs.anchor) if outputs.anchor else None,
-        "qc": str(outputs.qc) if outputs.qc else None,
-        "agreement_out": str(outputs.agreement) if outputs.agreement else None,
-    }
+    return SegmentResult(
+        mode="segment" if request.grounded else "propagate", volume=_volume_name(stack, volume_path),
+        preset=seg.preset, smoke=bool(seg.smoke), identity=seg.identity, **fields,
+        stats_out=str(outputs.stats) if outputs.stats else None, shape=[int(x) for x in stack.volume.shape],
+        metrics=metrics, out=outs[0] if outs else None, outs=outs,
+        anchor_out=str(outputs.anchor) if outputs.anchor else None, qc=str(outputs.qc) if outputs.qc else None,
+        agreement_out=str(outputs.agreement) if outputs.agreement else None)
 
 
 def resolve_overlaps(masks: Sequence, shape) -> Tuple[object, List[dict]]:
@@ -570,7 +391,7 @@ def resolve_overlaps(masks: Sequence, shape) -> Tuple[object, List[dict]]:
     return labels, overlaps
 
 
-def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window) -> dict:
+def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window) -> SegmentResult:
     """Write a several-target job's files → its result (see "Several targets" in the module docstring)."""
     from . import RESEARCH_USE_NOTICE
     from .terminology import match
@@ -611,9 +432,9 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
             _save_qc(files["qc"], stack, seg, (labels_stack == k).astype("uint8"), request, window, title,
                      outputs.overwrite)
         lost = sum(o["voxels"] for o in overlaps if o["labels"][1] == k)
-        targets.append({"label": k, **_target_fields(seg, q, term, stats), "overlap_voxels_lost": lost,
-                        "anchor_out": files.get("anchor_out"), "qc": files.get("qc"),
-                        "agreement_out": files.get("agreement_out")})
+        targets.append(SegmentResult(label=k, **_target_fields(seg, q, term, stats), overlap_voxels_lost=lost,
+                                     anchor_out=files.get("anchor_out"), qc=files.get("qc"),
+                                     agreement_out=files.get("agreement_out")))
     tables = []
     if outs:
         for path in outs:
@@ -640,16 +461,13 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
                "slices_encoded": sum(int(s.timings.get("slices_encoded", 0)) for s in segs),
                "shared_prompt": bool(first.timings.get("ground_shared_prompt", False)),
                "shared_prefill_s": round(first.timings.get("ground_shared_prefill_s", 0.0), 4)}
-    return {
-        "mode": "segment", "volume": str(stack.volume.path or volume_path) if (stack.volume.path or volume_path) else None,
-        "queries": queries, "preset": first.preset, "smoke": bool(any(s.smoke for s in segs)),
-        "identity": first.identity, "absent": all(s.absent for s in segs),
-        "targets": targets, "overlaps": overlaps, "overlap_rule": OVERLAP_RULE,
-        "notes": list(dict.fromkeys(notes)), "shape": [int(x) for x in stack.volume.shape],
-        "mask_voxels": int((labels > 0).sum()), "stats": rows, "stats_out": str(outputs.stats) if outputs.stats else None,
-        "slices_encoded": timings["slices_encoded"], "timings": timings,
-        "out": outs[0] if outs else None, "outs": outs, "labels_out": [str(t) for t in tables],
-    }
+    return SegmentResult(
+        mode="segment", volume=_volume_name(stack, volume_path), queries=queries, preset=first.preset,
+        smoke=bool(any(s.smoke for s in segs)), identity=first.identity, absent=all(s.absent for s in segs),
+        targets=targets, overlaps=overlaps, overlap_rule=OVERLAP_RULE, notes=list(dict.fromkeys(notes)),
+        shape=[int(x) for x in stack.volume.shape], mask_voxels=int((labels > 0).sum()), stats=rows,
+        stats_out=str(outputs.stats) if outputs.stats else None, slices_encoded=timings["slices_encoded"],
+        timings=timings, out=outs[0] if outs else None, outs=outs, labels_out=[str(t) for t in tables])
 
 
 def _short(query: str, limit: int = 60) -> str:

@@ -72,29 +72,17 @@ def cmd_anchor(args) -> int:
 # ---- medvol propagate ------------------------------------------------------------------
 
 def cmd_propagate(args) -> int:
-    from ..jobs import SegmentOutputs, SegmentRequest, check_outputs, run_segment_job
-    from ..propagation import check_stop_after_empty
+    from ..jobs import SegmentOutputs, SegmentRequest, run_segment_job
 
     t0 = time.perf_counter()
-    inputs = [("--volume", args.volume), ("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)]
-    outputs = SegmentOutputs(args.out, anchor=args.anchor_out, overwrite=args.overwrite)
-    check_outputs(outputs, inputs)
-    if args.anchor and (args.slice is not None or args.box):
-        raise InputError("give either --anchor or --slice/--box, not both")
-    if not args.anchor and (args.slice is None or not args.box):
-        raise InputError("give an anchor: --anchor A.anchor.json, or --slice Z with one or more --box X0 Y0 X1 Y1")
+    request = SegmentRequest.from_cli(args)  # the anchor (or key slice and boxes), the range, early stop, …
     if args.sam_checkpoint is None and args.random_weights is None:
         raise InputError("no MedSAM2 weights: pass --sam-checkpoint PATH (e.g. MedSAM2_latest.pt), "
                          "or --random-weights SEED for an untrained smoke test")
-    if args.window is not None and args.window < 0:
-        raise InputError(f"--window must be ≥ 0 slices, got {args.window}")
     if args.sam_checkpoint is not None and args.image_size not in (None, 512):
         raise InputError("--image-size applies to --random-weights only; MedSAM2 checkpoints run at 512")
-    check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
-    request = SegmentRequest(anchor=args.anchor, key_slice=args.slice, boxes=args.box, hu_window=args.ct_window,
-                             stop_after_empty=args.stop_after_empty, span=args.window,
-                             largest_component=args.largest_component, prompts=args.prompts or None,
-                             z_range=args.z_range)
+    inputs = [("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)]
+    outputs = SegmentOutputs(args.out, anchor=args.anchor_out, overwrite=args.overwrite)  # checked by the job
     loaded = {}
 
     def pipeline():  # MedSAM2 loads once the volume and the anchor are known good
@@ -120,7 +108,7 @@ def cmd_propagate(args) -> int:
     compute = apply_compute_options(args)
     bar = None if args.no_progress else _bar("propagate")
     try:
-        res = run_segment_job(pipeline, args.volume, request, outputs, progress=_progress(bar))
+        res = run_segment_job(pipeline, args.volume, request, outputs, inputs=inputs, progress=_progress(bar))
     finally:
         if bar is not None:
             bar.close()
@@ -235,27 +223,17 @@ def _progress(bar, line_every_s: float = 30.0):
 def _run_segment(volume, queries, out, anchor_out, qc, args, preset, notice: str = "",
                  inputs=()) -> dict:
     """One ``segment``/``demo`` job: ``queries`` a query or a list of them (several targets), ``out``
-    a mask path or a list of them (the same mask in each format)."""
-    from ..jobs import SegmentOutputs, SegmentRequest, check_outputs, run_segment_job
-    from ..propagation import check_stop_after_empty
+    a mask path or a list of them (the same mask in each format). The request and the outputs are
+    checked before anything is read and the models load only then (the job's order)."""
+    from ..jobs import SegmentOutputs, SegmentRequest, run_segment_job
+    from ..models import check_adapter_given
 
     queries = [queries] if isinstance(queries, str) else list(queries)
-    request = SegmentRequest(query=queries[0] if len(queries) == 1 else None,
-                             queries=queries if len(queries) > 1 else None, hu_window=args.ct_window,
-                             stop_after_empty=args.stop_after_empty, constrain=not args.no_constrain,
-                             sample=args.sample, seed=args.seed, consensus=args.consensus,
-                             consensus_mask=args.consensus_mask, target_name=getattr(args, "target_name", None))
-    _check_query_list(request)
-    check_stop_after_empty(args.stop_after_empty, "--stop-after-empty")
-    _check_consensus_options(args)
+    request = SegmentRequest.from_cli(args, **({"query": queries[0]} if len(queries) == 1 else {"queries": queries}))
     adapter = getattr(args, "adapter", None)
     outputs = SegmentOutputs(out, anchor=anchor_out, qc=qc, overwrite=args.overwrite,
                              empty_mask_on_absent=args.empty_mask_on_absent, agreement=args.agreement,
                              stats=args.stats)
-    # every output checked before the models load: distinct files, not an input, writable, right type
-    check_outputs(outputs, [("--volume", volume), ("--adapter", adapter)] + list(inputs), request.targets)
-    from ..models import check_adapter_given
-
     check_adapter_given(preset, adapter)  # medvol-r1 without an adapter: one line, before anything is read
     pipes = []
 
@@ -269,25 +247,14 @@ def _run_segment(volume, queries, out, anchor_out, qc, args, preset, notice: str
     compute = apply_compute_options(args)
     bar = None if args.no_progress else _bar("segment")
     try:
-        res = run_segment_job(pipeline, volume, request, outputs, inputs=list(inputs), progress=_progress(bar))
+        res = run_segment_job(pipeline, volume, request, outputs, inputs=[("--adapter", adapter)] + list(inputs),
+                              progress=_progress(bar))
     finally:
         if bar is not None:
             bar.close()
-    if request.targets > 1:
-        keep = ("outs", "labels_out", "queries", "preset", "smoke", "absent", "identity", "targets", "overlaps",
-                "overlap_rule", "stats", "stats_out", "notes", "mask_voxels", "timings")
-        files = {"out": res["out"]}
-    else:
-        keep = ("outs", "preset", "smoke", "absent", "identity", "terminology", "stats", "stats_out", "anchor",
-                "reasoning", "raw_text", "notes", "mask_voxels", "answer_mean_logprob", "answer_mean_prob", "consensus",
-                "consensus_mask", "confidence", "samples", "timings")
-        files = {"out": res["out"], "anchor_out": res["anchor_out"], "qc": res["qc"],
-                 "agreement_out": res["agreement_out"]}
-    out_res = {**files, "volume": res["volume"] or str(volume),
-               **{k: res[k] for k in keep},
-               "model_load_s": {k: round(v, 3) for k, v in pipes[0].load_seconds.items()},
-               **compute, "grounder_dtype": _dtype_name(pipes[0]),
-               "peak_memory_mb": peak_memory_mb()}
+    out_res = {**res.to_json(), "model_load_s": {k: round(v, 3) for k, v in pipes[0].load_seconds.items()},
+               **compute, "grounder_dtype": _dtype_name(pipes[0]), "peak_memory_mb": peak_memory_mb()}
+    out_res["volume"] = out_res["volume"] or str(volume)
     if notice:
         out_res["notice"] = notice
     return out_res
@@ -296,20 +263,6 @@ def _run_segment(volume, queries, out, anchor_out, qc, args, preset, notice: str
 def _dtype_name(pipe) -> Optional[str]:
     g = pipe._grounder  # only a grounder that was loaded (an unreadable volume stops before)
     return None if g is None else str(g.dtype).replace("torch.", "")
-
-
-def _check_query_list(request) -> None:
-    """The queries' own checks (:func:`medvolcore.jobs` does them again), with the CLI's option names."""
-    from ..grounder import validate_query
-    from ..jobs import check_queries
-
-    if request.queries is None:
-        request.query = validate_query(request.query)
-        return
-    try:
-        check_queries(request)
-    except InputError as e:
-        raise InputError(f"--query/--queries: {e}") from None
 
 
 def read_queries_file(path) -> list:
@@ -430,22 +383,6 @@ def _sureness_text(res: dict) -> str:
         return (f"answer signal {res['answer_mean_prob']:.2f} (geometric-mean probability of the answer's tokens): "
                 "how peaked the model's choice was, not the chance that it is right")
     return ""
-
-
-def _check_consensus_options(args) -> None:
-    """--consensus, --consensus-mask and --agreement, checked before anything is read."""
-    from ..grounder import MAX_SAMPLES
-
-    if not 1 <= args.consensus <= MAX_SAMPLES:
-        raise InputError(f"--consensus takes 1 to {MAX_SAMPLES} samples (1 = off), got {args.consensus}")
-    if args.agreement and args.consensus < 2:
-        raise InputError("--agreement writes the agreement of a consensus: add --consensus G (G from 2 to "
-                         f"{MAX_SAMPLES})")
-    if args.consensus_mask != "greedy" and args.consensus < 2:
-        raise InputError(f"--consensus-mask {args.consensus_mask} needs --consensus G (G from 2 to {MAX_SAMPLES})")
-    if args.consensus > 1 and args.sample:
-        raise InputError("--sample and --consensus do not go together: a consensus samples its own answers after "
-                         "the greedy one")
 
 
 def cmd_segment(args) -> int:

@@ -2,7 +2,8 @@
 
 The reference for clients is ``docs/protocol.md``: transports, requests, replies, progress
 events, ops, error codes and the trust boundary. This module is its code: :func:`parse_request`
-(bytes or text → a request dict, ``id`` checked), :func:`field` (a type-checked field),
+(bytes or text → a request dict, ``id`` checked), :func:`field` (a type-checked field:
+:func:`medvolcore.request.wire_value`, which also reads a segment request's declared fields),
 :func:`ok_reply` / :func:`error_reply` / :func:`internal_reply` (the two reply shapes), and
 :func:`encode_line` (one JSON line that never fails, whatever the client sent). Importing it
 imports nothing heavy.
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import MedVolError
+from ..request import MAX_WIRE_INT, is_unicode
+from ..request import wire_value as field
 from ..strictjson import DuplicateKeyError, unique_keys
 
 log = logging.getLogger("medvolcore.serve")
@@ -33,7 +36,7 @@ IMMEDIATE_OPS = ("hello", "status", "cancel", "shutdown")
 QUEUED_OPS = ("load", "segment", "propagate")
 DEFAULT_MAX_REQUEST_MB = 64
 MAX_ID_CHARS = 256
-MAX_ID_INT = 2 ** 63  # request ids are echoed back: keep them small and printable
+MAX_ID_INT = MAX_WIRE_INT  # request ids are echoed back: keep them small and printable
 
 
 class RequestError(MedVolError):
@@ -109,14 +112,6 @@ def valid_id(value) -> bool:
     return isinstance(value, str) and len(value) <= MAX_ID_CHARS and is_unicode(value)
 
 
-def is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _describe_bad_id(value) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return f"'id' must be an integer of at most 63 bits or a string, got an integer of {len(str(abs(value)))} digits"
@@ -151,27 +146,7 @@ def parse_request(raw) -> dict:
     return req
 
 
-_MISSING = object()
-
-
-def field(req: dict, name: str, types, *, required: bool = False, default=None, what: str = ""):
-    """A request field, type-checked (bool is never accepted as a number)."""
-    value = req.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        if required:
-            raise RequestError(f"{req.get('op')}: missing field '{name}'{what}")
-        return default
-    types = types if isinstance(types, tuple) else (types,)
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-    if not ok:
-        names = " or ".join({"str": "a string", "int": "an integer", "bool": "true/false", "dict": "an object",
-                             "list": "a list", "float": "a number"}[t.__name__] for t in types)
-        raise RequestError(f"{req.get('op')}: field '{name}' must be {names}, got {type(value).__name__}")
-    if isinstance(value, str) and not is_unicode(value):
-        raise RequestError(f"{req.get('op')}: field '{name}' is not valid Unicode text (a lone surrogate)", "bad_input")
-    if isinstance(value, int) and not isinstance(value, bool) and not -MAX_ID_INT < value < MAX_ID_INT:
-        raise RequestError(f"{req.get('op')}: field '{name}' is out of range")
-    return value
+_MISSING = object()  # a key the request does not have (the worker's ``cancel`` tells it from null)
 
 
 def internal_reply(rid, what: str) -> dict:

@@ -32,7 +32,7 @@ from .upload import Upload
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
 from .lifecycle import make_tmp_dir, release_tmp_dir
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
-                       is_unicode, ok_reply, parse_request, valid_id)
+                       ok_reply, parse_request, valid_id)
 
 log = logging.getLogger("medvolcore.serve")
 
@@ -91,10 +91,11 @@ def _release_memory() -> None:
 
 class _Job:
     __slots__ = ("id", "op", "req", "reply", "cancel", "stage", "fraction", "message", "started", "transport", "body",
-                 "session", "mask_bytes", "eta")
+                 "session", "mask_bytes", "eta", "request")
 
     def __init__(self, req: dict, reply: Callable[[dict], None], transport: str, body=None,
-                 session: Optional[str] = None, mask_bytes: bool = False):
+                 session: Optional[str] = None, mask_bytes: bool = False, request=None):
+        self.request = request  # the SegmentRequest of a segment/propagate, built and checked on arrival
         self.session = session
         self.mask_bytes = mask_bytes
         self.id = req.get("id")
@@ -228,8 +229,9 @@ class Worker:
                 reply(ok_reply(rid, {"stopping": True}))
                 self.stopped.set()
             else:
-                self._check_queued(req, body, transport)
-                job = _Job(req, reply, transport, body, session, mask_bytes=mask_bytes and transport == "http")
+                request = self._check_queued(req, body, transport)
+                job = _Job(req, reply, transport, body, session, mask_bytes=mask_bytes and transport == "http",
+                           request=request)
                 with self._cv:
                     if self._stopping:
                         raise RequestError("the worker is shutting down", "shutting_down")
@@ -361,10 +363,15 @@ class Worker:
             raise ForbiddenError(f"'{what}' {value!r} is a symbolic link; name a new file in the output folder")
         return Path(full)
 
-    def _check_queued(self, req: dict, body: Optional[bytes], transport: str) -> None:
-        """Cheap field checks done at arrival, so a malformed request is answered at once."""
+    def _check_queued(self, req: dict, body: Optional[bytes], transport: str):
+        """Cheap checks done at arrival, so a malformed request is answered at once: the worker's
+        own fields (models, paths, outputs) here, the request's every field and rule by its
+        declaration (:meth:`~medvolcore.request.SegmentRequest.from_wire`). Returns that request
+        (None for ``load``)."""
+        from ..request import SegmentRequest
+
         op = req["op"]
-        for name in ("preset", "adapter", "device", "out", "volume_b64", "agreement", "consensus_mask"):
+        for name in ("preset", "adapter", "device", "out", "volume_b64", "agreement"):
             field(req, name, str)
         if transport == "http" and field(req, "adapter", str) is not None:
             raise ForbiddenError("'adapter' names a folder on the server, which HTTP clients may not choose; "
@@ -373,27 +380,17 @@ class Worker:
             dev = field(req, "device", str)
             if dev is not None and dev not in ("cpu", "cuda", "auto") and not dev.startswith("cuda:"):
                 raise RequestError(f"load: device must be cpu, cuda, cuda:N or auto, got {dev!r}")
-            return
+            return None
         field(req, "overwrite", bool)
-        w = field(req, "window", (str, list))
-        if isinstance(w, list) and (len(w) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in w)):
-            raise RequestError(f"{op}: field 'window' must be a preset name or [centre, width] in HU, got {w!r}")
-        stop_k = field(req, "stop_after_empty", int)
-        if stop_k is not None:
-            from ..propagation import check_stop_after_empty
-
-            try:
-                check_stop_after_empty(stop_k)
-            except MedVolError as e:
-                raise RequestError(f"{op}: field {e}") from None
+        if op == "segment":
+            field(req, "empty_mask_on_absent", bool)
+        request = SegmentRequest.from_wire(req)
         has_b64 = field(req, "volume_b64", str) is not None or body is not None
         volume = field(req, "volume", str)
         if volume is None and not has_b64:
             raise RequestError(f"{op}: missing field 'volume' (a path to the CT"
                                + (", or 'volume_b64' / the request body with NIfTI bytes)" if transport == "http" else ")"))
-        out = field(req, "out", str)
-        self._check_consensus(req, op)
-        agreement = field(req, "agreement", str)
+        out, agreement = field(req, "out", str), field(req, "agreement", str)
         vol_path = self.client_path(volume, transport, "volume") if volume is not None else None
         out_path = self.output_path(out, transport) if out is not None else None
         agr_path = self.output_path(agreement, transport, "agreement") if agreement is not None else None
@@ -403,47 +400,7 @@ class Worker:
             if path is not None and not path.name.lower().endswith(MASK_SUFFIXES):
                 raise RequestError(f"{op}: '{what}' must end in {', '.join(MASK_SUFFIXES)}", "bad_output")
         check_distinct([("out", out_path), ("agreement", agr_path)], [("volume", vol_path)])
-        if op == "segment":
-            queries = field(req, "queries", list)
-            if queries is None:
-                field(req, "query", str, required=True, what=" (or 'queries': a list of them, one target each)")
-            elif req.get("query") is not None:
-                raise RequestError("segment: give 'query' or 'queries', not both")
-            elif not queries or not all(isinstance(q, str) for q in queries):
-                raise RequestError("segment: field 'queries' must be a non-empty list of strings")
-            elif not all(is_unicode(q) for q in queries):
-                raise RequestError("segment: field 'queries' holds text that is not valid Unicode", "bad_input")
-            field(req, "empty_mask_on_absent", bool)
-            field(req, "target_name", str)
-            field(req, "seed", int)
-            field(req, "constrain", bool)
-            field(req, "sample", bool)
-        elif op == "propagate":
-            field(req, "anchor", dict, required=True, what=" (a medvol.anchor/1 or /2 object)")
-
-    @staticmethod
-    def _check_consensus(req: dict, op: str) -> None:
-        """``consensus`` (1..8 answers), ``consensus_mask`` and ``agreement``: a segment's options."""
-        from ..consensus import MASK_MODES
-        from ..grounder import MAX_SAMPLES
-
-        g = field(req, "consensus", int)
-        mode = field(req, "consensus_mask", str)
-        agreement = field(req, "agreement", str)
-        if op != "segment":
-            for name, value in (("consensus", g), ("consensus_mask", mode), ("agreement", agreement)):
-                if value is not None:
-                    raise RequestError(f"{op}: field '{name}' belongs to segment (a consensus of the model's answers)")
-            return
-        if g is not None and not 1 <= g <= MAX_SAMPLES:
-            raise RequestError(f"segment: field 'consensus' must be 1 to {MAX_SAMPLES} answers (1 = off), got {g}")
-        if mode is not None and mode not in MASK_MODES:
-            raise RequestError(f"segment: field 'consensus_mask' must be one of {', '.join(MASK_MODES)}, got {mode!r}")
-        if (g or 1) < 2 and (agreement is not None or mode not in (None, "greedy")):
-            raise RequestError("segment: 'agreement' and 'consensus_mask' need 'consensus' of 2 or more")
-        if (g or 1) > 1 and req.get("sample"):
-            raise RequestError("segment: 'sample' and 'consensus' do not go together: a consensus samples its own "
-                               "answers after the greedy one")
+        return request
 
     def cancel(self, target, session: Optional[str] = None) -> dict:
         """Cancel request ``target`` of ``session`` (another session's request is not found)."""
@@ -728,23 +685,16 @@ class Worker:
     def _run_volume_job(self, job: _Job, progress) -> dict:
         """A ``segment`` or ``propagate`` request: :func:`~medvolcore.jobs.run_segment_job` on the
         cached volume, with the models loaded only once the inputs are known good."""
-        from ..jobs import SegmentOutputs, SegmentRequest, run_segment_job
+        from ..jobs import SegmentOutputs, run_segment_job
+        from ..request import SegmentRequest
 
         req = job.req
+        request = job.request or SegmentRequest.from_wire(req)
         t0 = time.perf_counter()
         stack, digest, cached = self._stack_for(job, progress)
         read_s = time.perf_counter() - t0
         progress("read", 1.0, "volume from cache" if cached else "volume read")
         out, overwrite, is_temp = self._out_path(job)
-        window = req.get("window")
-        queries = req.get("queries") if job.op == "segment" else None
-        request = SegmentRequest(
-            query=req.get("query") if job.op == "segment" else None, queries=list(queries) if queries else None,
-            anchor=req.get("anchor") if job.op == "propagate" else None,
-            hu_window=tuple(window) if isinstance(window, list) else window, stop_after_empty=req.get("stop_after_empty"),
-            constrain=req.get("constrain", True), sample=bool(req.get("sample", False)), seed=req.get("seed"),
-            consensus=req.get("consensus") or 1, consensus_mask=req.get("consensus_mask") or "greedy",
-            target_name=req.get("target_name") if job.op == "segment" else None)
         agreement = req.get("agreement")
         agr_path = self.output_path(agreement, job.transport, "agreement") if agreement else None
         # over HTTP no folder is created for a client
@@ -777,32 +727,21 @@ class Worker:
             raise
         if not cached:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
-        if "targets" in res:  # several queries: one label per query in one mask
-            result = {k: res[k] for k in ("queries", "targets", "overlaps", "overlap_rule", "smoke", "absent", "notes",
-                                          "preset", "stats")}
-            for labels_file in res["labels_out"]:  # the table is the reply's 'targets'
-                if is_temp:
-                    Path(labels_file).unlink(missing_ok=True)
-                elif job.transport == "http":
-                    result["labels_path"] = os.path.relpath(labels_file, self.out_dir)
-                else:
-                    result["labels_path"] = labels_file
-        else:
-            result = {k: res[k] for k in ("anchor", "reasoning", "smoke", "absent", "notes", "preset", "terminology",
-                                          "stats", "propagation")}
-        result.update(identity=res.get("identity"), model_label=(res.get("identity") or {}).get("label"))
-        result.update(volume_sha256=digest, shape=res["shape"], mask_voxels=res["mask_voxels"],
-                      slices_encoded=res["slices_encoded"])
-        if job.op == "segment" and "targets" not in res:
-            result.update({k: res[k] for k in ("answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask",
-                                               "confidence", "samples")})
+        result = res.to_wire(job.op)  # the result's fields this op replies with; then what only the worker knows
+        for labels_file in res.labels_out or ():  # several queries: the table is the reply's 'targets'
+            if is_temp:
+                Path(labels_file).unlink(missing_ok=True)
+            else:
+                result["labels_path"] = os.path.relpath(labels_file, self.out_dir) if job.transport == "http" \
+                    else labels_file
+        result.update(model_label=(res.identity or {}).get("label"), volume_sha256=digest)
         if agr_path is not None:
             if job.transport == "http":
                 result["agreement_b64"] = base64.b64encode(agr_path.read_bytes()).decode("ascii")
                 result["agreement_path"] = os.path.relpath(agr_path, self.out_dir)
             else:
                 result["agreement_path"] = str(agr_path)
-        if res["out"] is None:  # the model answered "not present" and no empty mask was asked for
+        if res.out is None:  # the model answered "not present" and no empty mask was asked for
             result["mask_b64" if job.transport == "http" else "mask_path"] = None
         elif job.transport == "http":
             if job.mask_bytes:  # the transport sends them as the reply body
@@ -815,7 +754,7 @@ class Worker:
                 result["mask_path"] = os.path.relpath(out, self.out_dir)  # relative to --out-dir, never absolute
         else:
             result["mask_path"] = str(out)
-        timings = dict(res["timings"])
+        timings = dict(res.timings)
         timings.update(load_s=round(load["load_s"], 4), models_reloaded=load["reloaded"], volume_cached=cached,
                        volume_read_s=round(read_s, 4), request_s=round(time.perf_counter() - t0, 4))
         result["timings"] = timings

@@ -1,0 +1,98 @@
+"""What clients read of a segment job's result, key by key: the job's result (``medvol batch`` and
+scripts read it), ``medvol segment --json`` and the worker's ``segment``/``propagate`` replies, for
+one target and for several. Written down as they are, so that a change in how the result is
+declared or shaped cannot add, drop or rename a key unnoticed. The tiny preset, on 8 real slices.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import pytest
+
+from medvolcore.cli import main
+from medvolcore.jobs import SegmentOutputs, SegmentRequest, run_segment_job
+from medvolcore.pipeline import Pipeline
+
+TARGET = {"query", "absent", "terminology", "stats", "anchor", "reasoning", "raw_text", "notes", "mask_voxels",
+          "propagation", "slices_encoded", "answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask",
+          "confidence", "samples", "timings"}
+JOB_ONE = TARGET | {"mode", "volume", "preset", "smoke", "identity", "stats_out", "shape", "metrics", "out", "outs",
+                    "anchor_out", "qc", "agreement_out"}
+JOB_SEVERAL = {"mode", "volume", "queries", "preset", "smoke", "identity", "absent", "targets", "overlaps",
+               "overlap_rule", "notes", "shape", "mask_voxels", "stats", "stats_out", "slices_encoded", "timings", "out",
+               "outs", "labels_out"}
+ENTRY = TARGET | {"label", "overlap_voxels_lost", "anchor_out", "qc", "agreement_out"}
+CLI_RUN = {"model_load_s", "threads", "threads_rule", "grounder_dtype", "peak_memory_mb"}
+CLI_ONE = {"out", "anchor_out", "qc", "agreement_out", "volume", "outs", "preset", "smoke", "absent", "identity",
+           "terminology", "stats", "stats_out", "anchor", "reasoning", "raw_text", "notes", "mask_voxels",
+           "answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask", "confidence", "samples",
+           "timings"} | CLI_RUN
+CLI_SEVERAL = {"out", "volume", "outs", "labels_out", "queries", "preset", "smoke", "absent", "identity", "targets",
+               "overlaps", "overlap_rule", "stats", "stats_out", "notes", "mask_voxels", "timings"} | CLI_RUN
+WIRE_ONE = {"anchor", "reasoning", "smoke", "absent", "notes", "preset", "terminology", "stats", "propagation",
+            "identity", "model_label", "volume_sha256", "shape", "mask_voxels", "slices_encoded", "mask_path",
+            "timings"}
+WIRE_SEGMENT = {"answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask", "confidence", "samples"}
+WIRE_SEVERAL = {"queries", "targets", "overlaps", "overlap_rule", "smoke", "absent", "notes", "preset", "stats",
+                "labels_path", "identity", "model_label", "volume_sha256", "shape", "mask_voxels", "slices_encoded",
+                "mask_path", "timings"}
+WIRE_TIMINGS = {"load_s", "models_reloaded", "volume_cached", "volume_read_s", "request_s", "write_s", "job_s"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Pipeline("tiny", device="cpu").load()
+
+
+def test_the_job_result_keys(tiny, small_ct, tmp_path):
+    one = run_segment_job(tiny, small_ct[0], SegmentRequest(query="the liver"), SegmentOutputs(tmp_path / "a.nii.gz"))
+    assert set(one) == JOB_ONE and dict(one)["mode"] == "segment"
+    several = run_segment_job(tiny, small_ct[0], SegmentRequest(queries=["the liver", "the spleen"]),
+                              SegmentOutputs(tmp_path / "b.nii.gz"))
+    assert set(several) == JOB_SEVERAL and [set(t) for t in several["targets"]] == [ENTRY, ENTRY]
+
+
+@pytest.mark.parametrize("queries, keys", [(["the liver"], CLI_ONE), (["the liver", "the spleen"], CLI_SEVERAL)])
+def test_the_segment_json_keys(tiny, small_ct, tmp_path, capsys, monkeypatch, queries, keys):
+    import medvolcore.pipeline
+
+    monkeypatch.setattr(medvolcore.pipeline, "Pipeline", lambda *a, **k: tiny)
+    argv = ["segment", "--volume", str(small_ct[0]), "--out", str(tmp_path / "m.nii.gz"), "--json", "--no-progress"]
+    for q in queries:
+        argv += ["--query", q]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res) == keys
+    assert all(set(t) == ENTRY for t in res.get("targets", []))
+
+
+def test_the_worker_reply_keys(tiny, small_ct, tmp_path):
+    from medvolcore.serve import Worker
+
+    w = Worker(transport="stdio", device="cpu")
+    w.pipeline = tiny  # loaded: no model loads here
+    replies: queue.Queue = queue.Queue()
+    anchor = {"schema": "medvol.anchor/1", "slice": 3, "boxes": [[20, 20, 70, 60]], "source": "user"}
+    base = {"volume": str(small_ct[0])}
+    requests = {"one": dict(base, op="segment", query="the liver"),
+                "several": dict(base, op="segment", queries=["the liver", "the spleen"], out=str(tmp_path / "s.nii.gz")),
+                "propagate": dict(base, op="propagate", anchor=anchor)}
+    try:
+        for rid, req in requests.items():
+            w.handle(dict(req, id=rid), reply=replies.put)
+        got = {}
+        while len(got) < len(requests):
+            r = replies.get(timeout=120)
+            if "event" not in r:
+                got[r["id"]] = r
+    finally:
+        w.close(10)
+    assert all(r["ok"] for r in got.values()), got
+    one, several, prop = (got[k]["result"] for k in ("one", "several", "propagate"))
+    assert set(one) == WIRE_ONE | WIRE_SEGMENT and set(prop) == WIRE_ONE
+    assert set(several) == WIRE_SEVERAL and [set(t) for t in several["targets"]] == [ENTRY, ENTRY]
+    for res in (one, several, prop):
+        assert WIRE_TIMINGS <= set(res["timings"])
+    assert one["model_label"] == (one["identity"] or {}).get("label")
