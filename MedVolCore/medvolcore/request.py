@@ -215,10 +215,7 @@ class SegmentRequest:
         """Apply every rule; clean the query text(s) in place (a list of one query becomes
         ``query``). ``agreement``: the door's name of the agreement-map output when one is asked
         for (it needs a consensus). Returns the request."""
-        from .consensus import check_mask_mode
-        from .grounder import MAX_SAMPLES, check_samples, validate_query
-        from .propagation import check_stop_after_empty
-        from .windowing import get_window
+        from .grounder import validate_query
 
         n = self.name
         if self.queries is not None:
@@ -236,6 +233,28 @@ class SegmentRequest:
         if self.grounded and (self.prompts or self.z_range is not None):
             raise FieldError(f"{n('prompts')} and {n('z_range')} apply to a given anchor (medvol propagate), not to "
                              "a query")
+        if self.target_name is not None:
+            if not isinstance(self.target_name, str) or not self.target_name.strip() or len(self.target_name) > 200:
+                raise FieldError(f"{n('target_name')} must be a short text (a structure's name, e.g. kidney_left)")
+            if self.queries is not None:
+                raise FieldError(f"{n('target_name')} names one target; several queries are each coded by their "
+                                 "own words")
+        self.check_settings(agreement)
+        if self.consensus > 1 and not self.grounded:
+            raise FieldError(f"{n('consensus')} asks for a consensus of the model's answers to a query; a given "
+                             "anchor has none")
+        return self
+
+    def check_settings(self, agreement: Optional[str] = None) -> "SegmentRequest":
+        """The rules on the job's settings alone (consensus, sampling, early stop, span, window), not
+        on its target: what a door checks once for many requests (``medvol batch``'s options, before
+        any row is read). :meth:`check` applies them too. Returns the request."""
+        from .consensus import check_mask_mode
+        from .grounder import MAX_SAMPLES, check_samples
+        from .propagation import check_stop_after_empty
+        from .windowing import get_window
+
+        n = self.name
         self._limit(check_samples, "consensus")
         self._limit(check_mask_mode, "consensus_mask")
         if self.consensus < 2 and self.consensus_mask != "greedy":
@@ -244,18 +263,9 @@ class SegmentRequest:
         if self.consensus < 2 and agreement:
             raise FieldError(f"{self._shown(agreement)} writes the agreement of a consensus: add {n('consensus')} G "
                              f"(G from 2 to {MAX_SAMPLES})")
-        if self.consensus > 1 and not self.grounded:
-            raise FieldError(f"{n('consensus')} asks for a consensus of the model's answers to a query; a given "
-                             "anchor has none")
         if self.consensus > 1 and self.sample:
             raise FieldError(f"{n('sample')} and {n('consensus')} do not go together: a consensus samples its own "
                              "answers after the greedy one")
-        if self.target_name is not None:
-            if not isinstance(self.target_name, str) or not self.target_name.strip() or len(self.target_name) > 200:
-                raise FieldError(f"{n('target_name')} must be a short text (a structure's name, e.g. kidney_left)")
-            if self.queries is not None:
-                raise FieldError(f"{n('target_name')} names one target; several queries are each coded by their "
-                                 "own words")
         if self.stop_after_empty is not None:
             self._limit(check_stop_after_empty, "stop_after_empty")
         if self.span is not None and (isinstance(self.span, bool) or not isinstance(self.span, int) or self.span < 0):

@@ -236,20 +236,10 @@ RULES = [  # (what, a fragment of its message, as written in the source)
 ]
 
 
-def _batch_door(path: Path) -> bool:
-    """``medvol batch``'s code (``batch.py``, or a ``batch/`` package): it keeps its own copies of the
-    consensus and early-stop rules until it builds its requests with ``SegmentRequest.from_manifest``;
-    then this exception goes."""
-    rel = path.relative_to(MEDVOLCORE).parts
-    return rel == ("batch.py",) or rel[0] == "batch"
-
-
 @pytest.mark.parametrize("what, fragment", RULES, ids=[r[0] for r in RULES])
 def test_each_rule_is_written_once_in_medvolcore(what, fragment):
     found = []
     for path in sorted(MEDVOLCORE.rglob("*.py")):
-        if _batch_door(path):
-            continue
         count = path.read_text(encoding="utf-8").count(fragment)
         found += [f"{path.relative_to(MEDVOLCORE)}:{count}"] if count else []
     assert len(found) == 1 and found[0].endswith(":1"), (what, found)

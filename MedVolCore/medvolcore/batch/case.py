@@ -172,7 +172,8 @@ class BatchCase:
 def _segment_case(c: Case, cdir: Path, pipe, opts, hu_window, progress, fingerprint, t0) -> dict:
     """Segment the case, write its outputs, then ``done.json`` (returned)."""
     from ..geometry import gt_on_grid
-    from ..jobs import SegmentOutputs, SegmentRequest, run_segment_job
+    from ..jobs import SegmentOutputs, run_segment_job
+    from ..request import SegmentRequest
     from ..pipeline import as_stack
     from ..volume import CTVolume, label_mask, load_label_map
 
@@ -183,9 +184,8 @@ def _segment_case(c: Case, cdir: Path, pipe, opts, hu_window, progress, fingerpr
         on = gt_on_grid(stack.volume, labels)  # by geometry (medvolcore.geometry), or refused
         labels = CTVolume(on.array, stack.volume.affine, path=labels.path)
         target = label_mask(labels, c.label)
-    request = SegmentRequest(query=c.query, hu_window=hu_window, stop_after_empty=opts.stop_after_empty,
-                             sample=opts.sample, seed=opts.seed, reference=target, qc_title=f"{c.id} · query: {c.query}",
-                             consensus=opts.consensus, consensus_mask=opts.consensus_mask)
+    request = SegmentRequest.from_manifest({"id": c.id, "query": c.query}, reference=target,
+                                           **opts.request_settings(hu_window))
     agreement = cdir / AGREEMENT if opts.consensus > 1 else None
     outputs = SegmentOutputs(cdir / OUTPUTS[0], anchor=cdir / OUTPUTS[1], qc=cdir / OUTPUTS[2], overwrite=True,
                              names=OUTPUTS, empty_mask_on_absent=opts.empty_mask_on_absent, agreement=agreement,

@@ -55,6 +55,12 @@ class BatchOptions:
     threads: Optional[int] = None  # CPU threads (None: medvolcore.cpu's rule)
     grounder_dtype: Optional[str] = None  # fp32, bf16, or None/auto (medvolcore.cpu.grounder_dtype)
 
+    def request_settings(self, hu_window=None) -> dict:
+        """The options every case's segment request takes (:meth:`SegmentRequest.from_manifest`)."""
+        return dict(hu_window=hu_window if hu_window is not None else self.ct_window,
+                    stop_after_empty=self.stop_after_empty, sample=self.sample, seed=self.seed,
+                    consensus=self.consensus, consensus_mask=self.consensus_mask)
+
 
 @dataclass
 class BatchResult:
@@ -92,17 +98,12 @@ def plan_batch(manifest, out_dir, options: Optional[BatchOptions] = None, preset
     return plan
 
 
-def _check_consensus(opts: BatchOptions) -> None:
-    from ..consensus import check_mask_mode
-    from ..grounder import check_samples
+def _check_settings(opts: BatchOptions) -> None:
+    """The options' rules, once for every case and before any row is read: the request's own
+    (:meth:`SegmentRequest.check_settings`), named as ``medvol batch``'s options."""
+    from ..request import SegmentRequest
 
-    check_samples(opts.consensus, "--consensus")
-    check_mask_mode(opts.consensus_mask, "--consensus-mask")
-    if opts.consensus_mask != "greedy" and opts.consensus < 2:
-        raise InputError(f"--consensus-mask {opts.consensus_mask} needs --consensus G (G ≥ 2)")
-    if opts.consensus > 1 and opts.sample:
-        raise InputError("--sample and --consensus do not go together: a consensus samples its own answers after "
-                         "the greedy one")
+    SegmentRequest(door="manifest", **opts.request_settings()).check_settings()
 
 
 def _check_batch_inputs(manifest, out_dir, opts: BatchOptions) -> BatchPlan:
@@ -207,11 +208,7 @@ def run_batch(manifest, out_dir, options: Optional[BatchOptions] = None, *, pipe
     """
     opts = options or BatchOptions()
     t_start = time.perf_counter()
-    if opts.stop_after_empty is not None:
-        from ..propagation import check_stop_after_empty
-
-        check_stop_after_empty(opts.stop_after_empty, "--stop-after-empty")
-    _check_consensus(opts)
+    _check_settings(opts)
     plan = _check_batch_inputs(manifest, out_dir, opts)
 
     from ..windowing import get_window
