@@ -45,6 +45,11 @@ class FakeWidget:
         old, self._blocked = self._blocked, on
         return old
 
+    def property(self, name):
+        """No dynamic properties: Slicer's ``connectGui`` asks each widget of a namespace for
+        ``SlicerParameterName`` (wrapper.py:249-251 at v5.12.3); these fakes bind to nothing."""
+        return None
+
     def toPlainText(self):
         return self._plain
 
