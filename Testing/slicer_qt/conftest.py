@@ -47,6 +47,7 @@ HAVE_SLICER_CORE = application.have_slicer_core()  # raises on CI when slicer-co
 
 MODULE = "MedVolR1Slicer"
 slot_errors = []  # (where, exception): from connected slots (pythonqt) and from sys.excepthook
+dialogs_ = None  # slicer_app.ModalDialogs: answers the dialogs a test plans
 
 
 def _record_uncaught(kind, value, tb):
@@ -92,6 +93,9 @@ def slicer_qt(tmp_path_factory):
 
     slicer.util.pip_install = refuse
     sys.excepthook = _record_uncaught
+    global dialogs_
+    dialogs_ = slicer_app.ModalDialogs(slot_errors)
+    dialogs_.install()
     window = slicer_app.qSlicerMainWindow()
     window.resize(1200, 900)
     window.show()
@@ -109,11 +113,21 @@ def no_errors_in_callbacks(caplog):
     """A test fails on any exception raised in a slot, a VTK observer or a GUI connector, and on
     any error message the panel showed (``slicer.util.errorDisplay`` logs it in testing mode)."""
     del slot_errors[:]
+    if dialogs_ is not None:
+        dialogs_.answers[:], dialogs_.shown[:] = [], []
     yield
+    if dialogs_ is not None:
+        assert dialogs_.answers == [], f"planned dialog answers never used: {dialogs_.answers}"
     errors, slot_errors[:] = list(slot_errors), []
     assert errors == [], f"exceptions in callbacks (PythonQt and VTK print them and go on): {errors}"
     shown = [r.getMessage() for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
     assert shown == [], f"the panel showed error messages: {shown}"
+
+
+@pytest.fixture
+def dialogs(slicer_qt):
+    """Plan the answers to the modal dialogs the test will meet: ``dialogs.plan("Keep both")``."""
+    return dialogs_
 
 
 class Workers:
@@ -170,7 +184,7 @@ def panel(slicer_qt, monkeypatch, request):
     window.showModule(MODULE)  # enter()
     QtTest.QTest.qWaitForWindowExposed(window)
     yield types.SimpleNamespace(widget=widget, ui=widget.ui, logic=widget.logic, parent=parent, window=window,
-                                workers=workers, slicer=slicer, module=module)
+                                workers=workers, slicer=slicer, module=module, dialogs=dialogs_)
     for _ in range(5):  # a menu a key opened
         popup = QtWidgets.QApplication.activePopupWidget()
         if popup is None:

@@ -18,8 +18,9 @@ Segment Editor module. Written from Slicer v5.12.3:
 - ``ScriptedLoadableModuleWidget`` (Base/Python/slicer/ScriptedLoadableModule.py:88-293).
 
 Not here: views, the layout manager, rendering, the module manager's loading and reloading, the
-application's start-up and shut-down, and modal dialogs (``testingEnabled`` keeps Slicer's message
-boxes from opening; a ``QMessageBox.exec_()`` the module opens itself would block).
+application's start-up and shut-down. Modal dialogs do not open: ``testingEnabled`` keeps Slicer's
+message boxes closed (they are logged), and a dialog the module runs itself (``exec_()``) is
+answered by :class:`ModalDialogs`, from answers a test planned, or fails the test.
 """
 
 from __future__ import annotations
@@ -239,6 +240,39 @@ class ScriptedLoadableModuleWidget:
 
     def onReload(self):
         raise NotImplementedError("reloading a scripted module needs Slicer's module manager (not in the tests)")
+
+
+class ModalDialogs:
+    """``exec_()`` of a dialog would wait for a user: instead the dialog's button named by the next
+    planned answer is clicked (``plan("Keep both")``), and a dialog nobody planned for fails the
+    test with its text (it would block the panel, and the test, for ever)."""
+
+    def __init__(self, errors):
+        self.errors = errors
+        self.answers = []
+        self.shown = []
+
+    def plan(self, *buttonTexts):
+        self.answers.extend(buttonTexts)
+
+    def exec_(self, dialog):
+        text = getattr(dialog, "text", "") if isinstance(dialog, QtWidgets.QMessageBox) else dialog.windowTitle
+        buttons = {b.text: b for b in dialog.findChildren(QtWidgets.QAbstractButton)}
+        self.shown.append((text, sorted(buttons)))
+        if not self.answers:
+            self.errors.append(("a modal dialog", AssertionError(f"a modal dialog nobody answers: {text!r} {sorted(buttons)}")))
+            return QtWidgets.QDialog.Rejected
+        answer = self.answers.pop(0)
+        if answer not in buttons:
+            self.errors.append(("a modal dialog", AssertionError(f"no button {answer!r} in {text!r} {sorted(buttons)}")))
+            return QtWidgets.QDialog.Rejected
+        buttons[answer].click()
+        return dialog.result()
+
+    def install(self):
+        for cls in (QtWidgets.QDialog, QtWidgets.QMessageBox, QtWidgets.QProgressDialog, QtWidgets.QFileDialog,
+                    QtWidgets.QInputDialog):
+            cls.exec_ = cls.exec = lambda dialog, _self=self: _self.exec_(dialog)
 
 
 class SegmentEditorWidget:

@@ -181,6 +181,7 @@ def test_the_panel_is_driven_by_its_alt_keys_in_the_main_window(panel):
     for name in steps:
         if name == "segmentButton":
             window.showModule("MedVolR1Slicer")  # back from the Segment Editor
+            panel.dialogs.plan("Keep both")  # "the organ" is in the segmentation already
         button = getattr(ui, name)
         assert button.enabled and button.visible, f"{name} is not enabled and shown"
         clicks = []
@@ -196,6 +197,10 @@ def test_the_panel_is_driven_by_its_alt_keys_in_the_main_window(panel):
         if name == "editButton":
             assert window.selectedModule() == "SegmentEditor"
     assert ui.statusLabel.text.startswith("Done.") and p.resultVolume.GetName() == "PatientA_CT"
+    assert [text for text, _ in panel.dialogs.shown] == ["The segmentation already has a segment named “the organ”."]
+    segmentation = p.outputSegmentation.GetSegmentation()
+    assert sorted(segmentation.GetNthSegment(i).GetName() for i in range(segmentation.GetNumberOfSegments())) == \
+        ["the organ", "the organ (2)"]
 
 
 def test_editable_text_keeps_what_is_typed_in_its_middle_and_the_cursor(panel):

@@ -161,3 +161,20 @@ def test_the_node_combo_box_lists_the_scene_and_follows_removals(slicer_qt):
     slicer.mrmlScene.RemoveNode(ct)
     assert seen == [ct, None] and combo.nodeCount() == 0
     slicer.mrmlScene.Clear(0)
+
+
+def test_a_modal_dialog_is_answered_as_planned_or_fails_the_test(qt, dialogs):
+    """``exec_()`` would wait for a user (and hang the test): slicer_app.ModalDialogs clicks the
+    planned button, and records a dialog nobody planned for as an error."""
+    import pythonqt
+
+    box = qt.QMessageBox(qt.QMessageBox.Question, "MedVol-R1", "Replace?", qt.QMessageBox.NoButton)
+    keep = box.addButton("Keep both", qt.QMessageBox.AcceptRole)
+    box.addButton(qt.QMessageBox.Cancel)
+    dialogs.plan("Keep both")
+    box.exec_()
+    assert box.clickedButton() is keep and dialogs.shown == [("Replace?", ["Cancel", "Keep both"])]
+    assert qt.QDialog().exec_() == qt.QDialog.Rejected
+    (where, error), = pythonqt.slot_errors
+    assert "nobody answers" in str(error)
+    pythonqt.slot_errors.clear()  # expected here
