@@ -31,6 +31,7 @@ class FakeWidget:
         self.enabled = True
         self.checked = False
         self.text = ""
+        self.currentText = ""  # a QComboBox's
         self.currentPath = ""
         self.toolTip = ""
         self.value = 0
