@@ -50,6 +50,10 @@ slot_errors = []  # (where, exception): from connected slots (pythonqt) and from
 dialogs_ = None  # slicer_app.ModalDialogs: answers the dialogs a test plans
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "developer_mode: build the panel with Slicer's Developer/DeveloperMode on")
+
+
 def _record_uncaught(kind, value, tb):
     """VTK observers and PyQt5 report an exception raised in a Python callback here."""
     import traceback
@@ -175,6 +179,8 @@ def panel(slicer_qt, monkeypatch, request):
     editorPanel = slicer_app.qSlicerScriptedLoadableModuleWidget()
     editorPanel.createPython(slicer_app.SegmentEditorWidget)
     window.addModulePanel("SegmentEditor", editorPanel)
+    developer = request.node.get_closest_marker("developer_mode") is not None
+    QtCore.QSettings().setValue("Developer/DeveloperMode", "true" if developer else "false")
     parent = slicer_app.qSlicerScriptedLoadableModuleWidget()
     window.addModulePanel(MODULE, parent)
     slicer.modules.medvolr1slicer = slicer_app.module_entry(MODULE, module.__file__, parent)

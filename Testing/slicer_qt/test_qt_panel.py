@@ -166,6 +166,21 @@ def test_every_mnemonic_is_unique_and_free_of_slicers_menus(panel):
     assert clash == {}, f"mnemonics that Slicer's menu bar takes (File, Edit, View, Help): {clash}"
 
 
+@pytest.mark.developer_mode
+def test_developer_mode_adds_slicers_reload_section_and_no_mnemonic(panel):
+    """ScriptedLoadableModule.py:142-230 at v5.12.3: the "Reload && Test" section, in developer
+    mode only (its "&&" is a literal "&", no mnemonic)."""
+    widget = panel.widget
+    assert widget.developerMode and widget.reloadCollapsibleButton.text == "Reload && Test"
+    assert widget.reloadButton.parent() is not None and widget.reloadCollapsibleButton.parent() is panel.parent
+    assert mnemonic(widget.reloadCollapsibleButton.text) is None
+    test_every_mnemonic_is_unique_and_free_of_slicers_menus(panel)
+
+
+def test_no_reload_section_outside_developer_mode(panel):
+    assert not panel.widget.developerMode and not hasattr(panel.widget, "reloadCollapsibleButton")
+
+
 def test_the_panel_is_driven_by_its_alt_keys_in_the_main_window(panel):
     """With a result in the panel, Alt+<mnemonic> in Slicer's main window presses each button it
     names, from Jump to Segment; Edit in Segment Editor switches modules."""
