@@ -6,7 +6,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from PyQt5 import QtGui, QtTest
+from PyQt5 import QtCore, QtGui, QtTest, QtWidgets
 from PyQt5.QtCore import Qt
 
 QTest = QtTest.QTest
@@ -32,9 +32,14 @@ def wait_until(condition, timeout=10.0, what=""):
 
 
 def click(widget):
-    """A left click in the middle of ``widget`` (it must be visible and enabled to react)."""
+    """A left click on ``widget`` (it must be visible and enabled to react): in its middle, or on
+    the indicator of a check box or radio button (its middle may be past the label)."""
     assert widget.visible and widget.enabled, f"{widget.objectName} cannot be clicked (visible/enabled)"
-    QTest.mouseClick(widget, Qt.LeftButton)
+    if isinstance(widget, (QtWidgets.QCheckBox, QtWidgets.QRadioButton)):
+        h = widget.height // 2
+        QTest.mouseClick(widget, Qt.LeftButton, Qt.NoModifier, QtCore.QPoint(h, h))
+    else:
+        QTest.mouseClick(widget, Qt.LeftButton)
 
 
 def type_text(widget, text):
@@ -75,6 +80,7 @@ def use_remote_worker(panel):
     if ui.advancedCollapsibleButton.collapsed:
         click(ui.advancedCollapsibleButton)
     click(ui.workerRemoteRadioButton)
+    assert panel.logic.getParameterNode().worker == "remote" and ui.remoteUrlLineEdit.enabled
 
 
 def idle(panel):
