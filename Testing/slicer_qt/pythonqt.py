@@ -1,8 +1,9 @@
 """``qt`` as Slicer's Python sees it through PythonQt, built over PyQt5 (Qt 5.15) — strict.
 
-PythonQt (MeVisLab/pythonqt; references below are to its ``src/`` at commit 642c06b6, v4.1.0+3,
-which CTK builds for Slicer) shows Qt to Python differently from PyQt5, and the module is written
-for PythonQt:
+PythonQt shows Qt to Python differently from PyQt5, and the module is written for PythonQt.
+References below are to MeVisLab/pythonqt ``src/`` at 642c06b6 (v4.1.0 + 3 commits); Slicer
+v5.12.3's CTK (5056664a, CMakeExternals/PythonQt.cmake:94) builds commontk/PythonQt 74dcd675,
+"patched-v4.1.0", which was not at hand to compare line by line.
 
 - one namespace, ``qt``, for QtCore, QtGui and QtWidgets (and ``QUiLoader``);
 - a ``Q_PROPERTY`` is an attribute: ``label.text = "x"``, ``button.enabled`` — a property is looked
