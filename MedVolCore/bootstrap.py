@@ -2,7 +2,7 @@
 """Create ``.venv`` at the repository root and install everything MedVol needs into it.
 
     python3 MedVolCore/bootstrap.py [--torch auto|cpu|cuda|keep] [--no-dev] [--no-training]
-                                    [--no-slicer-core] [--venv PATH]
+                                    [--no-slicer-core] [--no-pyqt] [--venv PATH]
 
 Steps, each skipped when already satisfied, so running it again is cheap:
 
@@ -21,7 +21,11 @@ Steps, each skipped when already satisfied, so running it again is cheap:
    segmentation and markups nodes, storage nodes, module logics; it brings its own ``vtk``) so
    ``Testing/slicer_mrml`` runs the Slicer module's logic against real MRML, unless
    ``--no-slicer-core`` is given. It is for the tests only: inside Slicer these libraries are
-   Slicer's own.
+   Slicer's own;
+7. install ``PyQt5`` 5.15 (Qt 5.15, the series Slicer 5.10 and 5.12 are built on) so
+   ``Testing/slicer_qt`` runs the module's panel in real Qt (offscreen, no display needed), unless
+   ``--no-pyqt`` or ``--no-slicer-core`` is given (that tier needs both). Also for the tests only:
+   inside Slicer, Qt comes through PythonQt.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ SAM2_RUNTIME = ["hydra-core>=1.3.2", "iopath>=0.1.10", "pillow>=9.0", "tqdm>=4.6
 # Slicer's core libraries for the real-MRML test tier. PyPI has no wheel of Slicer 5.10 itself
 # (the module's minimum); 5.11 onwards keep the MRML and module-logic APIs the module uses.
 SLICER_CORE_SPEC = "slicer-core>=5.11,<6"
+# Qt for the Qt test tier: the 5.15 series, as Slicer 5.10 and 5.12 build on Qt 5.15.
+PYQT_SPEC = "PyQt5>=5.15,<5.16"
 
 
 def log(msg: str) -> None:
@@ -133,7 +139,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-training", action="store_true",
                     help="skip the training package (medvoltrain: TRL, accelerate, datasets, TensorBoard)")
     ap.add_argument("--no-slicer-core", action="store_true",
-                    help="skip slicer-core (3D Slicer's MRML libraries, about 190 MB; only Testing/slicer_mrml needs it)")
+                    help="skip slicer-core (3D Slicer's MRML libraries, about 190 MB; only Testing/slicer_mrml "
+                         "and Testing/slicer_qt need it; implies --no-pyqt)")
+    ap.add_argument("--no-pyqt", action="store_true",
+                    help="skip PyQt5 5.15 (with its Qt 5.15 libraries, about 200 MB; only Testing/slicer_qt needs it)")
     args = ap.parse_args(argv)
 
     venv = Path(args.venv)
@@ -171,10 +180,20 @@ def main(argv=None) -> int:
         else:
             run([py, "-m", "pip", "install", "--quiet", SLICER_CORE_SPEC])
 
+    pyqt = not (args.no_pyqt or args.no_slicer_core)
+    if pyqt:
+        installed = has_module(py, "PyQt5")
+        if installed and installed.startswith("5.15."):
+            log(f"PyQt5 {installed} already installed")
+        else:
+            run([py, "-m", "pip", "install", "--quiet", PYQT_SPEC])
+
     # Smoke check: the engine imports and sam2 builds its config without torchvision.
     run([py, "-c", "import medvolcore, sam2.build_sam; print('medvolcore', medvolcore.__version__, 'ready')"])
     if not args.no_slicer_core and has_module(py, "slicer-core"):
         run([py, "-c", "import slicer; slicer.vtkMRMLScene(); print('slicer-core MRML ready')"])
+    if pyqt:
+        run([py, "-c", "from PyQt5.QtCore import QT_VERSION_STR; print('Qt', QT_VERSION_STR, 'ready')"])
     log(f"done. Activate with: source {venv}/bin/activate   (or run {py} directly)")
     return 0
 

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 # The real-MRML tier puts Slicer's own `slicer` package and stand-ins for its Qt parts into
-# sys.modules, so it runs in a pytest process of its own: `pytest Testing/slicer_mrml`.
-collect_ignore = ["slicer_mrml"]
+# sys.modules, and the Qt tier also PythonQt's `qt` over PyQt5 (it changes attribute access on
+# every QObject), so each runs in a pytest process of its own: `pytest Testing/slicer_mrml`,
+# `pytest Testing/slicer_qt` (their shared stand-ins are in slicer_standins/).
+collect_ignore = ["slicer_mrml", "slicer_qt", "slicer_standins"]
 
 REPO = Path(__file__).resolve().parent.parent
 REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data"))

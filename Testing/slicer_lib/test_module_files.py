@@ -201,7 +201,8 @@ STANDINS = textwrap.dedent('''
                     vtkMRMLMarkupsFiducialNode=type("vtkMRMLMarkupsFiducialNode", (_Node,), {}),
                     vtkMRMLScalarVolumeNode=type("vtkMRMLScalarVolumeNode", (_Node,), {}),
                     vtkMRMLSegmentationNode=type("vtkMRMLSegmentationNode", (_Node,), {}))
-    module("slicer.parameterNodeWrapper", parameterNodeWrapper=lambda cls: cls, WithinRange=lambda lo, hi: (lo, hi))
+    module("slicer.parameterNodeWrapper", parameterNodeWrapper=lambda cls: cls,
+           WithinRange=type("WithinRange", (), {"__init__": lambda self, minimum, maximum: None}))
     module("slicer.ScriptedLoadableModule", **{n: type(n, (_Base,), {}) for n in (
         "ScriptedLoadableModule", "ScriptedLoadableModuleLogic", "ScriptedLoadableModuleTest",
         "ScriptedLoadableModuleWidget")})

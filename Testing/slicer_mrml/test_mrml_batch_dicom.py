@@ -154,7 +154,9 @@ def dicom(slicer_env, monkeypatch, tmp_path):
                                folder=tmp_path / "series")
     ns.folder.mkdir()
     monkeypatch.setattr(Settings, "store", ns.store)
-    monkeypatch.setattr(sys.modules["qt"], "QSettings", Settings, raising=False)
+    # batch.py reads the DICOM module's settings through Slicer's Qt; this tier has no Qt, so the
+    # test gives it a qt module holding only the settings store (the logic never imports qt)
+    monkeypatch.setitem(sys.modules, "qt", types.SimpleNamespace(QSettings=Settings))
     monkeypatch.setattr(slicer, "dicomDatabase", ns.db, raising=False)
     monkeypatch.setattr(slicer, "dicomDatabaseDirectorySettingsKey", KEY, raising=False)
     package = types.ModuleType("DICOMLib")

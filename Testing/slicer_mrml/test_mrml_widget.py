@@ -4,8 +4,10 @@ What is checked: one GUI connection across module visits, box observers, a box d
 scene, the button rules (a switched volume, a running request locks the inputs), line edits left
 alone when their text has not changed, a scene closed, and ``cleanup()``.
 
-What stays untested here (it needs the Slicer application): the ``.ui`` file's layout, the
-signals' wiring in ``setup()``, dialogs, the Esc shortcut and the Segment Editor switch."""
+The panel module imports ``qt`` and ``ctk`` at the top (it is the module's Qt part); this tier
+has neither, so :func:`widget_class` imports it over empty ones for this file only (nothing of
+them is used by ``setupScene``). The ``.ui``, the signals' wiring in ``setup()``, the shortcuts
+and the dialogs are tested in real Qt: ``Testing/slicer_qt``."""
 
 from __future__ import annotations
 
@@ -20,6 +22,20 @@ import vtk  # noqa: E402
 from test_mrml_clinician_day import LIVER, ManualClient, answer_for, load_ct  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def widget_class(slicer_env):
+    """``MedVolR1SlicerWidget``, imported over empty ``qt``/``ctk`` modules that are taken away
+    again after this file (the logic's tests run without any)."""
+    import sys
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("qt", "ctk"):
+            mp.setitem(sys.modules, name, types.ModuleType(name))
+        from MedVolR1SlicerPanel.panel import MedVolR1SlicerWidget
+
+        yield MedVolR1SlicerWidget
+
+
 class FakeWidget:
     """A Qt widget as far as the panel touches it; counts writes of ``text``/``currentPath``
     (a write moves a line edit's cursor to the end)."""
@@ -31,6 +47,7 @@ class FakeWidget:
         self.enabled = True
         self.checked = False
         self.text = ""
+        self.currentText = ""  # a QComboBox's
         self.currentPath = ""
         self.currentText = ""  # a combo box's text (the panel compares before writing it)
         self.toolTip = ""
@@ -45,6 +62,11 @@ class FakeWidget:
     def blockSignals(self, on):
         old, self._blocked = self._blocked, on
         return old
+
+    def property(self, name):
+        """No dynamic properties: Slicer's ``connectGui`` asks each widget of a namespace for
+        ``SlicerParameterName`` (wrapper.py:249-251 at v5.12.3); these fakes bind to nothing."""
+        return None
 
     def toPlainText(self):
         return self._plain
@@ -82,12 +104,12 @@ UI_NAMES = ["queryEdit", "presetComboBox", "deviceComboBox", "windowComboBox", "
 
 
 @pytest.fixture
-def panel(slicer_env, scene):
+def panel(slicer_env, scene, widget_class):
     """The widget's non-Qt half with fake widgets and a :class:`ManualClient` worker."""
     from MedVolR1SlicerLib.session import Session
 
     client = ManualClient()
-    widget = slicer_env.MedVolR1SlicerWidget(parent=types.SimpleNamespace(isEntered=True))
+    widget = widget_class(parent=types.SimpleNamespace(isEntered=True))
     widget.ui = types.SimpleNamespace(**{n: FakeWidget(n) for n in UI_NAMES})
     widget.setupScene(slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: client)))
     widget.client = client
@@ -125,10 +147,10 @@ def tiny(slicer_env):
     return Options(preset="tiny", device="cpu")
 
 
-def test_one_gui_connection_across_module_visits_and_none_after_cleanup(slicer_env, scene):
+def test_one_gui_connection_across_module_visits_and_none_after_cleanup(slicer_env, scene, widget_class):
     from MedVolR1SlicerLib.session import Session
 
-    widget = slicer_env.MedVolR1SlicerWidget(parent=types.SimpleNamespace(isEntered=True))
+    widget = widget_class(parent=types.SimpleNamespace(isEntered=True))
     widget.ui = types.SimpleNamespace(**{n: FakeWidget(n) for n in UI_NAMES})
     client = ManualClient()
     widget.setupScene(slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: client)))
@@ -162,7 +184,7 @@ def test_line_edits_are_not_rewritten_when_their_text_has_not_changed(panel):
     assert url.text == "http://gpu-box:8765" and url.writes["text"] == 1
 
 
-def test_volume_auto_selection_skips_label_maps(slicer_env, scene, ct_sm_path):
+def test_volume_auto_selection_skips_label_maps(slicer_env, scene, ct_sm_path, widget_class):
     from MedVolR1SlicerLib.session import Session
 
     label = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLLabelMapVolumeNode", "labels")
@@ -171,7 +193,7 @@ def test_volume_auto_selection_skips_label_maps(slicer_env, scene, ct_sm_path):
     image.AllocateScalars(vtk.VTK_UNSIGNED_CHAR, 1)
     label.SetAndObserveImageData(image)
     ct = load_ct(ct_sm_path, "CT")
-    widget = slicer_env.MedVolR1SlicerWidget(parent=types.SimpleNamespace(isEntered=True))
+    widget = widget_class(parent=types.SimpleNamespace(isEntered=True))
     widget.ui = types.SimpleNamespace(**{n: FakeWidget(n) for n in UI_NAMES})
     widget.setupScene(slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=ManualClient)))
     try:

@@ -1,0 +1,86 @@
+"""``slicer.ScriptedLoadableModule`` for the tests (both tiers), written from Slicer's
+``Base/Python/slicer/ScriptedLoadableModule.py`` at v5.12.3 (unchanged since v5.10.0).
+
+Shared: the module class, the logic (its singleton parameter node, :310-364) and the test case.
+The widget base differs per tier: the MRML tier has no Qt and uses :class:`ScriptedLoadableModuleWidget`
+below (it keeps ``parent`` and nothing else); the Qt tier passes its own, which builds the panel
+as Slicer's does (``Testing/slicer_qt/slicer_app.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import unittest
+
+
+class ScriptedLoadableModule:
+    """:17-56: the module's name, its self-test registered in ``slicer.selfTests``."""
+
+    def __init__(self, parent):
+        import slicer
+
+        self.parent = parent
+        self.moduleName = type(self).__name__
+        if not hasattr(slicer, "selfTests"):
+            slicer.selfTests = {}
+        slicer.selfTests[self.moduleName] = self.runTest
+
+    def resourcePath(self, filename):
+        return os.path.join(os.path.dirname(self.parent.path), "Resources", filename)
+
+    def runTest(self, msec=100, **kwargs):
+        raise NotImplementedError("the tests run the self-test class directly")
+
+
+class ScriptedLoadableModuleWidget:
+    """The MRML tier's widget base: no Qt, only ``parent`` (the tests build ``ui`` themselves)."""
+
+    def __init__(self, parent=None):
+        self.parent = parent
+        name = type(self).__name__
+        self.moduleName = name[: -len("Widget")] if name.endswith("Widget") else name
+
+
+class ScriptedLoadableModuleLogic:
+    """:296-364: the module's singleton ``vtkMRMLScriptedModuleNode`` in ``slicer.mrmlScene``."""
+
+    def __init__(self, parent=None):
+        name = type(self).__name__
+        self.moduleName = name[: -len("Logic")] if name.endswith("Logic") else name
+        self.isSingletonParameterNode = True
+
+    def getParameterNode(self):
+        import slicer
+
+        node = slicer.mrmlScene.GetSingletonNode(self.moduleName, "vtkMRMLScriptedModuleNode")
+        if node is not None:
+            if node.GetAttribute("ModuleName") != self.moduleName:  # :318-320, after a scene close
+                node.SetAttribute("ModuleName", self.moduleName)
+            return node
+        return slicer.mrmlScene.AddNode(self.createParameterNode())
+
+    def createParameterNode(self):
+        import slicer
+
+        node = slicer.vtkMRMLScriptedModuleNode()
+        node.SetSingletonTag(self.moduleName)
+        node.SetAttribute("ModuleName", self.moduleName)
+        node.SetName(slicer.mrmlScene.GenerateUniqueName(self.moduleName))
+        return node
+
+
+class ScriptedLoadableModuleTest(unittest.TestCase):
+    pass
+
+
+def make_module(widget_base=ScriptedLoadableModuleWidget) -> types.ModuleType:
+    """A ``slicer.ScriptedLoadableModule`` module object with ``widget_base`` as its widget class."""
+    mod = types.ModuleType("slicer.ScriptedLoadableModule")
+    mod.__all__ = ["ScriptedLoadableModule", "ScriptedLoadableModuleWidget", "ScriptedLoadableModuleLogic",
+                   "ScriptedLoadableModuleTest"]
+    mod.ScriptedLoadableModule = ScriptedLoadableModule
+    mod.ScriptedLoadableModuleWidget = widget_base
+    mod.ScriptedLoadableModuleLogic = ScriptedLoadableModuleLogic
+    mod.ScriptedLoadableModuleTest = ScriptedLoadableModuleTest
+    return mod
