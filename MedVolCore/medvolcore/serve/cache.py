@@ -4,7 +4,10 @@ A cache never serves another volume. The key is the sha256 of what the reader re
 (:mod:`medvolcore.sources`): a file's bytes, or for a detached header or a DICOM folder the names,
 sizes and sha256s of the header and every data file it names, or of the folder's files (symbolic
 links followed over stdio; a folder with no file is refused before any lookup, so no empty key
-exists). Before a cached volume is served, its shape and affine are checked against the file's
+exists). The key is computed over the very bytes that are read: over stdio the files are copied
+into the worker's private folder while hashed and the reader reads only that copy (uploads and
+``--data-dir`` copies are private files already), so a file replaced while it is read can never
+give a volume under another volume's key. Before a cached volume is served, its shape and affine are checked against the file's
 header (a cheap header read); a volume that does not match is read again. A stack enters the
 cache only once its request succeeded, so a volume from a failed or cancelled request is never
 held in memory.
@@ -15,14 +18,15 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from ..errors import VolumeError
-from ..sources import HashMemo, sources_sha256, store_bytes, volume_sources
+from ..errors import MedVolError, VolumeError
+from ..sources import HashMemo, hashed_copy, known_sha256, sources_sha256, store_bytes, volume_sources
 
 __all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_FEATURE_CACHE_MB", "DEFAULT_MAX_VOXELS", "StackCache", "file_sha256",
            "header_geometry"]
@@ -133,20 +137,51 @@ class StackCache:
             self.hits += 1
         return stack
 
-    def get_path(self, path, cancel=None, digest: Optional[str] = None) -> tuple:
+    def max_bytes(self) -> Optional[int]:
+        """The most a volume's files may hold together to be copied and read: what ``max_voxels``
+        float64 voxels take, plus room for headers (a NIfTI's extensions, DICOM slice headers)."""
+        from ..volume import MAX_NIFTI_EXTENSIONS
+
+        if self.max_voxels is None:
+            return None
+        return int(self.max_voxels) * 8 + MAX_NIFTI_EXTENSIONS + (64 << 20)
+
+    def get_path(self, path, cancel=None, digest: Optional[str] = None, tmp_dir=None) -> tuple:
         """``(stack, sha256, cached)`` for a volume path (not added to the cache: see :meth:`put`).
 
-        ``digest``: the path's content key when the caller already has it (a private copy,
-        hashed while copied); else it is computed from the files the reader reads, after checking
-        them (:func:`medvolcore.sources.volume_sources`: a missing data file, a FIFO or a folder
-        with no file is refused here, before any lookup).
+        ``digest``: the path's content key when the caller already has it, for a private file
+        no one else writes (an upload, a private copy, hashed while written); it is read as it is.
+        Without it, the files the reader reads are checked
+        (:func:`medvolcore.sources.volume_sources`: a missing data file, a FIFO or a folder with
+        no file is refused here, before any lookup), then copied into a private folder in
+        ``tmp_dir`` while hashed (:func:`medvolcore.sources.hashed_copy`), and only that copy is
+        read: the voxels are those of the key, even when the file is replaced while it is read.
+        A cached volume is served without a copy when every file is one already hashed, as it
+        is now (same path, device, inode, size, mtime and ctime).
         """
+        path = Path(path)
+        if digest is not None:
+            return self._get_private(path, digest, cancel)
+        sources = volume_sources(path)
+        known = known_sha256(sources, self._memo)
+        if known is not None:
+            stack = self._cached(known, path)
+            if stack is not None:
+                return stack, known, True
+        with hashed_copy(path, tmp_dir if tmp_dir is not None else tempfile.gettempdir(), cancel, self._memo,
+                         self.max_bytes()) as copy:
+            try:
+                stack, digest, cached = self._get_private(copy.path, copy.sha256, cancel)
+            except MedVolError as e:  # name the caller's file, not the private copy
+                raise type(e)(str(e).replace(str(copy.path), str(path))) from None
+        if not cached:
+            stack.volume.path = str(path)
+        return stack, digest, cached
+
+    def _get_private(self, path: Path, digest: str, cancel) -> tuple:
         from ..stack import AxialStack
         from ..volume import load_volume
 
-        path = Path(path)
-        if digest is None:
-            digest = sources_sha256(volume_sources(path), cancel, self._memo)
         stack = self._cached(digest, path)
         if stack is not None:
             return stack, digest, True
@@ -162,7 +197,7 @@ class StackCache:
             raise VolumeError(f"uploaded volume is {len(data)} bytes: too short to be a NIfTI file")
         tmp = store_bytes(data, tmp_dir, ".nii.gz" if data[:2] == b"\x1f\x8b" else ".nii")
         try:
-            return self.get_path(tmp, cancel, digest=digest)
+            return self._get_private(tmp, digest, cancel)
         finally:
             try:
                 tmp.unlink()

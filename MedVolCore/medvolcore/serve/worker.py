@@ -662,7 +662,7 @@ class Worker:
         path = self.client_path(value, job.transport, "volume")
         progress("read", 0.0, f"reading {path.name}")
         if job.transport != "http":
-            return self.cache.get_path(path, job.cancel)
+            return self.cache.get_path(path, job.cancel, tmp_dir=self.tmp_dir)
         # Over HTTP the client's path is opened once, without following links, and copied into
         # the private temp folder while hashed; the reader reads only that copy, which is removed.
         with private_copy(self.data_dir, value, self.tmp_dir, job.cancel, "volume") as copy:
