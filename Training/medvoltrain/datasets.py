@@ -51,6 +51,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from medvolcore.strictjson import DuplicateKeyError, unique_keys
+
 from . import resources
 from .errors import CaseError, DataError
 
@@ -109,7 +111,10 @@ def _read_rows(path: Path) -> List[dict]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=unique_keys)
+            except DuplicateKeyError as e:
+                rows.append({"__error__": f"line {n} names {e.key!r} twice in one object; give each key once"})
+                continue
             except ValueError as e:
                 rows.append({"__error__": f"line {n} is not JSON ({e})"})
                 continue
@@ -125,17 +130,34 @@ def _parse_targets(value, dataset: Optional[str]) -> Dict[str, List[int]]:
         return {name: [i] for i, name in resources.dataset_labels(dataset).items()}
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json.loads(value, object_pairs_hook=unique_keys)
+        except DuplicateKeyError as e:
+            raise CaseError("bad_row", f"'targets' names the target {e.key!r} twice; give each target once") from None
         except ValueError as e:
             raise CaseError("bad_row", f"'targets' is not JSON ({e})") from None
     if not isinstance(value, dict) or not value:
         raise CaseError("bad_row", "'targets' must be a JSON object from target name to label id(s)")
-    out = {}
+    from .queries import label_key
+
+    out, by_key, by_file = {}, {}, {}
     for name, ids in value.items():
         ids = ids if isinstance(ids, list) else [ids]
         if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i <= 0 for i in ids):
             raise CaseError("bad_row", f"target {name!r}: label ids must be positive integers, got {value[name]!r}")
-        out[str(name).strip()] = [int(i) for i in ids]
+        clean = str(name).strip()
+        key, file = label_key(clean), safe_name(clean)
+        if not key:
+            raise CaseError("bad_row", f"target {name!r} has no name")
+        # two names the queries cannot tell apart, or whose masks would be one file: one would
+        # silently train on the other's label
+        if key in by_key:
+            raise CaseError("bad_row", f"targets {by_key[key]!r} and {name!r} are one target once normalised as the "
+                                       f"queries are ({key!r}); give each target once")
+        if file in by_file:
+            raise CaseError("bad_row", f"targets {by_file[file]!r} and {name!r} would share one mask file "
+                                       f"({file}.npz); rename one")
+        by_key[key], by_file[file] = name, name
+        out[clean] = [int(i) for i in ids]
     return out
 
 

@@ -70,6 +70,12 @@ def _norm(text: str) -> str:
     return re.sub(r"\s+", " ", str(text).strip().lower())
 
 
+def label_key(name: str) -> str:
+    """A target name as the queries see it (case, spaces and ``_`` folded): two names with one key
+    would draw the same descriptions, so a row may not hold both."""
+    return _norm(str(name).replace("_", " "))
+
+
 def _word_variants(word: str) -> str:
     w = re.escape(word)
     return rf"{w}(?:s|es)?" if not word.endswith("s") else rf"(?:{w}|{re.escape(word[:-1])})"
