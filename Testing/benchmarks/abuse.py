@@ -2,7 +2,7 @@
 
     .venv/bin/python Testing/benchmarks/abuse.py [--quick] [--json-out FILE] [-- PYTEST ARGS]
 
-Runs every test of ``Testing/core`` marked ``@pytest.mark.probe(item, text)`` (each is one probe,
+Runs every test of ``Testing/core`` (and of the ``Testing/training`` files holding one) marked ``@pytest.mark.probe(item, text)`` (each is one probe,
 tagged with its hardening item: "1" … "13" for the first review's, "II.1" … "II.11" for the
 second's; ``test_serve_hardening.py``, ``test_volume_hardening.py``, ``test_cli_outputs.py``, …)
 including the heavy probes the test suite skips (200 slow
@@ -77,7 +77,10 @@ def main(argv=None) -> int:
     if not args.quick:
         os.environ["MEDVOL_HEAVY_PROBES"] = "1"
     table = ProbeTable()
-    code = pytest.main([str(TESTS), "-m", "probe", "-q", "-p", "no:cacheprovider",
+    # training probes (e.g. 43.2) live in Testing/training: only its files that hold one are run
+    training = [str(p) for p in sorted((HERE.parent / "training").glob("test_*.py"))
+                if "mark.probe" in p.read_text(encoding="utf-8")]
+    code = pytest.main([str(TESTS), *training, "-m", "probe", "-q", "-p", "no:cacheprovider",
                         "-c", str(HERE.parent / "pytest.ini"), *args.pytest_args], plugins=[table])
     rows = sorted(table.rows.values(), key=_item_key)
     print()
