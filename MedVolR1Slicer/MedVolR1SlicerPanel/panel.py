@@ -1,6 +1,8 @@
 """The module's panel (``MedVolR1SlicerWidget``): it wires the ``.ui`` to the parameter node and
 calls the logic; it never changes the scene itself. Its correction controls are
-:mod:`.correction_controls`, its install and download dialogs :mod:`.install_dialogs`.
+:mod:`.correction_controls`, its worker settings (application settings, not the scene's) and the
+question before a CT is sent away :mod:`.worker_settings`, its install and download dialogs
+:mod:`.install_dialogs`.
 
 :meth:`MedVolR1SlicerWidget.setup` builds the Qt side (widgets, signals, shortcuts, the poll
 timer) and then calls :meth:`~MedVolR1SlicerWidget.setupScene`, the part without Qt (scene
@@ -30,6 +32,7 @@ from MedVolR1SlicerScene.results import EditedSinceResult
 
 from .correction_controls import CorrectionControls
 from .install_dialogs import ensure_installed, offer_download
+from .worker_settings import WorkerSettings
 
 SETTINGS_HISTORY = "MedVolR1Slicer/QueryHistory"
 POLL_MS = 100
@@ -41,7 +44,7 @@ RELOAD_ORDER = (
     + [f"MedVolR1SlicerPanel.{n}" for n in ("correction_controls", "install_dialogs", "selftest", "panel")])
 
 
-class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, CorrectionControls):
+class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, CorrectionControls, WorkerSettings):
     """The panel. :meth:`setup` builds the Qt side (widgets, signals, the poll timer) and then
     calls :meth:`setupScene`, the part without Qt (scene observers, the parameter node, the
     button rules)."""
@@ -55,6 +58,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self._timer = None
         self._history = params.QueryHistory()
         self._initCorrectionControls()
+        self._initWorkerSettings()
         self._tips = {}
         self._queryText = ""
 
@@ -75,6 +79,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             self.ui.windowComboBox.addItem(name)
         self._history = params.QueryHistory.from_json(qt.QSettings().value(SETTINGS_HISTORY, "[]"))
         self._refreshHistory()
+        self._loadWorkerSettings()  # the application's, never the scene's
 
         self.ui.segmentButton.connect("clicked(bool)", self.onSegmentButton)
         self.ui.repropagateButton.connect("clicked(bool)", self.onRepropagateButton)
@@ -90,8 +95,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self.ui.deviceComboBox.connect("currentTextChanged(QString)", lambda t: self._setParam("device", t))
         self.ui.windowComboBox.connect("currentTextChanged(QString)", lambda t: self._setParam("window", t))
         self.ui.adapterPathLineEdit.connect("currentPathChanged(QString)", lambda t: self._setParam("adapter", t))
-        self.ui.remoteUrlLineEdit.connect("textChanged(QString)", lambda t: self._setParam("remoteUrl", t))
-        self.ui.workerLocalRadioButton.connect("toggled(bool)", lambda on: self._setParam("worker", "local" if on else "remote"))
+        self._connectWorkerSettings()
         # Esc cancels a running request while the panel has the focus (Alt+<letter> come from the
         # buttons' mnemonics; Enter in the query box runs Segment, see _onQueryEdited)
         self._cancelShortcut = qt.QShortcut(qt.QKeySequence("Esc"), self.parent)
@@ -111,6 +115,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self.logic.session.progress.connect(self._onProgress)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.StartCloseEvent, self.onSceneStartClose)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.EndCloseEvent, self.onSceneEndClose)
+        self.addObserver(slicer.mrmlScene, slicer.mrmlScene.EndImportEvent, self.onSceneEndImport)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.NodeRemovedEvent, self.onNodeRemoved)
         interaction = self.logic._interactionNode()
         if interaction is not None:  # place mode started or ended (here, in the toolbar, by a right-click)
@@ -165,12 +170,17 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         if self.parent is not None and self.parent.isEntered:
             self.initializeParameterNode()
 
+    def onSceneEndImport(self, caller, event):
+        """A scene was opened: worker settings an older version saved in it are dropped (once)."""
+        self._sayIgnoredSceneWorkerSettings()
+
     def initializeParameterNode(self):
         self.setParameterNode(self.logic.getParameterNode())
         if not self._parameterNode.inputVolume:
             first = self.logic.firstUsableVolume()  # not a label map or a colour volume
             if first:
                 self._parameterNode.inputVolume = first
+        self._sayIgnoredSceneWorkerSettings()
 
     def setParameterNode(self, inputParameterNode):
         same = (inputParameterNode is not None and self._parameterNode is not None
@@ -209,7 +219,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         if p is None:  # the scene is closing
             return
         blockers = [self.ui.queryEdit, self.ui.presetComboBox, self.ui.deviceComboBox, self.ui.windowComboBox,
-                    self.ui.remoteUrlLineEdit, self.ui.adapterPathLineEdit]
+                    self.ui.adapterPathLineEdit]
         old = [w.blockSignals(True) for w in blockers]
         if self.ui.queryEdit.toPlainText() != p.query:
             self.ui.queryEdit.setPlainText(p.query)
@@ -218,16 +228,10 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
                              (self.ui.windowComboBox, p.window)):
             if combo.currentText != value:  # as a line edit: the edit being typed is not written back
                 combo.setCurrentText(value)
-        self._setText(self.ui.remoteUrlLineEdit, "text", p.remoteUrl)
         self._setText(self.ui.adapterPathLineEdit, "currentPath", p.adapter)
         for w, b in zip(blockers, old):
             w.blockSignals(b)
         self.ui.modelLabel.text = model_text(p.preset, p.adapter)  # zero-shot, MedVol-R1 needs an adapter, …
-        # Check the radio button that should be on: in an exclusive pair, setChecked(False)
-        # on the other one does nothing, so Remote could never be switched back to Local.
-        radio = self.ui.workerRemoteRadioButton if p.worker == "remote" else self.ui.workerLocalRadioButton
-        if not radio.checked:
-            radio.setChecked(True)
         self.ui.keySliceLabel.text = self.logic.keySliceText(p)
         self.ui.reasoningEdit.setPlainText(p.reasoning)
         self.ui.confidenceLabel.text = p.confidence or "–"
@@ -278,8 +282,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         has_segment = bool(p and p.outputSegmentation is not None and p.segmentId)
         self.ui.editButton.enabled = idle and has_segment
         self.ui.show3DCheckBox.enabled = p is not None and p.outputSegmentation is not None
-        remote = bool(p and p.worker == "remote")
-        self.ui.remoteUrlLineEdit.enabled = self.ui.remoteTokenLineEdit.enabled = remote and idle
+        self.ui.remoteUrlLineEdit.enabled = self.ui.remoteTokenLineEdit.enabled = self._remoteChosen() and idle
 
     def _onQueryEdited(self):
         text = self.ui.queryEdit.toPlainText()
@@ -306,9 +309,10 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
 
     def _options(self) -> Optional[Options]:
         p = self._parameterNode
+        worker, url, token = self._workerOptions()  # application settings; the token typed for this address
         try:
-            return params.options_from_panel(p.preset, p.adapter, p.device, p.window, p.worker, p.remoteUrl,
-                                             self.ui.remoteTokenLineEdit.text, consensus=p.consensus)
+            return params.options_from_panel(p.preset, p.adapter, p.device, p.window, worker, url, token,
+                                             consensus=p.consensus)
         except ValueError as e:
             slicer.util.errorDisplay(str(e))
             return None
@@ -324,7 +328,9 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             slicer.util.errorDisplay(problem, windowTitle="MedVol-R1")
             return
         options = self._options()
-        if options is None or not ensure_installed(self.logic, options, self.ui, lambda: self._setParam("worker", "remote")):
+        if options is None or not ensure_installed(self.logic, options, self.ui, self._useRemoteWorker):
+            return
+        if not self._confirmUpload(options):  # the first CT to a remote address: asked, naming it
             return
         self._history.add(p.query)
         qt.QSettings().setValue(SETTINGS_HISTORY, self._history.to_json())
@@ -351,7 +357,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
 
     def onRepropagateButton(self):
         options = self._options()
-        if options is None:
+        if options is None or not self._confirmUpload(options):
             return
         try:
             _, notes = self.logic.startRepropagate(self._parameterNode, options, self._onJobFinished)

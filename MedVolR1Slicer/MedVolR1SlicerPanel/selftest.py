@@ -42,6 +42,9 @@ class SelfTestWorker:
     def _answer(self, job):
         import numpy as np
 
+        if job.op == "hello":  # what it says it is (a remote worker is asked before the first upload)
+            return {"protocol": 1, "medvolcore": "self-test", "transport": "self-test",
+                    "model_label": "the module's self-test worker (no model)"}
         if job.op == "load":
             return {"preset": job.request["preset"]}
         geo = self.logic.geometry(self.volume)
