@@ -142,3 +142,35 @@ def test_the_batch_takes_its_worker_from_its_own_arguments(slicer_env, scene, tm
     names = {n.attr for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Attribute)}
     assert not names & {"getParameterNode", "parameterNode", "takeIgnoredWorkerSettings"}
     assert "MedVolR1Slicer/Worker" not in text and "RemoteUrl" not in text  # nor the panel's settings
+
+
+# ---- the self-test as Slicer's test runner runs it --------------------------------------------------
+
+class MissingPackages:
+    """``install.current_plan()`` on an extension build machine: the packages are not there."""
+
+    needed, remote_only, steps, problems = True, False, (), []
+    missing = ["torch (>=2.3,<2.13; not installed)", "medvolcore (not installed)"]
+
+    def message(self):
+        return "MedVol-R1 needs these Python packages in Slicer:\n" + "\n".join(self.missing)
+
+
+def test_slicers_test_runner_skips_the_worker_test_where_the_packages_are_missing(
+        slicer_env, scene, panel_module, monkeypatch):
+    """What the extension's ctest runs (``slicer_add_python_unittest(SCRIPT MedVolR1Slicer.py)``):
+    ``slicer.testing.runUnitTest(paths, "MedVolR1Slicer")`` loads the module's tests with
+    ``unittest.TestLoader().loadTestsFromName`` and runs them with a ``TextTestRunner``, failing
+    unless ``wasSuccessful()`` (Base/Python/slicer/testing.py:14-28 at v5.12.3); each ``test_*``
+    method runs on its own, and ``runTest()`` is never called."""
+    from MedVolR1SlicerLib import install
+
+    monkeypatch.setattr(install, "current_plan", lambda *a, **k: MissingPackages())
+    suite = unittest.TestLoader().loadTestsFromName("MedVolR1Slicer")
+    out = io.StringIO()
+    result = unittest.TextTestRunner(stream=out, verbosity=2).run(suite)
+    assert result.wasSuccessful(), out.getvalue()
+    assert result.testsRun == 2
+    (case, why), = result.skipped
+    assert case._testMethodName == "test_segment_edit_repropagate"
+    assert why.startswith("the MedVol-R1 packages are not installed here (missing: torch (>=2.3,<2.13; not installed)")
