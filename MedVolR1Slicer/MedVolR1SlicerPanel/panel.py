@@ -188,13 +188,18 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         if same:  # module re-entered: keep the connection and the observer
             self._updateGuiFromParameterNode()
             return
+        # The MRML node is observed, not its wrapper: VTKObservationMixin keeps every object it
+        # ever observed as a key (removeObserver leaves it), and a wrapper kept alive keeps its
+        # fields' cache observers on the node, one set per scene close.
         if self._parameterNode:
             self._guiBinding.unbind()
-            self.removeObserver(self._parameterNode, vtk.vtkCommand.ModifiedEvent, self._onParameterNodeModified)
+            self.removeObserver(self._parameterNode.parameterNode, vtk.vtkCommand.ModifiedEvent,
+                                self._onParameterNodeModified)
         self._parameterNode = inputParameterNode
         if self._parameterNode:
             self._guiBinding.bind(self._parameterNode, self.ui)
-            self.addObserver(self._parameterNode, vtk.vtkCommand.ModifiedEvent, self._onParameterNodeModified)
+            self.addObserver(self._parameterNode.parameterNode, vtk.vtkCommand.ModifiedEvent,
+                             self._onParameterNodeModified)
             self._updateGuiFromParameterNode()
         else:
             self._guiBinding.forget()

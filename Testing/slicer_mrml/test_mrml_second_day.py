@@ -174,3 +174,59 @@ def test_slicers_test_runner_skips_the_worker_test_where_the_packages_are_missin
     (case, why), = result.skipped
     assert case._testMethodName == "test_segment_edit_repropagate"
     assert why.startswith("the MedVol-R1 packages are not installed here (missing: torch (>=2.3,<2.13; not installed)")
+
+
+# ---- no observer outlives a scene close or cleanup() -------------------------------------------------
+
+def observers(node) -> int:
+    """How many observers ``node`` has: VTK numbers them in order, a removed one has no command."""
+    probe = node.AddObserver("ModifiedEvent", lambda caller, event: None)
+    node.RemoveObserver(probe)
+    return sum(node.GetCommand(tag) is not None for tag in range(probe))
+
+
+def parameter_node_class(version):
+    """``MedVolR1SlicerParameterNode`` as ``MedVolR1SlicerScene/parameters.py`` makes it under the
+    parameter-node wrapper of Slicer ``version`` (``Testing/slicer_standins/parameter_node.py``)."""
+    import importlib.util
+
+    import MedVolR1SlicerScene.parameters as parameters
+
+    wrapper = parameter_node.make_module(version)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "slicer.parameterNodeWrapper", wrapper)
+        mp.setattr(slicer, "parameterNodeWrapper", wrapper)
+        spec = importlib.util.spec_from_file_location(f"parameters_{'_'.join(map(str, version))}", parameters.__file__)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module.MedVolR1SlicerParameterNode
+
+
+@pytest.mark.parametrize("version", [(5, 10, 0), (5, 12, 3)], ids=["5.10.0", "5.12.3"])
+def test_no_observer_of_the_parameter_node_outlives_scene_closes_or_cleanup(
+        slicer_env, scene, panel_module, monkeypatch, version):
+    """At 5.10.0 ``disconnectGui`` leaves the connection's observer on the node, and it holds the
+    wrapper with its fields' cache observers; the module's node lives across scene closes."""
+    import MedVolR1SlicerScene.logic as logic_module
+    from MedVolR1SlicerLib.session import Session
+
+    monkeypatch.setattr(logic_module, "MedVolR1SlicerParameterNode", parameter_node_class(version))
+    logic = slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=ManualClient))
+    node = logic.getParameterNode().parameterNode
+    gc.collect()
+    before = observers(node)
+    widget = make_panel(panel_module, logic)
+    gc.collect()
+    bound = observers(node)
+    assert bound > before
+    for _ in range(4):
+        slicer.mrmlScene.Clear(0)
+        gc.collect()
+        assert widget._parameterNode.parameterNode is node  # the module's node is kept across closes
+        assert observers(node) == bound
+        widget.exit()
+        widget.enter()
+        assert observers(node) == bound
+    widget.cleanup()
+    gc.collect()
+    assert observers(node) == before
