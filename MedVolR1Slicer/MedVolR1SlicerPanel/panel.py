@@ -25,6 +25,7 @@ from MedVolR1SlicerLib.client import WorkerError
 from MedVolR1SlicerLib.geometry import GeometryError
 from MedVolR1SlicerLib.guibinding import GuiBinding
 from MedVolR1SlicerLib.presets import model_presets, model_text
+from MedVolR1SlicerLib.reloading import reload_order
 from MedVolR1SlicerLib.segments import segment_name
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options
 from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic
@@ -36,12 +37,6 @@ from .worker_settings import WorkerSettings
 
 SETTINGS_HISTORY = "MedVolR1Slicer/QueryHistory"
 POLL_MS = 100
-# reloaded by the developer "Reload" button, children before their importers
-RELOAD_ORDER = (
-    [f"MedVolR1SlicerLib.{n}" for n in ("signals", "client", "presets", "session", "consensus", "segments", "geometry",
-                                        "corrections", "guibinding", "install", "params", "batchjobs")]
-    + [f"MedVolR1SlicerScene.{n}" for n in ("nodes", "storage", "views", "markups", "results", "parameters", "logic")]
-    + [f"MedVolR1SlicerPanel.{n}" for n in ("correction_controls", "install_dialogs", "selftest", "panel")])
 
 
 class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, CorrectionControls, WorkerSettings):
@@ -142,11 +137,12 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
 
     def onReload(self):
         """Developer "Reload": Slicer reloads the module file only; the Lib, Scene and Panel parts
-        are reloaded here first, so that an edited part takes effect too."""
+        are reloaded here first, each after what it imports (:mod:`MedVolR1SlicerLib.reloading`
+        reads the order from the files), so that an edited part takes effect too."""
         import importlib
         import sys
 
-        for name in RELOAD_ORDER:
+        for name in reload_order():
             module = sys.modules.get(name)
             if module is not None:
                 importlib.reload(module)

@@ -1,5 +1,6 @@
-"""What the panel keeps about remote workers for one session (``MedVolR1SlicerLib.remote``) and what
-it shows of a worker's ``hello``. The panel's use of them is tested in real Qt
+"""What the panel keeps about remote workers for one session (``MedVolR1SlicerLib.remote``), what
+it shows of a worker's ``hello``, and the order of the developer Reload
+(``MedVolR1SlicerLib.reloading``). The panel's use of them is tested in real Qt
 (``Testing/slicer_qt/test_qt_worker_settings.py``) and on real MRML (``Testing/slicer_mrml``)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from MedVolR1SlicerLib import remote
 from MedVolR1SlicerLib.client import RemoteWorker
+from MedVolR1SlicerLib.reloading import reload_order
 from MedVolR1SlicerLib.session import Options, Session
 
 
@@ -75,3 +77,18 @@ def test_a_remote_workers_identity_is_asked_with_one_hello_and_its_token():
     finally:
         session.shutdown()
         server.shutdown()
+
+
+def test_the_reload_order_puts_every_module_after_what_it_imports(tmp_path):
+    pkg = tmp_path / "Pkg"
+    pkg.mkdir()
+    files = {"__init__.py": "from .b import B\n", "a.py": "X = 1\n", "b.py": "from .a import X\nB = X\n",
+             "c.py": "def f():\n    from Pkg import b\n", "d.py": "from . import e\n", "e.py": "from . import d\n"}
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    order = reload_order(tmp_path, ["Pkg"])
+    assert sorted(order) == ["Pkg", "Pkg.a", "Pkg.b", "Pkg.c", "Pkg.d", "Pkg.e"]
+    assert order.index("Pkg.a") < order.index("Pkg.b") < order.index("Pkg") and order.index("Pkg.b") < order.index("Pkg.c")
+    assert order.index("Pkg.d") < order.index("Pkg.e")  # a circle is broken by name, the same way every time
+    assert reload_order(tmp_path, ["Pkg"]) == order
+    assert reload_order()[-1] in ("MedVolR1SlicerPanel.panel", "MedVolR1SlicerPanel.selftest")

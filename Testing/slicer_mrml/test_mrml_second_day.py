@@ -230,3 +230,52 @@ def test_no_observer_of_the_parameter_node_outlives_scene_closes_or_cleanup(
     widget.cleanup()
     gc.collect()
     assert observers(node) == before
+
+
+# ---- the developer Reload ----------------------------------------------------------------------------
+
+def _module_files():
+    root = application.MODULE_DIR
+    found = {}
+    for package in ("MedVolR1SlicerLib", "MedVolR1SlicerScene", "MedVolR1SlicerPanel"):
+        for path in sorted((root / package).glob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name, path, known):
+    """The modules of ``known`` that module ``name`` imports (anywhere in it): ``import M``,
+    ``from M import x``, and ``from P import M`` for a module ``P.M``."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names} & set(known)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                if node.level else node.module
+            for alias in node.names:
+                found |= {f"{base}.{alias.name}"} & set(known) or {base} & set(known)
+    return found - {name}
+
+
+def test_reload_reloads_every_module_of_the_three_packages_after_what_it_imports(slicer_env, panel_module, monkeypatch):
+    files = _module_files()
+    for name in files:  # as in Slicer after a while: every part has been imported
+        if not name.startswith("MedVolR1SlicerPanel"):
+            importlib.import_module(name)
+    assert set(files) <= set(sys.modules)
+    reloaded = []
+    monkeypatch.setattr(importlib, "reload", lambda module: reloaded.append(module.__name__) or module)
+    monkeypatch.setattr(panel_module.ScriptedLoadableModuleWidget, "onReload",
+                        lambda self: reloaded.append("(the module file, by Slicer)"), raising=False)
+    widget = panel_module.MedVolR1SlicerWidget(parent=types.SimpleNamespace(isEntered=False))
+    widget.onReload()
+    assert reloaded.pop() == "(the module file, by Slicer)"
+    assert sorted(reloaded) == sorted(files)
+    at = {name: i for i, name in enumerate(reloaded)}
+    late = [(name, imported) for name, path in files.items() for imported in _imports(name, path, files)
+            if at[imported] > at[name]]
+    assert late == [], f"reloaded before what they import: {late}"
+    assert {"MedVolR1SlicerLib", "MedVolR1SlicerScene.logic"} <= set(reloaded)
