@@ -54,6 +54,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self._history = params.QueryHistory()
         self._initCorrectionControls()
         self._initWorkerSettings()
+        self._observedSegmentation = None
         self._tips = {}
         self._queryText = ""
 
@@ -123,6 +124,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         observer and the GUI connection."""
         self.removeObservers()
         self._forgetCorrectionObservers()
+        self._observedSegmentation = None
         self._removeNegativeShortcut()
         self._guiBinding.unbind()
         self._guiBinding.forget()
@@ -200,6 +202,8 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         else:
             self._guiBinding.forget()
             self._observeBoxes([])
+            self._observeSegmentation(None)
+            self._updateButtons()  # Show 3D: no result, no surface
 
     def _onParameterNodeModified(self, caller=None, event=None):
         self._updateGuiFromParameterNode()
@@ -243,6 +247,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             self.ui.negativePointsButton.blockSignals(blocked)
         self._observeBoxes(list(p.boxes) + list(p.corrections))
         self._observePoints(p.points)
+        self._observeSegmentation(p.outputSegmentation)
         self._updateObjectChoices()
         self._updateButtons()
 
@@ -283,7 +288,32 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         has_segment = bool(p and p.outputSegmentation is not None and p.segmentId)
         self.ui.editButton.enabled = idle and has_segment
         self.ui.show3DCheckBox.enabled = p is not None and p.outputSegmentation is not None
+        self._updateShow3D()
         self.ui.remoteUrlLineEdit.enabled = self.ui.remoteTokenLineEdit.enabled = self._remoteChosen() and idle
+
+    def _updateShow3D(self):
+        """Show 3D says whether the result's segmentation is shown as a surface: unchecked for a new
+        segmentation and after a scene close, checked when it was made here or elsewhere."""
+        shown = bool(self._parameterNode is not None and self.logic.showsSurface(self._parameterNode))
+        box = self.ui.show3DCheckBox
+        if bool(box.checked) != shown:
+            blocked = box.blockSignals(True)  # showing what is, not asking for a change
+            box.checked = shown
+            box.blockSignals(blocked)
+
+    def _observeSegmentation(self, node):
+        """A surface made or removed elsewhere (Segment Editor, Segmentations) updates Show 3D."""
+        if node is self._observedSegmentation:
+            return
+        event = slicer.vtkSegmentation.ContainedRepresentationNamesModified
+        if self._observedSegmentation is not None:
+            self.removeObserver(self._observedSegmentation, event, self._onRepresentationsChanged)
+        self._observedSegmentation = node
+        if node is not None:
+            self.addObserver(node, event, self._onRepresentationsChanged)
+
+    def _onRepresentationsChanged(self, caller=None, event=None):
+        self._updateButtons()
 
     def _onQueryEdited(self):
         text = self.ui.queryEdit.toPlainText()
@@ -386,6 +416,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
     def onShow3D(self, show):
         if self._parameterNode is not None:
             self.logic.setShow3D(self._parameterNode, show)
+        self._updateButtons()  # the box shows what is shown
 
     def onEditButton(self):
         """Open the result in the Segment Editor: its segmentation, the CT as source volume and

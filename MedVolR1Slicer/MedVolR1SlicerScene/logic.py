@@ -275,6 +275,10 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     def setShow3D(self, p, show: bool) -> bool:
         return views.set_show_3d(p, show)
 
+    def showsSurface(self, p) -> bool:
+        """Whether the result's segmentation has a closed-surface representation (what Show 3D shows)."""
+        return views.shows_surface(p)
+
     def segmentEditorNode(self, p):
         return views.segment_editor_node(p)
 

@@ -161,3 +161,26 @@ def test_a_token_is_sent_only_to_the_address_it_was_typed_for(panel):
     wait_until(lambda: idle(panel))
     made = {(o.remote_url, o.remote_token) for o in panel.workers.options}
     assert made == {("http://gpu-b:8765", ""), ("http://gpu-a:8765", "token-for-a")}
+
+
+def test_show_3d_follows_the_results_segmentation(panel):
+    """Show 3D says whether the result's segmentation has a closed surface: a new result in a new
+    segmentation, or a closed scene, leaves it unchecked; a surface made elsewhere checks it."""
+    from steps import use_remote_worker
+
+    slicer, ui = panel.slicer, panel.ui
+    load_ct(panel)
+    use_remote_worker(panel)
+    segment(panel, "the organ")
+    p = panel.logic.getParameterNode()
+    first = p.outputSegmentation
+    assert not ui.show3DCheckBox.checked
+    click(ui.show3DCheckBox)
+    assert ui.show3DCheckBox.checked and first.GetSegmentation().ContainsRepresentation("Closed surface")
+    ui.outputSegmentationSelector.setCurrentNode(None)  # "Create new segmentation"
+    segment(panel, "the organ again")
+    assert p.outputSegmentation is not first and not ui.show3DCheckBox.checked
+    p.outputSegmentation.CreateClosedSurfaceRepresentation()  # e.g. the Segment Editor's Show 3D
+    assert ui.show3DCheckBox.checked
+    slicer.mrmlScene.Clear(0)
+    assert not ui.show3DCheckBox.checked
