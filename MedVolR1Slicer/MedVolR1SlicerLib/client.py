@@ -415,11 +415,13 @@ class RemoteWorker(_BaseWorker):
             h[SESSION_HEADER] = self.session
         return h
 
-    def _ensure_session(self) -> None:
-        """Get a session id before the first long request, so status polls share it."""
+    def _ensure_session(self) -> Optional[dict]:
+        """Get a session id before the first request (status polls share it); the hello's reply, if sent now."""
         with self._session_lock:
             if self.session is None:
-                self._http("POST", "/rpc", json.dumps({"id": "session", "op": "hello"}).encode("utf-8"), timeout=30)
+                return self._http("POST", "/rpc", json.dumps({"id": "session", "op": "hello"}).encode("utf-8"),
+                                  timeout=30)
+        return None
 
     def _keep_session(self, headers) -> None:
         sid = headers.get(SESSION_HEADER) if headers is not None else None
@@ -501,13 +503,25 @@ class RemoteWorker(_BaseWorker):
         return job
 
     def _run(self, job: Job) -> None:
-        req = dict(job.request)
         stop = threading.Event()
-        body = None
         try:
-            self._ensure_session()
+            first = self._ensure_session()
+            # a hello that opened the session is this request's answer: it is not sent twice
+            reply = first if job.op == "hello" and first is not None else self._post(job, stop)
+        except WorkerError as e:
+            reply = {"id": job.id, "ok": False, "error": {"code": e.code, "message": e.message}}
+        except OSError as e:
+            reply = {"id": job.id, "ok": False, "error": {"code": "bad_input", "message": f"cannot read the volume: {e}"}}
+        finally:
+            stop.set()
+        reply["id"] = job.id
+        self._inbox.put(("msg", reply))
+
+    def _post(self, job: Job, stop: threading.Event) -> dict:
+        """Send ``job`` (a CT as the body) and return the reply; ``/status`` is polled until ``stop``."""
+        req, body, mask_to = dict(job.request), None, None
+        try:
             volume = req.get("volume")
-            mask_to = None
             if volume is not None and job.op in ("segment", "propagate"):
                 del req["volume"]
                 upload = self._gzipped(volume)
@@ -521,17 +535,10 @@ class RemoteWorker(_BaseWorker):
                 data, headers = json.dumps(req).encode("utf-8"), self._headers()
             if job.op in ("load", "segment", "propagate"):
                 threading.Thread(target=self._watch_status, args=(job, stop), daemon=True).start()
-            reply = self._http("POST", "/rpc", data, headers, mask_to=mask_to)
-        except WorkerError as e:
-            reply = {"id": job.id, "ok": False, "error": {"code": e.code, "message": e.message}}
-        except OSError as e:
-            reply = {"id": job.id, "ok": False, "error": {"code": "bad_input", "message": f"cannot read the volume: {e}"}}
+            return self._http("POST", "/rpc", data, headers, mask_to=mask_to)
         finally:
-            stop.set()
             if body is not None:
                 body.close()
-        reply["id"] = job.id
-        self._inbox.put(("msg", reply))
 
     def _watch_status(self, job: Job, stop: threading.Event) -> None:
         while not stop.wait(self.status_interval_s):
@@ -582,8 +589,6 @@ class RemoteWorker(_BaseWorker):
 
 def python_for_worker() -> str:
     """The Python that runs the local worker: ``PythonSlicer`` inside Slicer, else this one."""
-    import shutil
-
     found = shutil.which("PythonSlicer")
     if found:
         return found

@@ -96,8 +96,9 @@ def options_from_panel(preset: str, adapter: str = "", device: str = "auto", win
         raise ValueError(f"worker must be 'local' or 'remote', got {worker!r}")
     preset = (preset or "").strip() or DEFAULTS["preset"]
     url = parse_remote_url(remote_url) if worker == "remote" else ""
+    token = (remote_token or "").strip() if worker == "remote" else ""  # a token goes with its address only
     return Options(preset=preset, adapter=(adapter or "").strip(), device=device, window=parse_window(window),
-                   worker=worker, remote_url=url, remote_token=(remote_token or "").strip(),
+                   worker=worker, remote_url=url, remote_token=token,
                    consensus=check_consensus(consensus))
 
 

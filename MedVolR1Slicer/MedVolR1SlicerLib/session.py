@@ -150,6 +150,22 @@ class Session:
             self._set_state(IDLE)
         self.finished.emit(job)
 
+    def identify(self, options: Options, timeout: float = 20.0) -> dict:
+        """What the worker ``options`` name says it is: its ``hello`` reply (docs/protocol.md),
+        asked and waited for now, before anything else is sent to it. Raises :class:`WorkerError`
+        (``connection`` when it does not answer within ``timeout`` seconds)."""
+        if self.state != IDLE:
+            raise WorkerError("busy", "a request is already running; cancel it or wait for it to finish")
+        client = self._client_for(options)
+        job = client.submit("hello")
+        try:
+            client.wait(job, timeout)
+        except TimeoutError:
+            raise WorkerError("connection", f"the worker did not answer within {timeout:g} s") from None
+        if job.error is not None:
+            raise job.error
+        return job.result or {}
+
     def segment(self, volume_path: str, query: str, options: Options, agreement: str = "") -> Job:
         return self._run("segment", segment_fields(volume_path, query, options, agreement), options)
 

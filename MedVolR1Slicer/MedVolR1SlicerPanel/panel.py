@@ -1,6 +1,8 @@
 """The module's panel (``MedVolR1SlicerWidget``): it wires the ``.ui`` to the parameter node and
 calls the logic; it never changes the scene itself. Its correction controls are
-:mod:`.correction_controls`, its install and download dialogs :mod:`.install_dialogs`.
+:mod:`.correction_controls`, its worker settings (application settings, not the scene's) and the
+question before a CT is sent away :mod:`.worker_settings`, its install and download dialogs
+:mod:`.install_dialogs`.
 
 :meth:`MedVolR1SlicerWidget.setup` builds the Qt side (widgets, signals, shortcuts, the poll
 timer) and then calls :meth:`~MedVolR1SlicerWidget.setupScene`, the part without Qt (scene
@@ -23,6 +25,7 @@ from MedVolR1SlicerLib.client import WorkerError
 from MedVolR1SlicerLib.geometry import GeometryError
 from MedVolR1SlicerLib.guibinding import GuiBinding
 from MedVolR1SlicerLib.presets import model_presets, model_text
+from MedVolR1SlicerLib.reloading import reload_order
 from MedVolR1SlicerLib.segments import segment_name
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options
 from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic
@@ -30,18 +33,13 @@ from MedVolR1SlicerScene.results import EditedSinceResult
 
 from .correction_controls import CorrectionControls
 from .install_dialogs import ensure_installed, offer_download
+from .worker_settings import WorkerSettings
 
 SETTINGS_HISTORY = "MedVolR1Slicer/QueryHistory"
 POLL_MS = 100
-# reloaded by the developer "Reload" button, children before their importers
-RELOAD_ORDER = (
-    [f"MedVolR1SlicerLib.{n}" for n in ("signals", "client", "presets", "session", "consensus", "segments", "geometry",
-                                        "corrections", "guibinding", "install", "params", "batchjobs")]
-    + [f"MedVolR1SlicerScene.{n}" for n in ("nodes", "storage", "views", "markups", "results", "parameters", "logic")]
-    + [f"MedVolR1SlicerPanel.{n}" for n in ("correction_controls", "install_dialogs", "selftest", "panel")])
 
 
-class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, CorrectionControls):
+class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, CorrectionControls, WorkerSettings):
     """The panel. :meth:`setup` builds the Qt side (widgets, signals, the poll timer) and then
     calls :meth:`setupScene`, the part without Qt (scene observers, the parameter node, the
     button rules)."""
@@ -55,6 +53,8 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self._timer = None
         self._history = params.QueryHistory()
         self._initCorrectionControls()
+        self._initWorkerSettings()
+        self._observedSegmentation = None
         self._tips = {}
         self._queryText = ""
 
@@ -75,6 +75,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             self.ui.windowComboBox.addItem(name)
         self._history = params.QueryHistory.from_json(qt.QSettings().value(SETTINGS_HISTORY, "[]"))
         self._refreshHistory()
+        self._loadWorkerSettings()  # the application's, never the scene's
 
         self.ui.segmentButton.connect("clicked(bool)", self.onSegmentButton)
         self.ui.repropagateButton.connect("clicked(bool)", self.onRepropagateButton)
@@ -90,8 +91,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self.ui.deviceComboBox.connect("currentTextChanged(QString)", lambda t: self._setParam("device", t))
         self.ui.windowComboBox.connect("currentTextChanged(QString)", lambda t: self._setParam("window", t))
         self.ui.adapterPathLineEdit.connect("currentPathChanged(QString)", lambda t: self._setParam("adapter", t))
-        self.ui.remoteUrlLineEdit.connect("textChanged(QString)", lambda t: self._setParam("remoteUrl", t))
-        self.ui.workerLocalRadioButton.connect("toggled(bool)", lambda on: self._setParam("worker", "local" if on else "remote"))
+        self._connectWorkerSettings()
         # Esc cancels a running request while the panel has the focus (Alt+<letter> come from the
         # buttons' mnemonics; Enter in the query box runs Segment, see _onQueryEdited)
         self._cancelShortcut = qt.QShortcut(qt.QKeySequence("Esc"), self.parent)
@@ -111,6 +111,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self.logic.session.progress.connect(self._onProgress)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.StartCloseEvent, self.onSceneStartClose)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.EndCloseEvent, self.onSceneEndClose)
+        self.addObserver(slicer.mrmlScene, slicer.mrmlScene.EndImportEvent, self.onSceneEndImport)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.NodeRemovedEvent, self.onNodeRemoved)
         interaction = self.logic._interactionNode()
         if interaction is not None:  # place mode started or ended (here, in the toolbar, by a right-click)
@@ -123,6 +124,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         observer and the GUI connection."""
         self.removeObservers()
         self._forgetCorrectionObservers()
+        self._observedSegmentation = None
         self._removeNegativeShortcut()
         self._guiBinding.unbind()
         self._guiBinding.forget()
@@ -137,11 +139,12 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
 
     def onReload(self):
         """Developer "Reload": Slicer reloads the module file only; the Lib, Scene and Panel parts
-        are reloaded here first, so that an edited part takes effect too."""
+        are reloaded here first, each after what it imports (:mod:`MedVolR1SlicerLib.reloading`
+        reads the order from the files), so that an edited part takes effect too."""
         import importlib
         import sys
 
-        for name in RELOAD_ORDER:
+        for name in reload_order():
             module = sys.modules.get(name)
             if module is not None:
                 importlib.reload(module)
@@ -165,12 +168,17 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         if self.parent is not None and self.parent.isEntered:
             self.initializeParameterNode()
 
+    def onSceneEndImport(self, caller, event):
+        """A scene was opened: worker settings an older version saved in it are dropped (once)."""
+        self._sayIgnoredSceneWorkerSettings()
+
     def initializeParameterNode(self):
         self.setParameterNode(self.logic.getParameterNode())
         if not self._parameterNode.inputVolume:
             first = self.logic.firstUsableVolume()  # not a label map or a colour volume
             if first:
                 self._parameterNode.inputVolume = first
+        self._sayIgnoredSceneWorkerSettings()
 
     def setParameterNode(self, inputParameterNode):
         same = (inputParameterNode is not None and self._parameterNode is not None
@@ -178,17 +186,24 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         if same:  # module re-entered: keep the connection and the observer
             self._updateGuiFromParameterNode()
             return
+        # The MRML node is observed, not its wrapper: VTKObservationMixin keeps every object it
+        # ever observed as a key (removeObserver leaves it), and a wrapper kept alive keeps its
+        # fields' cache observers on the node, one set per scene close.
         if self._parameterNode:
             self._guiBinding.unbind()
-            self.removeObserver(self._parameterNode, vtk.vtkCommand.ModifiedEvent, self._onParameterNodeModified)
+            self.removeObserver(self._parameterNode.parameterNode, vtk.vtkCommand.ModifiedEvent,
+                                self._onParameterNodeModified)
         self._parameterNode = inputParameterNode
         if self._parameterNode:
             self._guiBinding.bind(self._parameterNode, self.ui)
-            self.addObserver(self._parameterNode, vtk.vtkCommand.ModifiedEvent, self._onParameterNodeModified)
+            self.addObserver(self._parameterNode.parameterNode, vtk.vtkCommand.ModifiedEvent,
+                             self._onParameterNodeModified)
             self._updateGuiFromParameterNode()
         else:
             self._guiBinding.forget()
             self._observeBoxes([])
+            self._observeSegmentation(None)
+            self._updateButtons()  # Show 3D: no result, no surface
 
     def _onParameterNodeModified(self, caller=None, event=None):
         self._updateGuiFromParameterNode()
@@ -209,7 +224,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         if p is None:  # the scene is closing
             return
         blockers = [self.ui.queryEdit, self.ui.presetComboBox, self.ui.deviceComboBox, self.ui.windowComboBox,
-                    self.ui.remoteUrlLineEdit, self.ui.adapterPathLineEdit]
+                    self.ui.adapterPathLineEdit]
         old = [w.blockSignals(True) for w in blockers]
         if self.ui.queryEdit.toPlainText() != p.query:
             self.ui.queryEdit.setPlainText(p.query)
@@ -218,16 +233,10 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
                              (self.ui.windowComboBox, p.window)):
             if combo.currentText != value:  # as a line edit: the edit being typed is not written back
                 combo.setCurrentText(value)
-        self._setText(self.ui.remoteUrlLineEdit, "text", p.remoteUrl)
         self._setText(self.ui.adapterPathLineEdit, "currentPath", p.adapter)
         for w, b in zip(blockers, old):
             w.blockSignals(b)
         self.ui.modelLabel.text = model_text(p.preset, p.adapter)  # zero-shot, MedVol-R1 needs an adapter, …
-        # Check the radio button that should be on: in an exclusive pair, setChecked(False)
-        # on the other one does nothing, so Remote could never be switched back to Local.
-        radio = self.ui.workerRemoteRadioButton if p.worker == "remote" else self.ui.workerLocalRadioButton
-        if not radio.checked:
-            radio.setChecked(True)
         self.ui.keySliceLabel.text = self.logic.keySliceText(p)
         self.ui.reasoningEdit.setPlainText(p.reasoning)
         self.ui.confidenceLabel.text = p.confidence or "–"
@@ -238,6 +247,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             self.ui.negativePointsButton.blockSignals(blocked)
         self._observeBoxes(list(p.boxes) + list(p.corrections))
         self._observePoints(p.points)
+        self._observeSegmentation(p.outputSegmentation)
         self._updateObjectChoices()
         self._updateButtons()
 
@@ -278,8 +288,32 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         has_segment = bool(p and p.outputSegmentation is not None and p.segmentId)
         self.ui.editButton.enabled = idle and has_segment
         self.ui.show3DCheckBox.enabled = p is not None and p.outputSegmentation is not None
-        remote = bool(p and p.worker == "remote")
-        self.ui.remoteUrlLineEdit.enabled = self.ui.remoteTokenLineEdit.enabled = remote and idle
+        self._updateShow3D()
+        self.ui.remoteUrlLineEdit.enabled = self.ui.remoteTokenLineEdit.enabled = self._remoteChosen() and idle
+
+    def _updateShow3D(self):
+        """Show 3D says whether the result's segmentation is shown as a surface: unchecked for a new
+        segmentation and after a scene close, checked when it was made here or elsewhere."""
+        shown = bool(self._parameterNode is not None and self.logic.showsSurface(self._parameterNode))
+        box = self.ui.show3DCheckBox
+        if bool(box.checked) != shown:
+            blocked = box.blockSignals(True)  # showing what is, not asking for a change
+            box.checked = shown
+            box.blockSignals(blocked)
+
+    def _observeSegmentation(self, node):
+        """A surface made or removed elsewhere (Segment Editor, Segmentations) updates Show 3D."""
+        if node is self._observedSegmentation:
+            return
+        event = slicer.vtkSegmentation.ContainedRepresentationNamesModified
+        if self._observedSegmentation is not None:
+            self.removeObserver(self._observedSegmentation, event, self._onRepresentationsChanged)
+        self._observedSegmentation = node
+        if node is not None:
+            self.addObserver(node, event, self._onRepresentationsChanged)
+
+    def _onRepresentationsChanged(self, caller=None, event=None):
+        self._updateButtons()
 
     def _onQueryEdited(self):
         text = self.ui.queryEdit.toPlainText()
@@ -306,9 +340,10 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
 
     def _options(self) -> Optional[Options]:
         p = self._parameterNode
+        worker, url, token = self._workerOptions()  # application settings; the token typed for this address
         try:
-            return params.options_from_panel(p.preset, p.adapter, p.device, p.window, p.worker, p.remoteUrl,
-                                             self.ui.remoteTokenLineEdit.text, consensus=p.consensus)
+            return params.options_from_panel(p.preset, p.adapter, p.device, p.window, worker, url, token,
+                                             consensus=p.consensus)
         except ValueError as e:
             slicer.util.errorDisplay(str(e))
             return None
@@ -324,7 +359,9 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             slicer.util.errorDisplay(problem, windowTitle="MedVol-R1")
             return
         options = self._options()
-        if options is None or not ensure_installed(self.logic, options, self.ui, lambda: self._setParam("worker", "remote")):
+        if options is None or not ensure_installed(self.logic, options, self.ui, self._useRemoteWorker):
+            return
+        if not self._confirmUpload(options):  # the first CT to a remote address: asked, naming it
             return
         self._history.add(p.query)
         qt.QSettings().setValue(SETTINGS_HISTORY, self._history.to_json())
@@ -351,7 +388,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
 
     def onRepropagateButton(self):
         options = self._options()
-        if options is None:
+        if options is None or not self._confirmUpload(options):
             return
         try:
             _, notes = self.logic.startRepropagate(self._parameterNode, options, self._onJobFinished)
@@ -379,6 +416,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
     def onShow3D(self, show):
         if self._parameterNode is not None:
             self.logic.setShow3D(self._parameterNode, show)
+        self._updateButtons()  # the box shows what is shown
 
     def onEditButton(self):
         """Open the result in the Segment Editor: its segmentation, the CT as source volume and

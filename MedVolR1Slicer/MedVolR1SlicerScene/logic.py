@@ -25,7 +25,7 @@ from MedVolR1SlicerLib.geometry import GeometryError
 from MedVolR1SlicerLib.session import Options, Session
 
 from . import markups, nodes, storage, views
-from .parameters import MedVolR1SlicerParameterNode
+from .parameters import MedVolR1SlicerParameterNode, drop_worker_settings
 from .results import EditedSinceResult, Target, UndoRecord, apply_result
 
 __all__ = ["MedVolR1SlicerLogic", "EditedSinceResult"]
@@ -48,6 +48,7 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self._files = storage.ExportFolder()
         self._undo: Optional[UndoRecord] = None
         self._generation = 0  # scenes closed so far: a result started in an earlier one is dropped
+        self._ignoredWorkerSettings = {}  # what a scene of an older version said about the worker
         # called with a segmentation node just before a result or Undo changes it (the panel saves
         # the Segment Editor's undo state there, so Ctrl+Z in the editor takes a result back too)
         self.beforeChange = None
@@ -65,7 +66,19 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return Session(python=python_for_worker(), env=env)
 
     def getParameterNode(self):
-        return MedVolR1SlicerParameterNode(super().getParameterNode())
+        """The module's parameter node (wrapped). Worker settings that a scene saved by an older
+        version carries are removed from it first, never used (:meth:`takeIgnoredWorkerSettings`)."""
+        node = super().getParameterNode()
+        self._ignoredWorkerSettings.update(drop_worker_settings(node))
+        return MedVolR1SlicerParameterNode(node)
+
+    def takeIgnoredWorkerSettings(self) -> dict:
+        """The worker settings (``{"worker": …, "remoteUrl": …}``) that a scene of an older version
+        carried and that were removed unread since the last call; ``{}`` when none. The worker is
+        the application's setting: a scene never chooses where a CT is sent."""
+        self._ignoredWorkerSettings.update(drop_worker_settings(super().getParameterNode()))
+        found, self._ignoredWorkerSettings = self._ignoredWorkerSettings, {}
+        return found
 
     # the worker and the scene's lifetime
 
@@ -261,6 +274,10 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
 
     def setShow3D(self, p, show: bool) -> bool:
         return views.set_show_3d(p, show)
+
+    def showsSurface(self, p) -> bool:
+        """Whether the result's segmentation has a closed-surface representation (what Show 3D shows)."""
+        return views.shows_surface(p)
 
     def segmentEditorNode(self, p):
         return views.segment_editor_node(p)

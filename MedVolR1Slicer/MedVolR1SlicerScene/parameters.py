@@ -2,7 +2,12 @@
 (saved with it). Slicer's ``parameterNodeWrapper`` keeps each field on the module's singleton
 ``vtkMRMLScriptedModuleNode``: plain values as parameters, nodes as node references. A spin box
 bound to a field takes its range from the field's ``WithinRange`` (Slicer's GUI connector), so
-every bounded number says its bounds here."""
+every bounded number says its bounds here.
+
+The worker (local or remote) and the remote address are not here: they are the application's
+settings (``MedVolR1SlicerPanel/worker_settings.py``), never a scene's, so opening a scene can
+never choose where a CT is sent. Versions before that saved them as the parameters ``worker`` and
+``remoteUrl``; :func:`drop_worker_settings` removes them from a scene that carries them."""
 
 from typing import Annotated
 
@@ -21,8 +26,6 @@ class MedVolR1SlicerParameterNode:
     adapter: str = ""
     device: str = params.DEFAULTS["device"]
     window: str = params.DEFAULTS["window"]
-    worker: str = params.DEFAULTS["worker"]
-    remoteUrl: str = params.DEFAULTS["remote_url"]
     outputSegmentation: vtkMRMLSegmentationNode
     segmentId: str = ""
     resultVolume: vtkMRMLScalarVolumeNode  # the volume the last result, its boxes and Undo belong to
@@ -41,3 +44,22 @@ class MedVolR1SlicerParameterNode:
     consensus: Annotated[int, WithinRange(1, MAX_CONSENSUS)] = 1  # Advanced: answers per Segment (1: off)
     confidence: str = ""  # how sure the model was about the last result (MedVolR1SlicerLib.consensus)
     agreementSegmentId: str = ""  # the last result's "… agreement ≥ k/G" segment, if any
+
+
+# the worker settings a scene saved by an older version carries (never read: see the module's doc)
+SCENE_WORKER_PARAMETERS = ("worker", "remoteUrl")
+
+
+def drop_worker_settings(node) -> dict:
+    """Remove the worker settings an older version saved in the scene from the module's
+    ``vtkMRMLScriptedModuleNode`` ``node``; returns what was there (``{name: value}``, empty when
+    nothing), so that the panel can say they were ignored."""
+    found = {name: node.GetParameter(name) for name in SCENE_WORKER_PARAMETERS if node.HasParameter(name)}
+    if found:
+        was = node.StartModify()
+        try:
+            for name in found:
+                node.UnsetParameter(name)
+        finally:
+            node.EndModify(was)
+    return found

@@ -46,6 +46,17 @@ def set_show_3d(p, show: bool) -> bool:
     return bool(show)
 
 
+def shows_surface(p) -> bool:
+    """Whether the result's segmentation (``p.outputSegmentation``) has a closed-surface
+    representation, i.e. shows as a surface in the 3D view (made here, in the Segment Editor or
+    in the Segmentations module)."""
+    seg = p.outputSegmentation if p is not None else None
+    if seg is None or seg.GetScene() is None:
+        return False
+    name = slicer.vtkSegmentationConverter.GetSegmentationClosedSurfaceRepresentationName()
+    return bool(seg.GetSegmentation().ContainsRepresentation(name))
+
+
 def segment_editor_node(p):
     """A Segment Editor parameter node set to the result: its segmentation, the CT as the
     source volume and the new segment selected (what "Edit in Segment Editor" opens)."""

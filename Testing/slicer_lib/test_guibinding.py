@@ -51,3 +51,57 @@ def test_a_different_parameter_node_gets_its_own_connection():
     assert len(a.live) == 0 and len(b.live) == 1
     binding.bind(None, "ui")
     assert len(b.live) == 0
+
+
+class ObservedNode:
+    """A VTK object's observers as far as the binding uses them: ``AddObserver`` numbers them in
+    order, ``GetCommand(tag)`` is None once removed."""
+
+    def __init__(self):
+        self.commands = {}
+        self._tags = 0
+
+    def AddObserver(self, event, callback, priority=0.0):  # noqa: N802 - VTK's names
+        self._tags += 1
+        self.commands[self._tags] = (event, callback)
+        return self._tags
+
+    def RemoveObserver(self, tag):  # noqa: N802
+        self.commands.pop(tag, None)
+
+    def GetCommand(self, tag):  # noqa: N802
+        return self.commands.get(tag)
+
+
+class WrapperStandIn(ParameterNodeStandIn):
+    """``connectGui`` adds a widget-writing ``ModifiedEvent`` observer to the node, last (after
+    writing the widgets, which may add others); ``disconnectGui`` removes it at 5.12 only."""
+
+    def __init__(self, removes_observer: bool, node: ObservedNode):
+        super().__init__(True, node)
+        self.removes_observer = removes_observer
+        self.observers = {}
+
+    def connectGui(self, ui):
+        tag = super().connectGui(ui)
+        self.parameterNode.AddObserver("ModifiedEvent", lambda *a: None)  # e.g. another wrapper made meanwhile
+        self.observers[tag] = self.parameterNode.AddObserver("ModifiedEvent", lambda *a: None)
+        return tag
+
+    def disconnectGui(self, tag):
+        super().disconnectGui(tag)
+        observer = self.observers.pop(tag)
+        if self.removes_observer:
+            self.parameterNode.RemoveObserver(observer)
+
+
+@pytest.mark.parametrize("removes_observer", [False, True], ids=["slicer-5.10", "slicer-5.12"])
+def test_unbinding_removes_the_observer_that_disconnect_gui_leaves_on_5_10(removes_observer):
+    node = ObservedNode()
+    binding = GuiBinding()
+    for _ in range(3):  # three scene closes: a new wrapper each time, the same MRML node
+        wrapper = WrapperStandIn(removes_observer, node)
+        binding.bind(wrapper, "ui")
+        binding.unbind()
+    assert len(node.commands) == 3  # only the other observers made during the connections are left
+    assert all(event == "ModifiedEvent" for event, _ in node.commands.values())

@@ -212,7 +212,8 @@ STANDINS = textwrap.dedent('''
     sys.path.insert(0, sys.argv[1])
     import MedVolR1Slicer
     cls = MedVolR1Slicer.MedVolR1SlicerParameterNode
-    print("DEFAULTS", cls.preset, cls.device, cls.window, cls.worker)
+    from MedVolR1SlicerLib.params import DEFAULTS  # the worker is an application setting, not a parameter
+    print("DEFAULTS", cls.preset, cls.device, cls.window, DEFAULTS["worker"])
     print("HEAVY", sorted(m for m in sys.modules if m.split(".")[0] in %r))
 ''' % (HEAVY,))
 
@@ -362,7 +363,9 @@ def test_widget_offers_the_remote_worker_on_an_old_slicer():
     text = ast.unparse(method)
     assert "plan.remote_only" in text and "useRemote()" in text
     panel = ast.unparse(ast.parse((MODULE / "MedVolR1SlicerPanel" / "panel.py").read_text(encoding="utf-8")))
-    assert "ensure_installed(self.logic, options, self.ui, lambda: self._setParam('worker', 'remote'))" in panel
+    assert "ensure_installed(self.logic, options, self.ui, self._useRemoteWorker)" in panel
+    settings = ast.unparse(ast.parse((MODULE / "MedVolR1SlicerPanel" / "worker_settings.py").read_text(encoding="utf-8")))
+    assert "self.ui.workerRemoteRadioButton.setChecked(True)" in settings
     # the remote check comes before anything that would run pip
     assert text.index("plan.remote_only") < text.index("runInstallPlan")
 

@@ -180,8 +180,8 @@ def test_line_edits_are_not_rewritten_when_their_text_has_not_changed(panel):
     for q in ("the", "the liv", "the liver"):  # every keystroke in the query modifies the node
         p.query = q
     assert url.writes.get("text", 0) == 0 and adapter.writes.get("currentPath", 0) == 0
-    p.remoteUrl = "http://gpu-box:8765"
-    assert url.text == "http://gpu-box:8765" and url.writes["text"] == 1
+    p.adapter = "/runs/run1/adapter"  # (the remote URL was a parameter here before it became a setting)
+    assert adapter.currentPath == "/runs/run1/adapter" and adapter.writes["currentPath"] == 1
 
 
 def test_volume_auto_selection_skips_label_maps(slicer_env, scene, ct_sm_path, widget_class):

@@ -141,10 +141,13 @@ class Workers:
 
     def __init__(self):
         self.made = []
+        self.options = []  # the options each client was made for (worker, address, token)
         self.logic = None
 
     def factory(self, options):
         import MedVolR1Slicer
+
+        self.options.append(options)
 
         # the self-test's worker, wherever the module keeps it: beside its self-test class
         SelfTestWorker = sys.modules[MedVolR1Slicer.MedVolR1SlicerTest.__module__].SelfTestWorker
@@ -181,6 +184,8 @@ def panel(slicer_qt, monkeypatch, request):
     window.addModulePanel("SegmentEditor", editorPanel)
     developer = request.node.get_closest_marker("developer_mode") is not None
     QtCore.QSettings().setValue("Developer/DeveloperMode", "true" if developer else "false")
+    for key in ("MedVolR1Slicer/Worker", "MedVolR1Slicer/RemoteUrl"):  # each test starts as a new install
+        QtCore.QSettings().remove(key)
     parent = slicer_app.qSlicerScriptedLoadableModuleWidget()
     window.addModulePanel(MODULE, parent)
     slicer.modules.medvolr1slicer = slicer_app.module_entry(MODULE, module.__file__, parent)

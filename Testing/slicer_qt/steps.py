@@ -75,12 +75,15 @@ def load_ct(panel, name="PatientA_CT"):
 
 def use_remote_worker(panel):
     """Advanced › Worker: Remote. The worker is the test's either way; a remote one needs nothing
-    installed (no install plan runs)."""
+    installed (no install plan runs). The choice is an application setting (never the parameter
+    node's). Its address counts as confirmed for this panel's session, as after a first "Send": the
+    question before the first upload is tested on its own (``test_qt_worker_settings.py``)."""
     ui = panel.ui
     if ui.advancedCollapsibleButton.collapsed:
         click(ui.advancedCollapsibleButton)
     click(ui.workerRemoteRadioButton)
-    assert panel.logic.getParameterNode().worker == "remote" and ui.remoteUrlLineEdit.enabled
+    assert QtCore.QSettings().value("MedVolR1Slicer/Worker") == "remote" and ui.remoteUrlLineEdit.enabled
+    panel.widget._remote.confirm(ui.remoteUrlLineEdit.text, "the tests' self-test worker")
 
 
 def idle(panel):

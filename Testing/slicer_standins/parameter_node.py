@@ -24,7 +24,8 @@ Kept as Slicer's:
   wrapper.py:243-255) get a GUI connector (:195-215, guiConnectors.py): written now and on every
   ``ModifiedEvent``, and writing the field when edited (:173-179). A widget no connector represents
   raises (guiConnectors.py:145). ``disconnectGui`` drops the connection's ``ModifiedEvent`` observer
-  at v5.12.3 (:263-265) but not at v5.10.0, where each connect/disconnect pair leaks one.
+  at v5.12.3 (:263-265) but not at v5.10.0, where each connect/disconnect pair leaks one; that
+  observer holds the wrapper (:213), so a leaked one keeps the wrapper's cache observers too.
 
 Stricter than Slicer's: writing an attribute that is not a field raises (Slicer's wrapper is a
 plain class: a misspelt field becomes a Python attribute and the node never changes).
@@ -523,9 +524,10 @@ def make_module(version=(5, 12, 3)) -> types.ModuleType:
                 for name, connector in connectors.items():
                     connector.write(self.getValue(name))
                     connector.onChanged(self._guiToParameter(name, connector))
-                me = weakref.ref(self)
+                # the observer holds the wrapper itself, as Slicer's does (wrapper.py:213, :212 at
+                # v5.10.0): while it is on the node, the wrapper and its fields' cache observers live
                 self._guiTags[tag] = self.AddObserver(
-                    "ModifiedEvent", lambda caller, event: me() and me()._updateGUIFromParameterNode())
+                    "ModifiedEvent", lambda caller, event: self._updateGUIFromParameterNode())
                 return tag
 
             def connectGui(self, gui):  # wrapper.py:243-255
