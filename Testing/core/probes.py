@@ -2,8 +2,8 @@
 
 The probes themselves live beside the code they test (``test_serve_hardening.py``,
 ``test_volume_hardening.py``, ``test_cli_outputs.py``, …); ``Testing/benchmarks/abuse.py`` runs
-every test marked ``probe`` and prints probe → outcome. Imported by those tests (pytest puts this
-folder on ``sys.path``).
+every test marked ``probe`` and prints probe → outcome. Imported by those tests as ``core.probes``
+(pytest puts ``Testing/`` on ``sys.path``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 
 from medvolcore.errors import OutputError
 
-from probes import (ANCHOR, one_line,
+from core.probes import (ANCHOR, one_line,
                     run_cli)
 
 

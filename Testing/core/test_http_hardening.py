@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from probes import ANCHOR, b64, one_line, run_cli
-from worker_clients import HttpServer as ServeProcess
-from worker_clients import StdioClient
+from core.probes import ANCHOR, b64, one_line, run_cli
+from core.worker_clients import HttpServer as ServeProcess
+from core.worker_clients import StdioClient
 
 from medvolcore import RESEARCH_USE_NOTICE
 from medvolcore.errors import CancelledError
@@ -520,7 +520,7 @@ def test_volume_body_over_the_request_limit_is_read_from_a_private_file(reading,
 def test_volume_over_the_voxel_limit_is_refused_from_its_first_bytes(reading, gz):
     import numpy as np
 
-    from probes import bomb
+    from core.probes import bomb
 
     declared = 16_000_000  # under the byte ceiling of 1 M voxels (17.4 MB), so the header decides
     first = bomb((512, 512, 40))[:1 << 16]

@@ -23,7 +23,7 @@ import pytest
 import torch  # noqa: F401  (installed by the bootstrap: a missing one must fail, not skip)
 import sam2  # noqa: F401
 
-from test_propagation import _bbox, _canonical, case, prop  # noqa: E402,F401  (the same stack, boxes and weights)
+from core.test_propagation import _bbox, _canonical, case, prop  # noqa: E402,F401  (the same stack, boxes and weights)
 
 REPO = Path(__file__).resolve().parents[2]
 LIVER, SPLEEN, STOMACH = 5, 1, 6

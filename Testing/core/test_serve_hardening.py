@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 
-from probes import (ANCHOR, LONG_ANCHOR, assert_no_patient_text, b64, bomb, ct_with_patient_text, heavy, proc_status, rss_mb)
-from worker_clients import HttpServer, StdioClient
+from core.probes import (ANCHOR, LONG_ANCHOR, assert_no_patient_text, b64, bomb, ct_with_patient_text, heavy, proc_status, rss_mb)
+from core.worker_clients import HttpServer, StdioClient
 
 
 # ---- a guarded HTTP server: no data folder, small limits ------------------------------------------

@@ -19,7 +19,7 @@ from medvolcore.jobs import (OVERLAP_RULE, SegmentOutputs, SegmentRequest, check
 from medvolcore.pipeline import Pipeline, as_stack
 from medvolcore.propagation import MedSAM2Propagator
 
-from test_grounder import grounder, small_stack, tiny_dir  # noqa: F401  (fixtures)
+from core.test_grounder import grounder, small_stack, tiny_dir  # noqa: F401  (fixtures)
 
 QUERIES = ["the liver", "the spleen"]
 

@@ -27,7 +27,7 @@ import medvolcore
 from medvolcore.errors import CancelledError, LimitError, VolumeError
 from medvolcore.volume import MAX_NIFTI_EXTENSIONS, load_label_map, load_volume
 
-from probes import heavy, one_line, run_cli
+from core.probes import heavy, one_line, run_cli
 
 PACKAGE_ROOT = str(Path(medvolcore.__file__).resolve().parents[1])
 

@@ -15,7 +15,7 @@ import pytest
 from medvolcore.errors import CancelledError, LimitError, VolumeError
 from medvolcore.volume import load_volume, save_mask
 
-from probes import (assert_no_patient_text, bomb, ct_with_patient_text, one_line,
+from core.probes import (assert_no_patient_text, bomb, ct_with_patient_text, one_line,
                     run_cli)
 
 

@@ -22,7 +22,7 @@ import pytest
 from medvolcore.pipeline import as_stack
 from medvolcore.stack import sample_slice_indices
 
-from worker_clients import SERVE, TIMEOUT, HttpServer, StdioClient
+from core.worker_clients import SERVE, TIMEOUT, HttpServer, StdioClient
 
 
 @pytest.fixture(scope="module")
