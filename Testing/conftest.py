@@ -1,9 +1,14 @@
 """Shared fixtures: the real CT material in ``Testing/data`` (see its README; ``$MEDVOL_REAL_DATA``
-reads the same layout from elsewhere)."""
+reads the same layout from elsewhere).
+
+``Testing/`` is on ``sys.path`` (pytest puts it there for this file; said again below), so tests
+import the yardsticks of ``Testing/reference`` (``reference.medsam2``, ``reference.controlled_masks``)
+and the helpers of ``Testing/core`` (``core.probes``) as modules, never a script by its path."""
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,6 +21,8 @@ import pytest
 collect_ignore = ["slicer_mrml"]
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "Testing") not in sys.path:
+    sys.path.insert(0, str(REPO / "Testing"))
 REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data"))
 TS = REAL / "totalsegmentator"
 
