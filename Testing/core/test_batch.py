@@ -30,6 +30,7 @@ from medvolcore.errors import OutputError
 from medvolcore.metrics import overlap
 
 from conftest import LIVER
+from core.test_pipeline import GREEDY, _canned_samples, ct4, tiny  # noqa: F401  (fixtures)
 
 QUERY = "the organ that secretes bile"
 BASE = ["--preset", "tiny", "--device", "cpu", "--no-progress"]
@@ -681,3 +682,30 @@ def test_aggregate_rule_without_a_model():
     nothing = dict(zip(SUMMARY_COLUMNS, aggregate_csv_rows(aggregate([row("e", "failed", 9.0, 0.99)]))[0]))
     assert nothing["status"] == "mean of 0 finished"
     assert all(v == "" for k, v in nothing.items() if k not in ("id", "status"))
+
+
+# ---- consensus ---------------------------------------------------------------------------------
+
+def test_batch_with_consensus_writes_agreement_and_a_confidence_column(tiny, monkeypatch, ct4, tmp_path):
+    from medvolcore.batch import AGREEMENT, BatchOptions, completed_record, read_manifest, run_batch
+
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [GREEDY])
+    manifest = tmp_path / "cases.csv"
+    manifest.write_text(f"id,volume,query\ncase1,{ct4},the liver\n")
+    out = tmp_path / "out"
+    res = run_batch(manifest, out, BatchOptions(consensus=2, progress=False), pipeline=tiny)
+    assert res.exit_code == 0 and res.info["confidence"] == {"cases": 1, "mean": 1.0, "min": 1.0}
+    done = json.loads((out / "case1" / "done.json").read_text())
+    assert done["confidence"] == 1.0 and AGREEMENT in done["outputs"] and (out / "case1" / AGREEMENT).is_file()
+    with open(out / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["id"] == "case1" and rows[0]["confidence"] == "1.000"
+    assert rows[-1]["id"] == "summary.median" and rows[-1]["confidence"] == "1.000"
+    assert "confidence 1.000 (agreement of the model" in (out / "summary.html").read_text()
+    # --resume keeps the case for the same consensus only; without its map it is not complete
+    case = read_manifest(manifest)[0]
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "greedy")) is not None
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 1)) is None
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "majority")) is None
+    (out / "case1" / AGREEMENT).unlink()
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "greedy")) is None

@@ -19,6 +19,7 @@ from medvolcore.stack import AxialStack
 from medvolcore.volume import load_label_map, load_volume
 
 from conftest import LIVER
+from core.test_pipeline import SAMPLE, tiny  # noqa: F401  (the tiny pipeline, a fixture)
 
 BOX = [20, 20, 70, 60]
 
@@ -171,3 +172,32 @@ def test_a_seg_nrrd_names_its_segment_by_the_query_with_its_terminology(tmp_path
     header = (tmp_path / "k.seg.nrrd").read_bytes()[:4000].decode("latin1")
     assert "Segment0_Name:=the right kidney\n" in header and "SCT^24028007^Right" in header
     assert "Segment0_LabelValue:=1\n" in header and "Segment0_Color:=" in header
+
+
+# ---- cancel inside the grounding (the tiny pipeline) ----------------------------------------------
+
+def test_cancel_during_decoding_stops_the_job_and_writes_nothing(tiny, tmp_path, monkeypatch):
+    """The worker's and Slicer's cancel (an Event) stops a grounding inside its decoding, at the
+    step after it is set; no output file is written."""
+    import threading
+
+    from medvolcore.errors import CancelledError
+    from medvolcore.grounder import _logits
+    from medvolcore.jobs import SegmentOutputs, SegmentRequest, run_segment_job
+
+    cancel, steps, original = threading.Event(), [0], _logits.StepProcessor.__call__
+
+    def counting(self, input_ids, scores):
+        steps[0] += 1
+        if steps[0] == 3:
+            cancel.set()  # as the worker's reader thread does on a cancel request
+        return original(self, input_ids, scores)
+
+    monkeypatch.setattr(_logits.StepProcessor, "__call__", counting)
+    events = []
+    outputs = SegmentOutputs(tmp_path / "m.nii.gz", anchor=tmp_path / "m.anchor.json", qc=tmp_path / "qc.png")
+    with pytest.raises(CancelledError, match="decoding"):
+        run_segment_job(lambda: tiny, SAMPLE, SegmentRequest(query="the liver"), outputs,
+                        progress=lambda *e: events.append(e), cancel=cancel)
+    assert steps[0] == 3 and list(tmp_path.iterdir()) == []
+    assert [e[0] for e in events if e[0] != "ground"] == [] and events[-1][2].startswith("decoding")
