@@ -13,10 +13,10 @@ import pytest
 
 from medvolcore.cli import main
 from medvolcore.errors import GenerationError
-from medvolcore.pipeline import as_stack
+from medvolcore.pipeline import Pipeline, as_stack
 
 from conftest import KIDNEY_LEFT, KIDNEY_RIGHT, LIVER
-from core.test_pipeline import ABSENT, GREEDY, SAMPLE, _canned_samples, ct4, tiny  # noqa: F401  (fixtures)
+from core.test_pipeline import ABSENT, GREEDY, QUERIES, SAMPLE, _canned_samples, canned, ct4, tiny  # noqa: F401  (fixtures)
 
 MEDVOL = [sys.executable, "-m", "medvolcore.cli"]
 
@@ -568,3 +568,32 @@ def test_consensus_option_errors_are_one_line(capsys, tmp_path, monkeypatch, ext
                            "--device", "cpu", "--no-progress", *[names.get(e, e) for e in extra])
     _one_line(code, err, needle)
     assert not list(tmp_path.iterdir())
+
+
+# ---- medvol segment with several queries --------------------------------------------------------
+
+def test_cli_repeated_query_and_queries_file(tmp_path, small_ct, canned, capsys):
+    qfile = tmp_path / "queries.txt"
+    qfile.write_text("# organs\n\nthe spleen\n", encoding="utf-8")
+    code = main(["segment", "--volume", str(small_ct[0]), "--preset", "tiny", "--query", "the liver", "--queries",
+                 str(qfile), "--out", str(tmp_path / "o.nii.gz"), "--out", str(tmp_path / "o.seg.nrrd"),
+                 "--no-progress", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["queries"] == QUERIES and out["outs"] == [str(tmp_path / "o.nii.gz"),
+                                                                          str(tmp_path / "o.seg.nrrd")]
+    assert [t["anchor_out"] for t in out["targets"]] == [str(tmp_path / "o.1.anchor.json"),
+                                                         str(tmp_path / "o.2.anchor.json")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--query", "the liver", "--query", "THE liver"], "repeats query 1"),
+    (["--queries", "missing.txt"], "--queries missing.txt: no such file"),
+    ([], "give what to segment"),
+    (["--queries", "."], "is not a text file"),
+])
+def test_cli_query_errors_are_one_line(tmp_path, small_ct, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Pipeline, "__init__", lambda *a, **k: pytest.fail("a model was set up"))
+    code = main(["segment", "--volume", str(small_ct[0]), "--out", "o.nii.gz", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1

@@ -772,3 +772,47 @@ def test_scripted_absent_answer_is_an_absent_anchor_on_the_first_attempt(grounde
     assert r.attempts == 1 and len(calls) == 1  # "not present" is an answer, not a failure to retry
     assert r.anchor.absent and r.anchor.slice is None and r.anchor.boxes == [] and r.anchor.world is None
     assert r.anchor.query == "the brain" and r.reasoning == "the brain is not in an abdominal CT"
+
+
+# ---- several queries: one prompt prefill for all of them -------------------------------------------
+
+QUERIES = ["the liver", "the spleen"]
+
+
+def test_ground_queries_answers_each_query_as_ground_does_from_one_shared_prefill(grounder, small_stack):  # noqa: F811
+    alone = [grounder.ground(small_stack, q, max_new_tokens=100) for q in QUERIES]
+    shared = grounder.ground_queries(small_stack, QUERIES, max_new_tokens=100)
+    sig = [r.anchor.signal["answer_mean_logprob"] for r in alone]
+    assert abs(sig[0] - sig[1]) > 1e-5  # the query changes the model's scores: the comparison below can fail
+    inputs, _ = grounder.build_inputs(small_stack, QUERIES[0])
+    ids = inputs["input_ids"][0].tolist()
+    vision_end = grounder._ids["<|vision_end|>"]
+    prefix = max(i for i, t in enumerate(ids) if t == vision_end) + 1  # through the last slice
+    for a, s in zip(alone, shared):
+        g = s.greedy
+        assert g.raw_text == a.raw_text and g.anchor.slice == a.anchor.slice and g.anchor.boxes == a.anchor.boxes
+        # same scores: the cached slices sit at the right 3-D positions and the cache was cut back between queries
+        assert g.anchor.signal["answer_mean_logprob"] == pytest.approx(a.anchor.signal["answer_mean_logprob"], abs=1e-5)
+        assert g.anchor.query in QUERIES and g.timings["shared_prompt"] is True
+        assert g.timings["shared_prompt_tokens"] == prefix
+    assert shared[0].greedy.timings["shared_prefill_s"] > 0 and shared[1].greedy.timings["shared_prefill_s"] == 0.0
+
+
+def test_ground_queries_with_a_consensus_draws_each_querys_samples_as_ground_samples(grounder, small_stack):  # noqa: F811
+    shared = grounder.ground_queries(small_stack, QUERIES, 2, seed=5, max_new_tokens=100)
+    # the second query's samples continue from the shared cache after the first query's samples used a copy
+    alone = grounder.ground_samples(small_stack, QUERIES[1], 2, seed=5, max_new_tokens=100)
+    assert [x.raw_text for x in shared[1].samples] == [x.raw_text for x in alone.samples]
+    assert [x.anchor.signal["answer_mean_logprob"] for x in shared[1].samples] == \
+        pytest.approx([x.anchor.signal["answer_mean_logprob"] for x in alone.samples], abs=1e-5)
+
+
+def test_a_template_with_the_query_before_the_slices_shares_nothing_and_stays_right(grounder, small_stack,  # noqa: F811
+                                                                                    monkeypatch):
+    prompts = dict(grounder.prompts)
+    prompts["user"] = "Query: {query}\n" + prompts["user"].replace("Query: {query}", "")
+    monkeypatch.setattr(grounder, "prompts", prompts)
+    shared = grounder.ground_queries(small_stack, QUERIES, max_new_tokens=100)
+    for q, s in zip(QUERIES, shared):
+        assert s.greedy.timings["shared_prompt"] is False
+        assert s.greedy.raw_text == grounder.ground(small_stack, q, max_new_tokens=100).raw_text

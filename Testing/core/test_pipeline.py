@@ -1,5 +1,6 @@
 """The Pipeline (medvolcore.pipeline), end to end on the tiny preset (CPU): segment, repropagate, a
-given propagator, "not present" and a consensus's G answers.
+given propagator, "not present", a consensus's G answers and several targets sharing MedSAM2's slice
+features.
 
 The tiny pipeline, the carried sample and the canned answers here are also used by the command
 line's, the job's, the worker's and batch's tests of the same features (``core.test_pipeline``)."""
@@ -12,8 +13,12 @@ import nibabel as nib
 import numpy as np
 import pytest
 
+from medvolcore.grounder import QwenVLGrounder
 from medvolcore.pipeline import Pipeline, as_stack
+from medvolcore.propagation import MedSAM2Propagator
 from medvolcore.resources import load_json, resource_path
+
+from core.test_grounder import QUERIES, tiny_dir  # noqa: F401  (a fixture)
 
 SAMPLE = resource_path("samples", load_json("samples", "samples.json")["demo"]["file"])
 
@@ -161,3 +166,47 @@ def test_consensus_encodes_each_slice_once_and_maps_the_agreement(tiny, monkeypa
     assert seg.samples[0]["mask_voxels"] == seg.samples[1]["mask_voxels"] == g.sum()
     d = seg.anchor.to_dict()
     assert d["confidence"] == round(seg.confidence, 4) and d["samples"] == seg.samples and d["slice"] == 1
+
+
+# ---- several targets: MedSAM2's slice features shared between targets -------------------------------
+
+def _answer(z: int, box) -> str:
+    return f'<think>seen</think><answer>[{{"slice": {z}, "bbox_2d_list": [{list(box)}]}}]</answer>'
+
+
+ANSWERS = {"the liver": _answer(3, [100, 150, 600, 700]), "the spleen": _answer(5, [450, 400, 900, 850]),
+           "the kidney that contains the cyst": "<think>no cyst</think><answer>[]</answer>"}
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_dir):  # noqa: F811
+    return Pipeline("tiny", propagator=MedSAM2Propagator.from_random(0, image_size=64), stop_after_empty=0).load()
+
+
+@pytest.fixture
+def canned(monkeypatch):
+    """Each query's grounder answer from :data:`ANSWERS` (the query is read back from the prompt)."""
+    seen = []
+
+    def generate(self, inputs, shown, **kw):
+        prompt = self.tokenizer.decode(inputs["input_ids"][0].tolist())
+        query = next(q for q in ANSWERS if f"Query: {q}\n" in prompt)
+        seen.append(query)
+        return ANSWERS[query], {"new_tokens": 20}
+
+    monkeypatch.setattr(QwenVLGrounder, "_generate_text", generate)
+    return seen
+
+
+def test_segment_queries_gives_each_target_its_own_mask_and_encodes_each_slice_once(pipe, small_ct, canned):
+    stack = as_stack(small_ct[0])
+    segs = pipe.segment_queries(stack, QUERIES)
+    alone = [pipe.segment(stack, q) for q in QUERIES]
+    assert canned == QUERIES + QUERIES
+    for s, a in zip(segs, alone):
+        assert s.anchor.slice == a.anchor.slice and s.anchor.boxes == a.anchor.boxes
+        assert np.array_equal(s.mask, a.mask) and s.mask.any()
+    assert not np.array_equal(segs[0].mask, segs[1].mask)
+    encoded = [z for s in segs for z in s.encoded_slices]
+    assert len(encoded) == len(set(encoded)) and len(set(encoded)) <= stack.depth  # one feature store for both
+    assert sum(len(a.encoded_slices) for a in alone) > len(encoded)
