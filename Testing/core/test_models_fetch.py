@@ -7,6 +7,7 @@ downloads run with HF_HUB_OFFLINE=1 or against a stand-in for huggingface_hub's 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -280,3 +281,56 @@ def test_import_missing_folder_and_tiny(tmp_path):
         models.import_weights("qwen3-vl-4b", tmp_path / "nope")
     with pytest.raises(InputError, match="built locally"):
         models.import_weights("tiny", tmp_path)
+
+
+# ---- the pieces: hashing, the Hugging Face cache's blob names, the import layout -----------------
+
+def test_sha256_file_reads_every_block(tmp_path):
+    f = tmp_path / "weights.bin"
+    data = os.urandom(3 << 10) * ((8 << 20) // (3 << 10) + 5)  # a little over one 8 MiB block
+    f.write_bytes(data)
+    assert len(data) > 8 << 20
+    assert fetch.sha256_file(f) == hashlib.sha256(data).hexdigest()
+    assert fetch.sha256_file(f, progress=True) == hashlib.sha256(data).hexdigest()
+
+
+def test_a_cached_lfs_file_must_have_the_sha256_its_blob_is_named_by(tmp_path):
+    weights, config = b"weights of the model", b'{"model_type": "qwen3_vl"}'
+    snap = cache_snapshot(tmp_path / "hub", "Qwen/Qwen3-VL-2B-Instruct", FakeHub.COMMIT,
+                          {"model.safetensors": weights, "config.json": config})
+    assert fetch._cache_blob_sha256(snap / "model.safetensors") == hashlib.sha256(weights).hexdigest()
+    assert fetch._cache_blob_sha256(snap / "config.json") is None  # a git blob id (40 hex): no sha256 to check
+    (tmp_path / "plain.safetensors").write_bytes(weights)
+    assert fetch._cache_blob_sha256(tmp_path / "plain.safetensors") is None
+
+
+def test_allow_patterns_match_files_and_folders():
+    assert fetch._matches("anything.bin", None) and fetch._matches("anything.bin", [])
+    assert fetch._matches("config.json", ["*.json"]) and not fetch._matches("model.safetensors", "*.json")
+    assert fetch._matches("sub/model.bin", ["sub/"]) and not fetch._matches("other/model.bin", ["sub/"])
+
+
+def test_the_import_layout_is_found_where_the_layout_says_first_match_first(tmp_path):
+    preset = models.get_preset("qwen3-vl-4b")
+    root = tmp_path / "copied"
+    make_grounder(root / "Qwen3-VL-4B-Instruct")
+    (root / "checkpoints").mkdir(parents=True)
+    (root / "checkpoints" / "MedSAM2_latest.pt").write_bytes(SAM_BYTES)
+    layout = fetch.find_import_layout(preset, root)
+    assert layout.grounder == root / "Qwen3-VL-4B-Instruct" and layout.adapter is None
+    assert layout.medsam2 == root / "checkpoints" / "MedSAM2_latest.pt"
+    make_grounder(root / "grounder")  # grounder/ comes before the repository's name
+    (root / "MedSAM2_latest.pt").write_bytes(SAM_BYTES)  # the folder itself before checkpoints/
+    make_adapter(root / "adapter")
+    layout = fetch.find_import_layout(preset, root)
+    assert (layout.grounder, layout.medsam2, layout.adapter) == (
+        root / "grounder", root / "MedSAM2_latest.pt", root / "adapter")
+    (root / "MedSAM2_latest.pt").write_bytes(b"")
+    with pytest.raises(ModelError, match="MedSAM2_latest.pt is empty"):
+        fetch.find_import_layout(preset, root)
+    (root / "MedSAM2_latest.pt").write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
+    with pytest.raises(ModelError, match="is a Git LFS pointer, not the weights"):
+        fetch.find_import_layout(preset, root)
+    with pytest.raises(InputError, match="is not a folder; expected FOLDER/grounder/ \\(or FOLDER/Qwen3-VL-4B-Instruct/"):
+        fetch.find_import_layout(preset, tmp_path / "absent")
+    assert "FOLDER/Qwen3-VL-2B-Instruct/" in fetch.import_layout(models.get_preset("qwen3-vl-2b"))
