@@ -36,8 +36,6 @@ def assert_one_line_error(code, err, *needles):
         assert n in lines[0], lines[0]
 
 
-
-
 # ---- medvol anchor ------------------------------------------------------------------------
 
 def test_anchor_writes_file_with_world(capsys, tmp_path, seg_path):
