@@ -16,6 +16,7 @@ from medvolcore.errors import GenerationError
 from medvolcore.pipeline import Pipeline, as_stack
 
 from conftest import KIDNEY_LEFT, KIDNEY_RIGHT, LIVER
+from core.probes import one_line
 from core.test_pipeline import ABSENT, GREEDY, QUERIES, SAMPLE, _canned_samples, canned, ct4, tiny  # noqa: F401  (fixtures)
 
 MEDVOL = [sys.executable, "-m", "medvolcore.cli"]
@@ -595,3 +596,53 @@ def test_cli_query_errors_are_one_line(tmp_path, small_ct, capsys, monkeypatch, 
     code = main(["segment", "--volume", str(small_ct[0]), "--out", "o.nii.gz", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+# ---- probes: terminal controls and huge numbers on the command line (second review, II.10) ------------
+
+def _run_cli_or_exit(capsys, *argv):
+    """:func:`run_cli`, with argparse's own refusals (SystemExit) turned into their exit code."""
+    try:
+        return run_cli(capsys, *argv)
+    except SystemExit as e:
+        out, err = capsys.readouterr()
+        return e.code, out, err
+
+
+@pytest.mark.probe("II.10", "ESC, CR, C1 and bidi controls in a path, a window and a case error printed by the CLI")
+def test_the_cli_never_prints_terminal_controls(capsys, tmp_path):
+    from medvolcore.cli.batch import _text
+    from medvolcore.cli.common import emit
+
+    evil = "\x1b[2J\x1b]0;owned\x07\rreal\x9b31m\u202eevil"
+    code, out, err = run_cli(capsys, "info", tmp_path / f"{evil}.nii.gz")
+    one_line(code, err, "\\x1b[2J", "\\x0d", "\\x9b", "\\u202e")
+    code, out, err = _run_cli_or_exit(capsys, "propagate", "--volume", tmp_path / "v.nii.gz", "--slice", evil)  # argparse's
+    assert code == 2 and "\\x1b" in err
+    emit({}, False, f"query: {evil}\nnext line")
+    info = {"cases": 1, "done": 0, "failed": 1, "skipped": 0, "seconds": 1.0, "summary_csv": "s.csv",
+            "summary_html": "s.html", "failures": [{"id": "a", "error": f"bad_volume: {evil}.nii.gz\ndoes not exist"}]}
+    text = _text(info)
+    out = capsys.readouterr().out
+    for printed in (err, out, text):
+        assert not any(c in printed for c in "\x1b\x07\r\x9b\u202e"), repr(printed)
+    assert out.count("\n") == 2 and "failed a: bad_volume: \\x1b[2J" in text and "\\x0adoes not exist" in text
+
+
+@pytest.mark.probe("II.10", "--ct-window 1e308,1e308, --box with a 30-digit coordinate, --random-weights 10**30")
+@pytest.mark.parametrize("args,needle", [
+    (["--ct-window", "1e308,1e308"], "invalid window"),
+    (["--ct-window", "nan,400"], "invalid window"),
+    (["--box", "0", "0", "1" + "0" * 30, "5"], "out of range"),
+    (["--add-box", "3", "1", "0", "0", "-" + "9" * 30, "5"], "out of range"),
+    (["--random-weights", "9" * 30], "not a seed"),
+])
+def test_huge_numbers_on_the_command_line_are_one_line(capsys, tmp_path, small_ct, args, needle):
+    base = ["propagate", "--volume", small_ct[0], "--slice", "3", "--out", tmp_path / "m.nii.gz", "--no-progress"]
+    if "--box" not in args:
+        base += ["--box", "30", "30", "90", "80"]
+    if "--random-weights" not in args:
+        base += ["--random-weights", "0", "--image-size", "32"]
+    code, _, err = _run_cli_or_exit(capsys, *base, *args)
+    one_line(code, err, needle)
+    assert not (tmp_path / "m.nii.gz").exists()

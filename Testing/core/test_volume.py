@@ -347,15 +347,3 @@ def test_itk_file_geometry_matches_nifti(tmp_path, suffix):
     assert np.array_equal(a.array, b.array)
     assert np.allclose(a.affine, _expected_ras_affine(img), atol=1e-6)
     assert np.allclose(a.affine, b.affine, atol=1e-4)
-
-
-def test_outputs_get_normal_file_permissions(tmp_path):
-    import os
-    import stat
-
-    from medvolcore.fileio import write_text_atomic
-
-    p = write_text_atomic(tmp_path / "a.anchor.json", "{}")
-    mask = os.umask(0)
-    os.umask(mask)
-    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask

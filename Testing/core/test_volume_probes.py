@@ -1,7 +1,7 @@
 """Reading volumes and writing masks (:mod:`medvolcore.volume`) under hostile or broken input (probes,
 ``@pytest.mark.probe``): cancel while reading, a header declaring a bomb, patient text in header
 fields, 2-D/4-D/vector headers over ``--max-voxels`` and NIfTI header extensions (second review,
-II.10). A DICOM folder's probes are test_dicom.py's.
+II.10), masks named with an upper-case suffix (II.5). A DICOM folder's probes are test_dicom.py's.
 
 The memory figures come from a fresh Python process (:func:`core.probes.peak_mb`); where a test also
 measures the unguarded library call (SimpleITK's ``ReadImage``, ``nibabel.load``), it does so after
@@ -9,6 +9,7 @@ the guarded read in the same process, so the two peaks are comparable."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -193,3 +194,33 @@ def test_nifti_extensions_are_never_read(tmp_path, record_property):
     assert fig["values"] == data.ravel(order="F").tolist()
     assert fig["guarded"] - fig["start"] < 10, fig
     assert fig["unguarded"] - fig["guarded"] > 100, fig  # what nibabel (and so the reader, before) held
+
+
+# ---- II.5: masks named with an upper-case suffix ---------------------------------------------------------
+
+def _tiny_volume():
+    from medvolcore.volume import CTVolume
+
+    return CTVolume(np.zeros((6, 5, 4), dtype=np.float32), np.diag([1.5, 1.5, 2.0, 1.0]))
+
+
+def _mask():
+    m = np.zeros((6, 5, 4), dtype=np.uint8)
+    m[1:4, 2:4, 1:3] = 1
+    return m
+
+
+@pytest.mark.probe("II.5", "mask named .Nii, .Mha, .MHA, .NII.GZ, .Nrrd")
+@pytest.mark.parametrize("name", ["m.Nii", "m.Mha", "m.MHA", "m.NII.GZ", "m.Nrrd"])
+def test_upper_case_mask_suffixes_hold_the_mask(tmp_path, name):
+    """The writers choose the format from the suffix and do not read upper case: the temporary's
+    suffix is lower case, so the file under the user's name holds the mask (it used to be 0 bytes,
+    the data left in a hidden .part file), and MedVol reads it back under that name (ITK matches
+    ``.mha`` in lower case only: the reader is chosen from the suffix in any case)."""
+    from medvolcore.volume import load_label_map, save_mask
+
+    like = _tiny_volume()
+    save_mask(_mask(), like, tmp_path / name)
+    assert os.listdir(tmp_path) == [name]  # nothing hidden left beside it
+    back = load_label_map(tmp_path / name)
+    assert np.array_equal(np.asarray(back.array), _mask()) and np.allclose(back.affine, like.affine)
