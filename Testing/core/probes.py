@@ -1,7 +1,7 @@
 """Helpers of the hostile-input probes (``@pytest.mark.probe``): payloads, process figures, checks.
 
-The probes themselves live beside the code they test (``test_serve_hardening.py``,
-``test_volume_hardening.py``, ``test_cli_outputs.py``, …); ``Testing/benchmarks/abuse.py`` runs
+The probes themselves live with the tests of the module they probe (``test_serve_probes.py``,
+``test_volume_probes.py``, ``test_dicom.py``, ``test_fileio.py``, …); ``Testing/benchmarks/abuse.py`` runs
 every test marked ``probe`` and prints probe → outcome. Imported by those tests as ``core.probes``
 (pytest puts ``Testing/`` on ``sys.path``).
 """
