@@ -7,6 +7,7 @@ and the helpers of ``Testing/core`` (``core.probes``) as modules, never a script
 
 from __future__ import annotations
 
+import locale
 import os
 import sys
 import tempfile
@@ -46,6 +47,19 @@ def isolated_medvol_home(tmp_path_factory):
     mp.setattr(tempfile, "tempdir", str(scratch))
     yield home
     mp.undo()
+
+
+_SESSION_LOCALE = locale.setlocale(locale.LC_ALL, None)
+
+
+@pytest.fixture(autouse=True)
+def locale_restored():
+    """GDCM's DICOM writer (SimpleITK, in this process) sets the process locale to "C" (ASCII) and
+    leaves it so: every later subprocess read as text would then fail on a non-ASCII character,
+    whichever test file runs next. The next test starts from the locale the session began with."""
+    yield
+    if locale.setlocale(locale.LC_ALL, None) != _SESSION_LOCALE:
+        locale.setlocale(locale.LC_ALL, _SESSION_LOCALE)
 
 
 @pytest.fixture(autouse=True)

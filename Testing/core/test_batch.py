@@ -203,6 +203,7 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
 
 # ---- killed midway, then resumed -----------------------------------------------------------
 
+@pytest.mark.slow  # a batch run killed with SIGKILL, then resumed
 def test_kill_midway_then_resume(capsys, tmp_path, data_dir):
     ids = [f"case{i}" for i in range(4)]
     manifest = write_manifest(data_dir / "four.csv",

@@ -20,6 +20,7 @@ from reference import qwen3_vl_sizes
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # builds the 2B and 4B models on the meta device
 def test_fullsize_dry_run_counts_the_published_sizes():
     r = subprocess.run([sys.executable, str(REPO / "Testing/benchmarks/fullsize.py"), "--dry-run", "--sizes", "2b", "4b"],
                        capture_output=True, text=True, timeout=300)

@@ -451,6 +451,7 @@ def test_controlled_masks_follow_the_labels(kidneys, kidneys_full):
     assert not r.stops["forward"]["stopped_early"] and not r.stops["backward"]["stopped_early"]
 
 
+@pytest.mark.slow  # a full propagation of the 112-slice CT per K (and the fixture's K = 0 run)
 @pytest.mark.parametrize("K, batch", [(1, True), (3, False)])
 def test_early_stop_visits_target_plus_k_and_keeps_the_masks(prop, kidneys, kidneys_full, K, batch):
     ct, k, boxes, labels = kidneys
@@ -493,6 +494,7 @@ def test_early_stop_visits_target_plus_k_and_keeps_the_masks(prop, kidneys, kidn
     assert sum("skipped" in c[2] for c in calls) == 2
 
 
+@pytest.mark.slow
 def test_early_stop_never_cuts_a_non_empty_run_or_the_key_slice(prop, kidneys):
     """A target with a gap of 2 empty slices: K=2 stops at the gap, K=3 follows it past the gap."""
     ct, k, boxes, labels = kidneys
@@ -521,6 +523,7 @@ def test_early_stop_within_a_window(prop, kidneys):
     assert not r.stops["forward"]["stopped_early"] and r.stops["forward"]["objects_stopped"] == []
 
 
+@pytest.mark.slow
 def test_dropping_an_object_does_not_change_the_others(prop, kidneys):
     """Object 0 follows the label and ends; object 1 keeps sam2's own (random-weight) masks."""
     ct, k, boxes, labels = kidneys

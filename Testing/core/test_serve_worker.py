@@ -331,6 +331,7 @@ def http_server():
     s.stop()
 
 
+@pytest.mark.slow  # a worker process over HTTP, a segment end to end
 def test_http_hello_status_segment(http_server, ct_sm_path, tmp_path):
     status, r = http_server.request("POST", "/rpc", {"id": "h", "op": "hello"})
     assert status == 200 and r["ok"] and r["result"]["protocol"] == 1 and r["result"]["transport"] == "http"

@@ -88,6 +88,7 @@ def test_presence_grounder_allows_the_absent_answer(tmp_path):
     assert ' entry? "]</answer>"' in grammar.splitlines()[0]
 
 
+@pytest.mark.slow  # trains a model
 def test_quick_presence_stage_says_not_present_from_pixels(tmp_path):
     """The CI variant of the presence stage: trained through prepare (negatives) → prompt builder →
     collator → train_sft and answering through the answer grammar and parser, the model says [] exactly

@@ -158,6 +158,7 @@ def test_goals_compare_against_chance():
     assert not bad["own box ≥ 0.5"] and not bad["swapped key ≤ chance + 0.1"] and not bad["swapped box ≤ 0.15"]
 
 
+@pytest.mark.slow  # trains a model for about 2 minutes
 def test_quick_stage_learns_the_key_slice_from_pixels(tmp_path, capsys):
     """The CI variant: trained through prepare → prompt builder → collator → train_sft, the model finds
     the slice with the square on held-out volumes, and only with its own slices.
