@@ -1,9 +1,15 @@
 """Shared fixtures: the real CT material in ``Testing/data`` (see its README; ``$MEDVOL_REAL_DATA``
-reads the same layout from elsewhere)."""
+reads the same layout from elsewhere).
+
+``Testing/`` is on ``sys.path`` (pytest puts it there for this file; said again below), so tests
+import the yardsticks of ``Testing/reference`` (``reference.medsam2``, ``reference.controlled_masks``)
+and the helpers of ``Testing/core`` (``core.probes``) as modules, never a script by its path."""
 
 from __future__ import annotations
 
+import locale
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,6 +24,8 @@ import pytest
 collect_ignore = ["slicer_mrml", "slicer_qt", "slicer_standins"]
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "Testing") not in sys.path:
+    sys.path.insert(0, str(REPO / "Testing"))
 REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data"))
 TS = REAL / "totalsegmentator"
 
@@ -41,6 +49,19 @@ def isolated_medvol_home(tmp_path_factory):
     mp.setattr(tempfile, "tempdir", str(scratch))
     yield home
     mp.undo()
+
+
+_SESSION_LOCALE = locale.setlocale(locale.LC_ALL, None)
+
+
+@pytest.fixture(autouse=True)
+def locale_restored():
+    """GDCM's DICOM writer (SimpleITK, in this process) sets the process locale to "C" (ASCII) and
+    leaves it so: every later subprocess read as text would then fail on a non-ASCII character,
+    whichever test file runs next. The next test starts from the locale the session began with."""
+    yield
+    if locale.setlocale(locale.LC_ALL, None) != _SESSION_LOCALE:
+        locale.setlocale(locale.LC_ALL, _SESSION_LOCALE)
 
 
 @pytest.fixture(autouse=True)

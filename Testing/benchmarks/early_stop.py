@@ -9,7 +9,7 @@ CT ``example_ct.nii.gz``: 2 right kidney, 3 left kidney, ``2,3`` both) and each 
 process runs ``medvol propagate`` (the real command line: imports, MedSAM2 build with seeded
 random weights at 512, NIfTI read and write) on the target's anchor (``medvol anchor``'s:
 largest-area slice, one box per connected component). Random weights make masks that never
-end, so the child patches the model's mask output to follow the label (controlled_masks.py:
+end, so the child patches the model's mask output to follow the label (Testing/reference/controlled_masks.py:
 every sam2 computation still runs at full cost); a target therefore ends where its label ends,
 as a good MedSAM2 would. The parent reads the child's CPU seconds (user + system), wall
 seconds and peak RSS from ``os.wait4``, and compares each K's mask with K = 0's (the full run).
@@ -74,11 +74,8 @@ def _object_targets(anchor: dict, label_ids):
 
 def child_propagate(args) -> int:
     """``medvol propagate`` with the tracked masks following the target's labels."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("controlled_masks", HERE / "controlled_masks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(HERE.parent))  # Testing/: the reference package
+    from reference.controlled_masks import controlled_masks
     import torch
 
     torch.set_num_threads(args.threads)
@@ -87,7 +84,7 @@ def child_propagate(args) -> int:
 
     anchor = json.loads(Path(args.anchor).read_text())
     targets = _object_targets(anchor, _ids(args.target))
-    with mod.controlled_masks(MedSAM2VideoPredictor, targets):
+    with controlled_masks(MedSAM2VideoPredictor, targets):
         return main(["propagate", "--volume", str(CT), "--anchor", args.anchor, "--out", args.out,
                      "--random-weights", "0", "--image-size", str(args.image_size), "--json", "--no-progress",
                      "--stop-after-empty", str(args.k)])

@@ -16,7 +16,7 @@ box set (liver, spleen, stomach, kidney_left) are all present with ≥ 10 pixels
 largest total area; each box is the organ's bounding box on that slice. 1 box: liver;
 2: liver + spleen; 4: liver, spleen, stomach, kidney_left.
 
-``--whole-process`` times ``medvol propagate …`` against ``reference_medsam2.py`` as whole
+``--whole-process`` times ``medvol propagate …`` against ``Testing/reference/medsam2.py`` as whole
 processes (imports, model build, I/O included); it is skipped when ``medvol`` is not installed.
 """
 
@@ -34,8 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # Testing/: the reference package
+from reference.medsam2 import load_canonical  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+REFERENCE = REPO / "Testing" / "reference" / "medsam2.py"  # also a script: the whole-process counterpart
 DEFAULT_CT = REPO / "Testing" / "data" / "totalsegmentator" / "example_ct_sm.nii.gz"
 DEFAULT_LABELS = REPO / "Testing" / "data" / "totalsegmentator" / "example_seg.nii.gz"
 ORGANS = {"liver": 5, "spleen": 1, "kidney_right": 2, "kidney_left": 3, "stomach": 6}
@@ -46,38 +50,6 @@ FALLBACK_ORDER = ["liver", "spleen", "stomach", "kidney_left", "kidney_right"]
 # --------------------------------------------------------------------------------------------
 # volume helpers
 # --------------------------------------------------------------------------------------------
-
-
-def load_canonical(path, labels: bool = False):
-    """(stack, to_source, affine): the canonical axial stack (z S→I, y A→P, x R→L) of a NIfTI.
-
-    Uses ``medvolcore.stack.AxialStack`` when it exists, else a nibabel-only equivalent.
-    """
-    try:
-        from medvolcore.stack import AxialStack
-        from medvolcore.volume import load_label_map, load_volume
-
-        vol = (load_label_map if labels else load_volume)(path)
-        ax = AxialStack.from_volume(vol)
-        data = np.ascontiguousarray(ax.data)
-        return data, ax.to_source, vol.affine
-    except ImportError:
-        pass
-    import nibabel as nib
-    from nibabel.orientations import apply_orientation, axcodes2ornt, io_orientation, ornt_transform
-
-    img = nib.load(str(path))
-    a = np.asarray(img.dataobj, dtype=np.int32 if labels else np.float32)
-    # reorient so that axes point to (Left, Posterior, Inferior), then order them (z, y, x)
-    t = ornt_transform(io_orientation(img.affine), axcodes2ornt(("L", "P", "I")))
-    lpi = apply_orientation(a, t)
-    stack = np.ascontiguousarray(lpi.transpose(2, 1, 0))
-    inv = ornt_transform(axcodes2ornt(("L", "P", "I")), io_orientation(img.affine))
-
-    def to_source(m):
-        return np.ascontiguousarray(apply_orientation(np.asarray(m).transpose(2, 1, 0), inv))
-
-    return stack, to_source, img.affine
 
 
 def bbox(mask2d):
@@ -137,9 +109,8 @@ def _steal_seconds():
 def run_child(args):
     import torch
 
-    sys.path.insert(0, str(HERE))
     from medvolcore.propagation import MedSAM2Propagator
-    from reference_medsam2 import reference_propagate
+    from reference.medsam2 import reference_propagate
 
     boxes = json.loads(args.child_boxes)
     if args.checkpoint:
@@ -307,7 +278,7 @@ def whole_process_benchmark(args, key, box_sets, tmp, to_source_shape):
             if impl == "ours":
                 cmd = [exe, "propagate", *common, "--no-progress", "--out", str(out)]
             else:
-                cmd = [sys.executable, str(HERE / "reference_medsam2.py"), *common, "--out", str(out)]
+                cmd = [sys.executable, str(REFERENCE), *common, "--out", str(out)]
             print(f"  whole process: {impl} with {n} box(es) …", flush=True)
             rc, wall, peak, _ = _spawn(cmd)
             if rc != 0:

@@ -1,16 +1,21 @@
 """Helpers of the hostile-input probes (``@pytest.mark.probe``): payloads, process figures, checks.
 
-The probes themselves live beside the code they test (``test_serve_hardening.py``,
-``test_volume_hardening.py``, ``test_cli_outputs.py``, …); ``Testing/benchmarks/abuse.py`` runs
-every test marked ``probe`` and prints probe → outcome. Imported by those tests (pytest puts this
-folder on ``sys.path``).
+The probes themselves live with the tests of the module they probe (``test_serve_probes.py``,
+``test_volume_probes.py``, ``test_dicom.py``, ``test_fileio.py``, …); ``Testing/benchmarks/abuse.py`` runs
+every test marked ``probe`` and prints probe → outcome. Imported by those tests as ``core.probes``
+(pytest puts ``Testing/`` on ``sys.path``).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import gzip
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import zlib
 from pathlib import Path
 
@@ -18,6 +23,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
+import medvolcore
 from medvolcore.cli import main as cli_main
 
 ANCHOR = {"schema": "medvol.anchor/1", "slice": 12, "boxes": [[30, 30, 90, 80]], "source": "user"}
@@ -101,3 +107,65 @@ def one_line(code, err, *needles):
     assert "Traceback" not in err
     for n in needles:
         assert n in lines[0], lines[0]
+
+
+# ---- memory figures of a fresh process, and gzip streams of many zeros (the readers' bombs) ------------
+
+PACKAGE_ROOT = str(Path(medvolcore.__file__).resolve().parents[1])
+
+
+def peak_mb(code: str, imports: str, timeout: float = 120, warm: Path | None = None) -> dict:
+    """Run ``code`` in a fresh Python, after ``imports`` (the libraries the reader uses, so that
+    ``start`` is the peak before reading), and return the peaks (MB) it recorded with
+    ``mark(name)``, plus ``children``: the largest resident size of a child it waited for, and
+    whatever it put in the dict ``out``. ``warm``, a small volume of the format under test, is
+    read before ``start`` so that what the first read of a format imports (about 7 MB for NRRD)
+    is not counted as the bomb's."""
+    prelude = textwrap.dedent("""
+        import json, resource, numpy
+        import IMPORTS
+        from medvolcore.volume import load_volume
+        out = {}
+        def mark(name):
+            with open("/proc/self/status") as fh:
+                out[name] = next(int(l.split()[1]) for l in fh if l.startswith("VmHWM:")) / 1024
+        def error(call):
+            try:
+                call()
+            except Exception as exc:
+                return type(exc).__name__ + ": " + str(exc)
+            return "no error"
+        WARM
+        mark("start")
+    """).replace("IMPORTS", imports).replace("WARM", f"load_volume({str(warm)!r})" if warm else "pass")
+    coda = '\nout["children"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\nprint(json.dumps(out))\n'
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code) + coda], capture_output=True,
+                         text=True, timeout=timeout, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+_ZEROS = 16 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _zero_member() -> bytes:
+    return zlib.compress(b"\0" * _ZEROS, 6, 31)  # wbits 31: a gzip member
+
+
+def gzip_of(*parts) -> bytes:
+    """A gzip file of ``parts``: bytes, or an int for that many zero bytes, as one gzip member
+    per 16 MB of zeros (gzip readers read concatenated members as one stream; zeros compress
+    about 1000:1, and are neither held in memory nor compressed again here)."""
+    out, pending = [], b""
+    for part in parts:
+        if isinstance(part, bytes):
+            pending += part
+            continue
+        whole, rest = divmod(part, _ZEROS)
+        if whole:
+            out += [zlib.compress(pending, 6, 31)] * bool(pending) + [_zero_member()] * whole
+            pending = b""
+        pending += b"\0" * rest
+    return b"".join(out + [zlib.compress(pending, 6, 31)])

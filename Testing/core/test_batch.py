@@ -2,8 +2,9 @@
 
 Covers failures recorded while the run goes on (corrupt NIfTI, missing file), the exact summary
 table with the targets' statistics and the aggregate rows, the HTML page, refusing to overwrite,
-a SIGKILL midway followed by ``--resume``, shards that partition the manifest, and manifest
-validation.
+a SIGKILL midway followed by ``--resume``, shards that partition the manifest, manifest
+validation (a ground truth's grid checked by geometry before any model loads), "not present"
+cases and a consensus's agreement map.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from medvolcore.batch import (AGGREGATE_IDS, OUTPUTS, SUMMARY_COLUMNS, Case, agg
                               completed_record, parse_label, parse_shard, read_manifest, shard_cases, summary_names)
 from medvolcore.cli_batch import main_batch
 from medvolcore.errors import OutputError
+from medvolcore.geometry import match_grids
 from medvolcore.metrics import overlap
 
 from conftest import LIVER
+from core.test_geometry import AFFINE, _cli, _labels
+from core.test_pipeline import GREEDY, _canned_samples, ct4, tiny  # noqa: F401  (fixtures)
 
 QUERY = "the organ that secretes bile"
 BASE = ["--preset", "tiny", "--device", "cpu", "--no-progress"]
@@ -199,6 +203,7 @@ def test_batch_records_failures_and_continues(capsys, tmp_path, data_dir, fmt):
 
 # ---- killed midway, then resumed -----------------------------------------------------------
 
+@pytest.mark.slow  # a batch run killed with SIGKILL, then resumed
 def test_kill_midway_then_resume(capsys, tmp_path, data_dir):
     ids = [f"case{i}" for i in range(4)]
     manifest = write_manifest(data_dir / "four.csv",
@@ -681,3 +686,93 @@ def test_aggregate_rule_without_a_model():
     nothing = dict(zip(SUMMARY_COLUMNS, aggregate_csv_rows(aggregate([row("e", "failed", 9.0, 0.99)]))[0]))
     assert nothing["status"] == "mean of 0 finished"
     assert all(v == "" for k, v in nothing.items() if k not in ("id", "status"))
+
+
+# ---- consensus ---------------------------------------------------------------------------------
+
+def test_batch_with_consensus_writes_agreement_and_a_confidence_column(tiny, monkeypatch, ct4, tmp_path):
+    from medvolcore.batch import AGREEMENT, BatchOptions, completed_record, read_manifest, run_batch
+
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [GREEDY])
+    manifest = tmp_path / "cases.csv"
+    manifest.write_text(f"id,volume,query\ncase1,{ct4},the liver\n")
+    out = tmp_path / "out"
+    res = run_batch(manifest, out, BatchOptions(consensus=2, progress=False), pipeline=tiny)
+    assert res.exit_code == 0 and res.info["confidence"] == {"cases": 1, "mean": 1.0, "min": 1.0}
+    done = json.loads((out / "case1" / "done.json").read_text())
+    assert done["confidence"] == 1.0 and AGREEMENT in done["outputs"] and (out / "case1" / AGREEMENT).is_file()
+    with open(out / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["id"] == "case1" and rows[0]["confidence"] == "1.000"
+    assert rows[-1]["id"] == "summary.median" and rows[-1]["confidence"] == "1.000"
+    assert "confidence 1.000 (agreement of the model" in (out / "summary.html").read_text()
+    # --resume keeps the case for the same consensus only; without its map it is not complete
+    case = read_manifest(manifest)[0]
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "greedy")) is not None
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 1)) is None
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "majority")) is None
+    (out / "case1" / AGREEMENT).unlink()
+    assert completed_record(out / "case1", case, case.fingerprint("tiny", None, 2, "greedy")) is None
+
+
+# ---- the ground truth's grid, checked by geometry before any model loads --------------------------
+
+class _RecordingPipeline:
+    """Stands in for a Pipeline: records whether anything tried to load a model."""
+
+    preset, smoke, identity = "tiny", True, None
+
+    def __init__(self):
+        self.calls = []
+
+    def load(self):
+        self.calls.append("load")
+        raise AssertionError("a model was loaded")
+
+
+def _tiny(path: Path, array=None, affine=None) -> Path:
+    nib.save(nib.Nifti1Image(_labels() if array is None else array, AFFINE if affine is None else affine), str(path))
+    return path
+
+
+def test_missing_file_in_row_500_stops_before_any_model(capsys, tmp_path):
+    from medvolcore.batch import BatchOptions, ManifestError, run_batch
+
+    _tiny(tmp_path / "ct.nii.gz")
+    _tiny(tmp_path / "seg.nii.gz")
+    _tiny(tmp_path / "seg_other.nii.gz", _labels()[:, :, :3].copy())
+    lines = ["id,volume,query,gt,label"] + [f"c{i},ct.nii.gz,liver,seg.nii.gz,5" for i in range(1, 500)]
+    lines.append("c500,no_such_ct.nii.gz,liver,,")
+    lines[10] = "c10,ct.nii.gz,liver,seg_other.nii.gz,5"  # a ground truth of another extent
+    manifest = tmp_path / "cases.csv"
+    manifest.write_text("\n".join(lines) + "\n")
+    pipe = _RecordingPipeline()
+    with pytest.raises(ManifestError) as ei:
+        run_batch(manifest, tmp_path / "out", BatchOptions(progress=False), pipeline=pipe)
+    assert pipe.calls == [] and not (tmp_path / "out").exists()
+    assert [d.split(":")[0] for d in ei.value.details] == ["line 11 (c10)", "line 501 (c500)"]
+    code, out, err = _cli(capsys, "batch", "--manifest", manifest, "--out-dir", tmp_path / "out", "--preset", "tiny")
+    got = err.strip().splitlines()
+    assert code == 2 and len(got) == 3 and "Traceback" not in err
+    assert "does not cover" not in got[0] and "do not cover the same space" in got[0] and "does not exist" in got[1]
+    assert "2 problem(s)" in got[2] and "--skip-invalid" in got[2]
+    # --dry-run with --skip-invalid: says what would run, loads and writes nothing
+    res = run_batch(manifest, tmp_path / "out", BatchOptions(progress=False, dry_run=True, skip_invalid=True),
+                    pipeline=pipe)
+    assert pipe.calls == [] and not (tmp_path / "out").exists() and res.exit_code == 0
+    assert len(res.info["would_run"]) == 498 and [c["id"] for c in res.info["invalid_cases"]] == ["c10", "c500"]
+
+
+def test_batch_check_accepts_a_flipped_ground_truth_grid(tmp_path):
+    from medvolcore.batch import Case, check_case_files
+
+    a = _labels()
+    flipped = AFFINE.copy()
+    flipped[:3, 0] *= -1
+    flipped[:3, 3] = AFFINE[:3, :3] @ [a.shape[0] - 1, 0, 0] + AFFINE[:3, 3]
+    ct, gt = _tiny(tmp_path / "ct.nii.gz"), _tiny(tmp_path / "gt.nii.gz", np.ascontiguousarray(a[::-1]), flipped)
+    case = Case(id="a", volume=ct, query="liver", gt=gt)
+    check_case_files([case])
+    assert case.problem is None
+    m = match_grids(a.shape, AFFINE, a.shape, flipped)
+    assert m.kind == "reoriented" and "flipped axes 0" in m.note

@@ -1,4 +1,5 @@
-"""The `medvol` command line: outputs on real CT, and one clear error line for each bad input."""
+"""The `medvol` command line (medvolcore.cli): outputs on real CT, `medvol segment` and `medvol demo` on
+the tiny preset, and one clear error line for each bad input."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import numpy as np
 import pytest
 
 from medvolcore.cli import main
+from medvolcore.errors import GenerationError
+from medvolcore.pipeline import Pipeline, as_stack
 
 from conftest import KIDNEY_LEFT, KIDNEY_RIGHT, LIVER
+from core.probes import one_line
+from core.test_pipeline import ABSENT, GREEDY, QUERIES, SAMPLE, _canned_samples, canned, ct4, tiny  # noqa: F401  (fixtures)
 
 MEDVOL = [sys.executable, "-m", "medvolcore.cli"]
 
@@ -30,8 +35,6 @@ def assert_one_line_error(code, err, *needles):
     assert "Traceback" not in err
     for n in needles:
         assert n in lines[0], lines[0]
-
-
 
 
 # ---- medvol anchor ------------------------------------------------------------------------
@@ -312,3 +315,334 @@ def test_python_dash_m_entry_points(module, usage):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(usage) and "Traceback" not in r.stderr
+
+
+# ---- medvol segment and medvol demo (the tiny preset, end to end) ------------------------------
+
+def test_segment_cli_writes_mask_anchor_qc(capsys, tmp_path):
+    import torch
+
+    out, qc = tmp_path / "liver.nii.gz", tmp_path / "qc.png"
+    before = torch.get_num_threads()
+    try:
+        code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "the organ that secretes bile",
+                                    "--out", out, "--qc", qc, "--preset", "tiny", "--device", "cpu", "--json",
+                                    "--no-progress", "--threads", "1")
+        assert code == 0, err
+        assert torch.get_num_threads() == 1  # --threads reached torch
+    finally:
+        torch.set_num_threads(before)
+    res = json.loads(stdout)
+    assert (res["threads"], res["threads_rule"]) == (1, "1 CPU thread(s), as asked")
+    assert res["grounder_dtype"] == "float32"  # auto: a smoke model stays fp32 on any CPU (test_cpu.py)
+    src, m = nib.load(str(SAMPLE)), nib.load(str(out))
+    assert m.shape == src.shape and np.array_equal(m.affine, src.affine)
+    anchor = json.loads((tmp_path / "liver.anchor.json").read_text())
+    assert anchor["query"] == "the organ that secretes bile" and anchor["source"] == "grounder"
+    assert anchor["slice"] in as_stack(SAMPLE).sample_indices(64)
+    assert any("smoke" in n for n in anchor["notes"]) and res["smoke"] is True
+    from PIL import Image
+
+    img = Image.open(qc)
+    assert img.width > 512 and img.mode == "RGB"
+
+
+def test_segment_cli_text_output_says_smoke(capsys, tmp_path):
+    code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "liver", "--out", tmp_path / "m.nii.gz",
+                                "--preset", "tiny", "--device", "cpu", "--no-progress")
+    assert code == 0, err
+    assert stdout.startswith("NOTE:") and "smoke" in stdout.splitlines()[0]
+    assert stdout.splitlines()[1] == "model: untrained tiny smoke model (random weights): results are meaningless"
+    assert stdout.splitlines()[-1].startswith("compute: ") and "CPU thread(s)" in stdout.splitlines()[-1]
+
+
+def test_demo_falls_back_to_tiny_with_notice(capsys, tmp_path):
+    code, stdout, err = run_cli(capsys, "demo", "--out-dir", tmp_path, "--device", "cpu", "--no-progress")
+    assert code == 0, err
+    assert "tiny" in err and "medvol models download" in err
+    assert (tmp_path / "demo_mask.nii.gz").exists() and (tmp_path / "demo.anchor.json").exists()
+    assert (tmp_path / "demo_qc.png").exists()
+    assert "preset 'tiny'" in stdout
+
+
+def test_bar_text_has_the_stage_elapsed_time_left_and_message():
+    from medvolcore.cli.volume import bar_line
+
+    line = bar_line("propagate", 0.05, 3, "slice 3 (forward)", ncols=80)
+    assert line.startswith("propagate   5%|") and line.endswith("| 00:03 < 00:57  slice 3 (forward)"), line
+    assert "::" not in line and ", slice" not in line and len(line) == 80
+    assert bar_line("ground", 0.0, 0, "rendering the slices").endswith("| 00:00 < ?  rendering the slices")
+
+
+def test_progress_on_a_terminal_and_in_a_log(monkeypatch):
+    import io
+
+    from medvolcore.cli import volume as cli_volume
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream in (Terminal(), io.StringIO()):
+        monkeypatch.setattr(cli_volume.sys, "stderr", stream)
+        bar = cli_volume._bar("segment")
+        progress = cli_volume._progress(bar)
+        for i in range(3):
+            progress("ground", i / 10, f"decoding {i}/256 tokens")
+        progress("propagate", 0.5, "slice 3 (forward)")
+        bar.close()
+        text = stream.getvalue()
+        if isinstance(stream, Terminal):  # the bar: stage, percent, the stage's clock, the message
+            assert "ground     20%|" in text and "decoding 2/256 tokens" in text and "propagate  50%|" in text
+            assert "::" not in text and ", decoding" not in text and " < " in text
+        else:  # no terminal: one line per stage
+            assert text.splitlines() == ["medvol ground: 0% decoding 0/256 tokens",
+                                         "medvol propagate: 50% slice 3 (forward)"]
+
+
+def test_demo_replaces_its_own_outputs_and_keeps_anything_else(capsys, tmp_path, monkeypatch):
+    """What the demo may remove; the real run is test_demo_falls_back_to_tiny_with_notice."""
+    from medvolcore.cli import volume as cli_volume
+
+    runs = []
+
+    def fake_run(volume, query, out, anchor_out, qc, args, preset, notice=""):
+        runs.append(args.overwrite)
+        absent = len(runs) == 2  # the second answer is "not present": no mask file
+        for path in ([] if absent else [out]) + [anchor_out, qc]:
+            path.write_text(f"run {len(runs)}")
+        return {"out": None if absent else str(out), "anchor_out": str(anchor_out), "qc": str(qc)}
+
+    monkeypatch.setattr(cli_volume, "_run_segment", fake_run)
+    monkeypatch.setattr(cli_volume, "_segment_text", lambda res: "")
+    out = tmp_path / "medvol-demo"
+    assert run_cli(capsys, "demo", "--out-dir", out, "--no-progress")[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["demo.anchor.json", "demo_mask.nii.gz", "demo_qc.png"]
+    code, _, err = run_cli(capsys, "demo", "--out-dir", out, "--no-progress")  # again, no --overwrite
+    assert code == 0 and "replaced the previous demo output" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["demo.anchor.json", "demo_qc.png"]  # no stale mask
+    assert (out / "demo.anchor.json").read_text() == "run 2"
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "demo", "--out-dir", out, "--no-progress")
+    _one_line(code, err, "notes.txt", "--overwrite")
+    assert len(runs) == 2 and (out / "notes.txt").read_text() == "mine"
+    assert run_cli(capsys, "demo", "--out-dir", out, "--no-progress", "--overwrite")[0] == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "demo_mask.nii.gz").read_text() == "run 3"
+    assert runs == [True, True, True]
+
+
+# ---- medvol segment: bad input ----------------------------------------------------------------
+
+def _one_line(code, err, *needles, exit_code=2):
+    assert code == exit_code, err
+    lines = [l for l in err.splitlines() if "error" in l]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("query,needle", [("", "empty"), ("   \n ", "empty"), ("x" * 2001, "2000")])
+def test_bad_queries(capsys, tmp_path, query, needle):
+    code, _, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", query, "--out", tmp_path / "m.nii.gz",
+                           "--preset", "tiny", "--device", "cpu", "--no-progress")
+    _one_line(code, err, needle)
+    assert not (tmp_path / "m.nii.gz").exists()
+
+
+def test_volume_too_small(capsys, tmp_path):
+    p = tmp_path / "one.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((20, 20, 1), np.int16), np.eye(4)), str(p))
+    code, _, err = run_cli(capsys, "segment", "--volume", p, "--query", "liver", "--out", tmp_path / "m.nii.gz",
+                           "--preset", "tiny", "--device", "cpu", "--no-progress")
+    _one_line(code, err, "too small")
+
+
+def test_cuda_without_gpu(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "liver", "--out", tmp_path / "m.nii.gz",
+                           "--preset", "tiny", "--device", "cuda", "--no-progress")
+    _one_line(code, err, "CUDA is not available")
+
+
+def test_missing_weights_name_download_and_import(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "liver", "--out", tmp_path / "m.nii.gz",
+                           "--preset", "qwen3-vl-4b", "--device", "cpu", "--no-progress")
+    assert code != 0
+    _one_line(code, err, "medvol models download", "medvol models import", exit_code=code)
+
+
+def test_generation_that_never_parses_exits_3(capsys, tmp_path, monkeypatch):
+    from medvolcore import grounder as g
+
+    def never(self, *a, **k):
+        raise GenerationError("the model never produced a valid answer after 3 attempts; last raw text: 'blah'")
+
+    monkeypatch.setattr(g.QwenVLGrounder, "ground", never)
+    code, _, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "liver", "--out", tmp_path / "m.nii.gz",
+                           "--preset", "tiny", "--device", "cpu", "--no-progress", "--no-constrain")
+    _one_line(code, err, "raw text", exit_code=3)
+    assert not (tmp_path / "m.nii.gz").exists()
+
+
+# ---- medvol segment: "not present" -------------------------------------------------------------
+
+@pytest.fixture
+def answers_absent(monkeypatch):
+    from medvolcore.grounder import QwenVLGrounder
+
+    monkeypatch.setattr(QwenVLGrounder, "_generate_text", lambda self, *a, **k: (ABSENT, {"new_tokens": 12}))
+
+
+def test_segment_cli_absent_writes_no_mask_and_says_not_found(capsys, tmp_path, answers_absent):
+    out, qc = tmp_path / "cyst.nii.gz", tmp_path / "qc.png"
+    code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "the kidney that contains the cyst",
+                                "--out", out, "--qc", qc, "--preset", "tiny", "--device", "cpu", "--no-progress")
+    assert code == 0, err
+    assert "not found in this CT: the kidney that contains the cyst" in stdout.splitlines()
+    assert "no mask written" in stdout and not out.exists() and qc.exists()
+    anchor = json.loads((tmp_path / "cyst.anchor.json").read_text())
+    assert anchor["absent"] is True and anchor["slice"] is None and anchor["schema"] == "medvol.anchor/3"
+
+
+def test_segment_cli_absent_with_empty_mask_writes_zeros_on_the_grid(capsys, tmp_path, answers_absent):
+    out = tmp_path / "cyst.nii.gz"
+    code, stdout, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "the kidney cyst", "--out", out,
+                                "--empty-mask-on-absent", "--preset", "tiny", "--device", "cpu", "--no-progress", "--json")
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["absent"] is True and res["out"] == str(out) and res["mask_voxels"] == 0
+    src, m = nib.load(str(SAMPLE)), nib.load(str(out))
+    assert m.shape == src.shape and np.array_equal(m.affine, src.affine) and not np.asarray(m.dataobj).any()
+
+
+# ---- medvol segment --consensus ---------------------------------------------------------------
+
+def test_consensus_cli_writes_the_agreement_on_the_ct_grid(capsys, tmp_path, tiny, monkeypatch, ct4):
+    import medvolcore.pipeline
+
+    monkeypatch.setattr(medvolcore.pipeline, "Pipeline", lambda *a, **k: tiny)  # the module's loaded tiny models
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [GREEDY, ABSENT])
+    out, agr = tmp_path / "m.nii.gz", tmp_path / "agreement.nii.gz"
+    code, stdout, err = run_cli(capsys, "segment", "--volume", ct4, "--query", "the liver", "--out", out,
+                                "--consensus", "3", "--agreement", agr, "--device", "cpu", "--json", "--no-progress")
+    assert code == 0, err
+    res = json.loads(stdout)
+    src, m, a = nib.load(str(ct4)), nib.load(str(out)), nib.load(str(agr))
+    assert a.shape == src.shape and np.array_equal(a.affine, src.affine)
+    mask, counts = np.asarray(m.dataobj), np.asarray(a.dataobj)
+    assert set(np.unique(counts)) == {0, 2} and mask.any()  # the greedy answer twice, "not present" once
+    assert np.array_equal(counts > 0, mask > 0)  # the greedy answer's mask, inside agreement > 0
+    assert res["confidence"] == pytest.approx(1 / 3, abs=1e-4)  # pairs: 1, 0, 0
+    assert res["consensus"] == 3 and len(res["samples"]) == 3 and res["agreement_out"] == str(agr)
+    anchor = json.loads((tmp_path / "m.anchor.json").read_text())
+    assert anchor["confidence"] == pytest.approx(1 / 3, abs=1e-4) and anchor["samples"][2]["absent"] is True
+
+
+def test_consensus_and_signal_lines_say_what_they_are_not():
+    from medvolcore.cli.volume import _sureness_text
+
+    res = {"confidence": 1 / 3, "consensus_mask": "greedy", "samples": [{"sample": 1}, {"sample": 2}, {"absent": True}]}
+    text = _sureness_text(res)
+    assert text.startswith("confidence 0.33: agreement of 3 samples") and "1 said not present" in text
+    assert "not the chance that it is right" in text
+    signal = _sureness_text({"confidence": None, "answer_mean_prob": 0.734})
+    assert signal.startswith("answer signal 0.73") and "not the chance that it is right" in signal
+    assert _sureness_text({}) == ""
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--consensus", "9"], "1 to 8"), (["--consensus", "0"], "1 to 8"),
+    (["--agreement", "AGR"], "add --consensus G"), (["--consensus", "2", "--agreement", "VOLUME"], "is the input"),
+    (["--consensus", "2", "--agreement", "x.txt"], "unsupported agreement map type"),
+    (["--consensus-mask", "majority"], "needs --consensus"), (["--consensus", "2", "--sample"], "do not go together")])
+def test_consensus_option_errors_are_one_line(capsys, tmp_path, monkeypatch, extra, needle):
+    import medvolcore.pipeline
+
+    monkeypatch.setattr(medvolcore.pipeline, "Pipeline", lambda *a, **k: pytest.fail("a model was asked for"))
+    names = {"AGR": str(tmp_path / "a.nii.gz"), "VOLUME": str(SAMPLE), "x.txt": str(tmp_path / "x.txt")}
+    code, _, err = run_cli(capsys, "segment", "--volume", SAMPLE, "--query", "liver", "--out", tmp_path / "m.nii.gz",
+                           "--device", "cpu", "--no-progress", *[names.get(e, e) for e in extra])
+    _one_line(code, err, needle)
+    assert not list(tmp_path.iterdir())
+
+
+# ---- medvol segment with several queries --------------------------------------------------------
+
+def test_cli_repeated_query_and_queries_file(tmp_path, small_ct, canned, capsys):
+    qfile = tmp_path / "queries.txt"
+    qfile.write_text("# organs\n\nthe spleen\n", encoding="utf-8")
+    code = main(["segment", "--volume", str(small_ct[0]), "--preset", "tiny", "--query", "the liver", "--queries",
+                 str(qfile), "--out", str(tmp_path / "o.nii.gz"), "--out", str(tmp_path / "o.seg.nrrd"),
+                 "--no-progress", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["queries"] == QUERIES and out["outs"] == [str(tmp_path / "o.nii.gz"),
+                                                                          str(tmp_path / "o.seg.nrrd")]
+    assert [t["anchor_out"] for t in out["targets"]] == [str(tmp_path / "o.1.anchor.json"),
+                                                         str(tmp_path / "o.2.anchor.json")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--query", "the liver", "--query", "THE liver"], "repeats query 1"),
+    (["--queries", "missing.txt"], "--queries missing.txt: no such file"),
+    ([], "give what to segment"),
+    (["--queries", "."], "is not a text file"),
+])
+def test_cli_query_errors_are_one_line(tmp_path, small_ct, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Pipeline, "__init__", lambda *a, **k: pytest.fail("a model was set up"))
+    code = main(["segment", "--volume", str(small_ct[0]), "--out", "o.nii.gz", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+# ---- probes: terminal controls and huge numbers on the command line (second review, II.10) ------------
+
+def _run_cli_or_exit(capsys, *argv):
+    """:func:`run_cli`, with argparse's own refusals (SystemExit) turned into their exit code."""
+    try:
+        return run_cli(capsys, *argv)
+    except SystemExit as e:
+        out, err = capsys.readouterr()
+        return e.code, out, err
+
+
+@pytest.mark.probe("II.10", "ESC, CR, C1 and bidi controls in a path, a window and a case error printed by the CLI")
+def test_the_cli_never_prints_terminal_controls(capsys, tmp_path):
+    from medvolcore.cli.batch import _text
+    from medvolcore.cli.common import emit
+
+    evil = "\x1b[2J\x1b]0;owned\x07\rreal\x9b31m\u202eevil"
+    code, out, err = run_cli(capsys, "info", tmp_path / f"{evil}.nii.gz")
+    one_line(code, err, "\\x1b[2J", "\\x0d", "\\x9b", "\\u202e")
+    code, out, err = _run_cli_or_exit(capsys, "propagate", "--volume", tmp_path / "v.nii.gz", "--slice", evil)  # argparse's
+    assert code == 2 and "\\x1b" in err
+    emit({}, False, f"query: {evil}\nnext line")
+    info = {"cases": 1, "done": 0, "failed": 1, "skipped": 0, "seconds": 1.0, "summary_csv": "s.csv",
+            "summary_html": "s.html", "failures": [{"id": "a", "error": f"bad_volume: {evil}.nii.gz\ndoes not exist"}]}
+    text = _text(info)
+    out = capsys.readouterr().out
+    for printed in (err, out, text):
+        assert not any(c in printed for c in "\x1b\x07\r\x9b\u202e"), repr(printed)
+    assert out.count("\n") == 2 and "failed a: bad_volume: \\x1b[2J" in text and "\\x0adoes not exist" in text
+
+
+@pytest.mark.probe("II.10", "--ct-window 1e308,1e308, --box with a 30-digit coordinate, --random-weights 10**30")
+@pytest.mark.parametrize("args,needle", [
+    (["--ct-window", "1e308,1e308"], "invalid window"),
+    (["--ct-window", "nan,400"], "invalid window"),
+    (["--box", "0", "0", "1" + "0" * 30, "5"], "out of range"),
+    (["--add-box", "3", "1", "0", "0", "-" + "9" * 30, "5"], "out of range"),
+    (["--random-weights", "9" * 30], "not a seed"),
+])
+def test_huge_numbers_on_the_command_line_are_one_line(capsys, tmp_path, small_ct, args, needle):
+    base = ["propagate", "--volume", small_ct[0], "--slice", "3", "--out", tmp_path / "m.nii.gz", "--no-progress"]
+    if "--box" not in args:
+        base += ["--box", "30", "30", "90", "80"]
+    if "--random-weights" not in args:
+        base += ["--random-weights", "0", "--image-size", "32"]
+    code, _, err = _run_cli_or_exit(capsys, *base, *args)
+    one_line(code, err, needle)
+    assert not (tmp_path / "m.nii.gz").exists()

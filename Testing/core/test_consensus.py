@@ -116,14 +116,3 @@ def test_the_slicer_panel_offers_the_engines_range():
     from medvolcore.grounder import MAX_SAMPLES
 
     assert MAX_CONSENSUS == MAX_SAMPLES == 8
-
-
-def test_qc_line_prints_the_confidence_else_the_answer_signal():
-    from medvolcore.qc import signal_text
-
-    a = EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200], confidence=0.8333,
-                       samples=[{"sample": i} for i in range(1, 5)], signal={"answer_mean_prob": 0.5})
-    assert signal_text(a).startswith("confidence 0.83: agreement of 4 samples") and "not the chance" in signal_text(a)
-    b = EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200], signal={"answer_mean_prob": 0.912})
-    assert signal_text(b).startswith("answer signal 0.91") and "not the chance" in signal_text(b)
-    assert signal_text(EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200])) == ""

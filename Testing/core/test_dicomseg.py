@@ -12,7 +12,7 @@ import pytest
 from medvolcore.errors import InputError
 from medvolcore.jobs import SegmentOutputs, SegmentRequest, check_outputs, run_segment_job
 
-from test_jobs import BOX, calls, propagator  # noqa: F401  (fixtures)
+from core.test_jobs import BOX, calls, propagator  # noqa: F401  (fixtures)
 
 hd = pytest.importorskip("highdicom")
 sitk = pytest.importorskip("SimpleITK")

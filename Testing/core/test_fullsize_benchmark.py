@@ -1,4 +1,5 @@
-"""The full-size cost benchmark's planning (``Testing/benchmarks/fullsize.py``), on a CPU.
+"""The full-size cost benchmark's planning (``Testing/benchmarks/fullsize.py``, its sizes and
+memory needs in ``Testing/reference/qwen3_vl_sizes.py``), on a CPU.
 
 Its dry run must count the published models' parameters (2.13 B and 4.44 B, the sizes Qwen
 publishes) and compute the memory each run needs, and a run that does not fit must be skipped
@@ -7,7 +8,6 @@ with one line giving both numbers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,16 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from reference import qwen3_vl_sizes
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _fullsize():
-    spec = importlib.util.spec_from_file_location("fullsize", REPO / "Testing" / "benchmarks" / "fullsize.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
+@pytest.mark.slow  # builds the 2B and 4B models on the meta device
 def test_fullsize_dry_run_counts_the_published_sizes():
     r = subprocess.run([sys.executable, str(REPO / "Testing/benchmarks/fullsize.py"), "--dry-run", "--sizes", "2b", "4b"],
                        capture_output=True, text=True, timeout=300)
@@ -43,7 +39,7 @@ def test_fullsize_dry_run_counts_the_published_sizes():
 
 
 def test_fullsize_skip_line_and_published_configs():
-    fs = _fullsize()
+    fs = qwen3_vl_sizes
     assert fs.skip_line("ground qwen3-vl-4b fp32", 19.9, 12.3, "cpu") == (
         "skipped ground qwen3-vl-4b fp32: needs ≈ 19.9 GB, 12.3 GB available (MemAvailable)")
     assert fs.skip_line("x", 5.0, 5.0, "cpu") is None

@@ -12,7 +12,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,7 @@ from medvolcore.errors import GenerationError, InputError, ModelError, ModelNotF
 from medvolcore.grounder import (QwenVLGrounder, answer_grammar, answer_tokens, clean_boxes,  # noqa: E402
                                  plan_budget, validate_query)
 from medvolcore.stack import AxialStack  # noqa: E402
-from medvolcore.models.tiny import (BUILD_VERSION, MARKER, SMOKE_NOTE, build_tokenizer, ensure_tiny_model,  # noqa: E402
-                             is_complete)
+from medvolcore.models.tiny import SMOKE_NOTE, ensure_tiny_model  # noqa: E402
 from medvolcore.volume import CTVolume, load_volume  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -64,62 +62,6 @@ def _runs(mask: np.ndarray):
     d = np.diff(padded)
     starts, ends = np.flatnonzero(d == 1), np.flatnonzero(d == -1)
     return list(zip(starts.tolist(), (ends - starts).tolist()))
-
-
-# ---- the tiny model --------------------------------------------------------------------------
-
-def test_tiny_model_folder_is_complete_and_loads_back(tiny_dir):
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    assert is_complete(tiny_dir)
-    assert (tiny_dir / MARKER).read_text().strip() == BUILD_VERSION
-    meta = json.loads((tiny_dir / "medvol_model.json").read_text())
-    assert meta["smoke"] is True and meta["note"] == SMOKE_NOTE
-    assert (tiny_dir / "model.safetensors").is_file()
-
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.padding_side == "left"
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    proc = Qwen2VLImageProcessorPil.from_pretrained(tiny_dir)
-    px = proc(images=[np.zeros((256, 256, 3), np.uint8)], return_tensors="pt")
-    assert px["image_grid_thw"].tolist() == [[1, 16, 16]]  # 256×256 is not resized
-    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_dir)
-    n = sum(p.numel() for p in model.parameters())
-    assert 100_000 < n < 1_000_000
-    cfg = model.config
-    assert cfg.vision_config.patch_size == 16 and cfg.vision_config.spatial_merge_size == 2
-    assert cfg.vision_config.temporal_patch_size == 2
-    for attr, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-                        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
-        assert getattr(cfg, attr) == tok.convert_tokens_to_ids(token)
-    assert cfg.text_config.vocab_size == len(tok)
-    assert "torchvision" not in sys.modules
-
-
-def test_tiny_model_is_reused_rebuilt_when_stale_and_deterministic(tiny_dir, tmp_path):
-    marker_mtime = (tiny_dir / MARKER).stat().st_mtime_ns
-    t = time.perf_counter()
-    assert ensure_tiny_model(tiny_dir) == tiny_dir
-    assert time.perf_counter() - t < 0.5 and (tiny_dir / MARKER).stat().st_mtime_ns == marker_mtime
-
-    stale = tmp_path / "tiny"
-    stale.mkdir()
-    (stale / "config.json").write_text("{half a build")
-    assert ensure_tiny_model(stale) == stale and is_complete(stale)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left behind
-    for name in ("model.safetensors", "tokenizer.json", "config.json", "preprocessor_config.json"):
-        assert (stale / name).read_bytes() == (tiny_dir / name).read_bytes(), name
-    assert build_tokenizer().backend_tokenizer.to_str() == build_tokenizer().backend_tokenizer.to_str()
-
-
-def test_tiny_build_leaves_callers_rng_alone(tmp_path):
-    torch.manual_seed(123)
-    expected = torch.rand(3)
-    torch.manual_seed(123)
-    ensure_tiny_model(tmp_path / "t")
-    assert torch.equal(torch.rand(3), expected)
 
 
 # ---- prompt ------------------------------------------------------------------------------------
@@ -772,3 +714,47 @@ def test_scripted_absent_answer_is_an_absent_anchor_on_the_first_attempt(grounde
     assert r.attempts == 1 and len(calls) == 1  # "not present" is an answer, not a failure to retry
     assert r.anchor.absent and r.anchor.slice is None and r.anchor.boxes == [] and r.anchor.world is None
     assert r.anchor.query == "the brain" and r.reasoning == "the brain is not in an abdominal CT"
+
+
+# ---- several queries: one prompt prefill for all of them -------------------------------------------
+
+QUERIES = ["the liver", "the spleen"]
+
+
+def test_ground_queries_answers_each_query_as_ground_does_from_one_shared_prefill(grounder, small_stack):  # noqa: F811
+    alone = [grounder.ground(small_stack, q, max_new_tokens=100) for q in QUERIES]
+    shared = grounder.ground_queries(small_stack, QUERIES, max_new_tokens=100)
+    sig = [r.anchor.signal["answer_mean_logprob"] for r in alone]
+    assert abs(sig[0] - sig[1]) > 1e-5  # the query changes the model's scores: the comparison below can fail
+    inputs, _ = grounder.build_inputs(small_stack, QUERIES[0])
+    ids = inputs["input_ids"][0].tolist()
+    vision_end = grounder._ids["<|vision_end|>"]
+    prefix = max(i for i, t in enumerate(ids) if t == vision_end) + 1  # through the last slice
+    for a, s in zip(alone, shared):
+        g = s.greedy
+        assert g.raw_text == a.raw_text and g.anchor.slice == a.anchor.slice and g.anchor.boxes == a.anchor.boxes
+        # same scores: the cached slices sit at the right 3-D positions and the cache was cut back between queries
+        assert g.anchor.signal["answer_mean_logprob"] == pytest.approx(a.anchor.signal["answer_mean_logprob"], abs=1e-5)
+        assert g.anchor.query in QUERIES and g.timings["shared_prompt"] is True
+        assert g.timings["shared_prompt_tokens"] == prefix
+    assert shared[0].greedy.timings["shared_prefill_s"] > 0 and shared[1].greedy.timings["shared_prefill_s"] == 0.0
+
+
+def test_ground_queries_with_a_consensus_draws_each_querys_samples_as_ground_samples(grounder, small_stack):  # noqa: F811
+    shared = grounder.ground_queries(small_stack, QUERIES, 2, seed=5, max_new_tokens=100)
+    # the second query's samples continue from the shared cache after the first query's samples used a copy
+    alone = grounder.ground_samples(small_stack, QUERIES[1], 2, seed=5, max_new_tokens=100)
+    assert [x.raw_text for x in shared[1].samples] == [x.raw_text for x in alone.samples]
+    assert [x.anchor.signal["answer_mean_logprob"] for x in shared[1].samples] == \
+        pytest.approx([x.anchor.signal["answer_mean_logprob"] for x in alone.samples], abs=1e-5)
+
+
+def test_a_template_with_the_query_before_the_slices_shares_nothing_and_stays_right(grounder, small_stack,  # noqa: F811
+                                                                                    monkeypatch):
+    prompts = dict(grounder.prompts)
+    prompts["user"] = "Query: {query}\n" + prompts["user"].replace("Query: {query}", "")
+    monkeypatch.setattr(grounder, "prompts", prompts)
+    shared = grounder.ground_queries(small_stack, QUERIES, max_new_tokens=100)
+    for q, s in zip(QUERIES, shared):
+        assert s.greedy.timings["shared_prompt"] is False
+        assert s.greedy.raw_text == grounder.ground(small_stack, q, max_new_tokens=100).raw_text

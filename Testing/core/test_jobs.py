@@ -1,5 +1,7 @@
 """The one segment job (:func:`medvolcore.jobs.run_segment_job`): order of the checks, what it writes,
-the result it returns, on the real 8-slice CT with seeded random MedSAM2 weights (64 px)."""
+the result it returns, on the real 8-slice CT with seeded random MedSAM2 weights (64 px); several
+targets (one label per query: label map + ``*.labels.json``, ``.seg.nrrd``, statistics, per-target
+anchors and QC pictures, overlaps resolved by the documented rule); a cancel inside the grounding."""
 
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ import pytest
 
 from medvolcore.anchor import EvidenceAnchor
 from medvolcore.errors import AnchorError, CancelledError, InputError, OutputExistsError, VolumeError
-from medvolcore.jobs import SegmentOutputs, SegmentRequest, default_anchor_path, run_segment_job
-from medvolcore.pipeline import Pipeline
+from medvolcore.jobs import (OVERLAP_RULE, SegmentOutputs, SegmentRequest, check_outputs, default_anchor_path,
+                             labels_path, numbered, resolve_overlaps, run_segment_job)
+from medvolcore.pipeline import Pipeline, as_stack
 from medvolcore.propagation import MedSAM2Propagator
 from medvolcore.stack import AxialStack
 from medvolcore.volume import load_label_map, load_volume
 
 from conftest import LIVER
+from core.test_pipeline import QUERIES, SAMPLE, canned, pipe, tiny, tiny_dir  # noqa: F401  (fixtures)
 
 BOX = [20, 20, 70, 60]
 
@@ -171,3 +175,106 @@ def test_a_seg_nrrd_names_its_segment_by_the_query_with_its_terminology(tmp_path
     header = (tmp_path / "k.seg.nrrd").read_bytes()[:4000].decode("latin1")
     assert "Segment0_Name:=the right kidney\n" in header and "SCT^24028007^Right" in header
     assert "Segment0_LabelValue:=1\n" in header and "Segment0_Color:=" in header
+
+
+# ---- cancel inside the grounding (the tiny pipeline) ----------------------------------------------
+
+def test_cancel_during_decoding_stops_the_job_and_writes_nothing(tiny, tmp_path, monkeypatch):
+    """The worker's and Slicer's cancel (an Event) stops a grounding inside its decoding, at the
+    step after it is set; no output file is written."""
+    import threading
+
+    from medvolcore.errors import CancelledError
+    from medvolcore.grounder import _logits
+    from medvolcore.jobs import SegmentOutputs, SegmentRequest, run_segment_job
+
+    cancel, steps, original = threading.Event(), [0], _logits.StepProcessor.__call__
+
+    def counting(self, input_ids, scores):
+        steps[0] += 1
+        if steps[0] == 3:
+            cancel.set()  # as the worker's reader thread does on a cancel request
+        return original(self, input_ids, scores)
+
+    monkeypatch.setattr(_logits.StepProcessor, "__call__", counting)
+    events = []
+    outputs = SegmentOutputs(tmp_path / "m.nii.gz", anchor=tmp_path / "m.anchor.json", qc=tmp_path / "qc.png")
+    with pytest.raises(CancelledError, match="decoding"):
+        run_segment_job(lambda: tiny, SAMPLE, SegmentRequest(query="the liver"), outputs,
+                        progress=lambda *e: events.append(e), cancel=cancel)
+    assert steps[0] == 3 and list(tmp_path.iterdir()) == []
+    assert [e[0] for e in events if e[0] != "ground"] == [] and events[-1][2].startswith("decoding")
+
+
+# ---- several targets: one label per query, overlaps by the documented rule ------------------------
+
+def test_overlaps_go_to_the_query_asked_first_and_are_counted():
+    a = np.zeros((6, 6, 2), bool)
+    b = np.zeros_like(a)
+    c = np.zeros_like(a)
+    a[0:3, 0:3] = True  # 18 voxels
+    b[2:5, 2:5] = True  # 18, of which [2,2,:] (2 voxels) also a's
+    c[:, 4] = True  # 12, of which [2:5, 4, :] (6 voxels) also b's
+    labels, overlaps = resolve_overlaps([a, b, c], a.shape)
+    assert labels.dtype == np.uint8
+    assert (labels == 1).sum() == 18 and (labels == 2).sum() == 16 and (labels == 3).sum() == 6
+    assert overlaps == [{"labels": [1, 2], "voxels": 2}, {"labels": [2, 3], "voxels": 6}]
+    assert np.array_equal(labels > 0, a | b | c)
+
+
+def test_a_several_target_job_writes_one_label_per_query(pipe, small_ct, canned, tmp_path):
+    queries = QUERIES + ["the kidney that contains the cyst"]
+    outputs = SegmentOutputs([tmp_path / "organs.nii.gz", tmp_path / "organs.seg.nrrd"],
+                             anchor=tmp_path / "organs.anchor.json", qc=tmp_path / "qc.png",
+                             stats=tmp_path / "stats.json")
+    events = []
+    res = run_segment_job(pipe, small_ct[0], SegmentRequest(queries=queries), outputs,
+                          progress=lambda *e: events.append(e))
+    assert res["queries"] == queries and [t["label"] for t in res["targets"]] == [1, 2, 3]
+    assert [t["absent"] for t in res["targets"]] == [False, False, True] and res["absent"] is False
+    labels = np.asarray(nib.load(str(tmp_path / "organs.nii.gz")).dataobj)
+    raw = [pipe.segment(as_stack(small_ct[0]), q).mask for q in QUERIES]
+    expected, overlaps = resolve_overlaps(raw + [np.zeros_like(raw[0])], labels.shape)
+    assert np.array_equal(labels, expected)  # label k = query k, the earlier query keeping shared voxels
+    assert res["overlaps"] == [dict(o, queries=[queries[o["labels"][0] - 1], queries[o["labels"][1] - 1]],
+                                    volume_ml=res["overlaps"][i]["volume_ml"]) for i, o in enumerate(overlaps)]
+    assert res["overlap_rule"] == OVERLAP_RULE
+
+    table = json.loads((tmp_path / "organs.labels.json").read_text())
+    assert res["labels_out"] == [labels_path(tmp_path / "organs.nii.gz")]
+    assert [(e["value"], e["query"], e["voxels"], e["absent"]) for e in table["labels"]] == \
+        [(k, q, int((labels == k).sum()), k == 3) for k, q in enumerate(queries, start=1)]
+    assert table["labels"][0]["name"] == "Liver" and table["labels"][1]["name"] == "Spleen"
+    assert table["volume"] == "ct.nii.gz" and table["mask"] == "organs.nii.gz"  # names, never where files lie
+    assert not (tmp_path / "organs.seg.labels.json").exists()  # a segmentation names its own segments
+
+    sitk = pytest.importorskip("SimpleITK")
+    meta = sitk.ReadImage(str(tmp_path / "organs.seg.nrrd"))
+    assert [meta.GetMetaData(f"Segment{i}_Name") for i in range(3)] == queries
+    assert [meta.GetMetaData(f"Segment{i}_LabelValue") for i in range(3)] == ["1", "2", "3"]
+    assert np.array_equal(sitk.GetArrayFromImage(meta).transpose(2, 1, 0), labels)
+
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert [r["query"] for r in stats] == queries and [r["voxels"] for r in stats] == \
+        [int((labels == k).sum()) for k in (1, 2, 3)]
+    for k, q in enumerate(queries, start=1):
+        anchor = json.loads((tmp_path / f"organs.{k}.anchor.json").read_text())
+        assert anchor["query"] == q and (tmp_path / f"qc.{k}.png").is_file()
+    assert json.loads((tmp_path / "organs.2.anchor.json").read_text())["slice"] == 5  # the spleen's own answer
+    assert any(m.startswith("query 2/3") for st, _, m in events if st == "ground")
+    assert any(m.startswith("target 2/3") for st, _, m in events if st == "propagate")
+
+
+def test_several_targets_outputs_are_checked_before_any_model_loads(tmp_path, small_ct):
+    numbered_anchor = numbered(tmp_path / "m.anchor.json", 2)
+    assert numbered_anchor == str(tmp_path / "m.2.anchor.json")
+    (tmp_path / "m.2.anchor.json").write_text("{}")
+    outputs = SegmentOutputs(tmp_path / "m.nii.gz", anchor=tmp_path / "m.anchor.json")
+    check_outputs(outputs, [("--volume", small_ct[0])], targets=1)  # one target writes m.anchor.json only
+    with pytest.raises(OutputExistsError, match=r"m\.2\.anchor\.json"):
+        check_outputs(outputs, [("--volume", small_ct[0])], targets=2)
+    made = []
+    with pytest.raises(InputError, match="repeats query 1"):
+        run_segment_job(lambda: made.append(1), small_ct[0], SegmentRequest(queries=["The liver", "the  liver"]),
+                        SegmentOutputs(tmp_path / "x.nii.gz"))
+    assert made == []

@@ -2,18 +2,16 @@
 
 Random weights make arbitrary masks, so the assertions do not judge segmentation quality:
 they compare against the MedSAM2-script-style reference loop on the same weights
-(Testing/benchmarks/reference_medsam2.py), against single-box runs (union semantics), and
+(Testing/reference/medsam2.py), against single-box runs (union semantics), and
 check coverage, windows, caching, determinism, cancellation and errors.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,18 +27,11 @@ from medvolcore.propagation import (  # noqa: E402
     keep_largest_component,
     medsam2_frame,
 )
+from reference import medsam2 as reference  # noqa: E402  (Testing/reference: MedSAM2's own loop)
+from reference.controlled_masks import controlled_masks  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 SIZE = 64  # model image size for tests
 LIVER, SPLEEN, STOMACH = 5, 1, 6
-
-
-def _load_reference():
-    path = REPO / "Testing" / "benchmarks" / "reference_medsam2.py"
-    spec = importlib.util.spec_from_file_location("reference_medsam2", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _canonical(path, dtype):
@@ -75,7 +66,7 @@ def prop():
 
 @pytest.fixture(scope="module")
 def ref():
-    return _load_reference()
+    return reference
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +262,7 @@ def test_window_and_edge_key_slices(prop, case, baseline, where):
     # sam2's tracking is causal: inside the window the result is the full run's
     assert np.array_equal(win.mask[lo : hi + 1], full.mask[lo : hi + 1])
     if where == "first":  # sam2 skips reverse tracking from frame 0; check against the reference
-        assert np.array_equal(full.mask, _load_reference().reference_propagate(prop, stack, k, box)[0])
+        assert np.array_equal(full.mask, reference.reference_propagate(prop, stack, k, box)[0])
 
 
 def test_window_zero_is_the_key_slice_only(prop, case):
@@ -416,14 +407,6 @@ def test_propagate_many_shares_features_and_matches_single_runs(prop, case):
 KIDNEY_RIGHT, KIDNEY_LEFT = 2, 3
 
 
-def _controlled():
-    path = REPO / "Testing" / "benchmarks" / "controlled_masks.py"
-    spec = importlib.util.spec_from_file_location("controlled_masks", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.controlled_masks
-
-
 @pytest.fixture(scope="module")
 def kidneys(ct_path, seg_path):
     """The upper 50 slices of the 112-slice CT (every 2nd row/column), the kidney labels, key slice 30.
@@ -441,7 +424,7 @@ def kidneys(ct_path, seg_path):
 def kidneys_full(prop, kidneys):
     """Full propagation (K = 0) with the tracked masks made to follow the kidney labels."""
     ct, k, boxes, labels = kidneys
-    with _controlled()(prop.predictor, list(labels)) as steps:
+    with controlled_masks(prop.predictor, list(labels)) as steps:
         r = prop.propagate(ct, k, boxes, return_object_masks=True)
     return r, steps
 
@@ -468,6 +451,7 @@ def test_controlled_masks_follow_the_labels(kidneys, kidneys_full):
     assert not r.stops["forward"]["stopped_early"] and not r.stops["backward"]["stopped_early"]
 
 
+@pytest.mark.slow  # a full propagation of the 112-slice CT per K (and the fixture's K = 0 run)
 @pytest.mark.parametrize("K, batch", [(1, True), (3, False)])
 def test_early_stop_visits_target_plus_k_and_keeps_the_masks(prop, kidneys, kidneys_full, K, batch):
     ct, k, boxes, labels = kidneys
@@ -478,7 +462,7 @@ def test_early_stop_visits_target_plus_k_and_keeps_the_masks(prop, kidneys, kidn
             "backward": [_expected_stop(nonempty[i], k, -1, 0, K) for i in range(2)]}
     assert ends == {"forward": [44 + K, 39 + K], "backward": [10 - K, 7 - K]}  # label ends ± K
     calls = []
-    with _controlled()(prop.predictor, list(labels)) as steps:
+    with controlled_masks(prop.predictor, list(labels)) as steps:
         r = prop.propagate(ct, k, boxes, return_object_masks=True, stop_after_empty=K, batch_objects=batch,
                            progress=lambda dn, t, m: calls.append((dn, t, m)))
     lo, hi = min(ends["backward"]), max(ends["forward"])
@@ -510,6 +494,7 @@ def test_early_stop_visits_target_plus_k_and_keeps_the_masks(prop, kidneys, kidn
     assert sum("skipped" in c[2] for c in calls) == 2
 
 
+@pytest.mark.slow
 def test_early_stop_never_cuts_a_non_empty_run_or_the_key_slice(prop, kidneys):
     """A target with a gap of 2 empty slices: K=2 stops at the gap, K=3 follows it past the gap."""
     ct, k, boxes, labels = kidneys
@@ -517,14 +502,14 @@ def test_early_stop_never_cuts_a_non_empty_run_or_the_key_slice(prop, kidneys):
     gappy[0, 36:38] = False  # slices 36, 37 empty, 38..44 non-empty again
     key_empty = labels[:1].copy()
     key_empty[0, k:] = False  # nothing after the key slice, except that the key slice keeps its box
-    with _controlled()(prop.predictor, [gappy[0]]):
+    with controlled_masks(prop.predictor, [gappy[0]]):
         r2 = prop.propagate(ct, k, boxes[:1], stop_after_empty=2, return_object_masks=True)
         r3 = prop.propagate(ct, k, boxes[:1], stop_after_empty=3, return_object_masks=True)
         r0 = prop.propagate(ct, k, boxes[:1], return_object_masks=True)
     assert r2.stops["forward"]["last_slice"] == 37 and not r2.mask[38:].any()
     assert r3.stops["forward"]["last_slice"] == 44 + 3
     assert np.array_equal(r3.mask, r0.mask) and r0.mask[38:45].any(axis=(1, 2)).all()
-    with _controlled()(prop.predictor, [key_empty[0]]):
+    with controlled_masks(prop.predictor, [key_empty[0]]):
         r = prop.propagate(ct, k, boxes[:1], stop_after_empty=1)
     assert r.mask[k].any()  # the key slice is sam2's answer to the box, never dropped
     assert r.stops["forward"]["last_slice"] == k + 1 and r.stops["forward"]["stopped_early"]
@@ -532,16 +517,17 @@ def test_early_stop_never_cuts_a_non_empty_run_or_the_key_slice(prop, kidneys):
 
 def test_early_stop_within_a_window(prop, kidneys):
     ct, k, boxes, labels = kidneys
-    with _controlled()(prop.predictor, list(labels)):
+    with controlled_masks(prop.predictor, list(labels)):
         r = prop.propagate(ct, k, boxes, window=5, stop_after_empty=1)
     assert r.window_range == (25, 35) and r.slice_range == (25, 35)  # the kidneys fill the window
     assert not r.stops["forward"]["stopped_early"] and r.stops["forward"]["objects_stopped"] == []
 
 
+@pytest.mark.slow
 def test_dropping_an_object_does_not_change_the_others(prop, kidneys):
     """Object 0 follows the label and ends; object 1 keeps sam2's own (random-weight) masks."""
     ct, k, boxes, labels = kidneys
-    with _controlled()(prop.predictor, [labels[0], None]):
+    with controlled_masks(prop.predictor, [labels[0], None]):
         full = prop.propagate(ct, k, boxes, return_object_masks=True)
         early = prop.propagate(ct, k, boxes, return_object_masks=True, stop_after_empty=1)
         one_by_one = prop.propagate(ct, k, boxes, return_object_masks=True, stop_after_empty=1, batch_objects=False)

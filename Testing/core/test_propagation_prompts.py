@@ -1,6 +1,6 @@
 """Correction prompts and ``z_range`` (``medvol.anchor/2``) in the propagator, against a reference.
 
-The reference (``reference_propagate_prompts`` in Testing/benchmarks/reference_medsam2.py) is the
+The reference (``reference_propagate_prompts`` in Testing/reference/medsam2.py) is the
 spec's semantics written directly on sam2's stock ``SAM2VideoPredictor`` methods: per object and
 direction a fresh state, one ``add_new_points_or_box`` call per (object, slice), then
 ``propagate_in_video`` from the object's start slice, limited to ``z_range``. The product
@@ -14,27 +14,18 @@ used here do change the masks, so that the comparisons cannot pass vacuously.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import torch  # noqa: F401  (installed by the bootstrap: a missing one must fail, not skip)
 import sam2  # noqa: F401
 
-from test_propagation import _bbox, _canonical, case, prop  # noqa: E402,F401  (the same stack, boxes and weights)
+from core.test_propagation import _bbox, _canonical, case, prop  # noqa: E402,F401  (the same stack, boxes and weights)
+from reference import medsam2 as reference  # noqa: E402  (Testing/reference: MedSAM2's own loop)
+from reference.controlled_masks import controlled_masks  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 LIVER, SPLEEN, STOMACH = 5, 1, 6
 KEY = 8  # key slice of the tall stack
-
-
-def _load(name, rel):
-    spec = importlib.util.spec_from_file_location(name, REPO / rel)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _centre(m):
@@ -51,7 +42,7 @@ def _dice(a, b):
 
 @pytest.fixture(scope="module")
 def ref():
-    return _load("reference_medsam2", "Testing/benchmarks/reference_medsam2.py")
+    return reference
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +212,7 @@ def test_early_stop_reaches_prompted_slices(prop, tall, K):
     """The target is empty on slices KEY+3..KEY+6, but a correction box on KEY+8 lies past that gap:
     tracking must go on through the gap to it, then stop K empty slices later."""
     ct, seg, boxes = tall
-    controlled = _load("controlled_masks", "Testing/benchmarks/controlled_masks.py").controlled_masks
+    controlled = controlled_masks
     d = ct.shape[0]
     target = np.zeros(ct.shape, bool)
     target[:, 10:30, 10:30] = True

@@ -198,3 +198,14 @@ def test_duplicate_boxes_are_found_and_flagged_in_the_picture(tmp_path, anchor):
     assert _find(pic, _text("flagged, not merged: all drawn, labelled", flag))
     _, pic = _render(_ras_volume(), anchor, name="single.png")
     assert not _find(pic, _text("flagged, not merged: all drawn, labelled", flag))
+
+
+def test_qc_line_prints_the_confidence_else_the_answer_signal():
+    from medvolcore.qc import signal_text
+
+    a = EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200], confidence=0.8333,
+                       samples=[{"sample": i} for i in range(1, 5)], signal={"answer_mean_prob": 0.5})
+    assert signal_text(a).startswith("confidence 0.83: agreement of 4 samples") and "not the chance" in signal_text(a)
+    b = EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200], signal={"answer_mean_prob": 0.912})
+    assert signal_text(b).startswith("answer signal 0.91") and "not the chance" in signal_text(b)
+    assert signal_text(EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200])) == ""

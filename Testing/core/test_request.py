@@ -1,6 +1,7 @@
-"""The segment request and result, declared once (:mod:`medvolcore.request`, :mod:`medvolcore.result`):
-each door's builder, the field names each door's errors use, the result each door shows, and each
-rule's message written in one place of ``medvolcore``. No model is loaded here."""
+"""The segment request, declared once (:mod:`medvolcore.request`, with :mod:`medvolcore.result` for what
+each field's declaration says of the result): each door's builder, the field names each door's
+errors use, and each rule's message written in one place of ``medvolcore``. No model is loaded here.
+The result's own declaration is test_result.py's."""
 
 from __future__ import annotations
 
@@ -187,27 +188,6 @@ def test_every_field_declares_a_description_and_the_doors_names_that_exist():
             assert m["dest"] in parser_dests, (f.name, m["dest"])
     for f in fields(SegmentResult):
         assert f.metadata["doc"] and set(f.metadata["shapes"]) <= {ONE, SEVERAL, ENTRY}, f.name
-
-
-# ---- the result ----------------------------------------------------------------------------------
-
-def test_a_result_is_the_mapping_of_its_shapes_fields_and_each_door_shows_its_part():
-    entry = SegmentResult(label=1, query="the liver", absent=False, anchor={"slice": 3}, notes=[], mask_voxels=5,
-                          timings={}, overlap_voxels_lost=0, consensus=1)
-    several = SegmentResult(mode="segment", queries=["the liver"], targets=[entry], overlaps=[], volume="ct.nii.gz",
-                            labels_out=[], timings={"ground_s": 1.0})
-    one = SegmentResult(mode="propagate", anchor={"slice": 3}, query="", raw_text="", metrics=None, timings={},
-                        consensus=1, shape=[4, 4, 4])
-    assert (one.kind, several.kind, entry.kind) == (ONE, SEVERAL, ENTRY)
-    assert "metrics" in one and "metrics" not in several and "label" in entry and "targets" not in one
-    with pytest.raises(KeyError):
-        several["anchor"]
-    assert one.get("raw_text") == "" and dict(one)["shape"] == [4, 4, 4] and one == one.to_dict()
-    assert several.to_wire("segment")["targets"] == [entry.to_dict()] and isinstance(several["targets"][0], SegmentResult)
-    assert "raw_text" in one.to_json() and "raw_text" not in one.to_wire("segment")
-    assert "consensus" in one.to_wire("segment") and "consensus" not in one.to_wire("propagate")
-    assert "shape" in one.to_wire("propagate") and "shape" not in one.to_json()
-    assert list(several.to_json())[:4] == ["out", "volume", "outs", "labels_out"]  # the order --json always had
 
 
 # ---- one place for each rule ---------------------------------------------------------------------

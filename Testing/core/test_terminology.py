@@ -6,7 +6,7 @@ import pytest
 
 from medvolcore.terminology import match, normalise, table
 
-from test_jobs import BOX, calls, propagator  # noqa: F401  (fixtures)
+from core.test_jobs import BOX, calls, propagator  # noqa: F401  (fixtures)
 
 
 @pytest.mark.parametrize("query,how,structure,label", [

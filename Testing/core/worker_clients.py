@@ -1,6 +1,6 @@
 """Real clients of ``medvol serve`` for the tests: a child process over stdio and over HTTP.
 
-Imported by the worker tests (pytest puts this folder on ``sys.path``).
+Imported by the worker tests as ``core.worker_clients`` (pytest puts ``Testing/`` on ``sys.path``).
 """
 
 from __future__ import annotations

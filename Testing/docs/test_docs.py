@@ -33,6 +33,8 @@ from typing import Dict, List, Optional
 
 import pytest
 
+pytestmark = pytest.mark.docs  # every test here: `pytest -m docs Testing` runs the documentation check alone
+
 REPO = Path(__file__).resolve().parents[2]
 PAGES = sorted({REPO / "README.md", REPO / "CHANGELOG.md", REPO / "Training" / "README.md",
                 *REPO.glob("docs/*.md"), *REPO.glob("Testing/**/README.md"), *REPO.glob("Resources/**/README.md")})

@@ -21,6 +21,7 @@ from medvoltrain.cli import main
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 
+@pytest.mark.slow  # a research bench: trains three models
 def test_quick_run_writes_three_models_and_the_curves(tmp_path, real_dir):
     out = tmp_path / "BENCH"
     t0 = time.perf_counter()
@@ -89,6 +90,7 @@ def _overlap(a, b) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
+@pytest.mark.slow  # a research bench's cases on the real CTs
 def test_held_out_z_ranges_and_descriptions_are_disjoint_from_training(tmp_path, real_dir):
     from medvoltrain.prepare import PrepareSettings, load_samples, prepare
 

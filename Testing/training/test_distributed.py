@@ -16,6 +16,7 @@ from medvoltrain.distributed import check_launcher
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 
+@pytest.mark.slow  # SFT on two processes under torchrun
 def test_sft_on_two_processes_under_torchrun(sm_data, tmp_path):
     from medvolcore import models
 

@@ -169,15 +169,8 @@ def test_prediction_on_a_slice_without_target_scores_by_the_window(small_case, s
 def test_consistency_with_early_stop_keeps_the_window_semantics(small_case):
     """K > 0: directions end early inside the window, the skipped slices count as predicted empty,
     and the Dice is still over the whole window, so a target that really ended scores the same."""
-    import importlib.util
-    from pathlib import Path
-
     from medvolcore.propagation import MedSAM2Propagator
-
-    spec = importlib.util.spec_from_file_location(
-        "controlled_masks", Path(__file__).resolve().parents[1] / "benchmarks" / "controlled_masks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from reference.controlled_masks import controlled_masks
     hu, gt, by_slice = small_case
     k = int(max(by_slice, key=lambda z: gt[int(z)].sum()))
     follow = gt.copy()
@@ -185,7 +178,7 @@ def test_consistency_with_early_stop_keeps_the_window_semantics(small_case):
     prop = MedSAM2Propagator.from_random(0, image_size=64)
     full, early = (ConsistencyScorer(prop, delta=5, stop_after_empty=s) for s in (0, 1))
     answers = [parsed(format_answer(k, [by_slice[str(k)][0]], "a"))]
-    with mod.controlled_masks(prop.predictor, [follow]):
+    with controlled_masks(prop.predictor, [follow]):
         want = full.score_group(hu, gt, answers, by_slice)
         got = early.score_group(hu, gt, answers, by_slice)
     lo, hi = max(0, k - 5), min(gt.shape[0] - 1, k + 5)

@@ -2,15 +2,13 @@
 
 The propagator's own behaviour (slices visited, masks equal to a full run, objects that end while
 others go on, batched tracking) is tested in test_propagation.py. Here the masks are made to
-follow a real label (Testing/benchmarks/controlled_masks.py: sam2 runs in full, its mask output
+follow a real label (Testing/reference/controlled_masks.py: sam2 runs in full, its mask output
 is replaced), so that a target really ends and the plumbing can be checked end to end.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -25,16 +23,9 @@ from medvolcore.stack import AxialStack
 from medvolcore.volume import label_mask, load_label_map, load_volume
 
 from conftest import KIDNEY_RIGHT
+from reference.controlled_masks import controlled_masks
 
-REPO = Path(__file__).resolve().parents[2]
 FIRST, LAST, KEY = 11, 20, 15  # the controlled target: the right kidney on stack slices 11..20 only
-
-
-def _controlled():
-    spec = importlib.util.spec_from_file_location("controlled_masks", REPO / "Testing/benchmarks/controlled_masks.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.controlled_masks
 
 
 def run_cli(capsys, *argv):
@@ -60,7 +51,7 @@ def test_cli_propagate_stops_where_the_target_ends(capsys, tmp_path, ct_sm_path,
     stack, target, box = kidney
     common = ["propagate", "--volume", ct_sm_path, "--slice", KEY, "--box", *box, "--random-weights", 0,
               "--image-size", 64, "--json", "--no-progress"]
-    with _controlled()(MedSAM2VideoPredictor, [target]):
+    with controlled_masks(MedSAM2VideoPredictor, [target]):
         code, out, err = run_cli(capsys, *common, "--out", tmp_path / "early.nii.gz", "--stop-after-empty", 1,
                                  "--anchor-out", tmp_path / "early.anchor.json")
         assert code == 0, err
@@ -102,7 +93,7 @@ def test_pipeline_default_and_per_call_override(ct_sm_path, kidney):
     pipe = Pipeline("tiny", device="cpu")
     assert pipe.stop_after_empty == DEFAULT_STOP_AFTER_EMPTY
     anchor = {"schema": "medvol.anchor/1", "slice": KEY, "boxes": [box], "source": "user"}
-    with _controlled()(pipe.propagator.predictor, [target]):
+    with controlled_masks(pipe.propagator.predictor, [target]):
         seg = pipe.repropagate(stack, anchor)
         full = pipe.repropagate(stack, anchor, stop_after_empty=0)
     k = DEFAULT_STOP_AFTER_EMPTY

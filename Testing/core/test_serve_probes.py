@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 
-from probes import (ANCHOR, LONG_ANCHOR, assert_no_patient_text, b64, bomb, ct_with_patient_text, heavy, proc_status, rss_mb)
-from worker_clients import HttpServer, StdioClient
+from core.probes import (ANCHOR, LONG_ANCHOR, assert_no_patient_text, b64, bomb, ct_with_patient_text, heavy, proc_status, rss_mb)
+from core.worker_clients import HttpServer, StdioClient
 
 
 # ---- a guarded HTTP server: no data folder, small limits ------------------------------------------
@@ -430,7 +430,7 @@ def test_data_dir_allows_paths_inside_only(sandboxed, data_dir):
     (root / "masks").mkdir(exist_ok=True)
     st, r = sandboxed.request("POST", "/rpc", {"id": 1, "op": "propagate", "volume": "ct.nii.gz", "anchor": ANCHOR,
                                                "out": "masks/m.nii.gz"})
-    # outputs go to --out-dir only (test_http_hardening.py), never into the data folder
+    # outputs go to --out-dir only (test_serve_http.py), never into the data folder
     assert r["ok"] is False and r["error"]["code"] == "forbidden" and "--out-dir" in r["error"]["message"]
     assert not (root / "masks" / "m.nii.gz").exists()
     st, r = sandboxed.request("POST", "/rpc", {"id": 2, "op": "propagate", "volume": "ct.nii.gz", "anchor": ANCHOR})

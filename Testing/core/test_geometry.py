@@ -1,4 +1,4 @@
-"""Metrics by geometry (medvolcore.geometry) and ``medvol batch``'s check before any model loads.
+"""Metrics by geometry (medvolcore.geometry): a mask compared with a ground truth by where it lies.
 
 The real TotalSegmentator label map stored as a DICOM series on a flipped grid (as DICOM's LPS rows
 and columns store it) scores a geometrically perfect mask Dice 1.0; compared index by index it
@@ -8,7 +8,6 @@ would not. No model is loaded here.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 
 from medvolcore.cli import main
 from medvolcore.errors import VolumeError
-from medvolcore.geometry import gt_on_grid, match_grids
+from medvolcore.geometry import gt_on_grid
 from medvolcore.metrics import dice
 from medvolcore.volume import CTVolume, load_label_map
 
@@ -103,67 +102,3 @@ def test_another_extent_or_spacing_is_one_error(capsys, tmp_path, what):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "do not cover the same space" in lines[0] and out == ""
-
-
-# ---- item 7: the batch manifest checked before any model loads --------------------------------------
-
-class _RecordingPipeline:
-    """Stands in for a Pipeline: records whether anything tried to load a model."""
-
-    preset, smoke, identity = "tiny", True, None
-
-    def __init__(self):
-        self.calls = []
-
-    def load(self):
-        self.calls.append("load")
-        raise AssertionError("a model was loaded")
-
-
-def _tiny(path: Path, array=None, affine=None) -> Path:
-    nib.save(nib.Nifti1Image(_labels() if array is None else array, AFFINE if affine is None else affine), str(path))
-    return path
-
-
-def test_missing_file_in_row_500_stops_before_any_model(capsys, tmp_path):
-    from medvolcore.batch import BatchOptions, ManifestError, run_batch
-
-    _tiny(tmp_path / "ct.nii.gz")
-    _tiny(tmp_path / "seg.nii.gz")
-    _tiny(tmp_path / "seg_other.nii.gz", _labels()[:, :, :3].copy())
-    lines = ["id,volume,query,gt,label"] + [f"c{i},ct.nii.gz,liver,seg.nii.gz,5" for i in range(1, 500)]
-    lines.append("c500,no_such_ct.nii.gz,liver,,")
-    lines[10] = "c10,ct.nii.gz,liver,seg_other.nii.gz,5"  # a ground truth of another extent
-    manifest = tmp_path / "cases.csv"
-    manifest.write_text("\n".join(lines) + "\n")
-    pipe = _RecordingPipeline()
-    with pytest.raises(ManifestError) as ei:
-        run_batch(manifest, tmp_path / "out", BatchOptions(progress=False), pipeline=pipe)
-    assert pipe.calls == [] and not (tmp_path / "out").exists()
-    assert [d.split(":")[0] for d in ei.value.details] == ["line 11 (c10)", "line 501 (c500)"]
-    code, out, err = _cli(capsys, "batch", "--manifest", manifest, "--out-dir", tmp_path / "out", "--preset", "tiny")
-    got = err.strip().splitlines()
-    assert code == 2 and len(got) == 3 and "Traceback" not in err
-    assert "does not cover" not in got[0] and "do not cover the same space" in got[0] and "does not exist" in got[1]
-    assert "2 problem(s)" in got[2] and "--skip-invalid" in got[2]
-    # --dry-run with --skip-invalid: says what would run, loads and writes nothing
-    res = run_batch(manifest, tmp_path / "out", BatchOptions(progress=False, dry_run=True, skip_invalid=True),
-                    pipeline=pipe)
-    assert pipe.calls == [] and not (tmp_path / "out").exists() and res.exit_code == 0
-    assert len(res.info["would_run"]) == 498 and [c["id"] for c in res.info["invalid_cases"]] == ["c10", "c500"]
-
-
-def test_batch_check_accepts_a_flipped_ground_truth_grid(tmp_path):
-    from medvolcore.batch import Case, check_case_files
-
-    a = _labels()
-    flipped = AFFINE.copy()
-    flipped[:3, 0] *= -1
-    flipped[:3, 3] = AFFINE[:3, :3] @ [a.shape[0] - 1, 0, 0] + AFFINE[:3, 3]
-    ct, gt = _tiny(tmp_path / "ct.nii.gz"), _tiny(tmp_path / "gt.nii.gz", np.ascontiguousarray(a[::-1]), flipped)
-    case = Case(id="a", volume=ct, query="liver", gt=gt)
-    check_case_files([case])
-    assert case.problem is None
-    m = match_grids(a.shape, AFFINE, a.shape, flipped)
-    assert m.kind == "reoriented" and "flipped axes 0" in m.note
-

@@ -30,7 +30,7 @@ from medvolcore.errors import ForbiddenError, LimitError, VolumeError
 from medvolcore.serve import Worker
 from medvolcore.serve.worker import _Job
 
-from probes import one_line, run_cli
+from core.probes import one_line, run_cli
 
 sitk = pytest.importorskip("SimpleITK")
 

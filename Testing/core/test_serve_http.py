@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from probes import ANCHOR, b64, one_line, run_cli
-from worker_clients import HttpServer as ServeProcess
-from worker_clients import StdioClient
+from core.probes import ANCHOR, b64, one_line, run_cli
+from core.worker_clients import HttpServer as ServeProcess
+from core.worker_clients import StdioClient
 
 from medvolcore import RESEARCH_USE_NOTICE
 from medvolcore.errors import CancelledError
@@ -444,35 +444,7 @@ def test_every_hub_model_of_the_manifest_names_its_licence():
                 assert part.get("licence_source", "").startswith("https://huggingface.co/" + part["repo_id"])
 
 
-# ---- issue 26 item 6: volume bodies bounded by the voxel limit, streamed; the mask as bytes ---------
-
-def _nifti_bytes(shape, dtype, gz: bool, fill=None) -> bytes:
-    """A NIfTI file's bytes (``.nii.gz`` when ``gz``) holding ``shape`` voxels of ``dtype``."""
-    import gzip as _gzip
-
-    import nibabel as nib
-    import numpy as np
-
-    arr = np.zeros(shape, dtype) if fill is None else fill.astype(dtype)
-    raw = nib.Nifti1Image(arr, np.diag([0.8, 0.8, 2.5, 1.0])).to_bytes()
-    return _gzip.compress(raw, 1) if gz else raw
-
-
-class _Reading(_InProcess):
-    """An in-process server whose stand-in job reads the uploaded volume as a real job does (the
-    worker's own reader and cache, no model) and says what it read and which uploads exist."""
-
-    def _execute(self, job):
-        stack, digest, _ = self.worker._read_stack(job, lambda *a: None)
-        return {"shape": list(stack.volume.shape), "sha256": digest, "sum": float(stack.volume.array.sum()),
-                "uploads": sorted(p.name for p in self.worker.tmp_dir.glob("upload-*"))}
-
-
-@pytest.fixture(scope="module")
-def reading():
-    s = _Reading(max_request_bytes=1 << 20, max_voxels=1_000_000)  # request limit 1 MB, voxel limit 1 M
-    yield s
-    s.close()
+# ---- issue 26 item 6: the mask as bytes (the volume bodies: test_serve_upload.py) ------------------
 
 
 def _volume_rpc(port, body, req, headers=None, timeout=30):
@@ -483,97 +455,6 @@ def _volume_rpc(port, body, req, headers=None, timeout=30):
     data = resp.read()
     conn.close()
     return resp, data
-
-
-@pytest.mark.probe("26.6", "volume bodies over --max-request-mb are streamed to a private file, bounded by --max-voxels")
-@pytest.mark.parametrize("gz", [False, True], ids=["nii", "nii.gz"])
-def test_volume_body_over_the_request_limit_is_read_from_a_private_file(reading, gz, record_property):
-    import hashlib
-
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    fill = rng.integers(-1000, 1000, size=(100, 100, 90))  # 900 k voxels: under the voxel limit
-    body = _nifti_bytes((100, 100, 90), np.float32, gz, fill)  # 3.6 MB raw: over the 1 MB request limit
-    assert len(body) > 1 << 20
-    record_property("body MB", round(len(body) / 2 ** 20, 2))
-    resp, data = _volume_rpc(reading.port, body, {"id": "big", "op": "propagate", "anchor": SMALL_ANCHOR})
-    r = json.loads(data)
-    assert resp.status == 200 and r["ok"] is True, r
-    res = r["result"]
-    assert res["shape"] == [100, 100, 90]  # every voxel arrived
-    assert res["sum"] == pytest.approx(float(fill.sum()))
-    assert res["sha256"] == hashlib.sha256(body).hexdigest()  # the cache key is the body's content hash
-    assert len(res["uploads"]) == 1 and res["uploads"][0].endswith(".nii.gz" if gz else ".nii")  # on disk while read
-    assert not list(reading.worker.tmp_dir.glob("upload-*"))  # removed with the reply
-    # a JSON body keeps the small request limit
-    conn = reading.connect()
-    conn.request("POST", "/rpc", body=b'{"id": 1, "op": "hello", "pad": "' + b"x" * (2 << 20) + b'"}',
-                 headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "too_large"
-    conn.close()
-
-
-@pytest.mark.probe("26.6", "volume over --max-voxels (raw and gzip bomb): refused from its header, the rest unsent")
-@pytest.mark.parametrize("gz", [False, True], ids=["nii", "gzip-bomb"])
-def test_volume_over_the_voxel_limit_is_refused_from_its_first_bytes(reading, gz):
-    import numpy as np
-
-    from probes import bomb
-
-    declared = 16_000_000  # under the byte ceiling of 1 M voxels (17.4 MB), so the header decides
-    first = bomb((512, 512, 40))[:1 << 16]
-    if not gz:  # the same header, declaring 512×512×40
-        import nibabel as nib
-
-        hdr = nib.Nifti1Header()
-        hdr.set_data_shape((512, 512, 40))
-        hdr.set_data_dtype(np.int16)
-        hdr["vox_offset"] = 352
-        first = hdr.binaryblock + b"\0" * 4 + b"\0" * ((1 << 16) - 352)
-    s = socket.create_connection(("127.0.0.1", reading.port), timeout=10)
-    t = time.perf_counter()
-    s.sendall(b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
-              b'X-MedVol-Request: {"id": "b", "op": "propagate", "anchor": {}}\r\n'
-              + f"Content-Length: {declared}\r\n\r\n".encode() + first)  # the other 15.9 MB are never sent
-    got = b""
-    while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        got += chunk
-    s.close()
-    assert got.startswith(b"HTTP/1.1 413"), got[:200]
-    r = json.loads(got.split(b"\r\n\r\n", 1)[1])
-    assert r["error"]["code"] == "too_large" and "512×512×40 = 10,485,760 voxels" in r["error"]["message"]
-    assert "--max-voxels" in r["error"]["message"] and time.perf_counter() - t < 3
-    assert not list(reading.worker.tmp_dir.glob("upload-*"))
-
-
-@pytest.mark.probe("26.6", "volume bodies: over the ceiling, longer than the header needs, not NIfTI, no request")
-def test_volume_body_bounds_from_the_header(reading):
-    import numpy as np
-
-    # Content-Length over max_voxels × 8 bytes (+ header room): refused before a byte is read
-    replies = reading.raw(b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
-                          b'X-MedVol-Request: {"id": 1, "op": "propagate", "anchor": {}}\r\n'
-                          b"Content-Length: 100000000\r\n\r\n", wait=5)
-    assert replies[0][0] == 413 and "--max-voxels 1,000,000" in replies[0][1]["error"]["message"], replies
-    assert replies[-1] != "open"
-    # a 10×10×10 header with 3 MB of body: more than its voxels need
-    small = _nifti_bytes((10, 10, 10), np.int16, False)
-    resp, data = _volume_rpc(reading.port, small + b"\0" * (3 << 20), {"id": 2, "op": "propagate", "anchor": {}})
-    assert resp.status == 413 and "header declares need" in json.loads(data)["error"]["message"]
-    # not NIfTI; no request object
-    resp, data = _volume_rpc(reading.port, b"P5 not a volume" * 100, {"id": 3, "op": "propagate", "anchor": {}})
-    assert resp.status == 400 and json.loads(data)["error"]["code"] == "bad_volume"
-    conn = reading.connect()
-    conn.request("POST", "/rpc", body=small, headers={"Content-Type": "application/octet-stream"})
-    resp = conn.getresponse()
-    assert resp.status == 400 and "X-MedVol-Request" in json.loads(resp.read())["error"]["message"]
-    conn.close()
-    assert not list(reading.worker.tmp_dir.glob("upload-*"))
 
 
 @pytest.mark.probe("26.6", "Accept: application/gzip: the mask as the reply body, the reply in X-MedVol-Reply")

@@ -22,7 +22,7 @@ slice), ``propagate_in_video`` from the object's start slice limited by ``max_fr
 
 As a script it is the whole-process counterpart of ``medvol propagate``::
 
-    python Testing/benchmarks/reference_medsam2.py --volume CT.nii.gz --slice Z \
+    python Testing/reference/medsam2.py --volume CT.nii.gz --slice Z \
         --box X0 Y0 X1 Y1 [--box ...] --out MASK.nii.gz --random-weights SEED --image-size N [--json]
 """
 
@@ -34,7 +34,6 @@ import json
 import sys
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 
@@ -237,12 +236,36 @@ def _quiet_tqdm():
 # --------------------------------------------------------------------------------------------
 
 
-def _load_stack(path):
-    """(stack, to_source, affine) for a NIfTI: the canonical axial stack and the inverse mapping."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from propagation import load_canonical  # the benchmark's helper
+def load_canonical(path, labels: bool = False):
+    """(stack, to_source, affine): the canonical axial stack (z S→I, y A→P, x R→L) of a NIfTI.
 
-    return load_canonical(path)
+    Uses ``medvolcore.stack.AxialStack`` when it exists, else a nibabel-only equivalent.
+    """
+    try:
+        from medvolcore.stack import AxialStack
+        from medvolcore.volume import load_label_map, load_volume
+
+        vol = (load_label_map if labels else load_volume)(path)
+        ax = AxialStack.from_volume(vol)
+        data = np.ascontiguousarray(ax.data)
+        return data, ax.to_source, vol.affine
+    except ImportError:
+        pass
+    import nibabel as nib
+    from nibabel.orientations import apply_orientation, axcodes2ornt, io_orientation, ornt_transform
+
+    img = nib.load(str(path))
+    a = np.asarray(img.dataobj, dtype=np.int32 if labels else np.float32)
+    # reorient so that axes point to (Left, Posterior, Inferior), then order them (z, y, x)
+    t = ornt_transform(io_orientation(img.affine), axcodes2ornt(("L", "P", "I")))
+    lpi = apply_orientation(a, t)
+    stack = np.ascontiguousarray(lpi.transpose(2, 1, 0))
+    inv = ornt_transform(axcodes2ornt(("L", "P", "I")), io_orientation(img.affine))
+
+    def to_source(m):
+        return np.ascontiguousarray(apply_orientation(np.asarray(m).transpose(2, 1, 0), inv))
+
+    return stack, to_source, img.affine
 
 
 def main(argv=None):
@@ -269,7 +292,7 @@ def main(argv=None):
         prop = MedSAM2Propagator.from_checkpoint(args.checkpoint, device=args.device, image_size=args.image_size)
     else:
         prop = MedSAM2Propagator.from_random(args.random_weights, image_size=args.image_size, device=args.device)
-    stack, to_source, affine = _load_stack(args.volume)
+    stack, to_source, affine = load_canonical(args.volume)
     t1 = time.perf_counter()
     mask, calls = reference_propagate(prop, stack, args.slice, args.box, hu_window=args.window)
     t2 = time.perf_counter()

@@ -1,7 +1,8 @@
-"""The command line's outputs (:mod:`medvolcore.jobs`, :mod:`medvolcore.fileio`): checked before any
-work (two outputs in one file, an output that is an input, a parent that is a file, a wrong
-suffix, permission denied, a read-only folder), and never half-written (disk full, SIGTERM during
-the rename). Probes, as in ``test_serve_hardening.py``."""
+"""Output files (:mod:`medvolcore.fileio`, checked for a job by :mod:`medvolcore.jobs`): checked before
+any work (two outputs in one file, an output that is an input, a parent that is a file, a wrong
+suffix, permission denied, a read-only folder), never half-written (disk full, SIGTERM during the
+rename, a writer that wrote nothing, a killed writer's temporaries), with normal permissions.
+Mostly probes (``@pytest.mark.probe``), as in ``test_serve_probes.py``."""
 
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from medvolcore.errors import OutputError
 
-from probes import (ANCHOR, one_line,
+from core.probes import (ANCHOR, one_line,
                     run_cli)
 
 
@@ -182,43 +182,7 @@ def test_output_error_type_for_folder_collisions(tmp_path):
         check_output(tmp_path / "d.nii.gz")
 
 
-# ---- second review: upper-case suffixes, writers that write nothing, kill -9, terminal text --------
-
-def _run_cli_or_exit(capsys, *argv):
-    """:func:`run_cli`, with argparse's own refusals (SystemExit) turned into their exit code."""
-    try:
-        return run_cli(capsys, *argv)
-    except SystemExit as e:
-        out, err = capsys.readouterr()
-        return e.code, out, err
-
-
-def _tiny_volume():
-    from medvolcore.volume import CTVolume
-
-    return CTVolume(np.zeros((6, 5, 4), dtype=np.float32), np.diag([1.5, 1.5, 2.0, 1.0]))
-
-
-def _mask():
-    m = np.zeros((6, 5, 4), dtype=np.uint8)
-    m[1:4, 2:4, 1:3] = 1
-    return m
-
-
-@pytest.mark.probe("II.5", "mask named .Nii, .Mha, .MHA, .NII.GZ, .Nrrd")
-@pytest.mark.parametrize("name", ["m.Nii", "m.Mha", "m.MHA", "m.NII.GZ", "m.Nrrd"])
-def test_upper_case_mask_suffixes_hold_the_mask(tmp_path, name):
-    """The writers choose the format from the suffix and do not read upper case: the temporary's
-    suffix is lower case, so the file under the user's name holds the mask (it used to be 0 bytes,
-    the data left in a hidden .part file), and MedVol reads it back under that name (ITK matches
-    ``.mha`` in lower case only: the reader is chosen from the suffix in any case)."""
-    from medvolcore.volume import load_label_map, save_mask
-
-    like = _tiny_volume()
-    save_mask(_mask(), like, tmp_path / name)
-    assert os.listdir(tmp_path) == [name]  # nothing hidden left beside it
-    back = load_label_map(tmp_path / name)
-    assert np.array_equal(np.asarray(back.array), _mask()) and np.allclose(back.affine, like.affine)
+# ---- second review: writers that write nothing, kill -9 -----------------------------------------------
 
 
 @pytest.mark.probe("II.5", "a mask writer that silently writes nothing (CLI)")
@@ -274,40 +238,13 @@ def test_temporaries_of_a_killed_writer_are_removed_by_the_next_write(tmp_path, 
     record_property("hidden_files_after_the_next_write", 0)
 
 
-@pytest.mark.probe("II.10", "ESC, CR, C1 and bidi controls in a path, a window and a case error printed by the CLI")
-def test_the_cli_never_prints_terminal_controls(capsys, tmp_path):
-    from medvolcore.cli.batch import _text
-    from medvolcore.cli.common import emit
+def test_outputs_get_normal_file_permissions(tmp_path):
+    import os
+    import stat
 
-    evil = "\x1b[2J\x1b]0;owned\x07\rreal\x9b31m\u202eevil"
-    code, out, err = run_cli(capsys, "info", tmp_path / f"{evil}.nii.gz")
-    one_line(code, err, "\\x1b[2J", "\\x0d", "\\x9b", "\\u202e")
-    code, out, err = _run_cli_or_exit(capsys, "propagate", "--volume", tmp_path / "v.nii.gz", "--slice", evil)  # argparse's
-    assert code == 2 and "\\x1b" in err
-    emit({}, False, f"query: {evil}\nnext line")
-    info = {"cases": 1, "done": 0, "failed": 1, "skipped": 0, "seconds": 1.0, "summary_csv": "s.csv",
-            "summary_html": "s.html", "failures": [{"id": "a", "error": f"bad_volume: {evil}.nii.gz\ndoes not exist"}]}
-    text = _text(info)
-    out = capsys.readouterr().out
-    for printed in (err, out, text):
-        assert not any(c in printed for c in "\x1b\x07\r\x9b\u202e"), repr(printed)
-    assert out.count("\n") == 2 and "failed a: bad_volume: \\x1b[2J" in text and "\\x0adoes not exist" in text
+    from medvolcore.fileio import write_text_atomic
 
-
-@pytest.mark.probe("II.10", "--ct-window 1e308,1e308, --box with a 30-digit coordinate, --random-weights 10**30")
-@pytest.mark.parametrize("args,needle", [
-    (["--ct-window", "1e308,1e308"], "invalid window"),
-    (["--ct-window", "nan,400"], "invalid window"),
-    (["--box", "0", "0", "1" + "0" * 30, "5"], "out of range"),
-    (["--add-box", "3", "1", "0", "0", "-" + "9" * 30, "5"], "out of range"),
-    (["--random-weights", "9" * 30], "not a seed"),
-])
-def test_huge_numbers_on_the_command_line_are_one_line(capsys, tmp_path, small_ct, args, needle):
-    base = ["propagate", "--volume", small_ct[0], "--slice", "3", "--out", tmp_path / "m.nii.gz", "--no-progress"]
-    if "--box" not in args:
-        base += ["--box", "30", "30", "90", "80"]
-    if "--random-weights" not in args:
-        base += ["--random-weights", "0", "--image-size", "32"]
-    code, _, err = _run_cli_or_exit(capsys, *base, *args)
-    one_line(code, err, needle)
-    assert not (tmp_path / "m.nii.gz").exists()
+    p = write_text_atomic(tmp_path / "a.anchor.json", "{}")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~mask

@@ -22,7 +22,8 @@ import pytest
 from medvolcore.pipeline import as_stack
 from medvolcore.stack import sample_slice_indices
 
-from worker_clients import SERVE, TIMEOUT, HttpServer, StdioClient
+from core.test_pipeline import ABSENT, GREEDY, _answer_text, _canned_samples, ct4, tiny  # noqa: F401  (fixtures)
+from core.worker_clients import SERVE, TIMEOUT, HttpServer, StdioClient
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +331,7 @@ def http_server():
     s.stop()
 
 
+@pytest.mark.slow  # a worker process over HTTP, a segment end to end
 def test_http_hello_status_segment(http_server, ct_sm_path, tmp_path):
     status, r = http_server.request("POST", "/rpc", {"id": "h", "op": "hello"})
     assert status == 200 and r["ok"] and r["result"]["protocol"] == 1 and r["result"]["transport"] == "http"
@@ -429,3 +431,53 @@ def test_absent_answer_replies_absent_and_writes_no_mask_unless_asked(ct_sm_path
         assert r["ok"] is False and r["error"]["code"] == "bad_request" and "empty_mask_on_absent" in r["error"]["message"]
     finally:
         w.close(5)
+
+
+# ---- consensus ---------------------------------------------------------------------------------
+
+def test_worker_segment_with_consensus_replies_confidence_and_writes_agreement(tiny, monkeypatch, ct4, tmp_path):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    unusable = _answer_text(77, [100, 100, 300, 300])  # slice 77 was not shown: recorded, not retried
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [ABSENT, unusable])
+    w = Worker(transport="stdio", device="cpu")
+    w.pipeline = tiny  # loaded: no model loads in this test
+    replies: queue.Queue = queue.Queue()
+    vol, agr = str(ct4), str(tmp_path / "agr.nii.gz")
+    base = {"op": "segment", "volume": vol, "query": "the liver"}
+    probes = [({"consensus": 9}, "bad_request"), ({"agreement": agr}, "bad_request"),
+              ({"consensus": 2, "agreement": vol}, "bad_input"), ({"consensus": 2, "consensus_mask": "mean"}, "bad_request"),
+              ({"op": "propagate", "anchor": {}, "consensus": 2}, "bad_request")]
+    try:
+        for i, (fields, _code) in enumerate(probes):
+            w.handle_line(json.dumps(dict(base, id=i, **fields)), reply=replies.put)
+        w.handle_line(json.dumps(dict(base, id="ok", consensus=3, agreement=agr, out=str(tmp_path / "m.nii.gz"))),
+                      reply=replies.put)
+        got = {}
+        while len(got) < len(probes) + 1:
+            r = replies.get(timeout=120)
+            if "event" not in r:
+                got[r["id"]] = r
+    finally:
+        w.close(10)
+    for i, (_fields, code) in enumerate(probes):
+        assert got[i]["ok"] is False and got[i]["error"]["code"] == code, got[i]
+    res = got["ok"]["result"]
+    assert res["confidence"] == 0.0 and res["consensus"] == 3 and res["samples"][1] == {"sample": 2, "absent": True,
+                                                                                       "answer_mean_prob": 0.5}
+    assert res["samples"][2] == {"sample": 3, "unusable": "slice 77 is not one of the shown slices"}
+    assert "1 of 3 samples gave an unusable answer (counted as disagreeing)" in res["notes"]
+    assert res["agreement_path"] == agr and res["anchor"]["confidence"] == 0.0
+    counts = np.asarray(nib.load(agr).dataobj)
+    assert np.array_equal(counts, np.asarray(nib.load(res["mask_path"]).dataobj))  # one present answer: 0/1
+    http = Worker(transport="http")
+    try:
+        from medvolcore.errors import ForbiddenError
+
+        with pytest.raises(ForbiddenError, match="'agreement' names a file on the server"):
+            http._check_queued(dict(base, id=1, volume=None, volume_b64="AAAA", consensus=2, agreement="a.nii.gz"),
+                               None, "http")
+    finally:
+        http.close(5)
