@@ -29,7 +29,7 @@ from MedVolR1SlicerLib.reloading import reload_order
 from MedVolR1SlicerLib.segments import segment_name
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options
 from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic
-from MedVolR1SlicerScene.results import EditedSinceResult
+from MedVolR1SlicerScene.history import EditedSinceResult
 
 from .correction_controls import CorrectionControls
 from .install_dialogs import ensure_installed, offer_download

@@ -13,7 +13,7 @@ from MedVolR1SlicerLib.client import WorkerError
 from MedVolR1SlicerLib.geometry import anchor_from_rois
 from MedVolR1SlicerLib.session import Options
 from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic
-from MedVolR1SlicerScene.results import EditedSinceResult
+from MedVolR1SlicerScene.history import EditedSinceResult
 
 
 class SelfTestWorker:
