@@ -308,9 +308,22 @@ def test_segment_add_box_repropagate_undo_through_the_panel(panel):
     assert p.segmentId == segmentId and not np.array_equal(second, first)
 
     click(ui.undoButton)
-    assert ui.statusLabel.text == "The last result was taken back."
+    assert ui.statusLabel.text == "Taken back: the organ."
     assert np.array_equal(slicer.util.arrayFromSegmentBinaryLabelmap(seg, segmentId, volume), first)
-    assert not ui.undoButton.enabled
+    # the evidence as it was when Re-propagate was clicked: the moved box and the box on slice k + 2
+    assert [panel.logic.nodeSlice(b) for b in p.corrections] == [k + 2] and ui.repropagateButton.enabled
+    assert ui.undoButton.enabled and ui.redoButton.enabled  # the first result is next; Redo puts this back
+    click(ui.redoButton)
+    assert ui.statusLabel.text == "Put back: the organ." and not ui.redoButton.enabled
+    assert np.array_equal(slicer.util.arrayFromSegmentBinaryLabelmap(seg, segmentId, volume), second)
+    click(ui.undoButton)
+    click(ui.undoButton)  # the first result too: no segment, and no evidence left on screen
+    assert seg.GetSegmentation().GetSegment(segmentId) is None and not ui.undoButton.enabled
+    assert ui.keySliceLabel.text == "–" and ui.reasoningEdit.toPlainText() == ""
+    assert not ui.repropagateButton.enabled and not ui.addBoxButton.enabled
+    click(ui.redoButton)
+    assert np.array_equal(slicer.util.arrayFromSegmentBinaryLabelmap(seg, segmentId, volume), first)
+    assert p.segmentId == segmentId and ui.keySliceLabel.text.startswith("S ")
 
     click(ui.editButton)
     editor = slicer.modules.segmenteditor.widgetRepresentation().self().editor
