@@ -8,7 +8,8 @@ returns for the real label map.
 - the evidence finds its segment again after the scene is saved and reopened;
 - Undo three results deep across queries and Redo, each step with the segment and its evidence;
 - a scene imported beside a current result: Undo never reaches the other patient's segmentation;
-- several queries, one of them not present: one request, one segment each, "not found" for that one.
+- several queries, one of them not present: one request, one segment each, "not found" for that one;
+- the panel's segment selector and the Segment Editor's selection choose whose evidence is shown.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ pytest.importorskip("slicer_core", reason="slicer-core is not installed (bootstr
 import slicer  # noqa: E402 - the real package, imported by conftest.py
 from test_mrml_clinician_day import (KIDNEY_LEFT, KIDNEY_RIGHT, LIVER, answer_for, client, kji,  # noqa: E402,F401
                                      labels_ijk, load_ct, manual, nodes_of, segment, tiny)
+from test_mrml_second_day import make_panel, panel_module  # noqa: E402,F401  (fixture)
 
 SPLEEN = 1  # TotalSegmentator v2
 
@@ -240,3 +242,46 @@ def test_several_queries_one_request_one_segment_each_and_not_present_per_line(
         assert len(p.boxes) >= 1
     assert manual.undoDepth(p) == 1 and manual.undoLastResult()  # one click, one step
     assert segmentation.GetNumberOfSegments() == 0 and p.anchorJson == ""
+
+
+def test_the_panel_and_the_segment_editor_select_whose_evidence_is_shown(
+        slicer_env, scene, panel_module, client, ct_sm_path, labels_ijk, tmp_path, tiny):
+    from MedVolR1SlicerLib.session import Session
+
+    widget = make_panel(panel_module, slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda o: client)))
+    try:
+        logic, ui = widget.logic, widget.ui
+        volume = load_ct(ct_sm_path)
+        liver_id, box, _ = liver_with_corrections(logic, client, volume, labels_ijk, tmp_path, tiny)
+        segment(logic, client, volume, "the spleen", labels_ijk, [SPLEEN], tmp_path, tiny)
+        p = logic.getParameterNode()
+        seg, spleen_id = p.outputSegmentation, p.segmentId
+        assert ui.segmentComboBox.items == [("the liver", liver_id), ("the spleen", spleen_id)]
+        assert ui.segmentComboBox.currentIndex == 1 and not ui.repropagateButton.enabled
+
+        # the clinician selects the liver in the Segment Editor (its module node, as its widget sets it)
+        editor = slicer.vtkMRMLSegmentEditorNode()
+        editor.SetSingletonTag("SegmentEditor")
+        editor = slicer.mrmlScene.AddNode(editor)
+        editor.SetAndObserveSegmentationNode(seg)
+        editor.SetSelectedSegmentID(liver_id)
+        assert p.segmentId == liver_id and ui.segmentComboBox.currentIndex == 0
+        assert "the liver" in p.anchorJson and p.corrections == [box]
+        assert ui.repropagateButton.enabled and ui.rangeLabel.text == "whole volume"  # its unsent corrections
+        assert ui.reasoningEdit.toPlainText() == "because" and ui.keySliceLabel.text.startswith("S ")
+        editor.SetMaskMode(editor.GetMaskMode())
+        editor.Modified()  # another change of the editor is not a selection
+        widget.onSegmentChosen(1)  # the panel's selector: the spleen again
+        assert p.segmentId == spleen_id and not ui.repropagateButton.enabled
+        editor.Modified()
+        assert p.segmentId == spleen_id
+
+        widget.onUndoButton()  # the spleen goes: nothing of it stays on screen
+        assert seg.GetSegmentation().GetSegment(spleen_id) is None
+        assert ui.keySliceLabel.text == "–" and ui.reasoningEdit.toPlainText() == ""
+        assert not ui.repropagateButton.enabled and not ui.addBoxButton.enabled
+        assert ui.segmentComboBox.items == [("the liver", liver_id)] and ui.segmentComboBox.currentIndex == -1
+        assert ui.undoButton.enabled and ui.redoButton.enabled
+        assert widget.ui.statusLabel.text == "Taken back: the spleen."
+    finally:
+        widget.cleanup()

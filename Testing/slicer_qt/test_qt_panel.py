@@ -109,6 +109,28 @@ def test_enter_in_the_query_box_runs_segment(panel):
     assert segmentation.GetSegment(p.segmentId).GetName() == "the organ" and p.resultVolume is volume
 
 
+def test_shift_enter_starts_the_next_query_and_several_queries_go_in_one_request(panel):
+    """One query per line: Shift+Enter starts a line, Enter runs Segment; one ``segment`` request
+    with ``queries``, a segment for the one found and "not found" for the other, on its own line."""
+    load_ct(panel)
+    use_remote_worker(panel)
+    ui = panel.ui
+    type_text(ui.queryEdit, "the organ")
+    key(ui.queryEdit, Qt.Key_Return, Qt.ShiftModifier)
+    type_text(ui.queryEdit, "the appendix")
+    assert panel.workers.made == [] and ui.queryEdit.toPlainText() == "the organ\nthe appendix"
+    key(ui.queryEdit, Qt.Key_Return)
+    (worker,) = panel.workers.made
+    assert [op for op, _ in worker.requests] == ["load", "segment"]
+    assert worker.requests[1][1]["queries"] == ["the organ", "the appendix"] and "query" not in worker.requests[1][1]
+    wait_until(lambda: idle(panel))
+    p = panel.logic.getParameterNode()
+    segmentation = p.outputSegmentation.GetSegmentation()
+    assert segmentation.GetNumberOfSegments() == 1 and segmentation.GetSegment(p.segmentId).GetName() == "the organ"
+    assert "Not found in this CT: the appendix" in ui.statusLabel.text
+    assert [ui.segmentComboBox.itemText(i) for i in range(ui.segmentComboBox.count)] == ["the organ"]
+
+
 def test_escape_cancels_a_running_request(panel):
     load_ct(panel)
     use_remote_worker(panel)
