@@ -440,10 +440,10 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         (``anchor["absent"]``) nothing was added: ``(None, "", [], anchor)``. Raises
         :class:`WorkerError` on failure."""
         p = self.getParameterNode()
+        evidence.forget_shown(p)  # what was shown stays with its own segment
         p.inputVolume = volumeNode
         p.query = query
         p.outputSegmentation = segmentationNode
-        p.segmentId = ""
         job = self.startSegment(p, options or Options(preset=p.preset, device=p.device))
         self.session.wait(job, timeout)
         if job.error is not None:
