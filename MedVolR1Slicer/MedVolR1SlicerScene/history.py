@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+import zlib
+
 import slicer
 
 from . import evidence
@@ -34,7 +36,8 @@ class EditedSinceResult(ValueError):
 
 @dataclass
 class SegmentState:
-    """One segment as it was: ``bits`` (its mask, packed; None: there was no such segment)."""
+    """One segment as it was: ``bits`` (its mask, packed and deflated: a session's steps stay
+    small; None: there was no such segment)."""
 
     bits: object = None
     shape: Tuple[int, ...] = ()
@@ -52,6 +55,18 @@ def _mask(segNode, segmentId: str, volume):
     return slicer.util.arrayFromSegmentBinaryLabelmap(segNode, segmentId, volume) > 0
 
 
+def _pack(mask) -> bytes:
+    import numpy as np
+
+    return zlib.compress(np.packbits(mask).tobytes(), 1)
+
+
+def _unpack(bits: bytes):
+    import numpy as np
+
+    return np.frombuffer(zlib.decompress(bits), np.uint8)
+
+
 def capture(p, segNode, segmentId: str, volume, withEvidence: bool = True) -> SegmentState:
     """The segment ``segmentId`` of ``segNode`` now (its evidence as ``p`` shows it, when selected)."""
     import numpy as np
@@ -62,7 +77,7 @@ def capture(p, segNode, segmentId: str, volume, withEvidence: bool = True) -> Se
         return SegmentState(evidence=snap)
     mask = _mask(segNode, segmentId, volume)
     getTerminology = getattr(segment, "GetTerminology", None)
-    return SegmentState(np.packbits(mask), mask.shape, segment.GetName(), tuple(segment.GetColor()),
+    return SegmentState(_pack(mask), mask.shape, segment.GetName(), tuple(segment.GetColor()),
                         getTerminology() if getTerminology is not None else "", snap)
 
 
@@ -72,13 +87,13 @@ def _differs(segNode, segmentId: str, volume, expected: SegmentState) -> int:
 
     segment = segNode.GetSegmentation().GetSegment(segmentId)
     if segment is None:
-        return int(np.unpackbits(expected.bits).sum()) if expected.present else 0
+        return int(np.unpackbits(_unpack(expected.bits)).sum()) if expected.present else 0
     now = _mask(segNode, segmentId, volume)
     if not expected.present:
         return int(now.sum())
     if now.shape != tuple(expected.shape):
         return int(now.size)
-    return int(np.unpackbits(np.bitwise_xor(np.packbits(now), expected.bits)).sum())
+    return int(np.unpackbits(np.bitwise_xor(np.packbits(now), _unpack(expected.bits))).sum())
 
 
 def _put(p, segNode, segmentId: str, volume, state: SegmentState) -> None:
@@ -96,7 +111,7 @@ def _put(p, segNode, segmentId: str, volume, state: SegmentState) -> None:
             segment = segmentation.GetSegment(segmentId)
             if state.terminology and hasattr(segment, "SetTerminology"):
                 segment.SetTerminology(state.terminology)
-        mask = np.unpackbits(state.bits)[:int(np.prod(state.shape))].reshape(state.shape).astype(np.uint8)
+        mask = np.unpackbits(_unpack(state.bits))[:int(np.prod(state.shape))].reshape(state.shape).astype(np.uint8)
         slicer.util.updateSegmentBinaryLabelmapFromArray(mask, segNode, segmentId, volume)
     evidence.restore(p, segNode, segmentId, state.evidence if state.present else None)
 
