@@ -451,8 +451,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return self._blockingResult(p, job)
 
     def repropagateBlocking(self, options: Optional[Options] = None, timeout: Optional[float] = None):
-        """Re-propagate the (edited) boxes of the last result and wait; the same segment is
-        replaced. Returns what :meth:`segmentBlocking` returns; raises :class:`WorkerError`."""
+        """Re-propagate the (edited) boxes and corrections of the selected segment (the last result's,
+        unless :meth:`selectSegment` chose another) and wait; that segment is replaced. Returns what :meth:`segmentBlocking` returns; raises :class:`WorkerError`."""
         p = self.getParameterNode()
         job, _ = self.startRepropagate(p, options or Options(preset=p.preset, device=p.device))
         self.session.wait(job, timeout)

@@ -181,6 +181,7 @@ def test_undo_never_reaches_another_patients_segmentation_an_imported_scene_incl
     segment(manual, client, b, "the spleen", labels_ijk, [SPLEEN], tmp_path, tiny)
     p = manual.getParameterNode()
     seg_b, spleen_id = p.outputSegmentation, p.segmentId
+    unsent = manual.addBoxHere(p, objectNumber=1, sliceIndex=p.keySliceIJK + 1)  # not sent yet
     assert manual.canUndo
     import_scene(bundle, clear=False)  # patient A's scene added beside patient B's result
     p = manual.getParameterNode()
@@ -189,6 +190,7 @@ def test_undo_never_reaches_another_patients_segmentation_an_imported_scene_incl
     assert not manual.undoLastResult()
     assert seg_b.GetSegmentation().GetSegment(spleen_id) is not None  # B's result untouched
     assert manual.selectSegment(p, seg_b, spleen_id) and manual.canUndo  # back on B: B's own Undo
+    assert p.corrections == [unsent] and p.boxesEdited  # and its correction, kept through the import
     assert manual.undoLastResult() and seg_b.GetSegmentation().GetSegment(spleen_id) is None
 
 

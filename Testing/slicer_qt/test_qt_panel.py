@@ -131,6 +131,30 @@ def test_shift_enter_starts_the_next_query_and_several_queries_go_in_one_request
     assert [ui.segmentComboBox.itemText(i) for i in range(ui.segmentComboBox.count)] == ["the organ"]
 
 
+def test_the_segment_selector_shows_each_segments_own_evidence(panel):
+    """Two queries, two segments: choosing the first in the Segment selector (arrow key) shows its
+    boxes and hides the second's; Add box here then goes to the first."""
+    load_ct(panel)
+    use_remote_worker(panel)
+    ui, p = panel.ui, panel.logic.getParameterNode()
+    segment(panel, "the organ")
+    first_id, first_boxes = p.segmentId, list(p.boxes)
+    segment(panel, "the other organ")
+    second_id, second_boxes = p.segmentId, list(p.boxes)
+    assert second_id != first_id and ui.segmentComboBox.currentText == "the other organ"
+    assert not first_boxes[0].GetDisplayNode().GetVisibility()
+    ui.segmentComboBox.setFocus()
+    key(ui.segmentComboBox, Qt.Key_Up)
+    assert p.segmentId == first_id and p.boxes == first_boxes and ui.segmentComboBox.currentText == "the organ"
+    assert first_boxes[0].GetDisplayNode().GetVisibility() and not second_boxes[0].GetDisplayNode().GetVisibility()
+    k = p.keySliceIJK
+    panel.logic.redSliceNode().JumpSliceByCentering(*panel.logic.geometry(p.resultVolume).slice_center_ras(k + 1))
+    click(ui.addBoxButton)
+    assert len(p.corrections) == 1 and ui.repropagateButton.enabled
+    key(ui.segmentComboBox, Qt.Key_Down)
+    assert p.segmentId == second_id and p.corrections == [] and not ui.repropagateButton.enabled
+
+
 def test_escape_cancels_a_running_request(panel):
     load_ct(panel)
     use_remote_worker(panel)
