@@ -1,7 +1,7 @@
 """The module's parameter node: what the panel shows and what a result leaves in the scene
-(saved with it). The evidence fields (``outputSegmentation``/``segmentId`` and ``resultVolume``
-to ``agreementSegmentId``) are those of the selected segment; each segment keeps its own in an
-evidence node (``evidence.py``). Slicer's ``parameterNodeWrapper`` keeps each field on the module's singleton
+(saved with it). The evidence fields (those :mod:`.evidence` lists: the key slice, boxes,
+corrections, range, reasoning, confidence, ...) are those of the selected segment
+(``outputSegmentation``/``segmentId``); each segment keeps its own in an evidence node. Slicer's ``parameterNodeWrapper`` keeps each field on the module's singleton
 ``vtkMRMLScriptedModuleNode``: plain values as parameters, nodes as node references. A spin box
 bound to a field takes its range from the field's ``WithinRange`` (Slicer's GUI connector), so
 every bounded number says its bounds here.
