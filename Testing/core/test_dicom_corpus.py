@@ -1,0 +1,123 @@
+"""The DICOM conformance corpus (``Testing/data/dicom/``): each case is read or refused in one
+line as ``cases.py`` says; each case read gets a mask written as ``.dcm``, ``.seg.nrrd`` and
+``.nii.gz``, and its DICOM-SEG is checked independently of the writer: dciodvfy (dicom3tools)
+reports no error, dcmtk's dcmdump parses it, highdicom and pydicom read it back, every frame lies
+on the position of the source instance it references, and its frames equal the NIfTI mask
+resampled onto the source series by SimpleITK."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from medvolcore.errors import VolumeError
+
+pydicom = pytest.importorskip("pydicom")
+hd = pytest.importorskip("highdicom")
+sitk = pytest.importorskip("SimpleITK")
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "dicom"
+sys.path.insert(0, str(DATA))
+from cases import CASES, build  # noqa: E402
+
+READ = sorted(n for n, c in CASES.items() if c[3] in ("read", "no-seg"))
+REFUSED = sorted(n for n, c in CASES.items() if c[3] not in ("read", "no-seg"))
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (Debian: apt-get install {'dicom3tools' if name == 'dciodvfy' else 'dcmtk'};"
+                    " `python3 MedVolCore/bootstrap.py` installs it where it can)")
+    return path
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_refused_case_is_one_line(tmp_path, name):
+    from medvolcore.volume import load_volume
+
+    with pytest.raises(VolumeError) as e:
+        load_volume(build(name, tmp_path / name))
+    assert str(e.value).startswith(CASES[name][3]) or CASES[name][3] in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def _box(ct, values=(1,)):
+    labels = np.zeros(ct.shape, np.uint8)
+    i, j, k = ct.shape
+    for n, v in enumerate(values):
+        labels[i // 4 + n * i // 4: i // 2 + n * i // 4, j // 4: 3 * j // 4, 1: k - 1] = v
+    return labels
+
+
+@pytest.mark.parametrize("name", READ)
+def test_a_case_read_writes_a_seg_that_others_accept(tmp_path, name):
+    from medvolcore.dicomseg import save_dicom_seg
+    from medvolcore.errors import InputError
+    from medvolcore.volume import load_volume, save_mask
+
+    series = build(name, tmp_path / name)
+    ct = load_volume(series)
+    labels = _box(ct)
+    segments = [{"name": "the liver", "value": 1}]
+    save_mask(labels, ct, tmp_path / "m.nii.gz")
+    save_mask(labels, ct, tmp_path / "m.seg.nrrd", segments=segments)
+    out = tmp_path / "m.dcm"
+    if CASES[name][3] == "no-seg":
+        with pytest.raises(InputError, match="cannot reference it"):
+            save_dicom_seg(labels, ct.affine, ct, out, segments, algorithm="MedVol test", version="0")
+        assert not out.exists()
+        return
+    save_dicom_seg(labels, ct.affine, ct, out, segments, algorithm="MedVol test", version="0")
+
+    seg = hd.seg.segread(str(out))
+    sources = {str(ds.SOPInstanceUID or ds.file_meta.MediaStorageSOPInstanceUID): ds
+               for ds in (pydicom.dcmread(str(f)) for f in sorted(series.iterdir()))}
+    # every frame on the position of the source instance it references
+    for frame in seg.PerFrameFunctionalGroupsSequence:
+        uid = frame.DerivationImageSequence[0].SourceImageSequence[0].ReferencedSOPInstanceUID
+        pos = frame.PlanePositionSequence[0].ImagePositionPatient
+        assert np.allclose([float(v) for v in pos], [float(v) for v in sources[uid].ImagePositionPatient], atol=1e-3)
+    # the SEG and the NIfTI mask agree by geometry (SimpleITK's resampling onto the GDCM-read series)
+    reader = sitk.ImageSeriesReader()
+    files = reader.GetGDCMSeriesFileNames(str(series))
+    reader.SetFileNames(files)
+    ref = reader.Execute()
+    mask = sitk.Resample(sitk.ReadImage(str(tmp_path / "m.nii.gz")), ref, sitk.Transform(), sitk.sitkNearestNeighbor)
+    expected = sitk.GetArrayFromImage(mask)
+    uids = [str(pydicom.dcmread(f).SOPInstanceUID or pydicom.dcmread(f).file_meta.MediaStorageSOPInstanceUID)
+            for f in files]
+    got = seg.get_pixels_by_source_instance(source_sop_instance_uids=uids, segment_numbers=[1])[..., 0]
+    assert expected.sum() > 0 and np.array_equal(got > 0, expected > 0)
+    seg_nrrd = sitk.GetArrayFromImage(sitk.ReadImage(str(tmp_path / "m.seg.nrrd")))
+    assert int((seg_nrrd > 0).sum()) == int(expected.sum())
+
+    assert subprocess.run([_tool("dcmdump"), str(out)], capture_output=True).returncode == 0
+    report = subprocess.run([_tool("dciodvfy"), str(out)], capture_output=True, text=True, errors="replace")
+    errors = [ln for ln in (report.stdout + report.stderr).splitlines() if ln.startswith("Error")]
+    assert errors == []
+
+
+def test_several_targets_make_a_smaller_labelmap_seg(tmp_path):
+    """Several targets: one LABELMAP frame set (RLE), read back by highdicom, smaller than BINARY."""
+    from medvolcore.dicomseg import save_dicom_seg
+    from medvolcore.volume import load_volume
+
+    ct = load_volume(build("ct-explicit-le", tmp_path / "s"))
+    labels = _box(ct, values=(1, 2, 3))
+    segments = [{"name": q, "value": v} for v, q in enumerate(["liver", "spleen", "left kidney"], start=1)]
+    out = save_dicom_seg(labels, ct.affine, ct, tmp_path / "organs.dcm", segments, algorithm="MedVol test",
+                         version="0")
+    seg = hd.seg.segread(str(out))
+    assert seg.SegmentationType == "LABELMAP" and seg.file_meta.TransferSyntaxUID == "1.2.840.10008.1.2.5"
+    uids = [i.sop_instance_uid for i in ct.dicom.instances]
+    got = seg.get_pixels_by_source_instance(source_sop_instance_uids=uids, segment_numbers=[1, 2, 3])
+    assert [int(got[..., n].sum()) for n in range(3)] == [int((labels == v).sum()) for v in (1, 2, 3)]
+    binary = 3 * labels.size // 8  # what three BINARY frame sets hold, before any header
+    assert out.stat().st_size < binary
+    assert subprocess.run([_tool("dcmdump"), str(out)], capture_output=True).returncode == 0
