@@ -131,7 +131,8 @@ def _text(value, limit: int) -> str:
 
 
 def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source, out, segments: List[dict], *,
-                   algorithm: str, version: str, overwrite: bool = False, notes: Optional[list] = None) -> Path:
+                   algorithm: str, version: str, overwrite: bool = False, notes: Optional[list] = None,
+                   labelmap: bool = True) -> Path:
     """Write ``labels`` (label value per voxel; x, y, z on ``affine``'s grid) as a DICOM
     Segmentation of the series ``source`` was read from (a volume read from a DICOM folder, or its
     :class:`~medvolcore.dicomrecord.DicomRecord`): the instances it references and the patient and
@@ -139,7 +140,8 @@ def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source, out, segments
     since is refused. ``segments``: dicts with ``name`` (the query), ``value`` and optionally
     ``term`` (:class:`medvolcore.terminology.Term`). ``notes`` (a list) gets a line per segment
     coded generically. Several segments are written as one label-map frame set (highdicom's
-    LABELMAP, RLE compressed) where highdicom has it, one segment as a BINARY frame set. Written
+    LABELMAP, RLE compressed) where highdicom has it and ``labelmap`` is true (False: one BINARY
+frame set per segment, for readers that predate label-map SEGs), one segment as a BINARY frame set. Written
     atomically, text in UTF-8 (SpecificCharacterSet ISO_IR 192)."""
     try:
         import highdicom as hd
@@ -184,12 +186,12 @@ def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source, out, segments
             notes.append(f"DICOM-SEG segment {i} ('{label}') has the generic code 'Anatomical structure': {term.note}")
         descriptions.append(desc)
         values.append(int(seg["value"]))
-    labelmap = getattr(hd.seg.SegmentationTypeValues, "LABELMAP", None) if len(values) > 1 else None
-    if labelmap is not None:  # one frame per source slice holding every segment's number
+    as_labelmap = getattr(hd.seg.SegmentationTypeValues, "LABELMAP", None) if labelmap and len(values) > 1 else None
+    if as_labelmap is not None:  # one frame per source slice holding every segment's number
         pixel = np.zeros(frames.shape, np.uint8)
         for number, v in enumerate(values, start=1):
             pixel[frames == v] = number
-        seg_type, syntax = labelmap, RLELossless
+        seg_type, syntax = as_labelmap, RLELossless
     else:  # one binary frame set per segment, in segment order: (frames, rows, cols, segments)
         pixel = np.stack([(frames == v) for v in values], axis=-1).astype(np.uint8)
         seg_type, syntax = hd.seg.SegmentationTypeValues.BINARY, ExplicitVRLittleEndian

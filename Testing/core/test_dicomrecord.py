@@ -233,3 +233,11 @@ def test_an_output_onto_a_header_data_file_is_refused(tmp_path):
     with pytest.raises(InputError, match="--anchor-out .*ct.raw is ct.raw, a file of the input --volume"):
         check_distinct([("--out", tmp_path / "m.nii.gz"), ("--anchor-out", tmp_path / "ct.raw")],
                        [("--volume", tmp_path / "ct.nhdr")])
+
+
+def test_a_control_character_in_a_target_name_is_refused():
+    from medvolcore.errors import FieldError
+    from medvolcore.request import SegmentRequest
+
+    with pytest.raises(FieldError, match="without control characters"):
+        SegmentRequest(query="the left kidney", target_name="kidney\x00_left").check()
