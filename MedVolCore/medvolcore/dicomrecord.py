@@ -7,9 +7,10 @@ the header with pydicom and checks it:
 - the pixel data of an uncompressed file holds at least the bytes its Rows, Columns, samples,
   bits and frames declare (a 12 kB file declaring 8192×8192 pixels is refused, not zero-filled);
 - every slice has the same Rows, Columns, PixelSpacing and ImageOrientationPatient;
-- the positions along the slice normal step evenly, without a gap or a duplicate, and do not drift
-  in-plane (a gantry-tilted or sheared stack is refused: read as a box it would have the wrong
-  spacing and every voxel in the wrong place);
+- the positions along the slice normal step evenly, without a gap or a duplicate; positions that
+  drift in-plane (a gantry-tilted or sheared stack) are measured (``DicomRecord.tilt``) and the
+  series is resampled onto the orthogonal grid of its first slice (:func:`orthogonal_grid`, with a
+  note), never read as a box with the distance between positions as its spacing;
 - an empty SOP Instance or SOP Class UID (anonymisers blank them) is taken from the file meta
   information, which keeps them.
 
@@ -61,9 +62,10 @@ class DicomRecord:
     instances: List[Instance]
     headers: list = field(repr=False)  # pydicom Datasets, one per instance
     notes: List[str] = field(default_factory=list)
+    tilt: Optional[dict] = None  # positions drifting in-plane: see check_stack; the volume is resampled
 
     def to_json(self) -> dict:
-        return {"folder": self.folder, "notes": self.notes,
+        return {"folder": self.folder, "notes": self.notes, "tilt": self.tilt,
                 "instances": [[i.file, i.sop_instance_uid, i.sop_class_uid, list(i.position), i.sha256,
                                list(i.identity)] for i in self.instances],
                 "headers": [ds.to_json_dict(bulk_data_threshold=MAX_KEPT_VALUE,
@@ -75,10 +77,14 @@ class DicomRecord:
 
         inst = [Instance(f, uid, cls_uid, tuple(pos), digest, tuple(ident))
                 for f, uid, cls_uid, pos, digest, ident in obj["instances"]]
-        return cls(obj["folder"], inst, [Dataset.from_json(h) for h in obj["headers"]], list(obj.get("notes") or []))
+        return cls(obj["folder"], inst, [Dataset.from_json(h) for h in obj["headers"]], list(obj.get("notes") or []),
+                   obj.get("tilt"))
 
     def seg_refusal(self) -> Optional[str]:
         """Why a DICOM Segmentation cannot reference this series (None when it can)."""
+        if self.tilt is not None:
+            return (f"the source series is gantry-tilted ({self.tilt['degrees']:.1f}°) and was resampled onto an "
+                    "orthogonal grid, so a DICOM Segmentation's frames cannot lie on its slices")
         ref = self.headers[0]
         missing = [k for k in ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID")
                    if not str(ref.get(k, "") or "").strip()]
@@ -199,10 +205,13 @@ def scan_instances(path, files: Sequence[str]) -> tuple:
         instances.append(Instance(str(Path(f).resolve()), uid, cls_uid,
                                   tuple(ipp.tolist()) if ipp is not None else (), digest, ident))
         del ds
-    check_stack(metas)
+    tilt = check_stack(metas)
     rescales = {m[5] for m in metas}
     float_rescale = len(rescales) > 1 or any(not (s.is_integer() and i.is_integer()) for s, i in rescales)
-    return DicomRecord(str(Path(path).resolve()), instances, headers), float_rescale
+    record = DicomRecord(str(Path(path).resolve()), instances, headers, tilt=tilt)
+    if tilt is not None:
+        record.notes.append(tilt_note(tilt))
+    return record, float_rescale or tilt is not None
 
 
 def _first_difference(metas, index: int, same) -> Optional[tuple]:
@@ -213,9 +222,11 @@ def _first_difference(metas, index: int, same) -> Optional[tuple]:
     return None
 
 
-def check_stack(metas) -> None:
+def check_stack(metas) -> Optional[dict]:
     """``metas``: per slice ``(name, iop, ipp, pixel_spacing, (rows, cols), rescale)``. Refuse a
-    series that is not one evenly spaced box of equal slices (see the module docstring)."""
+    series that is not one evenly spaced stack of equal slices (see the module docstring); return
+    its tilt (``degrees``, ``per_slice_mm``, ``spacing_mm``, ``max_mm``, ``offsets_mm`` per slice)
+    when its positions drift in-plane, else None."""
     diff = _first_difference(metas, 4, lambda a, b: a == b)
     if diff:
         raise VolumeError(f"the DICOM series mixes slice sizes ({diff[0]}: {diff[1][1]}×{diff[1][0]}, {diff[2]}: "
@@ -255,19 +266,57 @@ def check_stack(metas) -> None:
             f"({steps[i]:.2f} mm, where the other slices are {spacing:.2f} mm apart; {what} between {names[i]} and "
             f"{names[i + 1]})" + (f" and {bad.size - 1} more place(s)" if bad.size > 1 else "")
             + "; reading it would give wrong geometry. Export the complete series again")
-    rel = pos[order] - pos[order[0]]
+    rel = pos - pos[order[0]]
     inplane = rel - np.outer(rel @ normal, normal)
     drift = np.linalg.norm(inplane, axis=1)
     px = metas[0][3]
     tolerance = max(DRIFT_MM, DRIFT_PIXELS * float(np.min(px))) if px is not None else DRIFT_MM
-    if drift.max() > tolerance:
-        per_slice = float(drift[-1] / (zs[-1] - zs[0]) * spacing)
-        tilt = float(np.degrees(np.arctan2(drift[-1], zs[-1] - zs[0])))
-        raise VolumeError(
-            f"the DICOM series' slice positions drift in-plane ({per_slice:.2f} mm per {spacing:.2f} mm slice, "
-            f"{drift.max():.1f} mm in all: a gantry tilt of {tilt:.1f}° or a sheared stack); read as a box every voxel "
-            "would be in the wrong place. Resample it onto an orthogonal grid first (dcm2niix corrects gantry tilt) "
-            "and give the NIfTI")
+    if drift.max() <= tolerance:
+        return None
+    if px is None:
+        raise VolumeError("the DICOM series' slice positions drift in-plane (a gantry tilt or a sheared stack) and "
+                          "its slices have no PixelSpacing, so it cannot be resampled; convert it with dcm2niix")
+    span = float(zs[-1] - zs[0])
+    far = int(order[-1])
+    tilt = float(np.degrees(np.arctan2(drift[far], span)))
+    return {"degrees": round(tilt, 2), "per_slice_mm": round(float(drift[far] / span * spacing), 3),
+            "spacing_mm": round(spacing, 4), "max_mm": round(float(drift.max()), 3),
+            # per slice, in the order given: its in-plane offset along the rows' and the columns' direction (mm)
+            "offsets_mm": [[float(v @ iop[:3]), float(v @ iop[3:])] for v in inplane]}
 
 
-__all__ = ["DicomRecord", "Instance", "check_stack", "read_instance", "scan_instances"]
+def tilt_note(tilt: dict) -> str:
+    return (f"the DICOM series' slice positions drift in-plane ({tilt['per_slice_mm']:.2f} mm per "
+            f"{tilt['spacing_mm']:.2f} mm slice, {tilt['max_mm']:.1f} mm in all: a gantry tilt of "
+            f"{tilt['degrees']:.1f}° or a sheared stack); its slices were resampled onto an orthogonal grid "
+            "(linear interpolation, as dcm2niix and ITK do), so no DICOM-SEG can be written on it")
+
+
+def orthogonal_grid(array: np.ndarray, record: "DicomRecord", spacing, origin, direction) -> tuple:
+    """A tilted series (``record.tilt``) resampled onto the orthogonal grid of its first slice:
+    ``(array, spacing, origin, direction)`` in SimpleITK's ``(k, j, i)`` order and LPS geometry.
+
+    Slice k of ``array`` lies at its own position; on the new grid its pixels are shifted back by
+    its in-plane offset (bilinear; pixels shifted in from outside take the series' lowest value),
+    and the slice axis is the slice normal with the spacing of the positions along it."""
+    from scipy import ndimage
+
+    iop = np.asarray(record.headers[0].ImageOrientationPatient, dtype=np.float64)
+    px = [float(v) for v in record.headers[0].PixelSpacing]  # (between rows, between columns)
+    pos = np.array([inst.position for inst in record.instances], dtype=np.float64)
+    normal = np.cross(iop[:3], iop[3:])
+    z = pos @ normal
+    step = (z[-1] - z[0]) / max(len(z) - 1, 1)
+    offsets = np.asarray(record.tilt["offsets_mm"], dtype=np.float64)
+    offsets -= offsets[0]
+    fill = float(array.min())
+    out = np.empty(array.shape, np.float32)
+    for k in range(array.shape[0]):
+        di, dj = offsets[k][0] / px[1], offsets[k][1] / px[0]  # columns (i) and rows (j) to move by
+        ndimage.shift(array[k].astype(np.float32), (dj, di), output=out[k], order=1, mode="constant", cval=fill)
+    new_dir = np.column_stack([iop[:3], iop[3:], normal * np.sign(step)]).reshape(-1)
+    return out, (px[1], px[0], float(abs(step))), tuple(float(v) for v in pos[0]), tuple(float(v) for v in new_dir)
+
+
+__all__ = ["DicomRecord", "Instance", "check_stack", "orthogonal_grid", "read_instance", "scan_instances",
+           "tilt_note"]

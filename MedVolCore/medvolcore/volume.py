@@ -232,9 +232,14 @@ def _read_itk(path: Path, max_voxels=None, cancel=None):
 
         _dicom_files(path)
         series = read_series(path, lambda size, components: _check_voxels(path, size, max_voxels, components), cancel)
-        data = series.array.transpose(2, 1, 0)  # (k, j, i) -> (i, j, k)
+        array, spacing, origin, direction = series.array, series.spacing, series.origin, series.direction
+        if series.record is not None and series.record.tilt is not None:  # gantry tilt: onto an orthogonal grid
+            from .dicomrecord import orthogonal_grid
+
+            array, spacing, origin, direction = orthogonal_grid(array, series.record, spacing, origin, direction)
+        data = array.transpose(2, 1, 0)  # (k, j, i) -> (i, j, k)
         # for a DICOM folder the "header" is the record of the instances read (dicomrecord.DicomRecord)
-        return data, _lps_to_ras(series.spacing, series.origin, series.direction), series.record
+        return data, _lps_to_ras(spacing, origin, direction), series.record
     try:
         reader = sitk.ImageFileReader()
         # the reader of the suffix, whatever its case (ITK matches ".mha" only in lower case) and

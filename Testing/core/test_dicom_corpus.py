@@ -69,7 +69,7 @@ def test_a_case_read_writes_a_seg_that_others_accept(tmp_path, name):
     save_mask(labels, ct, tmp_path / "m.seg.nrrd", segments=segments)
     out = tmp_path / "m.dcm"
     if CASES[name][3] == "no-seg":
-        with pytest.raises(InputError, match="cannot reference it"):
+        with pytest.raises(InputError, match="cannot reference it|cannot lie on its slices"):
             save_dicom_seg(labels, ct.affine, ct, out, segments, algorithm="MedVol test", version="0")
         assert not out.exists()
         return
@@ -121,3 +121,55 @@ def test_several_targets_make_a_smaller_labelmap_seg(tmp_path):
     binary = 3 * labels.size // 8  # what three BINARY frame sets hold, before any header
     assert out.stat().st_size < binary
     assert subprocess.run([_tool("dcmdump"), str(out)], capture_output=True).returncode == 0
+
+
+# ---- end to end: medvol segment with the tiny preset ------------------------------------------------
+
+def _segment(capsys, series, *outs):
+    from medvolcore.cli import main
+
+    argv = ["segment", "--volume", str(series), "--query", "the liver", "--preset", "tiny", "--device", "cpu",
+            "--json", "--no-progress", "--empty-mask-on-absent"]
+    for o in outs:
+        argv += ["--out", str(o)]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_blank_uids_end_to_end_write_every_output(capsys, tmp_path):
+    """The anonymised series whose data sets blank their SOP UIDs (the file meta keeps them): the
+    .dcm is written with the other outputs, not lost to an internal error after the model ran."""
+    import json
+
+    series = build("ct-blank-sop-uids", tmp_path / "s")
+    outs = [tmp_path / "m.dcm", tmp_path / "m.seg.nrrd", tmp_path / "m.nii.gz"]
+    code, out, err = _segment(capsys, series, *outs)
+    assert code == 0, err
+    assert all(o.exists() for o in outs) and json.loads(out)["outs"] == [str(o) for o in outs]
+    seg = pydicom.dcmread(str(outs[0]))
+    assert {r.ReferencedSOPInstanceUID for r in seg.ReferencedSeriesSequence[0].ReferencedInstanceSequence} == \
+        {pydicom.dcmread(str(f)).file_meta.MediaStorageSOPInstanceUID for f in series.iterdir()}
+    report = subprocess.run([_tool("dciodvfy"), str(outs[0])], capture_output=True, text=True, errors="replace")
+    assert [ln for ln in (report.stdout + report.stderr).splitlines() if ln.startswith("Error")] == []
+
+
+def test_no_study_uid_end_to_end_drops_only_the_dcm(capsys, tmp_path, monkeypatch):
+    import json
+
+    series = build("ct-no-study-uid", tmp_path / "s")
+    code, out, err = _segment(capsys, series, tmp_path / "m.dcm", tmp_path / "m.nii.gz")
+    assert code == 0, err
+    res = json.loads(out)
+    assert not (tmp_path / "m.dcm").exists() and (tmp_path / "m.nii.gz").exists()
+    assert any("m.dcm was not written: the source series has no StudyInstanceUID" in n for n in res["notes"])
+
+    import medvolcore.pipeline as pipeline
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(pipeline.Pipeline, "__init__", no_model)
+    code, out, err = _segment(capsys, series, tmp_path / "only.dcm")
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "has no StudyInstanceUID" in err
+    assert not (tmp_path / "only.dcm").exists()

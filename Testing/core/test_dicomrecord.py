@@ -102,14 +102,31 @@ def test_a_folder_replaced_under_the_run_is_refused(tmp_path):
 
 # ---- geometry from the slices' headers -----------------------------------------------------------
 
-def test_a_gantry_tilted_series_is_refused(tmp_path):
+def test_a_gantry_tilted_series_is_resampled_onto_an_orthogonal_grid(tmp_path):
+    """8 slices whose positions drift 1.5 mm in-plane per 2.5 mm (31°): the spacing is 2.5 mm, not
+    the 2.9155 mm between positions, and a bright pixel of each source slice lands at its own
+    world position (not 10.5 mm off at slice 7)."""
     from medvolcore.volume import load_volume
 
     def tilt(ds, k):
         ds.ImagePositionPatient = [0.0, 1.5 * k, 2.5 * k]
+        arr = np.full((ds.Rows, ds.Columns), 0, np.int16)
+        arr[40, 50] = 2000  # row 40, column 50
+        ds.PixelData = arr.tobytes()
 
-    with pytest.raises(VolumeError, match=r"drift in-plane \(1.50 mm per 2.50 mm slice.*tilt of 31.0°"):
-        load_volume(make_series(tmp_path / "s", n=8, edit=tilt))
+    series = make_series(tmp_path / "s", n=8, edit=tilt)
+    ct = load_volume(series)
+    assert ct.dicom.tilt["degrees"] == pytest.approx(30.96, abs=0.01)
+    assert any("gantry tilt of 31.0°" in n and "resampled onto an orthogonal grid" in n for n in ct.notes)
+    assert np.allclose(ct.spacing, (0.661468, 0.661468, 2.5), atol=1e-4)
+    px = 0.661468
+    for k in range(8):
+        # where the source pixel is (LPS → RAS), against the brightest voxel of slice k on the new grid
+        lps = np.array([0.0, 1.5 * k, 2.5 * k]) + 50 * px * np.array([1, 0, 0]) + 40 * px * np.array([0, 1, 0])
+        i, j = np.unravel_index(np.argmax(ct.array[:, :, k]), ct.array.shape[:2])
+        world = ct.affine @ [i, j, k, 1]
+        assert np.allclose(world[:3], lps * [-1, -1, 1], atol=px), (k, world[:3], lps)
+    assert "gantry-tilted" in ct.dicom.seg_refusal()
 
 
 def test_a_slice_with_another_pixel_spacing_is_refused(tmp_path):

@@ -3,7 +3,8 @@ gives their origin and licence), one small folder per case, each with what MedVo
 
 ``CASES``: name → (source file, slices, edit, expected) where ``edit(ds, k)`` changes slice k
 and ``expected`` is ``"read"`` (read, segmented, written as .dcm, .seg.nrrd and .nii.gz),
-``"no-seg"`` (read; its DICOM-SEG is refused because the series cannot be referenced) or the
+``"no-seg"`` (read; its DICOM-SEG is refused: the series cannot be referenced, or a gantry tilt
+was resampled so no frame can lie on its slices) or the
 start of the one-line refusal. :func:`build` writes a case's folder (a few tens of kB).
 """
 
@@ -111,7 +112,7 @@ CASES = {
     "mr-jpeg2000-lossless": ("MR_small_jp2klossless.dcm", 4, _pos, "read"),
     "mr-jpeg-ls-lossless": ("MR_small_jpeg_ls_lossless.dcm", 4, _pos, "read"),
     "mr-big-endian": ("MR_small_bigendian.dcm", 4, _pos, "read"),
-    "ct-gantry-tilt": ("CT_small.dcm", 6, _tilt, "the DICOM series' slice positions drift in-plane"),
+    "ct-gantry-tilt": ("CT_small.dcm", 6, _tilt, "no-seg"),  # resampled onto an orthogonal grid
     "ct-uneven-spacing": ("CT_small.dcm", 5, _uneven, "the DICOM series is not evenly spaced"),
     "ct-duplicate-position": ("CT_small.dcm", 4, _duplicate, "two DICOM slices are at the same position"),
     "ct-localizer-mixed-in": ("CT_small.dcm", 5, _localizer, "the DICOM series mixes slice orientations"),
