@@ -10,10 +10,16 @@ headers are scanned, then plus what the declared series needs
 child (GDCM skips that file, or the read fails); the caller's process never grows. Elsewhere
 (no ``RLIMIT_AS``) the series is read in the calling process.
 
+Before any voxel is decoded every file's header is read once and checked
+(:func:`medvolcore.dicomrecord.scan_instances`: sizes, spacing, orientation, positions, the
+declared size against the pixel data); a single enhanced multi-frame file is read as one volume
+whose frames are placed by their own positions.
+
 The child and its parent talk in JSON lines on the child's stdout: ``{"size": [I, J, K],
 "components": C}`` once the headers are read, answered by ``go`` on its stdin (the parent checks
 the voxel limit first and kills the child instead); then ``{"spacing", "origin", "direction",
-"dtype", "shape"}`` with the voxels in the ``.npy`` file named on its command line, or
+"dtype", "shape"}`` with the voxels in the ``.npy`` file named on its command line and the record of
+the instances read (:class:`~medvolcore.dicomrecord.DicomRecord`) in the ``.json`` beside it, or
 ``{"error": class name, "message": text}``. The parent kills the child when ``cancel`` is set.
 """
 
@@ -32,7 +38,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .dicomrecord import DicomRecord, _identity, scan_instances
+from .dicomrecord import DicomRecord, _identity, frame_geometry, scan_instances
 from .errors import CancelledError, LimitError, VolumeError
 
 log = logging.getLogger(__name__)
@@ -123,18 +129,31 @@ def _read_here(sitk, path: Path, go: Callable):
         info.ReadImageInformation()
         size = info.GetSize()
         components = info.GetNumberOfComponents()
-        go((size[0], size[1], len(files)), components)
+        frames = int(size[2]) if len(size) > 2 and len(files) == 1 else 1  # an enhanced multi-frame instance
+        go((size[0], size[1], len(files) * frames), components)
         if components != 1:
             raise VolumeError(f"{path}: not a 3-D scalar CT: its slices have {components} components per pixel "
                               "(a colour or vector image)")
         record, float_rescale = scan_instances(path, files)  # every slice checked, its digest kept
         go(None, None)
-        reader.SetFileNames(files)
+        if record.frames is not None:  # one multi-frame file: its frames as stored, placed by their own positions
+            reader = sitk.ImageFileReader()
+            reader.SetFileName(files[0])
+        else:
+            reader.SetFileNames(files)
         if float_rescale:  # a non-integer or per-slice rescale: applied exactly, never truncated
             reader.SetOutputPixelType(sitk.sitkFloat32)
             record.notes.append("the series' rescale slope/intercept are not integers or differ between slices; "
                                 "its voxels were read as floating point HU")
         image = reader.Execute()
+        if record.frames is not None:
+            if image.GetDimension() != 3 or image.GetSize()[2] != len(record.frames):
+                raise VolumeError(f"{path}: GDCM read {image.GetSize()} voxels from a multi-frame instance of "
+                                  f"{len(record.frames)} frames")
+            spacing, origin, direction = frame_geometry(record)
+            image.SetSpacing(spacing)
+            image.SetOrigin(origin)
+            image.SetDirection(direction)
         for inst in record.instances:
             if _identity(os.stat(inst.file)) != tuple(inst.identity):
                 raise VolumeError(f"{Path(inst.file).name} changed while the series was being read; run again on a "

@@ -63,9 +63,10 @@ class DicomRecord:
     headers: list = field(repr=False)  # pydicom Datasets, one per instance
     notes: List[str] = field(default_factory=list)
     tilt: Optional[dict] = None  # positions drifting in-plane: see check_stack; the volume is resampled
+    frames: Optional[list] = None  # an enhanced (multi-frame) instance: each frame's position, as stored
 
     def to_json(self) -> dict:
-        return {"folder": self.folder, "notes": self.notes, "tilt": self.tilt,
+        return {"folder": self.folder, "notes": self.notes, "tilt": self.tilt, "frames": self.frames,
                 "instances": [[i.file, i.sop_instance_uid, i.sop_class_uid, list(i.position), i.sha256,
                                list(i.identity)] for i in self.instances],
                 "headers": [ds.to_json_dict(bulk_data_threshold=MAX_KEPT_VALUE,
@@ -78,13 +79,16 @@ class DicomRecord:
         inst = [Instance(f, uid, cls_uid, tuple(pos), digest, tuple(ident))
                 for f, uid, cls_uid, pos, digest, ident in obj["instances"]]
         return cls(obj["folder"], inst, [Dataset.from_json(h) for h in obj["headers"]], list(obj.get("notes") or []),
-                   obj.get("tilt"))
+                   obj.get("tilt"), obj.get("frames"))
 
     def seg_refusal(self) -> Optional[str]:
         """Why a DICOM Segmentation cannot reference this series (None when it can)."""
         if self.tilt is not None:
             return (f"the source series is gantry-tilted ({self.tilt['degrees']:.1f}°) and was resampled onto an "
                     "orthogonal grid, so a DICOM Segmentation's frames cannot lie on its slices")
+        if self.frames is not None:
+            return ("the source is one enhanced multi-frame instance; MedVol writes DICOM Segmentations of series of "
+                    "single-frame slices only")
         ref = self.headers[0]
         missing = [k for k in ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID")
                    if not str(ref.get(k, "") or "").strip()]
@@ -92,6 +96,10 @@ class DicomRecord:
             missing.append("SOPInstanceUID")
         if not all(i.sop_class_uid for i in self.instances):
             missing.append("SOPClassUID")
+        if not all(i.position for i in self.instances) or any(
+                _floats(h, "ImageOrientationPatient", 6) is None or _floats(h, "PixelSpacing", 2) is None
+                for h in self.headers):
+            missing.append("ImagePositionPatient, ImageOrientationPatient or PixelSpacing on every slice")
         if missing:
             return (f"the source series has no {', '.join(missing)} (blanked by anonymisation?), so a DICOM "
                     "Segmentation cannot reference it")
@@ -197,10 +205,19 @@ def scan_instances(path, files: Sequence[str]) -> tuple:
         _check_pixel_length(ds, name)
         uid = _uid(ds, "SOPInstanceUID", "MediaStorageSOPInstanceUID")
         cls_uid = _uid(ds, "SOPClassUID", "MediaStorageSOPClassUID")
-        iop, ipp = _floats(ds, "ImageOrientationPatient", 6), _floats(ds, "ImagePositionPatient", 3)
-        px = _floats(ds, "PixelSpacing", 2)
-        rescale = (float(ds.get("RescaleSlope", 1) or 1), float(ds.get("RescaleIntercept", 0) or 0))
-        metas.append((name, iop, ipp, px, (int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)), rescale))
+        size = (int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0))
+        if int(ds.get("NumberOfFrames", 1) or 1) > 1:  # an enhanced (multi-frame) instance: one meta per frame
+            if len(files) > 1:
+                raise VolumeError(f"{name} is a multi-frame DICOM instance among {len(files)} files; give the folder "
+                                  "of that instance alone")
+            frames = _frame_metas(ds, name, size)
+            metas += frames
+            ipp = frames[0][2]
+        else:
+            iop, ipp = _floats(ds, "ImageOrientationPatient", 6), _floats(ds, "ImagePositionPatient", 3)
+            px = _floats(ds, "PixelSpacing", 2)
+            rescale = (float(ds.get("RescaleSlope", 1) or 1), float(ds.get("RescaleIntercept", 0) or 0))
+            metas.append((name, iop, ipp, px, size, rescale))
         headers.append(_slim(ds))
         instances.append(Instance(str(Path(f).resolve()), uid, cls_uid,
                                   tuple(ipp.tolist()) if ipp is not None else (), digest, ident))
@@ -208,10 +225,63 @@ def scan_instances(path, files: Sequence[str]) -> tuple:
     tilt = check_stack(metas)
     rescales = {m[5] for m in metas}
     float_rescale = len(rescales) > 1 or any(not (s.is_integer() and i.is_integer()) for s, i in rescales)
-    record = DicomRecord(str(Path(path).resolve()), instances, headers, tilt=tilt)
+    frames = [tuple(m[2].tolist()) for m in metas] if len(metas) > len(instances) else None
+    if frames is not None and tilt is not None:
+        raise VolumeError(f"{Path(files[0]).name}: the frames of this multi-frame instance drift in-plane (a gantry "
+                          f"tilt of {tilt['degrees']:.1f}°); convert it with dcm2niix, which corrects the tilt")
+    record = DicomRecord(str(Path(path).resolve()), instances, headers, tilt=tilt, frames=frames)
     if tilt is not None:
         record.notes.append(tilt_note(tilt))
     return record, float_rescale or tilt is not None
+
+
+def _frame_metas(ds, name: str, size) -> list:
+    """Per frame of an enhanced instance: ``(name, iop, ipp, pixel_spacing, size, rescale)`` from its
+    per-frame functional groups, falling back on the shared ones and the top level."""
+    shared = (ds.get("SharedFunctionalGroupsSequence") or [None])[0]
+    per_frame = ds.get("PerFrameFunctionalGroupsSequence") or []
+    if len(per_frame) != int(ds.NumberOfFrames):
+        raise VolumeError(f"{name}: a multi-frame instance whose per-frame functional groups do not list its "
+                          f"{int(ds.NumberOfFrames)} frames; its slices cannot be placed")
+
+    def item(group, seq: str):
+        for g in (group, shared):
+            if g is not None and seq in g and len(g.get(seq)):
+                return g.get(seq)[0]
+        return ds
+
+    out = []
+    for k, group in enumerate(per_frame):
+        iop = _floats(item(group, "PlaneOrientationSequence"), "ImageOrientationPatient", 6)
+        ipp = _floats(item(group, "PlanePositionSequence"), "ImagePositionPatient", 3)
+        px = _floats(item(group, "PixelMeasuresSequence"), "PixelSpacing", 2)
+        t = item(group, "PixelValueTransformationSequence")
+        rescale = (float(t.get("RescaleSlope", 1) or 1), float(t.get("RescaleIntercept", 0) or 0))
+        if iop is None or ipp is None or px is None:
+            raise VolumeError(f"{name}: frame {k + 1} of this multi-frame instance has no position, orientation or "
+                              "pixel spacing; its slices cannot be placed")
+        out.append((f"{name} frame {k + 1}", iop, ipp, px, size, rescale))
+    return out
+
+
+def frame_geometry(record: "DicomRecord") -> tuple:
+    """``(spacing, origin, direction)`` (LPS, SimpleITK's order) of an enhanced instance's frames
+    as stored, from their own positions (checked evenly spaced along the normal, no drift)."""
+    h = record.headers[0]
+    shared = (h.get("SharedFunctionalGroupsSequence") or [None])[0]
+    pos = np.asarray(record.frames, dtype=np.float64)
+    first = (h.get("PerFrameFunctionalGroupsSequence") or [None])[0]
+    iop = px = None
+    for g in (first, shared):
+        if g is not None and iop is None and "PlaneOrientationSequence" in g:
+            iop = _floats(g.PlaneOrientationSequence[0], "ImageOrientationPatient", 6)
+        if g is not None and px is None and "PixelMeasuresSequence" in g:
+            px = _floats(g.PixelMeasuresSequence[0], "PixelSpacing", 2)
+    axis = (pos[-1] - pos[0]) / max(len(pos) - 1, 1)
+    step = float(np.linalg.norm(axis)) or 1.0
+    third = axis / step if len(pos) > 1 else np.cross(iop[:3], iop[3:])
+    direction = np.column_stack([iop[:3], iop[3:], third]).reshape(-1)
+    return (float(px[1]), float(px[0]), step), tuple(float(v) for v in pos[0]), tuple(float(v) for v in direction)
 
 
 def _first_difference(metas, index: int, same) -> Optional[tuple]:
@@ -318,5 +388,5 @@ def orthogonal_grid(array: np.ndarray, record: "DicomRecord", spacing, origin, d
     return out, (px[1], px[0], float(abs(step))), tuple(float(v) for v in pos[0]), tuple(float(v) for v in new_dir)
 
 
-__all__ = ["DicomRecord", "Instance", "check_stack", "orthogonal_grid", "read_instance", "scan_instances",
+__all__ = ["DicomRecord", "Instance", "check_stack", "frame_geometry", "orthogonal_grid", "read_instance", "scan_instances",
            "tilt_note"]

@@ -69,7 +69,7 @@ def test_a_case_read_writes_a_seg_that_others_accept(tmp_path, name):
     save_mask(labels, ct, tmp_path / "m.seg.nrrd", segments=segments)
     out = tmp_path / "m.dcm"
     if CASES[name][3] == "no-seg":
-        with pytest.raises(InputError, match="cannot reference it|cannot lie on its slices"):
+        with pytest.raises(InputError, match="write .seg.nrrd or .nii.gz instead"):
             save_dicom_seg(labels, ct.affine, ct, out, segments, algorithm="MedVol test", version="0")
         assert not out.exists()
         return
@@ -77,7 +77,7 @@ def test_a_case_read_writes_a_seg_that_others_accept(tmp_path, name):
 
     seg = hd.seg.segread(str(out))
     sources = {str(ds.SOPInstanceUID or ds.file_meta.MediaStorageSOPInstanceUID): ds
-               for ds in (pydicom.dcmread(str(f)) for f in sorted(series.iterdir()))}
+               for ds in (pydicom.dcmread(str(f)) for f in sorted(series.iterdir())) if "PixelData" in ds}
     # every frame on the position of the source instance it references
     for frame in seg.PerFrameFunctionalGroupsSequence:
         uid = frame.DerivationImageSequence[0].SourceImageSequence[0].ReferencedSOPInstanceUID
@@ -101,6 +101,40 @@ def test_a_case_read_writes_a_seg_that_others_accept(tmp_path, name):
     report = subprocess.run([_tool("dciodvfy"), str(out)], capture_output=True, text=True, errors="replace")
     errors = [ln for ln in (report.stdout + report.stderr).splitlines() if ln.startswith("Error")]
     assert errors == []
+
+
+def test_an_enhanced_multiframe_instance_is_placed_by_its_frames(tmp_path):
+    """The slices as one Legacy Converted Enhanced CT instance, frames stored in reverse order:
+    each frame lands where its single-frame slice does."""
+    from medvolcore.volume import load_volume
+
+    enhanced = load_volume(build("ct-enhanced-multiframe", tmp_path / "e"))
+    _, n, edit, _ = CASES["ct-enhanced-multiframe"]
+    series = tmp_path / "s"
+    build("ct-enhanced-multiframe", tmp_path / "tmp")  # the same slices, one file each, for reference
+    import highdicom  # noqa: F401
+
+    src = pydicom.dcmread(str(tmp_path / "tmp" / "ENHANCED.dcm"))
+    assert int(src.NumberOfFrames) == n
+    series.mkdir()
+    for k, frame in enumerate(src.PerFrameFunctionalGroupsSequence):
+        ds = pydicom.dcmread(str(DATA / "CT_small.dcm"))
+        ds.SOPInstanceUID = f"{src.SOPInstanceUID}.{k + 1}"
+        ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID
+        ds.ImagePositionPatient = frame.PlanePositionSequence[0].ImagePositionPatient
+        ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+        ds.PixelData = src.pixel_array[k].astype(np.int16).tobytes()
+        ds.RescaleIntercept, ds.RescaleSlope = -1024, 1
+        ds.save_as(str(series / f"IM{k}.dcm"))
+    single = load_volume(series)
+    assert enhanced.shape == single.shape and enhanced.dicom.frames is not None
+    values = set()
+    for k in range(n):
+        kb = int(round(np.linalg.solve(single.affine, enhanced.affine @ [0, 0, k, 1])[2]))
+        assert np.array_equal(enhanced.array[:, :, k], single.array[:, :, kb])
+        values.add(float(enhanced.array[0, 0, k]))
+    assert len(values) == n  # the frames differ, so the order is tested
+    assert "enhanced multi-frame" in enhanced.dicom.seg_refusal()
 
 
 def test_several_targets_make_a_smaller_labelmap_seg(tmp_path):

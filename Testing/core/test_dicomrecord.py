@@ -8,6 +8,8 @@ each case is a few files of a few kB; ``Testing/data/dicom/`` holds the conforma
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -27,8 +29,7 @@ def make_series(folder, n: int = 5, step: float = 2.5, edit=None, name: str = "D
     src = pydicom.dcmread(get_testdata_file("CT_small.dcm"))
     folder.mkdir(parents=True, exist_ok=True)
     for k in range(n):
-        ds = src.copy()
-        ds.file_meta = src.file_meta.copy()
+        ds = copy.deepcopy(src)  # a shallow copy shares the data elements changed below
         ds.SOPInstanceUID = f"{study}.{k + 1}"
         ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID
         ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = study, study + ".2", study + ".3"

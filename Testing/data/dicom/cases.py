@@ -10,6 +10,7 @@ start of the one-line refusal. :func:`build` writes a case's folder (a few tens 
 
 from __future__ import annotations
 
+import copy
 import zlib
 from pathlib import Path
 
@@ -78,6 +79,16 @@ def _two_series(ds, k):
         ds.SeriesInstanceUID = ds.SeriesInstanceUID + ".2"
 
 
+def _no_geometry(ds, k):
+    _pos(ds, k)
+    del ds.ImageOrientationPatient  # GDCM reads it with a default orientation; a SEG cannot place its frames
+
+
+def _nm_jpeg(ds, k):
+    _pos(ds, k)
+    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+
+
 def _declared(ds, k):
     _pos(ds, k)
     ds.Rows = ds.Columns = 8192
@@ -108,6 +119,10 @@ CASES = {
     "ct-non-ascii": ("CT_small.dcm", 4, _non_ascii, "read"),
     "ct-blank-sop-uids": ("CT_small.dcm", 4, _blank_sop, "read"),
     "ct-no-study-uid": ("CT_small.dcm", 4, _no_study, "no-seg"),
+    "ct-no-orientation": ("CT_small.dcm", 4, _no_geometry, "no-seg"),
+    "ct-enhanced-multiframe": ("CT_small.dcm", 5, _pos, "no-seg"),  # one multi-frame instance, frames reversed
+    "ct-dicomdir": ("CT_small.dcm", 4, _pos, "read"),  # a DICOMDIR beside the series
+    "nm-jpeg-extended-12bit": ("JPGExtended.dcm", 3, _nm_jpeg, "read"),
     "mr-rle": ("MR_small_RLE.dcm", 4, _pos, "read"),
     "mr-jpeg2000-lossless": ("MR_small_jp2klossless.dcm", 4, _pos, "read"),
     "mr-jpeg-ls-lossless": ("MR_small_jpeg_ls_lossless.dcm", 4, _pos, "read"),
@@ -130,9 +145,9 @@ def build(name: str, folder: Path) -> Path:
     source, n, edit, _ = CASES[name]
     src = pydicom.dcmread(str(HERE / source))
     folder.mkdir(parents=True, exist_ok=True)
+    datasets = []
     for k in range(n):
-        ds = src.copy()
-        ds.file_meta = src.file_meta.copy()
+        ds = copy.deepcopy(src)  # a shallow copy would share the data elements that edit() changes
         uid = f"{ROOT}.{zlib.crc32(name.encode())}"
         ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = uid + ".1", uid + ".2", uid + ".3"
         ds.SOPInstanceUID = f"{uid}.4.{k + 1}"
@@ -142,5 +157,23 @@ def build(name: str, folder: Path) -> Path:
         edit(ds, k)
         if name == "ct-deflate":
             ds.file_meta.TransferSyntaxUID = DeflatedExplicitVRLittleEndian
+        datasets.append(ds)
+    if name == "ct-enhanced-multiframe":  # the slices as one Legacy Converted Enhanced CT instance
+        import highdicom as hd
+
+        for k, ds in enumerate(datasets):  # slices told apart, stored in reverse order
+            arr = ds.pixel_array.copy()
+            arr[:8, :8] = 100 * k
+            ds.PixelData = arr.tobytes()
+        ds = hd.legacy.LegacyConvertedEnhancedCTImage(
+            legacy_datasets=datasets[::-1], series_instance_uid=datasets[0].SeriesInstanceUID, series_number=1,
+            sop_instance_uid=datasets[0].SOPInstanceUID + ".0", instance_number=1)
+        ds.save_as(str(folder / "ENHANCED.dcm"))
+        return folder
+    for k, ds in enumerate(datasets):
         ds.save_as(str(folder / f"IM{k:04d}.dcm"))
+    if name == "ct-dicomdir":
+        import shutil
+
+        shutil.copyfile(HERE / "DICOMDIR", folder / "DICOMDIR")
     return folder
