@@ -295,7 +295,8 @@ def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: 
         if is_dicom_output(path):
             from .dicomseg import save_dicom_seg
 
-            save_dicom_seg(labels, stack.volume.affine, stack.volume, path, segments, algorithm=algorithm, version=__version__, overwrite=outputs.overwrite, notes=notes)
+            save_dicom_seg(labels, stack.volume.affine, stack.volume, path, segments,
+                           algorithm=algorithm, version=__version__, overwrite=outputs.overwrite, notes=notes)
         else:
             save_mask(labels, stack.volume, path, overwrite=outputs.overwrite, segments=segments)
         written.append(str(path))
