@@ -24,7 +24,7 @@ from MedVolR1SlicerLib.client import WorkerError, python_for_worker
 from MedVolR1SlicerLib.geometry import GeometryError
 from MedVolR1SlicerLib.session import Options, Session
 
-from . import markups, nodes, storage, views
+from . import markups, nodes, painted, storage, views
 from .parameters import MedVolR1SlicerParameterNode, drop_worker_settings
 from .results import EditedSinceResult, Target, UndoRecord, apply_result
 
@@ -187,9 +187,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
 
     def startRepropagate(self, p, options: Options, onFinished=None) -> Tuple[object, List[str]]:
         """Re-run MedSAM2 on the edited boxes and the corrections (:meth:`anchorFromBoxes`:
-        ``medvol.anchor/2`` only when there are prompts or a slice range). Returns ``(job,
+        ``medvol.anchor/2`` only when there are prompts or a slice range; ``/4`` with the slices
+        of the segment painted since the result, :mod:`.painted`). Returns ``(job,
         notes)``: notes say which boxes had to be put back on their slice or cut to the image."""
         anchor, notes = self.anchorFromBoxes(p)
+        anchor = painted.add_mask_prompts(p, anchor)  # slices repainted since the result (medvol.anchor/4)
         volume = p.resultVolume
         target = self._target(p, volume, p.segmentId)
         job = self.session.propagate(self.exportVolume(volume), anchor, options)
@@ -244,7 +246,12 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         notes, undo = apply_result(p, volumeNode, result, target, beforeChange=self.beforeChange)
         if undo is not None:
             self._undo = undo
+            painted.remember_result(p)  # what a slice painted later is compared with
         return notes
+
+    def segmentPainted(self, p) -> bool:
+        """Whether the result's segment was repainted on a slice since the result (:mod:`.painted`)."""
+        return painted.segment_painted(p)
 
     @property
     def canUndo(self) -> bool:
