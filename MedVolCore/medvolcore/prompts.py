@@ -199,6 +199,10 @@ def plan_objects(key_slice: int, boxes: Sequence[Sequence[int]], prompts: Sequen
     masks = [p for p in prompts if isinstance(p, dict) and p.get("mask") is not None]
     if len(masks) > MAX_MASK_PROMPTS:
         raise error(f"{len(masks)} mask prompts; at most {MAX_MASK_PROMPTS} are allowed")
+    n_runs = sum(len(m["mask"]["runs"]) // 2 for m in masks
+                 if isinstance(m["mask"], dict) and isinstance(m["mask"].get("runs"), (list, tuple)))
+    if n_runs > MAX_MASK_RUNS:
+        raise error(f"{n_runs:,} runs in the mask prompts; at most {MAX_MASK_RUNS:,} are allowed in all")
     rng = check_z_range(z_range, depth, error)
     n = len(boxes)
     objects = [ObjectPrompts(i + 1, key_slice, OrderedDict([(key_slice, (tuple(int(v) for v in b), []))]))

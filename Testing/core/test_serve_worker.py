@@ -52,6 +52,7 @@ def test_hello(worker):
     r = worker.call({"id": 1, "op": "hello"})
     assert r["ok"] is True and r["result"]["protocol"] == 1
     assert set(r["result"]["ops"]) >= {"hello", "load", "segment", "propagate", "cancel", "status", "shutdown"}
+    assert r["result"]["limits"]["max_mask_prompts"] == 16 and r["result"]["limits"]["max_mask_runs"] == 32768
     assert r["result"]["medvolcore"]
 
 
