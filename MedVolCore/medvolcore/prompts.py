@@ -235,7 +235,7 @@ def plan_objects(key_slice: int, boxes: Sequence[Sequence[int]], prompts: Sequen
             if len(objects) >= MAX_OBJECTS:
                 raise error(f"{what}: a new object {k} would make more than {MAX_OBJECTS} objects")
             if runs is None and box is None and not any(label == 1 for _x, _y, label in pts):
-                raise error(f"{what}: the first prompt of new object {k} needs a box, an inside (positive) point "
+                raise error(f"{what}: the first prompt of new object {k} needs a box or an inside (positive) point, "
                             "or a mask")
             objects.append(ObjectPrompts(k, z, OrderedDict(), seeded_by_key=False))
         obj = objects[k - 1]
