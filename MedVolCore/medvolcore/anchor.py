@@ -13,8 +13,9 @@ Geometry, on the canonical slice of width ``W`` and height ``H``:
 The anchor file (``*.anchor.json``) has schema ``medvol.anchor/1``, or ``medvol.anchor/2`` when it
 carries correction prompts or a slice range (:mod:`medvolcore.prompts`), or ``medvol.anchor/3`` when
 it is an *absent* anchor (``"absent": true``: the grounder answered that the target is not in this
-volume; ``slice`` is null and there are no boxes). Readers take all three; writers write the lowest
-that holds the anchor.
+volume; ``slice`` is null and there are no boxes), or ``medvol.anchor/4`` when a prompt is a painted
+mask (``/2`` with mask prompts, :mod:`medvolcore.prompts`). Readers take all four; writers write the
+lowest that holds the anchor.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 SCHEMA = "medvol.anchor/1"
 SCHEMA_V2 = "medvol.anchor/2"
 SCHEMA_V3 = "medvol.anchor/3"
-SCHEMAS = (SCHEMA, SCHEMA_V2, SCHEMA_V3)
+SCHEMA_V4 = "medvol.anchor/4"
+SCHEMAS = (SCHEMA, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4)
 SOURCES = ("grounder", "mask", "user")
 NORM = 1000.0
 MAX_BOXES = 8
@@ -55,7 +57,8 @@ MAX_COORD = MAX_INDEX
 MAX_WORLD_MM = 1_000_000.0
 # An anchor file is read only when it is at most this size (checked with stat before reading).
 # The largest anchor the limits allow (8 boxes, 64 prompts with boxes, 256 points, each in pixel
-# and world form, a 2000-character query, 16 kB of reasoning) is about 48 kB: 1 MB is 20 times that.
+# and world form, a 2000-character query, 16 kB of reasoning) is about 48 kB; mask prompts add at most
+# 32,768 runs (two numbers each, under 500 kB): 1 MB holds both.
 MAX_ANCHOR_FILE_BYTES = 1 << 20
 
 Box = List[int]
@@ -422,12 +425,14 @@ class EvidenceAnchor:
 
     def pixel_prompts(self) -> List[dict]:
         """The prompts without their ``world`` form (what the propagator takes)."""
-        return [{k: p[k] for k in ("slice", "object", "box", "points")} for p in self.prompts]
+        return [{k: p[k] for k in ("slice", "object", "box", "points", "mask") if k in p} for p in self.prompts]
 
     @property
     def schema(self) -> str:
         if self.absent:
             return SCHEMA_V3
+        if any(p.get("mask") is not None for p in self.prompts):
+            return SCHEMA_V4
         return SCHEMA_V2 if (self.prompts or self.z_range is not None) else SCHEMA
 
     @property
@@ -492,6 +497,9 @@ class EvidenceAnchor:
         if self.z_range is not None:
             self.world["z_range_ras"] = [_slice_centre(stack, z) for z in self.z_range]
         for p in self.prompts:
+            if p.get("mask") is not None:  # the mask is on its slice's pixels: the world form locates the slice
+                p["world"] = {"slice_center_ras": _slice_centre(stack, p["slice"])}
+                continue
             pts = stack.stack_to_ras([[p["slice"], y, x] for x, y, _label in p["points"]]) if p["points"] else []
             p["world"] = {"box_ras": None if p["box"] is None else box_to_ras(stack, p["slice"], p["box"]),
                           "points_ras": [[float(v) for v in r] + [int(q[2])] for r, q in zip(pts, p["points"])]}
@@ -687,10 +695,13 @@ def _read_corrections(d: dict, stack, origin: str) -> dict:
     world = d.get("world") if isinstance(d.get("world"), dict) else {}
     prompts, z_range = d.get("prompts"), d.get("z_range")
     z_range_ras = world.get("z_range_ras")
-    if d.get("schema") != SCHEMA_V2:
+    if d.get("schema") not in (SCHEMA_V2, SCHEMA_V4):
         if prompts or z_range is not None or z_range_ras is not None:
             raise AnchorError(f"{origin}: prompts and z_range need schema {SCHEMA_V2!r}, not {d.get('schema')!r}")
         return {}
+    if d.get("schema") == SCHEMA_V2 and isinstance(prompts, list) and any(
+            isinstance(p, dict) and p.get("mask") is not None for p in prompts):
+        raise AnchorError(f"{origin}: mask prompts need schema {SCHEMA_V4!r}, not {SCHEMA_V2!r}")
     out = {}
     if z_range_ras is not None:
         if stack is None:
@@ -719,6 +730,9 @@ def _read_corrections(d: dict, stack, origin: str) -> dict:
             raise AnchorError(f"{what} must be an object, got {type(p).__name__}")
         has_pixels = p.get("slice") is not None
         pw = p.get("world")
+        if p.get("mask") is not None:
+            read.append(_read_mask_prompt(p, i, stack, what))
+            continue
         if not has_pixels and pw is None:
             raise AnchorError(f"{what} has neither 'slice' (with 'box'/'points') nor 'world'")
         if pw is not None and stack is not None:
@@ -735,6 +749,25 @@ def _read_corrections(d: dict, stack, origin: str) -> dict:
         else:
             read.append({k: p.get(k) for k in ("slice", "object", "box", "points")})
     out["prompts"] = read
+    return out
+
+
+def _read_mask_prompt(p: dict, i: int, stack, what: str) -> dict:
+    """A mask prompt of a ``/4`` anchor: its pixel slice and runs; a ``world.slice_center_ras`` must
+    lie on that slice (with the volume), or gives it when the slice is absent."""
+    pw = p.get("world")
+    centre = pw.get("slice_center_ras") if isinstance(pw, dict) else None
+    if pw is not None and centre is None:
+        raise AnchorError(f"{what}: a mask prompt's 'world' is {{'slice_center_ras': [r, a, s]}}, got {_show(pw)}")
+    out = {k: p.get(k) for k in ("slice", "object", "box", "points", "mask")}
+    if centre is not None and stack is not None:
+        z = _ras_points_to_stack(stack, _ras_array([centre], 3, what + " slice_center_ras", "[r, a, s]"), what)[0]
+        if out["slice"] is not None and check_prompt_fields(out, i, AnchorError)["slice"] != z:
+            raise AnchorError(f"{what}: its slice {out['slice']} and its world slice_center_ras (slice {z}) disagree; "
+                              "remove the stale one")
+        out["slice"] = z
+    elif out["slice"] is None:
+        raise AnchorError(f"{what} has no 'slice'" + (" (its world form needs the volume to place it)" if centre else ""))
     return out
 
 
@@ -815,6 +848,6 @@ def anchor_from_mask(
 
 
 __all__ = [
-    "SCHEMA", "SCHEMA_V2", "SCHEMA_V3", "SCHEMAS", "EvidenceAnchor", "anchor_from_mask", "boxes_from_slice_mask", "rank_slices", "slice_areas",
+    "SCHEMA", "SCHEMA_V2", "SCHEMA_V3", "SCHEMA_V4", "SCHEMAS", "EvidenceAnchor", "anchor_from_mask", "boxes_from_slice_mask", "rank_slices", "slice_areas",
     "check_box", "box_to_norm", "norm_to_box", "box_iou", "box_to_ras", "ras_to_box", "ras_to_prompt",
 ]

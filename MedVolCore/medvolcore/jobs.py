@@ -189,7 +189,11 @@ def _given_anchor(request: SegmentRequest, stack):
     if request.prompts or request.z_range is not None:
         from dataclasses import replace
 
-        prompts = [{k: v for k, v in p.items() if k != "world"} for p in anchor.prompts] + list(request.prompts or [])
+        from .maskprompt import mask_prompt, read_mask_file
+
+        given = [mask_prompt(p["slice"], p["object"], read_mask_file(p["mask_file"], stack, p["slice"]))
+                 if isinstance(p, dict) and "mask_file" in p else p for p in request.prompts or []]
+        prompts = [{k: v for k, v in p.items() if k != "world"} for p in anchor.prompts] + given
         anchor = replace(anchor, prompts=prompts,
                          z_range=list(request.z_range) if request.z_range is not None else anchor.z_range)
     return anchor.with_world(stack)

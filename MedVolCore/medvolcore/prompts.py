@@ -11,6 +11,15 @@ pixel form on the canonical stack:
 * ``z_range = (z0, z1)``, inclusive: propagation stays inside it; the key slice and every prompt
   lie inside it.
 
+What ``medvol.anchor/4`` adds: a *mask prompt* ``{"slice": z, "object": k, "mask": {"runs": [s0,
+n0, s1, n1, ...]}}``, a painted outline of object ``k`` on slice ``z`` that sam2 receives with
+``add_new_mask``. ``runs`` are the mask's foreground runs in row-major order on the ``W × H``
+slice: pixel ``(x, y)`` is index ``y·W + x``; each run is a start and a length ≥ 1, starts
+increasing, with at least one background pixel between two runs (one encoding per mask). A mask
+prompt has no box or points, and it is its object's only input on its slice: it replaces the
+key-slice box of objects 1..N on the key slice, and no other prompt of that object may share its
+slice. A new object may start with a mask.
+
 :func:`plan_objects` turns a key slice, its boxes and the prompts into one
 :class:`ObjectPrompts` per object: its start slice and, per prompted slice, the box and points
 sam2 receives there. Everything here is plain Python: no numpy array, no model.
@@ -26,12 +35,15 @@ from typing import List, Optional, Sequence, Tuple, Type
 
 from .errors import InputError, MedVolError, shown
 
-__all__ = ["MAX_INDEX", "MAX_OBJECTS", "MAX_POINTS", "MAX_PROMPTS", "ObjectPrompts", "check_prompt_fields", "check_z_range", "plan_objects"]
+__all__ = ["MAX_INDEX", "MAX_MASK_PROMPTS", "MAX_MASK_RUNS", "MAX_OBJECTS", "MAX_POINTS", "MAX_PROMPTS", "ObjectPrompts",
+           "check_mask_runs", "check_prompt_fields", "check_z_range", "plan_objects"]
 
 MAX_OBJECTS = 8  # each object is tracked through every slice: bound the work (as anchor boxes)
 MAX_PROMPTS = 64
 MAX_POINTS = 256  # in all prompts together
 MAX_INDEX = 1_000_000  # slices, objects and pixel indices: no stack is this large
+MAX_MASK_PROMPTS = 16  # painted slices in one request
+MAX_MASK_RUNS = 32_768  # foreground runs in all mask prompts together (a 512² outline has about a thousand)
 
 
 @dataclass
@@ -40,6 +52,8 @@ class ObjectPrompts:
 
     ``frames`` maps a slice to ``(box or None, [(x, y, label), ...])``, in the order the slices
     were first prompted. ``seeded_by_key`` is true for objects 1..N (the key slice's boxes).
+    ``masks`` maps a slice with a mask prompt to its runs (its ``frames`` entry is then
+    ``(None, [])``: the mask is the object's only input there).
     """
 
     number: int
@@ -47,6 +61,7 @@ class ObjectPrompts:
     frames: "OrderedDict[int, Tuple[Optional[Tuple[int, int, int, int]], List[Tuple[int, int, int]]]]" = field(
         default_factory=OrderedDict)
     seeded_by_key: bool = True
+    masks: "dict" = field(default_factory=dict)
 
     @property
     def slices(self) -> List[int]:
@@ -106,6 +121,11 @@ def check_prompt_fields(prompt, i: int, error: Type[MedVolError] = InputError) -
         raise error(f"{what}: slice {z} is negative")
     if k < 1:
         raise error(f"{what}: object {k} is not an object number (1, 2, …)")
+    if prompt.get("mask") is not None:
+        if prompt.get("box") is not None or prompt.get("points"):
+            raise error(f"{what}: a mask prompt has no box or points (sam2 takes either a mask or clicks on a "
+                        "slice); give them as another prompt on another slice")
+        return {"slice": z, "object": k, "box": None, "points": [], "mask": {"runs": _runs(prompt["mask"], what, error)}}
     box = prompt.get("box")
     if box is not None:
         if isinstance(box, (str, bytes, dict)) or not hasattr(box, "__len__") or len(box) != 4:
@@ -127,6 +147,40 @@ def check_prompt_fields(prompt, i: int, error: Type[MedVolError] = InputError) -
     return {"slice": z, "object": k, "box": box, "points": pts}
 
 
+def _runs(mask, what: str, error: Type[MedVolError]) -> List[int]:
+    """A mask prompt's ``{"runs": [...]}``: whole numbers, an even count (types only; bounds later)."""
+    runs = mask.get("runs") if isinstance(mask, dict) else None
+    if not isinstance(runs, (list, tuple)) or (isinstance(mask, dict) and set(mask) - {"runs"}):
+        raise error(f"{what}: mask must be {{\"runs\": [start, length, ...]}} (row-major foreground runs), got "
+                    f"{_show(mask, 60)}")
+    if len(runs) > 2 * MAX_MASK_RUNS:
+        raise error(f"{what}: mask has {len(runs) // 2:,} runs; at most {MAX_MASK_RUNS:,} are allowed")
+    if len(runs) % 2:
+        raise error(f"{what}: mask runs come in pairs [start, length, ...]; got {len(runs)} numbers")
+    return [_index(v, f"{what}: mask run", error) for v in runs]
+
+
+def check_mask_runs(runs: Sequence[int], width: int, height: int, what: str = "mask",
+                    error: Type[MedVolError] = InputError) -> Tuple[int, ...]:
+    """Runs ``[s0, n0, s1, n1, ...]`` of a non-empty mask on the ``width × height`` slice (see the module's
+    docstring), as a tuple; :class:`InputError` (or ``error``) names the first broken rule."""
+    if not runs:
+        raise error(f"{what} is empty: paint the object on the slice (a mask prompt needs at least one pixel)")
+    end, size = -1, width * height
+    for i in range(0, len(runs), 2):
+        s, n = int(runs[i]), int(runs[i + 1])
+        if n < 1 or s < 0:
+            raise error(f"{what}: run {i // 2 + 1} [{s}, {n}] needs a start ≥ 0 and a length ≥ 1")
+        if s <= end:
+            raise error(f"{what}: run {i // 2 + 1} starts at {s}, not after the previous run (which ends at {end - 1}); "
+                        "runs are increasing with a gap between them")
+        end = s + n
+        if end > size:
+            raise error(f"{what}: run {i // 2 + 1} ends at pixel {end - 1}, outside the {width}×{height} slice "
+                        f"({size} pixels): is the mask for another image size?")
+    return tuple(int(v) for v in runs)
+
+
 def plan_objects(key_slice: int, boxes: Sequence[Sequence[int]], prompts: Sequence[dict], *,
                  width: int, height: int, depth: Optional[int] = None, z_range=None,
                  error: Type[MedVolError] = InputError) -> List[ObjectPrompts]:
@@ -142,6 +196,13 @@ def plan_objects(key_slice: int, boxes: Sequence[Sequence[int]], prompts: Sequen
     n_points = sum(len(p.get("points") or []) for p in prompts if isinstance(p, dict) and hasattr(p.get("points"), "__len__"))
     if n_points > MAX_POINTS:
         raise error(f"{n_points} points in the prompts; at most {MAX_POINTS} are allowed")
+    masks = [p for p in prompts if isinstance(p, dict) and p.get("mask") is not None]
+    if len(masks) > MAX_MASK_PROMPTS:
+        raise error(f"{len(masks)} mask prompts; at most {MAX_MASK_PROMPTS} are allowed")
+    n_runs = sum(len(m["mask"]["runs"]) // 2 for m in masks
+                 if isinstance(m["mask"], dict) and isinstance(m["mask"].get("runs"), (list, tuple)))
+    if n_runs > MAX_MASK_RUNS:
+        raise error(f"{n_runs:,} runs in the mask prompts; at most {MAX_MASK_RUNS:,} are allowed in all")
     rng = check_z_range(z_range, depth, error)
     n = len(boxes)
     objects = [ObjectPrompts(i + 1, key_slice, OrderedDict([(key_slice, (tuple(int(v) for v in b), []))]))
@@ -156,6 +217,9 @@ def plan_objects(key_slice: int, boxes: Sequence[Sequence[int]], prompts: Sequen
             raise error(f"{what}: slice {z} is outside the stack (0..{depth - 1})")
         if rng is not None and not rng[0] <= z <= rng[1]:
             raise error(f"{what}: slice {z} lies outside z_range [{rng[0]}, {rng[1]}]")
+        runs = None
+        if p.get("mask") is not None:
+            runs = check_mask_runs(p["mask"]["runs"], width, height, f"{what}: mask", error)
         if box is not None:
             x0, y0, x1, y1 = box
             if not (0 <= x0 <= x1 < width and 0 <= y0 <= y1 < height):
@@ -170,10 +234,19 @@ def plan_objects(key_slice: int, boxes: Sequence[Sequence[int]], prompts: Sequen
         if k == len(objects) + 1:
             if len(objects) >= MAX_OBJECTS:
                 raise error(f"{what}: a new object {k} would make more than {MAX_OBJECTS} objects")
-            if box is None and not any(label == 1 for _x, _y, label in pts):
-                raise error(f"{what}: the first prompt of new object {k} needs a box or an inside (positive) point")
+            if runs is None and box is None and not any(label == 1 for _x, _y, label in pts):
+                raise error(f"{what}: the first prompt of new object {k} needs a box or an inside (positive) point, "
+                            "or a mask")
             objects.append(ObjectPrompts(k, z, OrderedDict(), seeded_by_key=False))
         obj = objects[k - 1]
+        key_box_only = obj.seeded_by_key and z == key_slice and not obj.frames[z][1] and z not in obj.masks
+        if z in obj.masks or (runs is not None and z in obj.frames and not key_box_only):
+            raise error(f"{what}: object {k} has a mask prompt and another prompt on slice {z}; a mask is its "
+                        "object's only input on its slice (paint the correction into the mask, or use another slice)")
+        if runs is not None:  # the mask replaces the key-slice box of objects 1..N on the key slice
+            obj.frames[z] = (None, [])
+            obj.masks[z] = runs
+            continue
         old_box, old_pts = obj.frames.get(z, (None, []))
         if box is not None and old_box is not None:
             where = "the key slice, where its anchor box is" if obj.seeded_by_key and z == key_slice else f"slice {z}"

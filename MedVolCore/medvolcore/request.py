@@ -124,7 +124,7 @@ class SegmentRequest:
     anchor: object = _declare(
         doc="a given anchor to propagate: an EvidenceAnchor, its dict or an *.anchor.json path (boxes or world)",
         label="an anchor", cli="--anchor", wire="anchor", ops=("propagate",), types=dict, required=("propagate",),
-        what=" (a medvol.anchor/1 or /2 object)")
+        what=" (a medvol.anchor/1, /2 or /4 object)")
     key_slice: Optional[int] = _declare(
         doc="a given anchor's key slice (canonical stack z), with boxes; source 'user'", label="a key slice",
         cli="--slice")
@@ -156,8 +156,9 @@ class SegmentRequest:
         doc="a ground-truth mask on the volume's own grid (a boolean array of its shape): scored and drawn in the QC",
         label="a reference mask")
     prompts: Optional[Sequence[dict]] = _declare(
-        doc="pixel-form correction prompts (medvolcore.prompts), added after the given anchor's own",
-        label="correction prompts", cli="--add-box/--inside-point/--outside-point", dest="prompts")
+        doc="pixel-form correction prompts (medvolcore.prompts), added after the given anchor's own; a prompt "
+            "{slice, object, mask_file} is a mask prompt read from that file (medvolcore.maskprompt) with the volume",
+        label="correction prompts", cli="--add-box/--inside-point/--outside-point/--mask-prompt", dest="prompts")
     z_range: Optional[Sequence[int]] = _declare(
         doc="[z0, z1]: replaces the given anchor's slice range", label="a slice range", cli="--z-range")
     consensus: int = _declare(

@@ -202,13 +202,16 @@ def prompts_from_anchor(geometry: VolumeGeometry, anchor: dict) -> Tuple[List[Pr
     """The prompts and the slice range of an anchor the worker sent back (what ran), placed on
     ``geometry``: from each prompt's ``world`` form, or from its pixel form (``slice``, ``box``,
     ``points`` on the canonical stack) when it has none. ``z_range`` likewise from
-    ``world.z_range_ras`` or ``z_range``. A ``/1`` anchor gives ``([], None)``."""
+    ``world.z_range_ras`` or ``z_range``. A ``/1`` anchor gives ``([], None)``; mask prompts
+    (``/4``, painted slices) are skipped: they have no node."""
     anchor = anchor or {}
     out: List[Prompt] = []
     for i, prompt in enumerate(anchor.get("prompts") or []):
         what = f"the anchor's prompt {i + 1}"
         if not isinstance(prompt, dict):
             raise GeometryError(f"{what} is not an object")
+        if prompt.get("mask") is not None:  # a painted slice: the segment itself shows it, no node
+            continue
         obj = _int(prompt.get("object"), f"{what}'s object")
         if obj < 1:
             raise GeometryError(f"{what}'s object must be 1 or more, got {obj}")

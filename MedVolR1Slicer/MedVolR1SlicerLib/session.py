@@ -90,12 +90,13 @@ def segment_fields(volume_path: str, query: str, options: Options, agreement: st
     return fields
 
 
-ANCHOR_SCHEMAS = ("medvol.anchor/1", "medvol.anchor/2")  # /2: with correction prompts or a slice range
+# /2: with correction prompts or a slice range; /4: with painted slices (mask prompts) too
+ANCHOR_SCHEMAS = ("medvol.anchor/1", "medvol.anchor/2", "medvol.anchor/4")
 
 
 def propagate_fields(volume_path: str, anchor: dict, options: Options) -> dict:
     if not isinstance(anchor, dict) or anchor.get("schema") not in ANCHOR_SCHEMAS:
-        raise WorkerError("bad_anchor", "the boxes could not be turned into an anchor (schema medvol.anchor/1 or /2)")
+        raise WorkerError("bad_anchor", "the boxes could not be turned into an anchor (schema medvol.anchor/1, /2 or /4)")
     return {"volume": str(volume_path), "anchor": anchor, "preset": options.preset, "window": options.window}
 
 

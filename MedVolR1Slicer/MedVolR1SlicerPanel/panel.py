@@ -283,11 +283,12 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         placing = bool(p) and self.logic.placingPoints(p)
         if self.ui.placePointsButton.checked != placing:
             self.ui.placePointsButton.checked = placing
-        self.ui.repropagateButton.enabled = (idle and editable and bool(p.boxesEdited)
+        self.ui.repropagateButton.enabled = (idle and editable and (bool(p.boxesEdited) or self.logic.segmentPainted(p))
                                              and any(b is not None for b in p.boxes))
         tip = self.logic.resultProblem(p) if p and p.anchorJson and not editable else ""
         self.ui.repropagateButton.toolTip = tip or ("Propagate the edited boxes and the corrections (boxes on other "
-                                                    "slices, points, slice range) again and replace the segment.")
+                                                    "slices, points, slice range, slices repainted in the Segment "
+                                                    "Editor) again and replace the segment.")
         for name in ("addBoxButton", "placePointsButton", "setRangeStartButton", "setRangeEndButton"):
             w = getattr(self.ui, name)
             usual = self._tips.setdefault(name, w.toolTip)  # the .ui's tooltip, read once

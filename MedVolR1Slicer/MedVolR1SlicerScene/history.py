@@ -19,7 +19,7 @@ import zlib
 
 import slicer
 
-from . import evidence
+from . import evidence, painted
 from .nodes import in_scene
 
 BeforeChange = Optional[Callable[[object], None]]  # called with a segmentation node before it changes
@@ -45,6 +45,7 @@ class SegmentState:
     color: Tuple[float, float, float] = (0.5, 0.5, 0.5)
     terminology: str = ""
     evidence: Optional[dict] = None
+    resultSlices: str = ""  # the segment's result digests (painted.TAG): what a painted slice is compared with
 
     @property
     def present(self) -> bool:
@@ -78,7 +79,8 @@ def capture(p, segNode, segmentId: str, volume, withEvidence: bool = True) -> Se
     mask = _mask(segNode, segmentId, volume)
     getTerminology = getattr(segment, "GetTerminology", None)
     return SegmentState(_pack(mask), mask.shape, segment.GetName(), tuple(segment.GetColor()),
-                        getTerminology() if getTerminology is not None else "", snap)
+                        getTerminology() if getTerminology is not None else "", snap,
+                        painted.result_digests(segNode, segmentId))
 
 
 def _differs(segNode, segmentId: str, volume, expected: SegmentState) -> int:
@@ -113,6 +115,11 @@ def _put(p, segNode, segmentId: str, volume, state: SegmentState) -> None:
                 segment.SetTerminology(state.terminology)
         mask = np.unpackbits(_unpack(state.bits))[:int(np.prod(state.shape))].reshape(state.shape).astype(np.uint8)
         slicer.util.updateSegmentBinaryLabelmapFromArray(mask, segNode, segmentId, volume)
+        segment = segmentation.GetSegment(segmentId)
+        if state.resultSlices:
+            segment.SetTag(painted.TAG, state.resultSlices)
+        else:
+            segment.RemoveTag(painted.TAG)
     evidence.restore(p, segNode, segmentId, state.evidence if state.present else None)
 
 

@@ -25,7 +25,7 @@ from MedVolR1SlicerLib.client import WorkerError, python_for_worker
 from MedVolR1SlicerLib.geometry import GeometryError
 from MedVolR1SlicerLib.session import Options, Session, query_lines
 
-from . import evidence, markups, nodes, storage, views
+from . import evidence, markups, nodes, painted, storage, views
 from .history import EditedSinceResult, History
 from .parameters import MedVolR1SlicerParameterNode, drop_worker_settings
 from .results import Target, apply_result
@@ -202,9 +202,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
 
     def startRepropagate(self, p, options: Options, onFinished=None) -> Tuple[object, List[str]]:
         """Re-run MedSAM2 on the edited boxes and the corrections (:meth:`anchorFromBoxes`:
-        ``medvol.anchor/2`` only when there are prompts or a slice range). Returns ``(job,
+        ``medvol.anchor/2`` only when there are prompts or a slice range; ``/4`` with the slices
+        of the segment painted since the result, :mod:`.painted`). Returns ``(job,
         notes)``: notes say which boxes had to be put back on their slice or cut to the image."""
         anchor, notes = self.anchorFromBoxes(p)
+        anchor = painted.add_mask_prompts(p, anchor)  # slices repainted since the result (medvol.anchor/4)
         volume = p.resultVolume
         target = self._target(p, volume, p.segmentId)
         job = self.session.propagate(self.exportVolume(volume), anchor, options)
@@ -259,7 +261,15 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         notes, step = apply_result(p, volumeNode, result, target, beforeChange=self.beforeChange)
         if step is not None:
             self._history.push(step)
+            for change in step.changes:  # what a slice painted later is compared with (Redo puts it back)
+                if change.after.present and painted.remember_result(p, step.segmentation, change.segmentId,
+                                                                    step.volume):
+                    change.after.resultSlices = painted.result_digests(step.segmentation, change.segmentId)
         return notes
+
+    def segmentPainted(self, p) -> bool:
+        """Whether the result's segment was repainted on a slice since the result (:mod:`.painted`)."""
+        return painted.segment_painted(p)
 
     # Undo and Redo (history.py): of the segmentation the panel shows, never another's
 

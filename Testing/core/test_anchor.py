@@ -907,3 +907,79 @@ def test_an_absent_anchor_plans_nothing_and_old_schemas_say_so():
         EvidenceAnchor(None, [[1, 1, 5, 5]], [W, H])
     with pytest.raises(AnchorError, match="has no slice, boxes"):
         EvidenceAnchor(None, [[1, 1, 5, 5]], [W, H], absent=True)
+
+
+# ---- schema /4: a painted slice as a mask prompt --------------------------------------------------
+
+def _painted_disc(cx=40, cy=45, r=9):
+    yy, xx = np.mgrid[:H, :W]
+    return (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
+
+
+def test_a_mask_prompt_makes_a_v4_file_that_reads_back(tmp_path, stack):
+    from medvolcore.anchor import SCHEMA_V4
+    from medvolcore.maskprompt import mask_prompt, runs_to_mask
+
+    m = _painted_disc()
+    a = _anchor(prompts=PROMPTS[:1] + [mask_prompt(70, 1, m), mask_prompt(20, 3, m)], z_range=[10, 90]).with_world(stack)
+    path = a.save(tmp_path / "a.anchor.json")
+    d = json.loads(path.read_text())
+    assert d["schema"] == SCHEMA_V4 == "medvol.anchor/4"
+    written = d["prompts"][1]
+    assert written["mask"]["runs"][:2] == [int(np.flatnonzero(m.ravel())[0]), int(m[np.nonzero(m)[0][0]].sum())]
+    assert np.allclose(stack.ras_to_stack(np.asarray([written["world"]["slice_center_ras"]]))[0],
+                       [70, (H - 1) / 2, (W - 1) / 2])
+    back = EvidenceAnchor.load(path, stack)
+    assert back.schema == SCHEMA_V4 and back.pixel_prompts() == a.pixel_prompts()
+    assert np.array_equal(runs_to_mask(back.prompts[1]["mask"]["runs"], W, H), m)
+    objs = back.plan(D)
+    assert objs[0].masks.keys() == {70} and objs[0].frames[70] == (None, []) and objs[2].start == 20
+    # pixel form only (no volume): read too; world only needs the volume to place the slice
+    px = dict(d, prompts=[{k: v for k, v in p.items() if k != "world"} for p in d["prompts"]])
+    px.pop("world")
+    assert EvidenceAnchor.from_dict(px).pixel_prompts() == a.pixel_prompts()
+    world_only = dict(d, prompts=[{k: v for k, v in p.items() if k != "slice"} for p in d["prompts"][1:]])
+    assert EvidenceAnchor.from_dict(world_only, stack).pixel_prompts() == a.pixel_prompts()[1:]
+
+
+def test_older_schemas_read_and_write_exactly_as_before(tmp_path, stack):
+    """A /1 and a /2 file (no mask) read back identically and are written again byte for byte with
+    their own schema; a /2 file may not carry a mask prompt."""
+    for a, schema in ((_anchor(), SCHEMA), (_anchor(prompts=PROMPTS, z_range=[20, 80]), SCHEMA_V2)):
+        text = a.with_world(stack).to_json()
+        path = tmp_path / f"{schema[-1]}.anchor.json"
+        path.write_text(text)
+        back = EvidenceAnchor.load(path, stack)
+        assert back.schema == schema and back.to_json() == text
+    d = json.loads(text)
+    d["prompts"].append({"slice": 70, "object": 1, "mask": {"runs": [10, 5]}})
+    with pytest.raises(AnchorError, match="mask prompts need schema 'medvol.anchor/4'"):
+        EvidenceAnchor.from_dict(d, stack)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"slice": 70, "object": 1, "mask": {"runs": []}}, "mask is empty"),
+    ({"slice": 70, "object": 1, "mask": {"runs": [W * H - 2, 5]}}, f"outside the {W}×{H} slice"),
+    ({"slice": D + 3, "object": 1, "mask": {"runs": [0, 5]}}, f"slice {D + 3} is outside the stack"),
+    ({"slice": 70, "object": 5, "mask": {"runs": [0, 5]}}, "object 5 does not exist"),
+    ({"slice": 70, "object": 1, "mask": {"runs": [5, 3, 7, 2]}}, "not after the previous run"),
+    ({"slice": 70, "object": 1, "mask": {"runs": [5, 0]}}, "length ≥ 1"),
+    ({"slice": 70, "object": 1, "mask": [1, 2]}, "mask must be"),
+    ({"slice": 70, "object": 1, "mask": {"runs": [0, 5]}, "box": [1, 1, 4, 4]}, "no box or points"),
+    ({"slice": 62, "object": 1, "mask": {"runs": [0, 5]}}, "only input on its slice"),
+], ids=["empty", "other-grid", "off-the-stack", "unknown-object", "overlap", "zero-length", "not-runs", "with-box",
+        "shares-a-slice"])
+def test_bad_mask_prompts_are_one_clear_error(stack, prompt, match):
+    d = _anchor(prompts=PROMPTS[:1]).with_world(stack).to_dict()
+    d.update(schema="medvol.anchor/4", prompts=d["prompts"] + [prompt])
+    with pytest.raises(AnchorError, match=match):
+        EvidenceAnchor.from_dict(d, stack)
+
+
+def test_a_mask_on_the_key_slice_replaces_that_objects_box(stack):
+    from medvolcore.maskprompt import mask_prompt
+
+    a = _anchor(prompts=[mask_prompt(50, 2, _painted_disc(80, 40, 6))])
+    objs = a.plan(D)
+    assert objs[1].frames[50] == (None, []) and 50 in objs[1].masks
+    assert objs[0].frames[50] == ((30, 30, 60, 60), []) and not objs[0].masks  # object 1 keeps its box

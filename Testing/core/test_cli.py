@@ -646,3 +646,93 @@ def test_huge_numbers_on_the_command_line_are_one_line(capsys, tmp_path, small_c
     code, _, err = _run_cli_or_exit(capsys, *base, *args)
     one_line(code, err, needle)
     assert not (tmp_path / "m.nii.gz").exists()
+
+
+# ---- medvol propagate --mask-prompt ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def painted(small_ct, tmp_path_factory):
+    """The liver of slice 5 of the small CT's canonical stack, written as .npy, .png and as a label map on
+    the volume's grid (that slice only)."""
+    from PIL import Image
+
+    from medvolcore.stack import AxialStack
+    from medvolcore.volume import load_volume
+
+    ct, seg = small_ct
+    stack = AxialStack(load_volume(ct))
+    z = 5
+    m = stack.to_stack(np.asarray(nib.load(str(seg)).dataobj)) == LIVER
+    m[:z] = m[z + 1:] = False
+    d = tmp_path_factory.mktemp("painted")
+    np.save(d / "m.npy", m[z])
+    Image.fromarray((m[z] * 255).astype(np.uint8)).save(d / "m.png")
+    img = nib.load(str(ct))
+    nib.save(nib.Nifti1Image(stack.to_source(m.astype(np.uint8)), img.affine), str(d / "m.nii.gz"))
+    return z, m[z], d
+
+
+def test_propagate_mask_prompt_from_npy_png_and_a_label_map(capsys, tmp_path, small_ct, painted):
+    ct, _ = small_ct
+    z, m, d = painted
+    common = ["--volume", ct, "--slice", 3, "--box", 20, 30, 100, 90, "--random-weights", 0, "--image-size", 64,
+              "--no-progress", "--json"]
+    code, out, err = run_cli(capsys, "propagate", *common, "--out", tmp_path / "plain.nii.gz")
+    assert code == 0, err
+    plain = np.asarray(nib.load(str(tmp_path / "plain.nii.gz")).dataobj)
+    masks = []
+    for f in ("m.npy", "m.png", "m.nii.gz"):
+        out_path = tmp_path / f"{f}.mask.nii.gz"
+        code, out, err = run_cli(capsys, "propagate", *common, "--mask-prompt", z, 1, d / f, "--out", out_path,
+                                 "--anchor-out", tmp_path / f"{f}.anchor.json")
+        assert code == 0, err
+        res = json.loads(out)
+        assert res["anchor"]["schema"] == "medvol.anchor/4"
+        from medvolcore.maskprompt import runs_to_mask
+
+        p = res["anchor"]["prompts"][0]
+        assert p["slice"] == z and p["object"] == 1 and np.array_equal(runs_to_mask(p["mask"]["runs"], 122, 101), m)
+        masks.append(np.asarray(nib.load(str(out_path)).dataobj))
+    assert np.array_equal(masks[0], masks[1]) and np.array_equal(masks[0], masks[2])
+    assert not np.array_equal(masks[0], plain)
+    # the written anchor propagates again to the same mask
+    code, _, err = run_cli(capsys, "propagate", *common[:2], "--anchor", tmp_path / "m.npy.anchor.json",
+                           *common[9:], "--out", tmp_path / "again.nii.gz")
+    assert code == 0, err
+    assert np.array_equal(np.asarray(nib.load(str(tmp_path / "again.nii.gz")).dataobj), masks[0])
+
+
+@pytest.mark.parametrize("make, z, k, needle", [
+    (lambda d, m: np.save(d / "x.npy", np.zeros_like(m)) or d / "x.npy", 5, 1, "is empty"),
+    (lambda d, m: d / "m.npy", 8, 1, "slice 8 is outside the stack (0..7)"),
+    (lambda d, m: np.save(d / "y.npy", m[:50]) or d / "y.npy", 5, 1, "is 122×50 pixels but the volume's axial slices are 122×101"),
+    (lambda d, m: d / "m.npy", 5, 3, "object 3 does not exist"),
+    (lambda d, m: d / "m.nii.gz", 4, 1, "not only on slice 4"),
+    (lambda d, m: d / "none.npy", 5, 1, "does not exist"),
+    (lambda d, m: (d / "m.txt").write_text("1") and d / "m.txt", 5, 1, "not .txt"),
+], ids=["empty", "off-the-stack", "other-grid", "unknown-object", "label-map-on-another-slice", "missing", "suffix"])
+def test_bad_mask_prompts_are_one_line_before_any_model_loads(capsys, tmp_path, small_ct, painted, monkeypatch,
+                                                             make, z, k, needle):
+    from medvolcore.propagation import MedSAM2Propagator
+
+    def no_model(*a, **kw):
+        raise AssertionError("a model was loaded for a bad mask prompt")
+
+    monkeypatch.setattr(MedSAM2Propagator, "from_random", no_model)
+    ct, _ = small_ct
+    _, m, d = painted
+    f = make(d, m)
+    code, _, err = _run_cli_or_exit(capsys, "propagate", "--volume", ct, "--slice", 3, "--box", 20, 30, 100, 90,
+                                    "--mask-prompt", z, k, f, "--out", tmp_path / "m.nii.gz", "--random-weights", 0,
+                                    "--image-size", 64, "--no-progress")
+    one_line(code, err, needle)
+    assert not (tmp_path / "m.nii.gz").exists()
+
+
+def test_a_label_map_on_another_grid_is_refused(capsys, tmp_path, small_ct, seg_sm_path):
+    ct, _ = small_ct
+    code, _, err = run_cli(capsys, "propagate", "--volume", ct, "--slice", 3, "--box", 20, 30, 100, 90,
+                           "--mask-prompt", 5, 1, seg_sm_path, "--out", tmp_path / "m.nii.gz", "--random-weights", 0,
+                           "--image-size", 64, "--no-progress")
+    one_line(code, err, "--mask-prompt")
+    assert not (tmp_path / "m.nii.gz").exists()

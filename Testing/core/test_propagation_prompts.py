@@ -235,3 +235,99 @@ def test_early_stop_reaches_prompted_slices(prop, tall, K):
     assert np.array_equal(early.mask[z], full.mask[z]) and early.mask[z].any()  # the prompted slice was reached
     assert len(set(early.encoded_slices)) == len(early.encoded_slices)
     assert set(early.encoded_slices) <= set(range(lo, hi + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# mask prompts (medvol.anchor/4): a painted slice, sam2's add_new_mask
+# ---------------------------------------------------------------------------------------------
+
+
+def _painted(seg, z, label):
+    """A clinician's outline of ``label`` on slice ``z``: the reference label, one pixel eroded at its
+    top row (so it is not the label itself, as a hand-drawn outline is not)."""
+    m = seg[z] == label
+    top = np.nonzero(m.any(axis=1))[0][0]
+    m = m.copy()
+    m[top] = False
+    return m
+
+
+def _both_forms(z, obj, m):
+    """The mask prompt as the product takes it (runs) and as the reference takes it (the array)."""
+    from medvolcore.maskprompt import mask_prompt
+
+    return mask_prompt(z, obj, m), {"slice": z, "object": obj, "mask": m}
+
+
+@pytest.mark.parametrize("case_name", ["correction", "on-the-key-slice", "new-object+point", "range"])
+def test_mask_prompt_is_sam2s_add_new_mask_bit_for_bit(prop, ref, tall, liver_plain, case_name):
+    """Product (runs in the prompt) and reference (sam2's own ``add_new_mask`` with the array) give
+    the same mask bit for bit; the mask changes the result and is what the object is on its slice."""
+    ct, seg, boxes = tall
+    z_range = None
+    if case_name == "correction":
+        z, obj = KEY + 5, 1
+        mine, theirs = _both_forms(z, obj, _painted(seg, z, LIVER))
+        extra = []
+    elif case_name == "on-the-key-slice":  # the painted mask replaces the key box of object 1
+        z, obj = KEY, 1
+        mine, theirs = _both_forms(z, obj, _painted(seg, z, LIVER))
+        extra = []
+    elif case_name == "new-object+point":  # a new object seeded by a mask, corrected by a point elsewhere
+        z, obj = KEY - 4, 2
+        mine, theirs = _both_forms(z, obj, _painted(seg, z, SPLEEN))
+        extra = [_prompt(KEY + 3, 2, points=[_centre(seg[KEY + 3] == LIVER) + [0]])]
+    else:
+        z, obj = 12, 1
+        mine, theirs = _both_forms(z, obj, _painted(seg, z, LIVER))
+        extra, z_range = [], (3, 15)
+    r = prop.propagate(ct, KEY, boxes[:1], prompts=[mine] + extra, z_range=z_range, return_object_masks=True)
+    mask, calls = ref.reference_propagate_prompts(prop, ct, KEY, boxes[:1], [theirs] + extra, z_range=z_range)
+    assert np.array_equal(r.mask, mask), (
+        f"Dice {_dice(r.mask, mask):.6f}; slices that differ: {sorted(set(np.nonzero(r.mask != mask)[0].tolist()))}")
+    assert not np.array_equal(mask, liver_plain)
+    assert _dice(r.object_masks[obj - 1][z], theirs["mask"]) > 0.8  # on its slice the object is the painted mask
+    assert len(set(r.encoded_slices)) == len(r.encoded_slices) and r.encoder_calls < calls
+    if z_range is not None:
+        assert not r.mask[:z_range[0]].any() and not r.mask[z_range[1] + 1:].any()
+
+
+def test_reference_mask_prompt_is_not_a_box(ref, prop, tall, liver_plain):
+    """The reference's mask path is sam2's mask input, not the mask's box: the two masks differ."""
+    ct, seg, boxes = tall
+    m = _painted(seg, KEY, LIVER)
+    as_mask, _ = ref.reference_propagate_prompts(prop, ct, KEY, boxes[:1], [{"slice": KEY, "object": 1, "mask": m}])
+    assert not np.array_equal(as_mask, liver_plain)
+
+
+def test_mask_prompt_on_a_cached_volume_encodes_nothing(prop, tall):
+    """A volume's features kept in a FeatureStore: a re-propagation with a painted slice encodes 0
+    slices (counted on the image encoder), and its mask is a new answer."""
+    from medvolcore.maskprompt import mask_prompt
+    from medvolcore.propagation import FeatureStore
+
+    ct, seg, boxes = tall
+    store = FeatureStore()
+    first = prop.propagate(ct, KEY, boxes[:1], features=store)
+    assert first.encoder_calls == first.slices_encoded == ct.shape[0] == len(store)
+    z = KEY + 5
+    again = prop.propagate(ct, KEY, boxes[:1], prompts=[mask_prompt(z, 1, _painted(seg, z, LIVER))], features=store)
+    assert again.encoder_calls == 0 and again.slices_encoded == 0 and again.encoded_slices == ()
+    assert not np.array_equal(again.mask, first.mask)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([{"slice": KEY + 2, "object": 1, "mask": {"runs": []}}], "empty"),
+    ([{"slice": KEY + 2, "object": 1, "mask": {"runs": [3000, 200]}}], "outside the 61×51 slice"),
+    ([{"slice": 25, "object": 1, "mask": {"runs": [0, 5]}}], "outside the stack"),
+    ([{"slice": KEY + 2, "object": 3, "mask": {"runs": [0, 5]}}], "object 3 does not exist"),
+    ([{"slice": KEY + 2, "object": 1, "mask": {"runs": [0, 5]}, "box": [0, 0, 4, 4]}], "no box or points"),
+    ([{"slice": KEY + 2, "object": 1, "points": [[3, 3, 1]]},
+      {"slice": KEY + 2, "object": 1, "mask": {"runs": [0, 5]}}], "only input on its slice"),
+], ids=["empty", "other-grid", "off-the-stack", "unknown-object", "with-a-box", "shares-a-slice"])
+def test_bad_mask_prompts_are_refused(prop, tall, prompts, match):
+    from medvolcore.errors import InputError
+
+    ct, _, boxes = tall
+    with pytest.raises(InputError, match=match):
+        prop.propagate(ct, KEY, boxes[:1], prompts=prompts)

@@ -87,7 +87,7 @@ def test_from_wire_reads_each_declared_key_of_the_op_and_leaves_the_rest():
     ({"query": "x", "stop_after_empty": "3"}, "bad_request", "segment: field 'stop_after_empty' must be an integer"),
     ({"query": "x", "target_name": " "}, "bad_request", "segment: 'target_name' must be a short text"),
     ({"queries": ["a", "b"], "target_name": "liver"}, "bad_request", "'target_name' names one target"),
-    ({"op": "propagate"}, "bad_request", "propagate: missing field 'anchor' (a medvol.anchor/1 or /2 object)"),
+    ({"op": "propagate"}, "bad_request", "propagate: missing field 'anchor' (a medvol.anchor/1, /2 or /4 object)"),
     ({"op": "propagate", "anchor": {}, "consensus": 2}, "bad_request",
      "propagate: 'consensus' asks for a consensus of the model's answers to a query; a given anchor has none"),
 ])

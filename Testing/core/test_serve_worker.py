@@ -52,6 +52,7 @@ def test_hello(worker):
     r = worker.call({"id": 1, "op": "hello"})
     assert r["ok"] is True and r["result"]["protocol"] == 1
     assert set(r["result"]["ops"]) >= {"hello", "load", "segment", "propagate", "cancel", "status", "shutdown"}
+    assert r["result"]["limits"]["max_mask_prompts"] == 16 and r["result"]["limits"]["max_mask_runs"] == 32768
     assert r["result"]["medvolcore"]
 
 
@@ -481,3 +482,72 @@ def test_worker_segment_with_consensus_replies_confidence_and_writes_agreement(t
                                None, "http")
     finally:
         http.close(5)
+
+
+# ---- a painted slice as a prompt (medvol.anchor/4) ---------------------------------------------
+
+def test_a_mask_prompt_round_encodes_no_slice_again(worker, ct_sm_path, seg_sm_path, tmp_path):
+    """A re-propagation whose anchor carries a painted slice (a mask prompt) on a volume the worker has
+    seen encodes nothing; the answer is /4, with the mask's slice located in world coordinates."""
+    from medvolcore.maskprompt import mask_prompt, runs_to_mask
+
+    img = nib.load(str(ct_sm_path))
+    data = np.asarray(img.dataobj).copy()
+    data[0, -1, -1] -= 1  # content no other test has sent
+    vol = tmp_path / "ct.nii.gz"
+    nib.save(nib.Nifti1Image(data, img.affine), str(vol))
+    stack = as_stack(str(vol))
+    seg = stack.to_stack(np.asarray(nib.load(str(seg_sm_path)).dataobj))
+    k = stack.depth // 2
+    v1 = {"schema": "medvol.anchor/1", "slice": k, "boxes": [[40, 30, 80, 70]], "source": "user"}
+
+    def propagate(rid, anchor):
+        r = worker.call({"id": rid, "op": "propagate", "volume": str(vol), "anchor": anchor, "stop_after_empty": 0,
+                         "preset": "tiny"})
+        assert r["ok"] is True, r
+        return r["result"]
+
+    first = propagate("mask-1", v1)
+    assert first["slices_encoded"] == stack.depth
+    painted = seg[k + 3] == 5  # the liver on another slice, as the clinician painted it
+    v4 = dict(v1, schema="medvol.anchor/4", prompts=[mask_prompt(k + 3, 1, painted)])
+    again = propagate("mask-2", v4)
+    assert again["slices_encoded"] == 0 and again["timings"]["encoder_calls"] == 0
+    p = again["anchor"]["prompts"][0]
+    assert again["anchor"]["schema"] == "medvol.anchor/4" and p["slice"] == k + 3
+    assert np.array_equal(runs_to_mask(p["mask"]["runs"], stack.width, stack.height), painted)
+    assert np.allclose(stack.ras_to_stack(np.asarray([p["world"]["slice_center_ras"]]))[0, 0], k + 3)
+    m1, m2 = (np.asarray(nib.load(r["mask_path"]).dataobj) for r in (first, again))
+    assert not np.array_equal(m1, m2)
+
+
+def test_bad_mask_prompts_are_json_errors_before_any_model(tmp_path):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    ct = tmp_path / "ct.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((20, 16, 10), dtype=np.int16), np.diag([2.0, 2.0, 2.0, 1.0])), str(ct))
+    base = {"schema": "medvol.anchor/4", "slice": 4, "boxes": [[2, 3, 6, 8]], "source": "user"}
+    probes = [[{"slice": 5, "object": 1, "mask": {"runs": []}}],           # empty
+              [{"slice": 12, "object": 1, "mask": {"runs": [0, 4]}}],      # off the stack (10 slices)
+              [{"slice": 5, "object": 1, "mask": {"runs": [300, 30]}}],    # beyond a 20×16 slice: another grid
+              [{"slice": 5, "object": 4, "mask": {"runs": [0, 4]}}]]       # unknown object
+    needles = ["empty", "outside the stack", "outside the 20×16 slice", "object 4 does not exist"]
+    replies: queue.Queue = queue.Queue()
+    w = Worker(transport="stdio", device="cpu")
+    try:
+        for i, prompts in enumerate(probes):
+            w.handle_line(json.dumps({"id": i, "op": "propagate", "volume": str(ct), "anchor": dict(base, prompts=prompts)}),
+                          reply=replies.put)
+        got = {}
+        while len(got) < len(probes):
+            r = replies.get(timeout=60)
+            if "event" not in r:
+                got[r["id"]] = r
+        for i, needle in enumerate(needles):
+            assert got[i]["ok"] is False and got[i]["error"]["code"] == "bad_anchor", got[i]
+            assert needle in got[i]["error"]["message"] and "\n" not in got[i]["error"]["message"]
+        assert w.pipeline is None  # refused before any model was asked for
+    finally:
+        w.close(10)

@@ -18,7 +18,9 @@ image-encoder calls.
 ``reference_propagate_prompts`` extends it to ``medvol.anchor/2``'s correction prompts and
 ``z_range`` (boxes and points on any slice, for the key-slice objects or for new ones), the same
 way: per object and direction a fresh state, one ``add_new_points_or_box`` call per (object,
-slice), ``propagate_in_video`` from the object's start slice limited by ``max_frame_num_to_track``.
+slice), ``propagate_in_video`` from the object's start slice limited by ``max_frame_num_to_track``. A
+mask prompt (``medvol.anchor/4``: a painted 2-D mask for an object on a slice) is sam2's own
+``add_new_mask`` call for that (object, slice), in place of ``add_new_points_or_box``.
 
 As a script it is the whole-process counterpart of ``medvol propagate``::
 
@@ -143,26 +145,34 @@ def reference_propagate(propagator_or_model, stack_hu, key_slice, boxes, hu_wind
 
 
 def _group_prompts(n_boxes, key_slice, boxes, prompts):
-    """Per object, in object order: ``(start_slice, [(slice, box or None, [[x, y, label], ...]), ...])``.
+    """Per object, in object order: ``(start_slice, [(slice, box or None, [[x, y, label], ...], mask or None), ...])``.
 
     One entry per (object, slice): the slice's box (the key-slice box for objects 1..N) and all
-    its points in list order. Slices are in the order the object first receives a prompt there
-    (for objects 1..N the key slice first, for a new object the slice of its first prompt).
+    its points in list order, or its mask (a mask replaces the key-slice box; nothing else may share
+    its slice). Slices are in the order the object first receives a prompt there (for objects 1..N
+    the key slice first, for a new object the slice of its first prompt).
     """
-    objects = [(key_slice, OrderedDict([(key_slice, [list(b), []])])) for b in boxes]
+    objects = [(key_slice, OrderedDict([(key_slice, [list(b), [], None])])) for b in boxes]
     for i, p in enumerate(prompts):
         k = int(p["object"])
         if k == len(objects) + 1:  # a new object: its first prompt is its start slice
             objects.append((int(p["slice"]), OrderedDict()))
         elif not 1 <= k <= len(objects):
             raise ValueError(f"prompt {i}: object {k} (objects are numbered 1..{len(objects)} without gaps)")
-        per_slice = objects[k - 1][1].setdefault(int(p["slice"]), [None, []])
+        per_slice = objects[k - 1][1].setdefault(int(p["slice"]), [None, [], None])
+        if per_slice[2] is not None:
+            raise ValueError(f"prompt {i}: object {k} already has a mask on slice {p['slice']}")
+        if p.get("mask") is not None:
+            if per_slice[1] or (per_slice[0] is not None and not (k <= n_boxes and int(p["slice"]) == key_slice)):
+                raise ValueError(f"prompt {i}: a mask for object {k} on slice {p['slice']}, which has other prompts")
+            per_slice[:] = [None, [], np.asarray(p["mask"], dtype=bool)]
+            continue
         if p.get("box") is not None:
             if per_slice[0] is not None:
                 raise ValueError(f"prompt {i}: a second box for object {k} on slice {p['slice']}")
             per_slice[0] = list(p["box"])
         per_slice[1].extend(list(pt) for pt in p.get("points") or [])
-    return [(start, [(z, b, pts) for z, (b, pts) in per_slice.items()]) for start, per_slice in objects]
+    return [(start, [(z, b, pts, m) for z, (b, pts, m) in per_slice.items()]) for start, per_slice in objects]
 
 
 def reference_propagate_prompts(
@@ -172,10 +182,11 @@ def reference_propagate_prompts(
 
     ``boxes`` are objects 1..N on ``key_slice``; ``prompts`` are pixel-form dicts
     ``{"slice": z, "object": k, "box": [x0, y0, x1, y1] or None, "points": [[x, y, label], ...]}``
-    (object 1-based: k <= N corrects object k, k = N+1, N+2, ... adds a new object whose start
+    or mask prompts ``{"slice": z, "object": k, "mask": (H, W) boolean array}`` (object 1-based: k <= N corrects object k, k = N+1, N+2, ... adds a new object whose start
     slice is the slice of its first prompt). Per object, separately, and per direction (forward,
     then backward after ``reset_state``): one ``add_new_points_or_box`` call per slice of that
-    object with the slice's box and all its points, then ``propagate_in_video`` from the start
+    object with the slice's box and all its points (``add_new_mask`` with the mask on a masked
+    slice), then ``propagate_in_video`` from the start
     slice, limited to ``z_range`` = [z0, z1] (inclusive) by ``max_frame_num_to_track``. Every mask
     (logit > 0) is ORed into the result; slices outside ``z_range`` stay 0. No early stop.
 
@@ -190,11 +201,14 @@ def reference_propagate_prompts(
     objects = _group_prompts(len(boxes), int(key_slice), boxes, list(prompts or ()))
     with _reference_run(propagator_or_model, stack, hu_window) as (model, images, seg, calls):
         for start, per_slice in objects:
-            if not z0 <= start <= z1 or any(not z0 <= z <= z1 for z, _, _ in per_slice):
+            if not z0 <= start <= z1 or any(not z0 <= z <= z1 for z, _, _, _ in per_slice):
                 raise ValueError("every prompted slice must lie inside z_range")
             state = _init_state(model, images, h, w)
             for reverse in (False, True):
-                for z, box, pts in per_slice:
+                for z, box, pts, m in per_slice:
+                    if m is not None:
+                        model.add_new_mask(state, frame_idx=z, obj_id=1, mask=m)
+                        continue
                     kwargs = {}
                     if box is not None:
                         kwargs["box"] = np.asarray(box, dtype=np.float32)

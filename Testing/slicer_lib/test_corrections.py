@@ -291,6 +291,16 @@ def test_the_prompts_that_ran_are_read_back_from_world_or_pixel_form(real, name)
             "box_ras": None, "points_ras": [geo.slice_center_ras(k) + [1], geo.slice_center_ras(k + 1) + [0]]}}]})
 
 
+def test_mask_prompts_of_a_result_make_no_node(real):
+    """A /4 result's painted slices are in its segment: prompts_from_anchor skips them."""
+    _, geo, _, k = setup(real, "ras")
+    box = {"object": 1, "world": {"box_ras": None, "points_ras": [geo.slice_center_ras(k) + [1]]}}
+    mask = {"object": 1, "slice": 3, "box": None, "points": [], "mask": {"runs": [0, 4]},
+            "world": {"slice_center_ras": geo.slice_center_ras(k)}}
+    prompts, _ = prompts_from_anchor(geo, {"schema": "medvol.anchor/4", "prompts": [mask, box]})
+    assert len(prompts) == 1 and prompts[0].points
+
+
 def test_the_range_as_the_panel_shows_it(real):
     _, geo, _, k = setup(real, "ras")
     text = range_text(geo, k + 2, k - 3)
@@ -298,12 +308,12 @@ def test_the_range_as_the_panel_shows_it(real):
     assert text.startswith(f"slices {z0}\u2013{z1} (S ") and text.endswith(" mm)")
 
 
-def test_the_session_sends_v1_and_v2_anchors_and_nothing_else():
+def test_the_session_sends_v1_v2_and_v4_anchors_and_nothing_else():
     from MedVolR1SlicerLib.client import WorkerError
     from MedVolR1SlicerLib.session import Options, propagate_fields
 
     options = Options(preset="tiny")
-    for schema in ("medvol.anchor/1", SCHEMA_V2):
+    for schema in ("medvol.anchor/1", SCHEMA_V2, "medvol.anchor/4"):
         assert propagate_fields("/v.nii", {"schema": schema}, options)["anchor"] == {"schema": schema}
-    with pytest.raises(WorkerError, match="schema medvol.anchor/1 or /2"):
+    with pytest.raises(WorkerError, match=r"schema medvol.anchor/1, /2 or /4"):
         propagate_fields("/v.nii", {"schema": "medvol.anchor/3"}, options)

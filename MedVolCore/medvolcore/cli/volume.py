@@ -81,7 +81,8 @@ def cmd_propagate(args) -> int:
                          "or --random-weights SEED for an untrained smoke test")
     if args.sam_checkpoint is not None and args.image_size not in (None, 512):
         raise InputError("--image-size applies to --random-weights only; MedSAM2 checkpoints run at 512")
-    inputs = [("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)]
+    inputs = [("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)] + [
+        ("--mask-prompt", p["mask_file"]) for p in args.prompts or [] if "mask_file" in p]
     outputs = SegmentOutputs(args.out, anchor=args.anchor_out, overwrite=args.overwrite)  # checked by the job
     loaded = {}
 
@@ -142,8 +143,16 @@ class _PromptAction(argparse.Action):
     ``args.prompts`` in command-line order (the order sam2 receives the points in)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if self.dest == "mask_prompt":  # Z K FILE: the file is read with the volume, before any model loads
+            try:
+                z, k = (index_arg(v) for v in values[:2])
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentError(self, str(e)) from None
+            values = [z, k, values[2]]
         z, k, *rest = values
-        if self.dest == "add_box":
+        if self.dest == "mask_prompt":
+            prompt = {"slice": z, "object": k, "mask_file": rest[0]}
+        elif self.dest == "add_box":
             prompt = {"slice": z, "object": k, "box": list(rest), "points": []}
         else:
             prompt = {"slice": z, "object": k, "box": None, "points": [[rest[0], rest[1], int(self.dest == "inside_point")]]}
@@ -543,6 +552,9 @@ def add_volume_commands(add) -> None:
                    help="a point inside object K on slice Z (pixel x, y; repeatable)")
     c.add_argument("--outside-point", type=index_arg, nargs=4, action=_PromptAction, metavar=("Z", "K", "X", "Y"),
                    help="a point outside object K on slice Z (repeatable)")
+    c.add_argument("--mask-prompt", nargs=3, action=_PromptAction, metavar=("Z", "K", "FILE"),
+                   help="a painted mask of object K on slice Z (sam2's mask input): .npy or .png of the slice, or a "
+                        "label map on the volume's grid with voxels on slice Z only (repeatable)")
     c.add_argument("--z-range", type=index_arg, nargs=2, metavar=("Z0", "Z1"),
                    help="propagate only inside slices Z0..Z1 (inclusive; replaces the anchor's range)")
     sp.set_defaults(prompts=None)

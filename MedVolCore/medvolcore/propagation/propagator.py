@@ -34,6 +34,7 @@ from ..errors import CancelledError, CheckpointError, DependencyError, InputErro
 from ..resources import resource_path
 from ..windowing import WindowLike, get_window
 from ..progress import cancel_checker
+from ..maskprompt import runs_to_mask
 from ..prompts import plan_objects
 from .frames import DEFAULT_IMAGE_SIZE, FeatureStore, MedSAM2Frames
 
@@ -464,8 +465,8 @@ class MedSAM2Propagator:
 
         ``stack_hu``: (D, H, W) HU, canonical axial stack. ``boxes``: inclusive pixel boxes
         ``[x0, y0, x1, y1]`` on the key slice, objects 1..N. ``prompts``: correction prompts in
-        pixel form (:mod:`medvolcore.prompts`: boxes and points on any slice for objects 1..N,
-        or new objects N+1, …); ``z_range = (z0, z1)``: propagate only inside these slices.
+        pixel form (:mod:`medvolcore.prompts`: boxes, points or a painted mask on any slice for
+        objects 1..N, or new objects N+1, …; a mask goes to sam2's ``add_new_mask``); ``z_range = (z0, z1)``: propagate only inside these slices.
         Semantics (``docs/architecture.md``, "Correction prompts"): per object and direction a
         fresh inference state gets every prompt of that object, and tracking starts from the
         object's start slice (the key slice, or a new object's first prompted slice); objects
@@ -560,6 +561,10 @@ class MedSAM2Propagator:
                                 pred.reset_state(state)
                             for j, obj in enumerate(members):
                                 for z, (box, points) in obj.frames.items():
+                                    if z in obj.masks:  # a painted slice: sam2's own mask input
+                                        pred.add_new_mask(state, frame_idx=z, obj_id=j + 1,
+                                                          mask=runs_to_mask(obj.masks[z], width, height))
+                                        continue
                                     kw = {}
                                     if box is not None:
                                         kw["box"] = np.asarray(box, dtype=np.float32)

@@ -288,7 +288,7 @@ class Worker:
 
     def _limits(self) -> dict:
         from ..anchor import MAX_BOXES
-        from ..prompts import MAX_OBJECTS, MAX_POINTS, MAX_PROMPTS
+        from ..prompts import MAX_MASK_PROMPTS, MAX_MASK_RUNS, MAX_OBJECTS, MAX_POINTS, MAX_PROMPTS
 
         from .upload import upload_ceiling
 
@@ -296,7 +296,7 @@ class Worker:
         return {"max_request_mb": round(self.max_request_bytes / (1 << 20), 3), "max_voxels": self.max_voxels,
                 "max_volume_body_mb": None if ceiling is None else round(ceiling / (1 << 20), 3),
                 "max_boxes": MAX_BOXES, "max_objects": MAX_OBJECTS, "max_prompts": MAX_PROMPTS,
-                "max_points": MAX_POINTS}
+                "max_points": MAX_POINTS, "max_mask_prompts": MAX_MASK_PROMPTS, "max_mask_runs": MAX_MASK_RUNS}
 
     @staticmethod
     def _internal_reply(rid, what: str) -> dict:
