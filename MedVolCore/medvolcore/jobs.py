@@ -18,8 +18,11 @@ The steps, in this order, so that nothing is loaded or written for a job that ca
    one, so a front door can load models only once the inputs are known good);
 4. ground + propagate (``query``) or propagate the given anchor (``anchor``, or ``key_slice`` +
    ``boxes``: the language model is not used);
-5. the mask (uint8, on the volume's own grid), then the anchor file, then the QC picture, each
-   written atomically (temporary name, then rename). When the grounder answered that the target is
+5. the mask (uint8, on the volume's own grid), then the anchor file, then the QC picture (and
+   every other output: labels tables, agreement maps, statistics), as one set
+   (:func:`~medvolcore.fileio.output_set`): each is written and checked under a temporary name, and
+   they are renamed into place only once all are written, so a failure at any of them leaves the
+   previous outputs as they were and no new file. When the grounder answered that the target is
    not in the volume (an *absent* result), no mask file is written unless the outputs ask for an
    all-zero one (``empty_mask_on_absent``); the anchor file (schema ``medvol.anchor/3``) and the QC
    picture are written as usual and say so.
@@ -54,7 +57,8 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from .dicomseg import check_dicom_source, is_dicom_output
-from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix, write_text_atomic
+from .fileio import (MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix, output_set,
+                     write_text_atomic)
 from .stats import STATS_SUFFIXES, check_stats_path, stats_text, target_stats
 from .models.identity import SMOKE_BANNER  # re-exported here, where it always was
 from .request import MAX_TARGETS, SegmentRequest  # declared in medvolcore.request; imported from here too
@@ -265,10 +269,11 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     if progress is not None:
         progress("write", 0.0, "writing the mask" if targets == 1 else f"writing the {targets} targets")
     t_write = time.perf_counter()
-    if targets > 1:
-        res = _write_targets(segs, stack, volume_path, request, outputs, window)
-    else:
-        res = _write_target(segs[0], stack, volume_path, request, outputs, window, query)
+    with output_set():  # every file to a temporary; all renamed into place once all are written
+        if targets > 1:
+            res = _write_targets(segs, stack, volume_path, request, outputs, window)
+        else:
+            res = _write_target(segs[0], stack, volume_path, request, outputs, window, query)
     res.timings["write_s"] = round(time.perf_counter() - t_write, 4)
     res.timings["job_s"] = round(time.perf_counter() - t0, 4)
     if progress is not None:
