@@ -241,6 +241,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     check_outputs(outputs, [("--volume", volume_path)] + list(inputs), targets)
 
     stack = as_stack(volume)
+    warnings = _plausibility(stack, request)
     anchor = None if request.grounded else _given_anchor(request, stack)
     pipe = pipeline() if callable(pipeline) else pipeline
     store = features(pipe, window) if callable(features) else features
@@ -271,14 +272,26 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     t_write = time.perf_counter()
     with output_set():  # every file to a temporary; all renamed into place once all are written
         if targets > 1:
-            res = _write_targets(segs, stack, volume_path, request, outputs, window)
+            res = _write_targets(segs, stack, volume_path, request, outputs, window, warnings)
         else:
-            res = _write_target(segs[0], stack, volume_path, request, outputs, window, query)
+            res = _write_target(segs[0], stack, volume_path, request, outputs, window, query, warnings)
     res.timings["write_s"] = round(time.perf_counter() - t_write, 4)
     res.timings["job_s"] = round(time.perf_counter() - t0, 4)
     if progress is not None:
         progress("write", 1.0, "done")
     return res
+
+
+def _plausibility(stack, request: SegmentRequest) -> List[str]:
+    """The volume's CT plausibility warnings (:func:`medvolcore.volume.ct_plausibility`; an all-air
+    volume is refused), or an error with ``strict_ct`` — before any model loads."""
+    from .errors import VolumeError
+    from .volume import ct_plausibility
+
+    warnings = ct_plausibility(stack.volume.array, stack.volume.name)
+    if warnings and request.strict_ct:
+        raise VolumeError(warnings[0].replace("; the result is unreliable", "") + f" (refused: {request.name('strict_ct')})")
+    return [w + f" ({request.name('strict_ct')} refuses such a volume)" for w in warnings]
 
 
 def _algorithm(seg) -> str:
@@ -327,11 +340,13 @@ def _target_stats(seg, mask, stack, name: str) -> dict:
                         (world.get("slice_center_ras") or [None, None, None])[2])
 
 
-def _save_qc(path, stack, seg, mask_stack, request: SegmentRequest, window, title: str, overwrite: bool) -> None:
+def _save_qc(path, stack, seg, mask_stack, request: SegmentRequest, window, title: str, overwrite: bool,
+             warnings: Sequence[str] = (), empty_note: str = "") -> None:
     from .qc import save_qc
 
     save_qc(path, stack, seg.anchor, mask_stack, overwrite=overwrite, title=title, reasoning=seg.reasoning,
-            window=window, gt_mask=request.reference, **_qc_identity(seg, request.grounded))
+            window=window, gt_mask=request.reference, warnings=list(warnings),
+            empty_note=empty_note, **_qc_identity(seg, request.grounded))
 
 
 def _volume_name(stack, volume_path) -> Optional[str]:
@@ -340,7 +355,7 @@ def _volume_name(stack, volume_path) -> Optional[str]:
 
 
 def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window,
-                  query) -> SegmentResult:
+                  query, warnings: Sequence[str] = ()) -> SegmentResult:
     """Write a one-target job's files (see the module docstring's step 5) → its result."""
     from .terminology import match
     from .volume import save_mask
@@ -360,7 +375,7 @@ def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: Seg
         seg.anchor.save(outputs.anchor, outputs.overwrite)
     if outputs.qc:
         title = request.qc_title if request.qc_title is not None else f"query: {seg.anchor.query or query or ''}"
-        _save_qc(outputs.qc, stack, seg, seg.mask_stack, request, window, title, outputs.overwrite)
+        _save_qc(outputs.qc, stack, seg, seg.mask_stack, request, window, title, outputs.overwrite, warnings)
     metrics = None
     if request.reference is not None:
         from .metrics import overlap
@@ -369,7 +384,7 @@ def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: Seg
         metrics = {"dice": round(m["dice"], 6), "iou": round(m["iou"], 6), "pred_voxels": m["pred_voxels"],
                    "gt_voxels": m["gt_voxels"]}
     fields = _target_fields(seg, query, term, stats)
-    fields["notes"] = list(dict.fromkeys(seg.notes))
+    fields["notes"] = list(dict.fromkeys(list(warnings) + list(seg.notes)))
     return SegmentResult(
         mode="segment" if request.grounded else "propagate", volume=_volume_name(stack, volume_path),
         preset=seg.preset, smoke=bool(seg.smoke), identity=seg.identity, **fields,
@@ -396,7 +411,8 @@ def resolve_overlaps(masks: Sequence, shape) -> Tuple[object, List[dict]]:
     return labels, overlaps
 
 
-def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window) -> SegmentResult:
+def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window,
+                   warnings: Sequence[str] = ()) -> SegmentResult:
     """Write a several-target job's files → its result (see "Several targets" in the module docstring)."""
     from . import RESEARCH_USE_NOTICE
     from .terminology import match
@@ -409,7 +425,7 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
     import numpy as np
 
     voxel_ml = abs(float(np.linalg.det(np.asarray(stack.volume.affine, dtype=np.float64)[:3, :3]))) / 1000.0
-    notes = []
+    notes = list(warnings)
     for o in overlaps:
         j, k = o["labels"]
         o.update(queries=[queries[j - 1], queries[k - 1]], volume_ml=round(o["voxels"] * voxel_ml, 3))
@@ -434,8 +450,12 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
         if outputs.qc:
             files["qc"] = numbered(outputs.qc, k)
             title = (f"{request.qc_title} · " if request.qc_title else "") + f"target {k}/{n} · query: {q}"
-            _save_qc(files["qc"], stack, seg, (labels_stack == k).astype("uint8"), request, window, title,
-                     outputs.overwrite)
+            mine = (labels_stack == k).astype("uint8")
+            key = None if seg.absent else int(seg.anchor.slice)
+            lost_here = key is not None and not mine[key].any() and bool(np.any(seg.mask_stack[key]))
+            _save_qc(files["qc"], stack, seg, mine, request, window, title, outputs.overwrite, warnings,
+                     empty_note="mask: none left on this slice (its voxels here went to a target asked earlier)"
+                     if lost_here else "")
         lost = sum(o["voxels"] for o in overlaps if o["labels"][1] == k)
         targets.append(SegmentResult(label=k, **_target_fields(seg, q, term, stats), overlap_voxels_lost=lost,
                                      anchor_out=files.get("anchor_out"), qc=files.get("qc"),

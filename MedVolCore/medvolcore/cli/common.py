@@ -110,6 +110,16 @@ def add_stop_option(sp) -> None:
                          f"(default {DEFAULT_STOP_AFTER_EMPTY}; 0 = propagate through the whole volume, as the paper)")
 
 
+def add_ct_options(sp) -> None:
+    """``--ct-window`` (the display window of the frames the models see) and ``--strict-ct``."""
+    sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W",
+                    help="display window of the frames the models see: soft_tissue 40/400 (default), lung, bone, … "
+                         "or CENTER,WIDTH in HU")
+    sp.add_argument("--strict-ct", action="store_true",
+                    help="refuse a volume that does not look like CT in HU (no air below -500 HU, or a few whole "
+                         "values like a label map) instead of warning in the result and the QC picture")
+
+
 def add_consensus_options(sp, agreement: Optional[str] = "--agreement") -> None:
     """``--consensus G``, ``--consensus-mask`` and (unless ``agreement`` is None) ``--agreement FILE``."""
     from ..consensus import MASK_MODES
