@@ -62,6 +62,7 @@ from .fileio import (MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, 
 from .stats import STATS_SUFFIXES, check_stats_path, stats_text, target_stats
 from .models.identity import SMOKE_BANNER  # re-exported here, where it always was
 from .request import MAX_TARGETS, SegmentRequest  # declared in medvolcore.request; imported from here too
+from .errors import InputError
 from .result import SegmentResult
 
 __all__ = ["SegmentRequest", "SegmentResult", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "default_anchor_path",
@@ -157,6 +158,7 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
     (without ``overwrite``), that cannot be written, or whose suffix is not of their kind (every
     file of :func:`planned_files` for ``targets`` targets)."""
     files = planned_files(outputs, targets)
+    _check_labels_tables(files)
     check_distinct([(name, path) for _, name, path in files], list(inputs))
     create, overwrite = outputs.create_folders, outputs.overwrite
     for kind, name, path in files:
@@ -173,6 +175,25 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
             check_output(path, overwrite, suffixes=PNG_SUFFIXES, what="QC picture", create_folder=create)
         else:
             check_output(path, overwrite, create_folder=create)
+
+
+def _check_labels_tables(files) -> None:
+    """Refuse two label maps whose labels tables would be one file (``organs.nii.gz`` and
+    ``organs.nrrd`` both → ``organs.labels.json``), naming both masks and the shared table."""
+    import os
+
+    seen, mask = {}, None
+    for kind, name, path in files:
+        if kind == "mask":
+            mask = (name, path)
+        elif kind == "labels":
+            key = os.path.normcase(os.path.realpath(os.path.expanduser(str(path))))
+            if key in seen:
+                (n1, m1), (n2, m2) = seen[key], mask
+                raise InputError(f"{n1} {m1} and {n2} {m2} would share one labels table, {path}: with several "
+                                 "queries each label map gets a table named after it, so give label maps different "
+                                 "names before the suffix (organs.nii.gz and organs_copy.nrrd)")
+            seen[key] = mask
 
 
 def _given_anchor(request: SegmentRequest, stack):
@@ -294,9 +315,22 @@ def _plausibility(stack, request: SegmentRequest) -> List[str]:
     return [w + f" ({request.name('strict_ct')} refuses such a volume)" for w in warnings]
 
 
+ALGORITHM_NAME_CHARS = 64  # a DICOM LO value
+
+
 def _algorithm(seg) -> str:
-    """The DICOM-SEG's algorithm name: the model that made the anchor, or a given anchor's propagation."""
-    return "MedVol " + ((seg.identity or {}).get("label") or "propagation of a given anchor")
+    """The DICOM-SEG's algorithm name (a DICOM LO: 64 characters): the model that made the anchor,
+    or a given anchor's propagation; a longer label is cut at the end of a phrase (before ``:``,
+    ``;``, ``,`` or ``(``), never in the middle of one."""
+    name = "MedVol " + ((seg.identity or {}).get("label") or "propagation of a given anchor")
+    if len(name) <= ALGORITHM_NAME_CHARS:
+        return name
+    head = name[:ALGORITHM_NAME_CHARS]
+    cuts = [head.rfind(sep) for sep in (":", ";", ",", " (")]
+    cut = max(cuts)
+    if cut > len("MedVol "):
+        return head[:cut].rstrip()
+    return head[:ALGORITHM_NAME_CHARS - 1].rsplit(" ", 1)[0] + "…"
 
 
 def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: List[dict], algorithm: str,

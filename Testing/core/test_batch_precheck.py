@@ -74,3 +74,15 @@ def test_at_run_time_a_ground_truth_problem_is_bad_ground_truth(tmp_path):
     with pytest.raises(GroundTruthError, match="the ground truth gt.nii.gz: label 3 is absent") as ei:
         _segment_case(case, tmp_path / "a", _NoModel(), BatchOptions(), None, None, {}, 0.0)
     assert ei.value.code == "bad_ground_truth"
+
+
+def test_the_summary_table_scrolls_in_its_own_box():
+    """summary.html's table of 18+ columns scrolls inside a box instead of running off the page."""
+    import re
+
+    from medvolcore.batch.report import render_summary_html
+
+    page = render_summary_html([])
+    assert '<div class="scroll"><table class="cases">' in page and "</table></div>" in page
+    css = re.search(r"<style>(.*)</style>", page, re.S).group(1)
+    assert re.search(r"\.scroll\{[^}]*overflow-x:auto", css)
