@@ -120,6 +120,28 @@ def add_ct_options(sp) -> None:
                          "values like a label map) instead of warning in the result and the QC picture")
 
 
+def propagate_weights(args) -> tuple:
+    """``medvol propagate``'s MedSAM2 weights: ``("checkpoint", path)`` from ``--sam-checkpoint`` or
+    from ``--preset``'s downloaded weights, or ``("random", (seed, image_size))`` from
+    ``--random-weights`` or a preset of random weights (``tiny``); refused when none is given."""
+    if getattr(args, "preset", None) is not None:
+        from ..models import resolve
+
+        models = resolve(args.preset, require_adapter=False)
+        kind, value = ("checkpoint", models.sam_checkpoint) if models.sam_checkpoint else ("random", models.sam_random)
+    elif args.sam_checkpoint is not None:
+        kind, value = "checkpoint", args.sam_checkpoint
+    elif args.random_weights is not None:
+        kind, value = "random", (args.random_weights, args.image_size or 512)
+    else:
+        raise InputError("no MedSAM2 weights: pass --preset NAME (its downloaded weights: medvol models download "
+                         "NAME; tiny for a smoke test), --sam-checkpoint PATH (e.g. MedSAM2_latest.pt), or "
+                         "--random-weights SEED for an untrained smoke test")
+    if args.image_size not in (None, 512) and args.random_weights is None:
+        raise InputError("--image-size applies to --random-weights only; MedSAM2 checkpoints run at 512")
+    return kind, value
+
+
 def add_consensus_options(sp, agreement: Optional[str] = "--agreement") -> None:
     """``--consensus G``, ``--consensus-mask`` and (unless ``agreement`` is None) ``--agreement FILE``."""
     from ..consensus import MASK_MODES

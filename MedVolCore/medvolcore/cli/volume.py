@@ -16,8 +16,8 @@ from typing import Optional
 
 from ..errors import InputError
 from .common import (PROG, add_compute_options, add_consensus_options, add_ct_options, add_preset_option,
-                     add_stop_option, apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb, seed_arg,
-                     stop_text, terminal_safe)
+                     add_stop_option, apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb,
+                     propagate_weights, seed_arg, stop_text, terminal_safe)
 
 VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder"
 
@@ -76,12 +76,8 @@ def cmd_propagate(args) -> int:
 
     t0 = time.perf_counter()
     request = SegmentRequest.from_cli(args)  # the anchor (or key slice and boxes), the range, early stop, …
-    if args.sam_checkpoint is None and args.random_weights is None:
-        raise InputError("no MedSAM2 weights: pass --sam-checkpoint PATH (e.g. MedSAM2_latest.pt), "
-                         "or --random-weights SEED for an untrained smoke test")
-    if args.sam_checkpoint is not None and args.image_size not in (None, 512):
-        raise InputError("--image-size applies to --random-weights only; MedSAM2 checkpoints run at 512")
-    inputs = [("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)]
+    kind, weights = propagate_weights(args)  # --preset's, --sam-checkpoint or --random-weights; refused when none
+    inputs = [("--anchor", args.anchor), ("--sam-checkpoint", weights if kind == "checkpoint" else None)]
     outputs = SegmentOutputs(args.out, anchor=args.anchor_out, overwrite=args.overwrite)  # checked by the job
     loaded = {}
 
@@ -92,16 +88,15 @@ def cmd_propagate(args) -> int:
 
         device = str(resolve_device(args.device))
         t_load = time.perf_counter()
-        if args.sam_checkpoint is not None:
-            propagator = MedSAM2Propagator.from_checkpoint(args.sam_checkpoint, device=device)
-            loaded["weights"] = str(args.sam_checkpoint)
+        if kind == "checkpoint":
+            propagator = MedSAM2Propagator.from_checkpoint(weights, device=device)
+            loaded["weights"] = str(weights)
         else:
+            (seed, size) = weights
             logging.getLogger("medvolcore").warning(
-                "random MedSAM2 weights (seed %d): the mask is meaningless, for smoke tests and benchmarks only",
-                args.random_weights)
-            size = args.image_size or 512
-            propagator = MedSAM2Propagator.from_random(args.random_weights, image_size=size, device=device)
-            loaded["weights"] = f"random(seed={args.random_weights}, image_size={size})"
+                "random MedSAM2 weights (seed %d): the mask is meaningless, for smoke tests and benchmarks only", seed)
+            propagator = MedSAM2Propagator.from_random(seed, image_size=size, device=device)
+            loaded["weights"] = f"random(seed={seed}, image_size={size})"
         loaded.update(device=device, load_s=time.perf_counter() - t_load)
         return Pipeline.with_propagator(propagator)
 
@@ -547,6 +542,7 @@ def add_volume_commands(add) -> None:
                    help="propagate only inside slices Z0..Z1 (inclusive; replaces the anchor's range)")
     sp.set_defaults(prompts=None)
     w = sp.add_mutually_exclusive_group()
+    w.add_argument("--preset", help="the MedSAM2 weights of a model preset (after medvol models download NAME)")
     w.add_argument("--sam-checkpoint", metavar="PATH", help="MedSAM2 checkpoint, e.g. MedSAM2_latest.pt")
     w.add_argument("--random-weights", type=seed_arg, metavar="SEED", help="seeded random weights (tests, benchmarks)")
     sp.add_argument("--image-size", type=index_arg, help="model input size for --random-weights (default 512)")
