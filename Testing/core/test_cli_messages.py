@@ -64,3 +64,4 @@ def test_propagate_takes_a_presets_weights(capsys, tmp_path, small_ct):
                  str(tmp_path / "n.nii.gz"), "--preset", "qwen3-vl-4b"])
     err = capsys.readouterr().err
     assert code != 0 and "download" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "--preset tiny" in err and "medvol demo" in err  # not only a download of several GB
