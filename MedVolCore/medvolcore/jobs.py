@@ -488,7 +488,7 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
             key = None if seg.absent else int(seg.anchor.slice)
             lost_here = key is not None and not mine[key].any() and bool(np.any(seg.mask_stack[key]))
             _save_qc(files["qc"], stack, seg, mine, request, window, title, outputs.overwrite, warnings,
-                     empty_note="mask: none left on this slice (its voxels here went to a target asked earlier)"
+                     empty_note="mask: none left here (taken by an earlier target)"
                      if lost_here else "")
         lost = sum(o["voxels"] for o in overlaps if o["labels"][1] == k)
         targets.append(SegmentResult(label=k, **_target_fields(seg, q, term, stats), overlap_voxels_lost=lost,

@@ -145,10 +145,14 @@ def slice_position_mm(stack, z: int) -> Tuple[float, bool]:
 
 
 def _file_index(stack, z: int) -> str:
-    """Which index of the source file the stack slice ``z`` is (``k=74``), for other viewers."""
+    """Which index of the source the stack slice ``z`` is, for other viewers: ``file index k=74`` of
+    a file; of a DICOM series, its slice in the series sorted by position (``DICOM series slice 75 of
+    112, by position``: 1-based, as viewers count; a file name or InstanceNumber may differ)."""
     axis = stack.perm[0]
     idx = round(float(stack.stack_to_source_index([z, 0, 0])[axis]))
-    return f"{'ijk'[axis]}={idx}"
+    if getattr(stack.volume, "source_format", "") == "dicom":
+        return f"DICOM series slice {idx + 1} of {stack.volume.shape[axis]}, by position"
+    return f"file index {'ijk'[axis]}={idx}"
 
 
 def signal_text(anchor) -> str:
@@ -338,7 +342,7 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
     add(model, (255, 200, 120), most=2)
     pos, oblique = slice_position_mm(stack, z)
     centre = "centre, oblique slice" if oblique else "slice centre"
-    where = f"S {pos:+.1f} mm ({centre}), file index {_file_index(stack, z)}"
+    where = f"S {pos:+.1f} mm ({centre}), {_file_index(stack, z)}"
     if absent:
         add("NOT FOUND: the model answered that the target is not in this CT", (255, 200, 60))
         add(f"no key slice; showing the middle slice z={z} of {stack.depth} (z=0 at the head end)", (200, 200, 200))

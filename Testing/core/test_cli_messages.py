@@ -65,3 +65,14 @@ def test_propagate_takes_a_presets_weights(capsys, tmp_path, small_ct):
     err = capsys.readouterr().err
     assert code != 0 and "download" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "--preset tiny" in err and "medvol demo" in err  # not only a download of several GB
+
+
+def test_propagate_writes_every_out_given(capsys, tmp_path, small_ct):
+    """``--out`` repeated: every format is written (it used to keep the last one silently)."""
+    outs = [tmp_path / "m.nii.gz", tmp_path / "m.seg.nrrd"]
+    code = main(["propagate", "--volume", str(small_ct[0]), "--slice", "3", "--box", *map(str, BOX),
+                 "--out", str(outs[0]), "--out", str(outs[1]), "--random-weights", "0", "--image-size", "64",
+                 "--no-progress", "--json"])
+    o, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(o)["outs"] == [str(p) for p in outs] and all(p.is_file() for p in outs)

@@ -291,3 +291,24 @@ def test_qc_line_prints_the_confidence_else_the_answer_signal():
     b = EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200], signal={"answer_mean_prob": 0.912})
     assert signal_text(b).startswith("answer signal 0.91") and "not the chance" in signal_text(b)
     assert signal_text(EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200])) == ""
+
+
+def test_a_dicom_slice_is_named_in_the_series_not_as_a_file_index():
+    from medvolcore.qc import _file_index
+
+    vol = _ras_volume()
+    assert _file_index(AxialStack(vol), 2) == "file index k=3"
+    dicom = CTVolume(vol.array, vol.affine, source_format="dicom")
+    assert _file_index(AxialStack(dicom), 2) == "DICOM series slice 4 of 6, by position"
+
+
+def test_a_target_whose_voxels_went_to_an_earlier_one_says_so(tmp_path, anchor):
+    vol = _ras_volume()
+    stack = AxialStack(vol)
+    note = "mask: none left here (taken by an earlier target)"  # as medvolcore.jobs writes it
+    path = tmp_path / "lost.png"
+    save_qc(path, stack, anchor, np.zeros(stack.data.shape, np.uint8), empty_note=note)
+    with Image.open(path) as im:
+        pic = np.asarray(im.convert("RGB")).copy()
+    assert _find(pic, _text(note, (230, 230, 230)))
+    assert not _find(pic, _text("mask: none on this slice", (230, 230, 230)))

@@ -110,7 +110,7 @@ def cmd_propagate(args) -> int:
     t = res["timings"]
     prop = res["propagation"]
     out = {
-        "out": res["out"], "volume": str(args.volume), "anchor": res["anchor"], "weights": loaded["weights"],
+        "out": res["out"], "outs": res["outs"], "volume": str(args.volume), "anchor": res["anchor"], "weights": loaded["weights"],
         "device": loaded["device"], "ct_window": _window_pair(args.ct_window),
         "slice_range": list(prop["slice_range"]), "slices_encoded": t["slices_encoded"], "propagation": prop,
         "encoder_calls": t["encoder_calls"], "mask_voxels": res["mask_voxels"],
@@ -125,7 +125,7 @@ def cmd_propagate(args) -> int:
     lo, hi = prop["slice_range"]
     n_prompts = len(res["anchor"].get("prompts") or [])
     corrections = f" with {n_prompts} correction prompt{'s' if n_prompts != 1 else ''}" if n_prompts else ""
-    text = (f"wrote {res['out']}{corrections}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
+    text = (f"wrote {', '.join(res['outs'])}{corrections}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
             f"({t['slices_encoded']} encoded, {t['propagate_s_per_slice']:.2f} s/slice{stop_text(prop)}), "
             f"peak memory {out['peak_memory_mb']} MB")
     emit(out, args.json, text)
@@ -529,7 +529,9 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--slice", type=index_arg, help="key slice z of the canonical axial stack (0 = most superior)")
     sp.add_argument("--box", type=index_arg, nargs=4, action="append", metavar=("X0", "Y0", "X1", "Y1"),
                     help="inclusive pixel box on the key slice (repeatable)")
-    sp.add_argument("--out", required=True, help="mask to write (.nii.gz, .nii or .nrrd), on the volume's grid")
+    sp.add_argument("--out", required=True, action="append", metavar="PATH",
+                    help="mask to write on the volume's grid (.nii.gz, .nii, .nrrd, .mha, .seg.nrrd; .dcm for a DICOM "
+                         "folder); repeat it to write every format given")
     c = sp.add_argument_group("corrections (added to the anchor's own; objects are numbered from 1 in the anchor's "
                               "box order, the next free number adds an object)")
     c.add_argument("--add-box", type=index_arg, nargs=6, action=_PromptAction, metavar=("Z", "K", "X0", "Y0", "X1", "Y1"),
