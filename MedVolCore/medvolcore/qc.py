@@ -14,8 +14,9 @@ nearest neighbour):
 * the ground-truth contour (``gt_mask``): a 2 px ring just *outside* the ground truth's edge (and,
   where the ground truth reaches the border of the slice, inside it along the border), so a perfect
   mask shows the two colours side by side rather than one over the other;
-* each evidence box: a 2 px (or ``scale // 2``) frame just outside the box's inclusive pixels,
-  numbered from 1 as in the anchor file (numbers that would overlap are moved apart);
+* each evidence box: a 2 px (or ``scale // 2``) frame outside the box's inclusive pixels, beyond
+  the ground-truth ring, numbered from 1 as in the anchor file (numbers that would overlap are set
+  side by side);
 * the orientation letters on the four edges, from the stack's direction (radiological view:
   the patient's right on the image's left).
 
@@ -277,7 +278,7 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
     img = Image.fromarray(rgb)
     draw = ImageDraw.Draw(img)
     small = _font(11)
-    gap = 1  # a box's frame sits just outside its pixels
+    gap = RING_PX + 1  # a box's frame sits outside the ground-truth ring drawn outside its edge
     groups = _groups(len(boxes), pairs)
     for group in groups:
         for i in group:
