@@ -311,7 +311,8 @@ def _plausibility(stack, request: SegmentRequest) -> List[str]:
 
     warnings = ct_plausibility(stack.volume.array, stack.volume.name)
     if warnings and request.strict_ct:
-        raise VolumeError(warnings[0].replace("; the result is unreliable", "") + f" (refused: {request.name('strict_ct')})")
+        refused = warnings[0].replace("; the result is unreliable", "")
+        raise VolumeError(f"{refused} (refused: {request.name('strict_ct')})")
     return [w + f" ({request.name('strict_ct')} refuses such a volume)" for w in warnings]
 
 

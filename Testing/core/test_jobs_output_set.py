@@ -56,7 +56,8 @@ ONE_TARGET_FILES = ["m.nii.gz", "m.seg.nrrd", "m.dcm", "m.anchor.json", "m.png",
 
 
 @pytest.mark.parametrize("failing", ONE_TARGET_FILES)
-def test_a_failed_overwrite_run_leaves_the_previous_set_whole(tmp_path, series, calls, monkeypatch, failing):  # noqa: F811
+def test_a_failed_overwrite_run_leaves_the_previous_set_whole(tmp_path, series, calls,  # noqa: F811
+                                                               monkeypatch, failing):
     out = tmp_path / "out"
     out.mkdir()
     run_segment_job(calls, series, SegmentRequest(key_slice=3, boxes=[BOX]), _outputs(out))
@@ -117,8 +118,8 @@ SEVERAL = ["organs.nii.gz", "organs.labels.json", "organs.seg.nrrd", "organs.2.a
 
 
 @pytest.mark.parametrize("failing", SEVERAL)
-def test_a_several_target_run_that_fails_leaves_nothing_that_looks_finished(pipe, small_ct, canned, tmp_path,  # noqa: F811
-                                                                              monkeypatch, failing):
+def test_a_several_target_run_that_fails_leaves_nothing_that_looks_finished(pipe, small_ct, canned,  # noqa: F811
+                                                                              tmp_path, monkeypatch, failing):
     out = tmp_path / "out"
     out.mkdir()
     outputs = SegmentOutputs([out / "organs.nii.gz", out / "organs.seg.nrrd"], anchor=out / "organs.anchor.json",

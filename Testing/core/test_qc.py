@@ -1,8 +1,9 @@
 """The QC picture (:mod:`medvolcore.qc`), read back from the PNG pixel by pixel: orientation letters
 from the stack's direction, the mask outline (2 px, along the mask's own edge, the image's border
 included) and its translucent fill, the ground-truth contour, the mask's share and the implausible
-size flag, the text budget that keeps the model line, legend and notice on a long query, the legend, window/level, key slice and S position, duplicate boxes flagged. A small synthetic CT
-on a known grid; no model."""
+size flag, the text budget that keeps the model line, legend and notice on a long query, the
+legend, window/level, key slice and S position, duplicate boxes flagged, box numbers apart. A small
+synthetic CT on a known grid; no model."""
 
 from __future__ import annotations
 

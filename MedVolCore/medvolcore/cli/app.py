@@ -3,8 +3,9 @@
 Every command has ``--help``. Errors are one line on stderr and a non-zero exit code
 (``--debug`` shows the traceback); with ``--json`` the error is also a JSON object on stdout
 (``{"ok": false, "error": {"code", "message", "exit_code"}}``). Python warnings of the libraries
-(transformers, torch, …) say nothing a user can act on: they are silenced unless ``--debug``. Text printed for people goes through
-:func:`~.common.terminal_safe`, so user text (queries, file names, case ids) cannot drive the terminal. Long work shows a progress bar on stderr; ``--json``
+(transformers, torch, …) say nothing a user can act on: they are silenced unless ``--debug``.
+Text printed for people goes through :func:`~.common.terminal_safe`, so user text (queries, file
+names, case ids) cannot drive the terminal. Long work shows a progress bar on stderr; ``--json``
 prints a machine-readable result on stdout. The commands live in one module per group
 (:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`), each of which imports only
 :mod:`.common` of this package; heavy libraries are imported by the command that needs them.

@@ -150,7 +150,8 @@ def cmd_batch(args) -> int:
     from ..caseruns import parse_shard
 
     opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
-                        sample=args.sample, ct_window=args.ct_window, strict_ct=args.strict_ct, stop_after_empty=args.stop_after_empty,
+                        sample=args.sample, ct_window=args.ct_window, strict_ct=args.strict_ct,
+                        stop_after_empty=args.stop_after_empty,
                         consensus=args.consensus, consensus_mask=args.consensus_mask, shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                         empty_mask_on_absent=args.empty_mask_on_absent, threads=args.threads,

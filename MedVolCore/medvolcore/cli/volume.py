@@ -110,7 +110,8 @@ def cmd_propagate(args) -> int:
     t = res["timings"]
     prop = res["propagation"]
     out = {
-        "out": res["out"], "outs": res["outs"], "volume": str(args.volume), "anchor": res["anchor"], "weights": loaded["weights"],
+        "out": res["out"], "outs": res["outs"], "volume": str(args.volume), "anchor": res["anchor"],
+        "weights": loaded["weights"],
         "device": loaded["device"], "ct_window": _window_pair(args.ct_window),
         "slice_range": list(prop["slice_range"]), "slices_encoded": t["slices_encoded"], "propagation": prop,
         "encoder_calls": t["encoder_calls"], "mask_voxels": res["mask_voxels"],
