@@ -25,7 +25,11 @@ Steps, each skipped when already satisfied, so running it again is cheap:
 7. install ``PyQt5`` 5.15 (Qt 5.15, the series Slicer 5.10 and 5.12 are built on) so
    ``Testing/slicer_qt`` runs the module's panel in real Qt (offscreen, no display needed), unless
    ``--no-pyqt`` or ``--no-slicer-core`` is given (that tier needs both). Also for the tests only:
-   inside Slicer, Qt comes through PythonQt.
+   inside Slicer, Qt comes through PythonQt;
+8. install Debian's ``dicom3tools`` (``dciodvfy``) and ``dcmtk`` (``dcmdump``), which the DICOM
+   conformance tests use to check the DICOM-SEGs written independently of highdicom, unless
+   ``--no-dicom-tools`` is given: with ``apt-get`` as root only, and a failure is a warning (those
+   checks then skip and say why).
 """
 
 from __future__ import annotations
@@ -130,6 +134,30 @@ def install_torch(py: Path, mode: str) -> None:
         run(pip + ["torch>=2.5", "--index-url", TORCH_CPU_INDEX])
 
 
+DICOM_TOOLS = {"dciodvfy": "dicom3tools", "dcmdump": "dcmtk"}
+
+
+def install_dicom_tools() -> None:
+    """Debian's dicom3tools and dcmtk, where apt-get can install them (root); never fatal."""
+    missing = sorted({pkg for tool, pkg in DICOM_TOOLS.items() if shutil.which(tool) is None})
+    if not missing:
+        log("dciodvfy and dcmdump already installed")
+        return
+    if shutil.which("apt-get") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        log(f"warning: {', '.join(missing)} not installed (needs apt-get as root); the DICOM conformance tests' "
+            "validator checks will skip")
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = ["apt-get", "install", "-y", "--no-install-recommends"] + missing
+    r = subprocess.run(install, env=env)
+    if r.returncode != 0:  # a new machine has no package lists yet: read them, then try once more
+        subprocess.run(["apt-get", "update"], env=env)
+        r = subprocess.run(install, env=env)
+    if r.returncode != 0:
+        log(f"warning: apt-get could not install {', '.join(missing)}; the DICOM conformance tests' validator "
+            "checks will skip")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", default=str(REPO / ".venv"), help="virtual environment folder (default: .venv)")
@@ -143,6 +171,8 @@ def main(argv=None) -> int:
                          "and Testing/slicer_qt need it; implies --no-pyqt)")
     ap.add_argument("--no-pyqt", action="store_true",
                     help="skip PyQt5 5.15 (with its Qt 5.15 libraries, about 200 MB; only Testing/slicer_qt needs it)")
+    ap.add_argument("--no-dicom-tools", action="store_true",
+                    help="skip Debian's dicom3tools and dcmtk (the DICOM conformance tests' validators)")
     args = ap.parse_args(argv)
 
     venv = Path(args.venv)
@@ -187,6 +217,9 @@ def main(argv=None) -> int:
             log(f"PyQt5 {installed} already installed")
         else:
             run([py, "-m", "pip", "install", "--quiet", PYQT_SPEC])
+
+    if not args.no_dicom_tools:
+        install_dicom_tools()
 
     # Smoke check: the engine imports and sam2 builds its config without torchvision.
     run([py, "-c", "import medvolcore, sam2.build_sam; print('medvolcore', medvolcore.__version__, 'ready')"])

@@ -32,7 +32,7 @@ from MedVolR1SlicerPanel.panel import MedVolR1SlicerWidget
 from MedVolR1SlicerPanel.selftest import MedVolR1SlicerTest, SelfTestWorker
 from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic
 from MedVolR1SlicerScene.parameters import MedVolR1SlicerParameterNode
-from MedVolR1SlicerScene.results import EditedSinceResult
+from MedVolR1SlicerScene.history import EditedSinceResult
 
 __all__ = ["MedVolR1Slicer", "MedVolR1SlicerWidget", "MedVolR1SlicerLogic", "MedVolR1SlicerTest",
            "MedVolR1SlicerParameterNode", "SelfTestWorker", "EditedSinceResult", "GeometryError", "WorkerError",

@@ -10,10 +10,16 @@ headers are scanned, then plus what the declared series needs
 child (GDCM skips that file, or the read fails); the caller's process never grows. Elsewhere
 (no ``RLIMIT_AS``) the series is read in the calling process.
 
+Before any voxel is decoded every file's header is read once and checked
+(:func:`medvolcore.dicomrecord.scan_instances`: sizes, spacing, orientation, positions, the
+declared size against the pixel data); a single enhanced multi-frame file is read as one volume
+whose frames are placed by their own positions.
+
 The child and its parent talk in JSON lines on the child's stdout: ``{"size": [I, J, K],
 "components": C}`` once the headers are read, answered by ``go`` on its stdin (the parent checks
 the voxel limit first and kills the child instead); then ``{"spacing", "origin", "direction",
-"dtype", "shape"}`` with the voxels in the ``.npy`` file named on its command line, or
+"dtype", "shape"}`` with the voxels in the ``.npy`` file named on its command line and the record of
+the instances read (:class:`~medvolcore.dicomrecord.DicomRecord`) in the ``.json`` beside it, or
 ``{"error": class name, "message": text}``. The parent kills the child when ``cancel`` is set.
 """
 
@@ -32,6 +38,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from .dicomrecord import DicomRecord, _identity, frame_geometry, scan_instances
 from .errors import CancelledError, LimitError, VolumeError
 
 log = logging.getLogger(__name__)
@@ -66,12 +73,14 @@ def pixel_budget(size, components: int = 1) -> int:
 
 @dataclass
 class Series:
-    """The voxels of a series in SimpleITK's ``(k, j, i)`` order and its LPS geometry."""
+    """The voxels of a series in SimpleITK's ``(k, j, i)`` order, its LPS geometry, and the
+    record of the instances read (:class:`~medvolcore.dicomrecord.DicomRecord`)."""
 
     array: np.ndarray
     spacing: tuple
     origin: tuple
     direction: tuple
+    record: Optional[DicomRecord] = None
 
 
 def read_series(path: Path, check_size: Callable, cancel=None) -> Series:
@@ -91,8 +100,8 @@ def read_series(path: Path, check_size: Callable, cancel=None) -> Series:
             check_size(size, components)
         _check_cancel(cancel, path)
 
-    image = _read_here(sitk, Path(path), _go)
-    return Series(sitk.GetArrayFromImage(image), *_geometry(image))
+    image, record = _read_here(sitk, Path(path), _go)
+    return Series(sitk.GetArrayFromImage(image), *_geometry(image), record)
 
 
 # ---- what runs where GDCM runs (the child, or the caller off Linux) ------------------------------------------
@@ -103,7 +112,8 @@ def _check_cancel(cancel, path) -> None:
 
 
 def _read_here(sitk, path: Path, go: Callable):
-    """Scan the headers, call ``go(size, components)``, check the slice positions, read the voxels."""
+    """Scan the headers, call ``go(size, components)``, read and check every slice's header
+    (:func:`~medvolcore.dicomrecord.scan_instances`), read the voxels: ``(image, record)``."""
     try:
         reader = sitk.ImageSeriesReader()
         series = reader.GetGDCMSeriesIDs(str(path))
@@ -119,14 +129,36 @@ def _read_here(sitk, path: Path, go: Callable):
         info.ReadImageInformation()
         size = info.GetSize()
         components = info.GetNumberOfComponents()
-        go((size[0], size[1], len(files)), components)
+        frames = int(size[2]) if len(size) > 2 and len(files) == 1 else 1  # an enhanced multi-frame instance
+        go((size[0], size[1], len(files) * frames), components)
         if components != 1:
             raise VolumeError(f"{path}: not a 3-D scalar CT: its slices have {components} components per pixel "
                               "(a colour or vector image)")
-        check_dicom_positions(files, sitk)
+        record, float_rescale = scan_instances(path, files)  # every slice checked, its digest kept
         go(None, None)
-        reader.SetFileNames(files)
-        return reader.Execute()
+        if record.frames is not None:  # one multi-frame file: its frames as stored, placed by their own positions
+            reader = sitk.ImageFileReader()
+            reader.SetFileName(files[0])
+        else:
+            reader.SetFileNames(files)
+        if float_rescale:  # a non-integer or per-slice rescale: applied exactly, never truncated
+            reader.SetOutputPixelType(sitk.sitkFloat32)
+            record.notes.append("the series' rescale slope/intercept are not integers or differ between slices; "
+                                "its voxels were read as floating point HU")
+        image = reader.Execute()
+        if record.frames is not None:
+            if image.GetDimension() != 3 or image.GetSize()[2] != len(record.frames):
+                raise VolumeError(f"{path}: GDCM read {image.GetSize()} voxels from a multi-frame instance of "
+                                  f"{len(record.frames)} frames")
+            spacing, origin, direction = frame_geometry(record)
+            image.SetSpacing(spacing)
+            image.SetOrigin(origin)
+            image.SetDirection(direction)
+        for inst in record.instances:
+            if _identity(os.stat(inst.file)) != tuple(inst.identity):
+                raise VolumeError(f"{Path(inst.file).name} changed while the series was being read; run again on a "
+                                  "folder that nothing else writes")
+        return image, record
     except (VolumeError, LimitError, CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 - SimpleITK raises RuntimeError subclasses
@@ -141,68 +173,6 @@ def _geometry(image) -> tuple:
     if image.GetNumberOfComponentsPerPixel() != 1 or image.GetDimension() != 3:
         raise VolumeError("the DICOM series is not a 3-D scalar image")
     return tuple(image.GetSpacing()), tuple(image.GetOrigin()), tuple(image.GetDirection())
-
-
-def _tag_floats(reader, tag) -> Optional[np.ndarray]:
-    if not reader.HasMetaDataKey(tag):
-        return None
-    try:
-        return np.array([float(v) for v in reader.GetMetaData(tag).strip().split("\\")], dtype=np.float64)
-    except ValueError:
-        return None
-
-
-def check_dicom_positions(files, sitk) -> None:
-    """Refuse a series whose slices are not one evenly spaced stack.
-
-    Reads ImageOrientationPatient (0020,0037) and ImagePositionPatient (0020,0032) of every file
-    (headers only): all orientations must agree, and the positions along the slice normal must
-    step by the same spacing (within 10 % or 0.01 mm); a gap (missing slice) or a duplicate is
-    named. Files without these tags are not checked (a warning says so).
-    """
-    reader = sitk.ImageFileReader()
-    orients, positions = [], []
-    for f in files:
-        reader.SetFileName(str(f))
-        try:
-            reader.ReadImageInformation()
-        except Exception as exc:  # noqa: BLE001 - SimpleITK raises RuntimeError subclasses
-            raise VolumeError(f"cannot read the DICOM header of {Path(f).name}: {str(exc).strip().splitlines()[-1]}") from None
-        o, p = _tag_floats(reader, "0020|0037"), _tag_floats(reader, "0020|0032")
-        if o is None or p is None or o.size != 6 or p.size != 3:
-            log.warning("%s: no usable slice position/orientation tags; slice spacing not checked", Path(f).name)
-            return
-        orients.append(o)
-        positions.append(p)
-    if len(files) < 2:
-        return
-    ref = orients[0]
-    for f, o in zip(files, orients):
-        if not np.allclose(o, ref, atol=1e-4):
-            raise VolumeError(f"the DICOM series mixes slice orientations ({Path(files[0]).name}: "
-                              f"{np.round(ref, 4).tolist()}, {Path(f).name}: {np.round(o, 4).tolist()}); "
-                              "it is not one stack of parallel slices")
-    normal = np.cross(ref[:3], ref[3:])
-    z = np.array([float(np.dot(normal, p)) for p in positions])
-    order = np.argsort(z, kind="stable")
-    zs = z[order]
-    steps = np.diff(zs)
-    names = [Path(files[i]).name for i in order]
-    for i, d in enumerate(steps):
-        if d < 1e-3:
-            raise VolumeError(f"two DICOM slices are at the same position {zs[i]:.2f} mm ({names[i]} and {names[i + 1]}): "
-                              "duplicated slices or two series in one folder")
-    spacing = float(np.median(steps))
-    bad = np.flatnonzero(np.abs(steps - spacing) > max(0.01, 0.1 * spacing))
-    if bad.size:
-        i = int(bad[0])
-        missing = round(steps[i] / spacing) - 1
-        what = f"about {missing} slice{'s' if missing != 1 else ''} missing" if missing >= 1 else "uneven spacing"
-        raise VolumeError(
-            f"the DICOM series is not evenly spaced: slice positions jump from {zs[i]:.2f} to {zs[i + 1]:.2f} mm "
-            f"({steps[i]:.2f} mm, where the other slices are {spacing:.2f} mm apart; {what} between {names[i]} and "
-            f"{names[i + 1]})" + (f" and {bad.size - 1} more place(s)" if bad.size > 1 else "")
-            + "; reading it would give wrong geometry. Export the complete series again")
 
 
 # ---- the parent's side ------------------------------------------------------------------------------------
@@ -260,7 +230,10 @@ def _read_in_child(path: Path, check_size: Callable, cancel) -> Series:
             array = np.load(out, mmap_mode="r")
             if array.shape != shape or array.dtype.kind not in "biuf":
                 raise VolumeError(f"cannot read {path}: the DICOM reader returned {array.dtype} {array.shape}")
-            return Series(np.array(array), tuple(msg["spacing"]), tuple(msg["origin"]), tuple(msg["direction"]))
+            with open(out.with_suffix(".json"), encoding="utf-8") as fh:
+                record = DicomRecord.from_json(json.load(fh))
+            return Series(np.array(array), tuple(msg["spacing"]), tuple(msg["origin"]), tuple(msg["direction"]),
+                          record)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -309,10 +282,12 @@ def _child(path: Path, out: Path) -> int:
 
     declared, comps = (0, 0, 0), 1
     try:
-        image = _read_here(sitk, path, go)
+        image, record = _read_here(sitk, path, go)
         spacing, origin, direction = _geometry(image)
         voxels = sitk.GetArrayViewFromImage(image)  # valid while `image` lives
         np.save(out, voxels)
+        with open(out.with_suffix(".json"), "w", encoding="utf-8") as fh:
+            json.dump(record.to_json(), fh)
     except (VolumeError, LimitError) as exc:
         _say({"error": type(exc).__name__, "message": str(exc)})
         return 0

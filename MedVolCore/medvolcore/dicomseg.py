@@ -41,25 +41,25 @@ def check_dicom_source(volume_path, what: str = "--out") -> None:
                          "must be a DICOM series folder; for a NIfTI/NRRD/MetaImage CT write .seg.nrrd or .nii.gz")
 
 
-def source_datasets(folder) -> list:
-    """The CT series' instances in ``folder`` (pydicom datasets with pixel data), one series only."""
-    import pydicom
+def source_record(source):
+    """The :class:`~medvolcore.dicomrecord.DicomRecord` of ``source`` (a volume read from a DICOM
+    folder, or the record itself): what was read, never a second read of the folder."""
+    from .dicomrecord import DicomRecord
 
-    out = []
-    for f in sorted(Path(folder).iterdir()):
-        if not f.is_file():
-            continue
-        try:
-            ds = pydicom.dcmread(str(f))
-        except Exception:  # noqa: BLE001 - not DICOM: the reader skipped it too
-            continue
-        if "PixelData" in ds and "ImagePositionPatient" in ds:
-            out.append(ds)
-    series = {str(ds.SeriesInstanceUID) for ds in out}
-    if not out or len(series) != 1:
-        raise VolumeError(f"{folder}: expected one DICOM image series for the segmentation's source, found "
-                          f"{len(series)}")
-    return out
+    record = source if isinstance(source, DicomRecord) else getattr(source, "dicom", None)
+    if record is None:
+        raise InputError("a DICOM Segmentation (.dcm) references the DICOM series it segments, so the volume must be "
+                         "read from a DICOM series folder; for a NIfTI/NRRD/MetaImage CT write .seg.nrrd or .nii.gz")
+    return record
+
+
+def seg_refusal(source) -> Optional[str]:
+    """Why a DICOM Segmentation of ``source`` (a volume or its record) cannot be written, or None;
+    known as soon as the series is read, before any model loads."""
+    record = getattr(source, "dicom", source)
+    if record is None:
+        return "the volume was not read from a DICOM series folder"
+    return record.seg_refusal()
 
 
 def frames_from_mask(labels: np.ndarray, affine: np.ndarray, datasets: Sequence) -> np.ndarray:
@@ -98,15 +98,55 @@ def _code(code):
     return Code(code[1], code[0], code[2])
 
 
-def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source_folder, out, segments: List[dict], *,
-                   algorithm: str, version: str, overwrite: bool = False, notes: Optional[list] = None) -> Path:
+def referenceable_outputs(outputs, volume):
+    """``(outputs, notes)``: ``outputs`` (a :class:`medvolcore.jobs.SegmentOutputs`) without the
+    DICOM-SEG outputs that the series ``volume`` was read from cannot be referenced by (no Study
+    or Series Instance UID: :func:`seg_refusal`), and a note for each. Known once the series is
+    read, before any model loads; refused (one line) when no mask output is left."""
+    from dataclasses import replace
+
+    kept, refused = [], []
+    for path in outputs.masks:
+        why = seg_refusal(volume) if is_dicom_output(path) else None
+        if why:
+            refused.append(f"{outputs.names[0]} {path} was not written: {why}; the other outputs were")
+        else:
+            kept.append(path)
+    if not refused:
+        return outputs, []
+    if not kept:
+        raise InputError(f"{outputs.names[0]} {outputs.masks[0]}: {seg_refusal(volume)}; write .seg.nrrd or .nii.gz "
+                         "instead")
+    return replace(outputs, mask=kept if len(kept) > 1 else kept[0]), refused
+
+
+def _label(query: str) -> str:
+    """SegmentLabel (a DICOM LO): no backslash, 64 characters at most."""
+    short = query.replace("\\", "/")
+    return short if len(short) <= MAX_LABEL else short[: MAX_LABEL - 1] + "…"
+
+
+def _text(value, limit: int) -> str:
+    return " ".join(str(value or "").split())[:limit]
+
+
+def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source, out, segments: List[dict], *,
+                   algorithm: str, version: str, overwrite: bool = False, notes: Optional[list] = None,
+                   labelmap: bool = True) -> Path:
     """Write ``labels`` (label value per voxel; x, y, z on ``affine``'s grid) as a DICOM
-    Segmentation of the series in ``source_folder``. ``segments``: dicts with ``name`` (the query),
-    ``value`` and optionally ``term`` (:class:`medvolcore.terminology.Term`). ``notes`` (a list)
-    gets a line per segment coded generically. Written atomically."""
+    Segmentation of the series ``source`` was read from (a volume read from a DICOM folder, or its
+    :class:`~medvolcore.dicomrecord.DicomRecord`): the instances it references and the patient and
+    study it names are those of the record, never of a second read; a folder whose files changed
+    since is refused. ``segments``: dicts with ``name`` (the query), ``value`` and optionally
+    ``term`` (:class:`medvolcore.terminology.Term`). ``notes`` (a list) gets a line per segment
+    coded generically. Several segments are written as one label-map frame set (highdicom's
+    LABELMAP, RLE compressed) where highdicom has it and ``labelmap`` is true (False: one BINARY
+frame set per segment, for readers that predate label-map SEGs), one segment as a BINARY frame set. Written
+    atomically, text in UTF-8 (SpecificCharacterSet ISO_IR 192)."""
     try:
         import highdicom as hd
         from pydicom.sr.codedict import codes
+        from pydicom.uid import ExplicitVRLittleEndian, RLELossless
     except ImportError:
         from .errors import DependencyError
 
@@ -116,14 +156,17 @@ def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source_folder, out, s
     from .fileio import atomic_path
     from .terminology import generic
 
-    datasets = source_datasets(source_folder)
+    record = source_record(source)
+    why = record.seg_refusal()
+    if why:
+        raise InputError(f"{Path(out).name}: {why}; write .seg.nrrd or .nii.gz instead")
+    datasets = record.headers
     frames = frames_from_mask(np.asarray(labels), affine, datasets)
     descriptions, values = [], []
     for i, seg in enumerate(segments, start=1):
         term = seg.get("term") or generic(i)
         query = " ".join(str(seg["name"]).split())
-        short = query.replace("\\", "/")  # SegmentLabel is a DICOM LO: no backslash, 64 characters at most
-        label = short if len(short) <= MAX_LABEL else short[: MAX_LABEL - 1] + "…"
+        label = _label(query)
         desc = hd.seg.SegmentDescription(
             segment_number=i, segment_label=label, segmented_property_category=_code(term.category),
             segmented_property_type=_code(term.type), algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
@@ -143,22 +186,37 @@ def save_dicom_seg(labels: np.ndarray, affine: np.ndarray, source_folder, out, s
             notes.append(f"DICOM-SEG segment {i} ('{label}') has the generic code 'Anatomical structure': {term.note}")
         descriptions.append(desc)
         values.append(int(seg["value"]))
-    # one binary frame set per segment, in segment order: (frames, rows, cols, segments)
-    pixel = np.stack([(frames == v) for v in values], axis=-1).astype(np.uint8)
+    as_labelmap = getattr(hd.seg.SegmentationTypeValues, "LABELMAP", None) if labelmap and len(values) > 1 else None
+    if as_labelmap is not None:  # one frame per source slice holding every segment's number
+        pixel = np.zeros(frames.shape, np.uint8)
+        for number, v in enumerate(values, start=1):
+            pixel[frames == v] = number
+        seg_type, syntax = as_labelmap, RLELossless
+    else:  # one binary frame set per segment, in segment order: (frames, rows, cols, segments)
+        pixel = np.stack([(frames == v) for v in values], axis=-1).astype(np.uint8)
+        seg_type, syntax = hd.seg.SegmentationTypeValues.BINARY, ExplicitVRLittleEndian
     ref = datasets[0]
+    source_desc = _text(ref.get("SeriesDescription"), 40)
     seg_ds = hd.seg.Segmentation(
-        source_images=datasets, pixel_array=pixel, segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
+        source_images=datasets, pixel_array=pixel, segmentation_type=seg_type,
         segment_descriptions=descriptions, series_instance_uid=hd.UID(), series_number=9901,
         sop_instance_uid=hd.UID(), instance_number=1, manufacturer="MedVol-R1 for 3D Slicer (research use only)",
         manufacturer_model_name=algorithm[:64], software_versions=version, device_serial_number="none",
-        content_description="Research use only, not a medical device"[:64], series_description="MedVol segmentation",
-        omit_empty_frames=False)
+        content_description="AI-made, not confirmed by a person; research use only"[:64],
+        content_creator_name="MedVol^AI", content_label="MEDVOL_AI",
+        series_description=(f"AI seg (unconfirmed) of {source_desc}" if source_desc else
+                             "AI segmentation (unconfirmed)")[:64],
+        omit_empty_frames=False, transfer_syntax_uid=syntax)
     if str(seg_ds.StudyInstanceUID) != str(ref.StudyInstanceUID):
         raise VolumeError("the segmentation did not keep the source study")  # highdicom's promise, checked
+    seg_ds.SpecificCharacterSet = "ISO_IR 192"  # UTF-8: queries and names in any script, never '??'
     out = Path(out)
+    record.check_unchanged()  # the instances referenced are the ones read, or nothing is written
     with atomic_path(out, overwrite) as tmp:
-        seg_ds.save_as(str(tmp))
+        seg_ds.save_as(str(tmp), enforce_file_format=True)
     return out
 
 
-__all__ = ["check_dicom_source", "save_dicom_seg", "frames_from_mask", "source_datasets", "is_dicom_output"]
+__all__ = ["check_dicom_source", "frames_from_mask", "is_dicom_output", "referenceable_outputs", "save_dicom_seg",
+           "seg_refusal",
+           "source_record"]

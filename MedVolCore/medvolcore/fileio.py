@@ -170,9 +170,36 @@ def _same_file(a: PathLike, b: PathLike) -> bool:
         return False
 
 
+def _input_files(path: PathLike) -> list:
+    """Every file an input path stands for: a DICOM folder's files, a detached header's data files
+    (:func:`medvolcore.sources.volume_sources`), or the path itself when that cannot be listed (the
+    reader refuses it later)."""
+    p = Path(os.path.expanduser(str(path)))
+    if not (p.is_dir() or p.name.lower().endswith((".nhdr", ".mhd", ".nrrd", ".mha"))):
+        return [p]
+    from .sources import volume_sources
+
+    try:
+        return [p] + [f for f in volume_sources(p).files if f != p]
+    except Exception:  # noqa: BLE001 - the read refuses it with its own message
+        return [p]
+
+
+def _file_ids(paths) -> set:
+    ids = set()
+    for q in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(q)
+            ids.add((st.st_dev, st.st_ino))
+    return ids
+
+
 def check_distinct(outputs: Iterable[Tuple[str, Optional[PathLike]]],
                    inputs: Iterable[Tuple[str, Optional[PathLike]]] = ()) -> None:
-    """Refuse two outputs that are one file, or an output that is one of the inputs.
+    """Refuse two outputs that are one file, or an output that is one of the inputs or one of the
+    files an input stands for (each file of a DICOM series folder, a detached header's data
+    files), or a DICOM Segmentation written into a DICOM input folder (it would become a second
+    series there).
 
     ``outputs`` / ``inputs``: ``(label, path)`` pairs (the label is the option name shown in
     the message, e.g. ``--anchor-out``); ``None`` paths are skipped. Paths are compared after
@@ -187,6 +214,27 @@ def check_distinct(outputs: Iterable[Tuple[str, Optional[PathLike]]],
         for in_label, q in ins:
             if _same_file(p, q):
                 raise InputError(f"{label} {p} is the input {in_label}; write the output elsewhere")
+    for in_label, q in ins:
+        files = _input_files(q)
+        if len(files) < 2 and not Path(os.path.expanduser(str(q))).is_dir():
+            continue
+        names = {_identity(f): f for f in files}
+        ids = _file_ids(files)
+        folder = Path(os.path.expanduser(str(q)))
+        for label, p in outs:
+            hit = names.get(_identity(p))
+            if hit is None and os.path.lexists(p):
+                with contextlib.suppress(OSError):
+                    st = os.stat(p)
+                    if (st.st_dev, st.st_ino) in ids:
+                        hit = p
+            if hit is not None:
+                raise InputError(f"{label} {p} is {Path(hit).name}, a file of the input {in_label} {q}; outputs never "
+                                 "replace an input: write it elsewhere")
+            if folder.is_dir() and str(p).lower().endswith(".dcm") and _identity(Path(os.path.expanduser(str(p))).parent) \
+                    == _identity(folder):
+                raise InputError(f"{label} {p}: a DICOM Segmentation written into its source folder {q} would become "
+                                 "a second series there; write it elsewhere")
 
 
 @functools.lru_cache(maxsize=1)

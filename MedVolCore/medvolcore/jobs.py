@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from .dicomseg import check_dicom_source, is_dicom_output
+from .dicomseg import check_dicom_source, is_dicom_output, referenceable_outputs
 from .fileio import (MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix, output_set,
                      write_text_atomic)
 from .stats import STATS_SUFFIXES, check_stats_path, stats_text, target_stats
@@ -263,6 +263,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
 
     stack = as_stack(volume)
     warnings = _plausibility(stack, request)
+    outputs, refused = referenceable_outputs(outputs, stack.volume)  # before any model loads
     anchor = None if request.grounded else _given_anchor(request, stack)
     pipe = pipeline() if callable(pipeline) else pipeline
     store = features(pipe, window) if callable(features) else features
@@ -296,6 +297,8 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
             res = _write_targets(segs, stack, volume_path, request, outputs, window, warnings)
         else:
             res = _write_target(segs[0], stack, volume_path, request, outputs, window, query, warnings)
+    if refused:
+        res.notes = list(res.notes or []) + refused
     res.timings["write_s"] = round(time.perf_counter() - t_write, 4)
     res.timings["job_s"] = round(time.perf_counter() - t0, 4)
     if progress is not None:
@@ -345,7 +348,7 @@ def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: 
         if is_dicom_output(path):
             from .dicomseg import save_dicom_seg
 
-            save_dicom_seg(labels, stack.volume.affine, volume_path or stack.volume.path, path, segments,
+            save_dicom_seg(labels, stack.volume.affine, stack.volume, path, segments,
                            algorithm=algorithm, version=__version__, overwrite=outputs.overwrite, notes=notes)
         else:
             save_mask(labels, stack.volume, path, overwrite=outputs.overwrite, segments=segments)

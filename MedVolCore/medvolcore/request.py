@@ -23,6 +23,7 @@ early stop's K (:func:`medvolcore.propagation.check_stop_after_empty`) and the d
 from __future__ import annotations
 
 import dataclasses
+import unicodedata
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
@@ -237,8 +238,10 @@ class SegmentRequest:
             raise FieldError(f"{n('prompts')} and {n('z_range')} apply to a given anchor (medvol propagate), not to "
                              "a query")
         if self.target_name is not None:
-            if not isinstance(self.target_name, str) or not self.target_name.strip() or len(self.target_name) > 200:
-                raise FieldError(f"{n('target_name')} must be a short text (a structure's name, e.g. kidney_left)")
+            if not isinstance(self.target_name, str) or not self.target_name.strip() or len(self.target_name) > 200 \
+                    or any(unicodedata.category(c) == "Cc" for c in self.target_name):
+                raise FieldError(f"{n('target_name')} must be a short text without control characters (a structure's "
+                                 "name, e.g. kidney_left)")
             if self.queries is not None:
                 raise FieldError(f"{n('target_name')} names one target; several queries are each coded by their "
                                  "own words")

@@ -65,6 +65,9 @@ class CTVolume:
     path: Optional[str] = None
     source_format: str = "array"
     notes: list = field(default_factory=list)  # remarks a reader of the result should see (e.g. voxels replaced)
+    # a DICOM series: the instances read, their positions and digests (medvolcore.dicomrecord.DicomRecord);
+    # a DICOM Segmentation of this volume references exactly these, never a second read of the folder
+    dicom: Any = None
 
     def __post_init__(self):
         self.affine = np.asarray(self.affine, dtype=np.float64)
@@ -220,12 +223,23 @@ def _read_itk(path: Path, max_voxels=None, cancel=None):
     against ``max_voxels``, and anything but a 3-D scalar image refused, before a voxel is read."""
     sitk = _require_sitk("DICOM" if path.is_dir() else path.suffix.upper().lstrip(".") + " files")
     if path.is_dir():
+        try:
+            import pydicom  # noqa: F401 - every slice's header is checked with it (medvolcore.dicomrecord)
+        except ImportError:
+            raise DependencyError("reading a DICOM folder needs pydicom, which is not installed: run "
+                                  "`pip install 'medvolcore[itk]'` (or `pip install pydicom`)") from None
         from .dicom import read_series
 
         _dicom_files(path)
         series = read_series(path, lambda size, components: _check_voxels(path, size, max_voxels, components), cancel)
-        data = series.array.transpose(2, 1, 0)  # (k, j, i) -> (i, j, k)
-        return data, _lps_to_ras(series.spacing, series.origin, series.direction), None
+        array, spacing, origin, direction = series.array, series.spacing, series.origin, series.direction
+        if series.record is not None and series.record.tilt is not None:  # gantry tilt: onto an orthogonal grid
+            from .dicomrecord import orthogonal_grid
+
+            array, spacing, origin, direction = orthogonal_grid(array, series.record, spacing, origin, direction)
+        data = array.transpose(2, 1, 0)  # (k, j, i) -> (i, j, k)
+        # for a DICOM folder the "header" is the record of the instances read (dicomrecord.DicomRecord)
+        return data, _lps_to_ras(spacing, origin, direction), series.record
     try:
         reader = sitk.ImageFileReader()
         # the reader of the suffix, whatever its case (ITK matches ".mha" only in lower case) and
@@ -387,9 +401,10 @@ def load_volume(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVol
 
     volume_sources(path)
     data, affine, header, fmt = _read_any(path, max_voxels, cancel, dtype=np.float32)
+    record, header = (header, None) if fmt == "dicom" else (None, header)
     hu = np.asarray(data, dtype=np.float32)
     del data
-    notes = []
+    notes = list(record.notes) if record is not None else []
     finite = np.isfinite(hu)
     if not finite.any():
         raise VolumeError(f"{Path(path).name}: every voxel is NaN or infinite")
@@ -400,7 +415,7 @@ def load_volume(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVol
         log.warning("%s: %d non-finite voxels set to %.0f HU", path, bad, fill)
         np.copyto(hu, np.float32(fill), where=~finite)
     del finite
-    return CTVolume(hu, affine, header=header, path=str(path), source_format=fmt, notes=notes)
+    return CTVolume(hu, affine, header=header, path=str(path), source_format=fmt, notes=notes, dicom=record)
 
 
 def load_label_map(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVolume:
@@ -410,6 +425,7 @@ def load_label_map(path, *, max_voxels: Optional[int] = None, cancel=None) -> CT
 
     volume_sources(path)
     data, affine, header, fmt = _read_any(path, max_voxels, cancel)
+    header = None if fmt == "dicom" else header
     if data.dtype.kind == "f":
         if not np.all(np.isfinite(data)):
             raise VolumeError(f"{path}: label map contains NaN or infinite values")

@@ -124,11 +124,12 @@ def progress_text(stage: Optional[str], fraction: float, message: str = "",
     return int(round(lo + (hi - lo) * f)), label
 
 
-def query_submitted(before: str, after: str) -> Tuple[str, bool]:
+def query_submitted(before: str, after: str, newLine: bool = False) -> Tuple[str, bool]:
     """Enter in the query box runs Segment. ``before`` and ``after`` are the box's text around one
     edit; when the edit typed one line break (anywhere), returns the query without it and True.
-    Anything else (typing, a pasted text with its own line breaks) is an edit: ``(after, False)``."""
-    if len(after) == len(before) + 1:
+    Anything else (typing, a pasted text with its own line breaks, a line break typed with
+    ``newLine``, Shift+Enter: the next query) is an edit: ``(after, False)``."""
+    if len(after) == len(before) + 1 and not newLine:
         for i, ch in enumerate(after):
             if ch == "\n" and after[:i] + after[i + 1:] == before:
                 return before, True

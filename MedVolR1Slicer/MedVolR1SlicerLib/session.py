@@ -51,11 +51,38 @@ def check_query(query: str) -> str:
     return q
 
 
+MAX_QUERIES = 64  # the worker's limit on ``queries``
+
+
+def query_lines(text: str) -> List[str]:
+    """The queries of the query box, one per line: each line's words, blank lines and a line
+    repeated (in any case) left out, in the order typed. Raises WorkerError (``bad_input``)
+    when there is none, more than :data:`MAX_QUERIES`, or a line is too long."""
+    queries, seen = [], set()
+    for line in str(text or "").splitlines():
+        q = " ".join(line.split())
+        if q and q.casefold() not in seen:
+            seen.add(q.casefold())
+            queries.append(check_query(q))
+    if not queries:
+        check_query("")  # raises: type a query first
+    if len(queries) > MAX_QUERIES:
+        raise WorkerError("bad_input", f"{len(queries)} queries (one per line); at most {MAX_QUERIES} go in one request")
+    return queries
+
+
 def segment_fields(volume_path: str, query: str, options: Options, agreement: str = "") -> dict:
     """A ``segment`` request; with a consensus (``options.consensus`` > 1) also ``consensus`` and,
-    when given, ``agreement``: where the worker writes the agreement map."""
-    fields = {"volume": str(volume_path), "query": check_query(query), "preset": options.preset,
-              "window": options.window, "seed": options.seed}
+    when given, ``agreement``: where the worker writes the agreement map. A query of several lines
+    is several queries (:func:`query_lines`): one request with ``queries``, the slices encoded
+    once (no agreement map: there would be one per query)."""
+    queries = query_lines(query)
+    fields = {"volume": str(volume_path), "preset": options.preset, "window": options.window, "seed": options.seed}
+    if len(queries) > 1:
+        fields["queries"] = queries
+        agreement = ""
+    else:
+        fields["query"] = queries[0]
     if options.consensus > 1:
         fields["consensus"] = int(options.consensus)
         if agreement:

@@ -29,17 +29,19 @@ from MedVolR1SlicerLib.reloading import reload_order
 from MedVolR1SlicerLib.segments import segment_name
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, Options
 from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic
-from MedVolR1SlicerScene.results import EditedSinceResult
+from MedVolR1SlicerScene.history import EditedSinceResult
 
 from .correction_controls import CorrectionControls
 from .install_dialogs import ensure_installed, offer_download
+from .segment_selection import SegmentSelection
 from .worker_settings import WorkerSettings
 
 SETTINGS_HISTORY = "MedVolR1Slicer/QueryHistory"
 POLL_MS = 100
 
 
-class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, CorrectionControls, WorkerSettings):
+class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, CorrectionControls, WorkerSettings,
+                           SegmentSelection):
     """The panel. :meth:`setup` builds the Qt side (widgets, signals, the poll timer) and then
     calls :meth:`setupScene`, the part without Qt (scene observers, the parameter node, the
     button rules)."""
@@ -54,6 +56,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self._history = params.QueryHistory()
         self._initCorrectionControls()
         self._initWorkerSettings()
+        self._initSegmentSelection()
         self._observedSegmentation = None
         self._tips = {}
         self._queryText = ""
@@ -81,6 +84,8 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self.ui.repropagateButton.connect("clicked(bool)", self.onRepropagateButton)
         self._connectCorrectionControls()
         self.ui.undoButton.connect("clicked(bool)", self.onUndoButton)
+        self.ui.redoButton.connect("clicked(bool)", self.onRedoButton)
+        self._connectSegmentSelection()
         self.ui.jumpButton.connect("clicked(bool)", self.onJumpButton)
         self.ui.show3DCheckBox.connect("toggled(bool)", self.onShow3D)
         self.ui.editButton.connect("clicked(bool)", self.onEditButton)
@@ -116,6 +121,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         interaction = self.logic._interactionNode()
         if interaction is not None:  # place mode started or ended (here, in the toolbar, by a right-click)
             self.addObserver(interaction, interaction.InteractionModeChangedEvent, self._onInteractionModeChanged)
+        self._setupSegmentSelection()
         self.initializeParameterNode()
         self._onStateChanged(self.logic.session.state)
 
@@ -124,6 +130,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         observer and the GUI connection."""
         self.removeObservers()
         self._forgetCorrectionObservers()
+        self._forgetSegmentSelection()
         self._observedSegmentation = None
         self._removeNegativeShortcut()
         self._guiBinding.unbind()
@@ -203,6 +210,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             self._guiBinding.forget()
             self._observeBoxes([])
             self._observeSegmentation(None)
+            self._updateSegmentChoices()
             self._updateButtons()  # Show 3D: no result, no surface
 
     def _onParameterNodeModified(self, caller=None, event=None):
@@ -249,6 +257,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self._observePoints(p.points)
         self._observeSegmentation(p.outputSegmentation)
         self._updateObjectChoices()
+        self._updateSegmentChoices()
         self._updateButtons()
 
     def _updateButtons(self):
@@ -283,7 +292,13 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             w = getattr(self.ui, name)
             usual = self._tips.setdefault(name, w.toolTip)  # the .ui's tooltip, read once
             w.toolTip = tip or usual
-        self.ui.undoButton.enabled = idle and self.logic.canUndo
+        depth, redo = (self.logic.undoDepth(p), self.logic.undoDepth(p, undo=False)) if p else (0, 0)
+        self.ui.undoButton.enabled = idle and depth > 0
+        self.ui.redoButton.enabled = idle and redo > 0
+        self.ui.undoButton.toolTip = (f"Take back {self.logic.undoText(p)} ({depth} result{'s' if depth != 1 else ''} "
+                                      "of this segmentation can be taken back), with its evidence (Alt+U)."
+                                      if depth else "Nothing to take back in this segmentation.")
+        self.ui.segmentComboBox.enabled = idle and bool(self._segmentChoices)
         self.ui.jumpButton.enabled = has_result
         has_segment = bool(p and p.outputSegmentation is not None and p.segmentId)
         self.ui.editButton.enabled = idle and has_segment
@@ -317,7 +332,9 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
 
     def _onQueryEdited(self):
         text = self.ui.queryEdit.toPlainText()
-        query, submit = params.query_submitted(self._queryText, text)
+        app = getattr(qt, "QApplication", None)  # Shift+Enter starts a new line: one query per line
+        shift = app is not None and bool(app.keyboardModifiers() & qt.Qt.ShiftModifier)
+        query, submit = params.query_submitted(self._queryText, text, newLine=shift)
         if submit:  # Enter at the end of the query: run Segment instead of starting a new line
             blocked = self.ui.queryEdit.blockSignals(True)
             self.ui.queryEdit.setPlainText(query)
@@ -400,15 +417,26 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         self._timer.start()
 
     def onUndoButton(self):
+        self._undoOrRedo(undo=True)
+
+    def onRedoButton(self):
+        self._undoOrRedo(undo=False)
+
+    def _undoOrRedo(self, undo: bool):
+        """Undo or Redo in the segmentation shown; asks first when it would throw edits away."""
+        p = self._parameterNode
+        action = self.logic.undoLastResult if undo else self.logic.redoLastResult
+        what = self.logic.undoText(p, undo)
         try:
-            undone = self.logic.undoLastResult()
+            done = action(p=p)
         except EditedSinceResult as e:
-            if not slicer.util.confirmYesNoDisplay(f"{e}.\n\nUndo anyway?", windowTitle="MedVol-R1: Undo"):
+            word = "Undo" if undo else "Redo"
+            if not slicer.util.confirmYesNoDisplay(f"{e}.\n\n{word} anyway?", windowTitle=f"MedVol-R1: {word}"):
                 return
-            undone = self.logic.undoLastResult(discardEdits=True)
-        if undone:
-            self.ui.statusLabel.text = "The last result was taken back."
-        self._updateButtons()
+            done = action(discardEdits=True, p=p)
+        if done:
+            self.ui.statusLabel.text = f"{'Taken back' if undo else 'Put back'}: {what}."
+        self._updateGuiFromParameterNode()
 
     def onJumpButton(self):
         self.logic.jumpToKeySlice(self._parameterNode)

@@ -13,12 +13,13 @@ from MedVolR1SlicerLib.client import WorkerError
 from MedVolR1SlicerLib.geometry import anchor_from_rois
 from MedVolR1SlicerLib.session import Options
 from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic
-from MedVolR1SlicerScene.results import EditedSinceResult
+from MedVolR1SlicerScene.history import EditedSinceResult
 
 
 class SelfTestWorker:
     """A worker client for the self-test only (injected as SlicerNNUnet injects its process):
-    it answers ``segment`` with a box around the brightest voxels' bounding box and ``propagate``
+    it answers ``segment`` with a box around the brightest voxels' bounding box (of several
+    ``queries``: for the first, the others "not present") and ``propagate``
     with the boxes it is sent, as masks on the volume's grid written through MRML. It lets the
     self-test check the module's MRML side on any Slicer, including the extension build
     machines, which have none of torch, transformers or sam2. It is never used outside the test."""
@@ -83,6 +84,15 @@ class SelfTestWorker:
             mask[:, lo[1]:hi[1] + 1, lo[0]:hi[0] + 1] = 1
         path = os.path.join(self.logic.tempDir(), f"selftest-mask-{job.id}.nii")
         self.logic.writeVolumeFile(label, path)
+        queries = job.request.get("queries")
+        if queries:  # several queries: the first is found (label 1), the others are answered absent
+            targets = [{"label": 1, "query": queries[0], "absent": False, "anchor": dict(anchor, query=queries[0]),
+                        "reasoning": "self-test"}]
+            targets += [{"label": k, "query": q, "absent": True, "reasoning": "self-test",
+                         "anchor": {"schema": "medvol.anchor/3", "absent": True, "query": q}}
+                        for k, q in enumerate(queries[1:], start=2)]
+            return {"queries": queries, "targets": targets, "mask_path": path, "absent": False, "notes": [],
+                    "smoke": False}
         return {"anchor": anchor, "mask_path": path, "notes": [], "smoke": False}
 
     def poll(self, timeout=0.0):

@@ -2,8 +2,9 @@
 the headless batch and the self-test use it). Nodes and plain values in, MRML out; no Qt.
 
 It owns what lives across requests — the worker session, the temporary folder, the scene count
-that keeps one scene's result out of the next, and Undo — and composes the parts, which take
-nodes and plain values and never the logic: :mod:`.results` (a result into the scene, Undo),
+that keeps one scene's result out of the next, and the Undo/Redo history — and composes the parts,
+which take nodes and plain values and never the logic: :mod:`.results` (a result into the scene),
+:mod:`.evidence` (each segment's own evidence), :mod:`.history` (Undo and Redo, per segmentation),
 :mod:`.markups` (boxes, corrections, the range, the anchor rebuilt from them), :mod:`.views`
 (key slice, 3D, Segment Editor, subject hierarchy), :mod:`.storage` (files through storage
 nodes), :mod:`.nodes` (which volume, which segmentation). The logic reaches Slicer only through
@@ -22,11 +23,12 @@ from slicer.ScriptedLoadableModule import ScriptedLoadableModuleLogic
 from MedVolR1SlicerLib import install
 from MedVolR1SlicerLib.client import WorkerError, python_for_worker
 from MedVolR1SlicerLib.geometry import GeometryError
-from MedVolR1SlicerLib.session import Options, Session
+from MedVolR1SlicerLib.session import Options, Session, query_lines
 
-from . import markups, nodes, storage, views
+from . import evidence, markups, nodes, storage, views
+from .history import EditedSinceResult, History
 from .parameters import MedVolR1SlicerParameterNode, drop_worker_settings
-from .results import EditedSinceResult, Target, UndoRecord, apply_result
+from .results import Target, apply_result
 
 __all__ = ["MedVolR1SlicerLogic", "EditedSinceResult"]
 
@@ -46,7 +48,7 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         ScriptedLoadableModuleLogic.__init__(self)
         self.session = session if session is not None else self.defaultSession()
         self._files = storage.ExportFolder()
-        self._undo: Optional[UndoRecord] = None
+        self._history = History()  # Undo and Redo, per segmentation
         self._generation = 0  # scenes closed so far: a result started in an earlier one is dropped
         self._ignoredWorkerSettings = {}  # what a scene of an older version said about the worker
         # called with a segmentation node just before a result or Undo changes it (the panel saves
@@ -54,6 +56,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self.beforeChange = None
         scene = slicer.mrmlScene
         self._sceneObservers = [(scene, scene.AddObserver(scene.StartCloseEvent, self._onSceneStartClose))]
+        # the evidence the panel shows goes back to its segment's evidence node before the scene
+        # is saved (it is then in the file) or another scene is imported (which replaces the
+        # module's parameter node with its own)
+        for event in (scene.StartSaveEvent, scene.StartImportEvent):
+            self._sceneObservers.append((scene, scene.AddObserver(event, self._onStoreEvidence)))
 
     @staticmethod
     def defaultSession() -> Session:
@@ -106,8 +113,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
                 self.session.cancel()
             except Exception:  # noqa: BLE001 - a dead worker: its job fails on its own
                 logging.exception("MedVol-R1: cancelling on scene close failed")
-        self._undo = None
+        self._history.clear()
         self._files.forget_exports()
+
+    def _onStoreEvidence(self, caller=None, event=None):
+        evidence.store(self._shown())
 
     def cleanup(self):
         """Stop the worker, stop watching the scene and remove the temporary folder (the module
@@ -167,7 +177,12 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
                 notes.append(f"{segmentation.GetName()} belongs to {ref.GetName()}; the result went into a new "
                              "segmentation")
                 segmentation, replaceSegmentId = None, ""
-        return Target(volume, segmentation, replaceSegmentId, p.query, self._generation, notes)
+        try:
+            queries = query_lines(p.query)
+        except WorkerError:  # no query: a re-propagation needs none, a Segment is refused on sending
+            queries = []
+        return Target(volume, segmentation, replaceSegmentId, p.query, self._generation, notes,
+                      queries if len(queries) > 1 else None)
 
     def startSegment(self, p, options: Options, onFinished=None, replaceExisting: bool = False):
         volume = p.inputVolume
@@ -233,37 +248,87 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
 
     def applyResult(self, p, volumeNode, result: dict, replaceSegment: bool = False,
                     target: Optional[Target] = None) -> List[str]:
-        """Put ``result`` into the scene (:func:`.results.apply_result`) and remember what Undo
-        takes back; returns notes for the user. ``target`` (from the request's start) names the
-        segmentation and the segment to replace; without one they are read from ``p`` now
-        (``replaceSegment``: replace ``p.segmentId``). A "not present" answer adds nothing and
-        keeps the last result (and its Undo) as it was."""
+        """Put ``result`` into the scene (:func:`.results.apply_result`) and add its Undo step to
+        its segmentation's history; returns notes for the user. ``target`` (from the request's
+        start) names the segmentation and the segment to replace; without one they are read from
+        ``p`` now (``replaceSegment``: replace ``p.segmentId``). A "not present" answer adds
+        nothing and keeps the last result (and its Undo) as it was."""
         if target is None:
             target = Target(volumeNode, p.outputSegmentation, p.segmentId if replaceSegment else "", p.query,
                             self._generation, [])
-        notes, undo = apply_result(p, volumeNode, result, target, beforeChange=self.beforeChange)
-        if undo is not None:
-            self._undo = undo
+        notes, step = apply_result(p, volumeNode, result, target, beforeChange=self.beforeChange)
+        if step is not None:
+            self._history.push(step)
         return notes
+
+    # Undo and Redo (history.py): of the segmentation the panel shows, never another's
+
+    def _shown(self):
+        """The parameter node as it is (what the panel shows; nothing dropped from it here)."""
+        return MedVolR1SlicerParameterNode(ScriptedLoadableModuleLogic.getParameterNode(self))
+
+    def _step(self, p, undo: bool):
+        return self._history.top(p.outputSegmentation, undo) if p is not None else None
+
+    def undoDepth(self, p=None, undo: bool = True) -> int:
+        """How many results of the shown segmentation Undo (``undo``) or Redo can take back."""
+        p = p if p is not None else self._shown()
+        return self._history.depth(p.outputSegmentation, undo) if self._step(p, undo) is not None else 0
 
     @property
     def canUndo(self) -> bool:
-        return self._undo is not None and self._undo.available()
+        return self._step(self._shown(), True) is not None
 
-    def editedSinceResult(self) -> int:
-        """How many voxels of the last result's segment were changed since (Segment Editor,
-        another module, a script): what Undo would throw away. 0 when none or nothing to undo."""
-        return self._undo.edited_voxels() if self.canUndo else 0
+    @property
+    def canRedo(self) -> bool:
+        return self._step(self._shown(), False) is not None
 
-    def undoLastResult(self, discardEdits: bool = False) -> bool:
-        """Take back the last result: remove the segment it added, or restore the mask it replaced.
-        Raises :class:`EditedSinceResult` when the segment was edited after the result, unless
-        ``discardEdits``: Undo would silently throw those edits away."""
-        if not self.canUndo:
+    def editedSinceResult(self, undo: bool = True) -> int:
+        """How many voxels of the segments the last result (``undo``) or the last Undo (Redo) wrote
+        were changed since (Segment Editor, another module, a script): what Undo or Redo would
+        throw away. 0 when none or nothing to undo."""
+        step = self._step(self._shown(), undo)
+        return step.edited_voxels(undo)[0] if step is not None else 0
+
+    def _undoOrRedo(self, undo: bool, discardEdits: bool, p=None) -> bool:
+        p = p if p is not None else self._shown()
+        step = self._step(p, undo)
+        if step is None:
             return False
-        self._undo.undo(discardEdits, self.beforeChange)  # raises before changing anything
-        self._undo = None
+        step.apply(p, undo, discardEdits, self.beforeChange)  # raises before changing anything
+        self._history.move(step.segmentation, undo)
         return True
+
+    def undoLastResult(self, discardEdits: bool = False, p=None) -> bool:
+        """Take back the last result of the shown segmentation: its segments and their evidence
+        as they were before it. Raises :class:`EditedSinceResult` when a segment was edited after
+        the result, unless ``discardEdits``: Undo would silently throw those edits away."""
+        return self._undoOrRedo(True, discardEdits, p)
+
+    def redoLastResult(self, discardEdits: bool = False, p=None) -> bool:
+        """Put back the result Undo took back last (segments and evidence), as :meth:`undoLastResult`."""
+        return self._undoOrRedo(False, discardEdits, p)
+
+    def undoText(self, p=None, undo: bool = True) -> str:
+        """What Undo (or Redo) would take back, e.g. "the liver, the spleen" ('' when nothing)."""
+        step = self._step(p if p is not None else self._shown(), undo)
+        return step.label if step is not None else ""
+
+    # each segment's evidence (evidence.py)
+
+    def selectSegment(self, p, segmentationNode, segmentId: str) -> bool:
+        """Show the evidence of segment ``segmentId`` of ``segmentationNode`` (the panel's
+        segment list, the Segment Editor's selection); Re-propagate, Add box here and points act
+        on it from now on. Returns whether it has a result's evidence."""
+        evidence.select_segment(p, segmentationNode, segmentId)
+        return bool(p.anchorJson)
+
+    def hasEvidence(self, p, segmentationNode, segmentId: str) -> bool:
+        return evidence.has_evidence(p, segmentationNode, segmentId)
+
+    def storeEvidence(self, p) -> None:
+        """Write what ``p`` shows back to its segment's evidence node (done on save and import)."""
+        evidence.store(p)
 
     # the views around the result (views.py)
 
@@ -375,10 +440,10 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         (``anchor["absent"]``) nothing was added: ``(None, "", [], anchor)``. Raises
         :class:`WorkerError` on failure."""
         p = self.getParameterNode()
+        evidence.forget_shown(p)  # what was shown stays with its own segment
         p.inputVolume = volumeNode
         p.query = query
         p.outputSegmentation = segmentationNode
-        p.segmentId = ""
         job = self.startSegment(p, options or Options(preset=p.preset, device=p.device))
         self.session.wait(job, timeout)
         if job.error is not None:
@@ -386,8 +451,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         return self._blockingResult(p, job)
 
     def repropagateBlocking(self, options: Optional[Options] = None, timeout: Optional[float] = None):
-        """Re-propagate the (edited) boxes of the last result and wait; the same segment is
-        replaced. Returns what :meth:`segmentBlocking` returns; raises :class:`WorkerError`."""
+        """Re-propagate the (edited) boxes and corrections of the selected segment (the last result's,
+        unless :meth:`selectSegment` chose another) and wait; that segment is replaced. Returns what :meth:`segmentBlocking` returns; raises :class:`WorkerError`."""
         p = self.getParameterNode()
         job, _ = self.startRepropagate(p, options or Options(preset=p.preset, device=p.device))
         self.session.wait(job, timeout)

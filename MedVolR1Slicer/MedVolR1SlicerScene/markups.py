@@ -10,6 +10,7 @@ indices along the volume's slice axis. MRML only, no Qt."""
 
 from __future__ import annotations
 
+import json
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import slicer
@@ -117,7 +118,7 @@ def anchor_from_boxes(p) -> Tuple[dict, List[str]]:
         geo, [get_roi(n) for n in keyNodes], [node_object(n, i + 1) for i, n in enumerate(keyNodes)],
         p.keySliceIJK,
         [CorrectionBox(node_object(n), node_slice(n), get_roi(n)) for n in corrNodes],
-        points, slice_range(p), query=p.query, reasoning=p.reasoning)
+        points, slice_range(p), query=json.loads(p.anchorJson).get("query") or p.query, reasoning=p.reasoning)
     for node, corners in zip(keyNodes, built.anchor["world"]["boxes_ras"]):
         set_roi(node, geo.roi_from_world_box(corners)[0])
     for node, corners in zip(corrNodes, built.boxes_ras):

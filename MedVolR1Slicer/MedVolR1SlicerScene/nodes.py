@@ -78,8 +78,9 @@ def result_problem(p) -> str:
 
 
 def existing_segment_id(p) -> str:
-    """ID of the segment a new result for ``p.query`` would collide with ('' if none)."""
-    if p.outputSegmentation is None:
+    """ID of the segment a new result for ``p.query`` would collide with ('' if none; several
+    queries, one per line, each add a segment)."""
+    if p.outputSegmentation is None or len([q for q in p.query.splitlines() if q.strip()]) > 1:
         return ""
     return p.outputSegmentation.GetSegmentation().GetSegmentIdBySegmentName(segment_name(p.query)) or ""
 

@@ -1,5 +1,7 @@
 """The module's parameter node: what the panel shows and what a result leaves in the scene
-(saved with it). Slicer's ``parameterNodeWrapper`` keeps each field on the module's singleton
+(saved with it). The evidence fields (those :mod:`.evidence` lists: the key slice, boxes,
+corrections, range, reasoning, confidence, ...) are those of the selected segment
+(``outputSegmentation``/``segmentId``); each segment keeps its own in an evidence node. Slicer's ``parameterNodeWrapper`` keeps each field on the module's singleton
 ``vtkMRMLScriptedModuleNode``: plain values as parameters, nodes as node references. A spin box
 bound to a field takes its range from the field's ``WithinRange`` (Slicer's GUI connector), so
 every bounded number says its bounds here.
@@ -28,7 +30,7 @@ class MedVolR1SlicerParameterNode:
     window: str = params.DEFAULTS["window"]
     outputSegmentation: vtkMRMLSegmentationNode
     segmentId: str = ""
-    resultVolume: vtkMRMLScalarVolumeNode  # the volume the last result, its boxes and Undo belong to
+    resultVolume: vtkMRMLScalarVolumeNode  # the volume the shown segment's result and its boxes belong to
     boxes: list[vtkMRMLMarkupsROINode]  # the key-slice boxes: the anchor's objects 1..N
     keySlice: int = -1  # stack z of the anchor (shown to the user)
     keySliceIJK: int = -1  # the same slice along the volume's slice axis (for re-propagation)
@@ -42,8 +44,8 @@ class MedVolR1SlicerParameterNode:
     correctionObject: int = 0  # the object Add box here and new points are for (0: a new object)
     negativePoints: bool = False  # new points mark the outside of the object
     consensus: Annotated[int, WithinRange(1, MAX_CONSENSUS)] = 1  # Advanced: answers per Segment (1: off)
-    confidence: str = ""  # how sure the model was about the last result (MedVolR1SlicerLib.consensus)
-    agreementSegmentId: str = ""  # the last result's "… agreement ≥ k/G" segment, if any
+    confidence: str = ""  # how sure the model was about the shown segment (MedVolR1SlicerLib.consensus)
+    agreementSegmentId: str = ""  # the shown segment's "… agreement ≥ k/G" segment, if any
 
 
 # the worker settings a scene saved by an older version carries (never read: see the module's doc)

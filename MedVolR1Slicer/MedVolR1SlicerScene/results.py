@@ -1,11 +1,12 @@
-"""A worker's result put into the scene, and taken back (Undo).
+"""A worker's result put into the scene.
 
 :func:`apply_result` checks everything that can fail on a bad result (the anchor's boxes, the
-mask file and its grid) before the scene is touched, then writes the segment, the agreement
-segment of a consensus, the boxes and corrections that ran, the parameter node's fields, and
-shows the key slice; it returns the notes for the user and the :class:`UndoRecord` that takes it
-back. A request's destination (:class:`Target`) is fixed when the request starts. MRML only,
-no Qt."""
+mask file and its grid, for every target of several queries) before the scene is touched, then
+writes one segment per target found, each with its own evidence (:mod:`.evidence`: the boxes
+and corrections that ran, the reasoning, the confidence, the agreement segment of a consensus),
+selects the first and shows its key slice; it returns the notes for the user ("not present" for
+each target not found) and the :class:`.history.Step` that Undo takes back. A request's
+destination (:class:`Target`) is fixed when the request starts. MRML only, no Qt."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ from MedVolR1SlicerLib.presets import result_model_text
 from MedVolR1SlicerLib.segments import (absent_message, agreement_segment_name, segment_name, segment_style,
                                         unique_name)
 
+from . import evidence
+from .history import BeforeChange, Change, SegmentState, Step, capture
 from .markups import place_corrections, place_rois
-from .nodes import geometry, in_scene
-from .storage import read_mask
+from .nodes import geometry
+from .storage import read_labels, read_mask
 from .views import place_in_study, show_key_slice
-
-BeforeChange = Optional[Callable[[object], None]]  # called with a segmentation node before it changes
 
 
 @dataclass
@@ -42,69 +43,7 @@ class Target:
     query: str
     generation: int  # the logic's scene count: a closed scene's result is dropped
     notes: List[str] = field(default_factory=list)
-
-
-class EditedSinceResult(ValueError):
-    """Undo would throw away edits made to the segment after the result."""
-
-    def __init__(self, voxels: int, segmentName: str):
-        self.voxels = voxels
-        super().__init__(f"“{segmentName}” was edited after the result ({voxels} voxels changed); "
-                         "Undo would throw those edits away")
-
-
-def _packed(segNode, segmentId, volumeNode):
-    import numpy as np
-
-    return np.packbits(slicer.util.arrayFromSegmentBinaryLabelmap(segNode, segmentId, volumeNode) > 0)
-
-
-@dataclass
-class UndoRecord:
-    """What Undo takes back: the segment, the mask it held before (None: it was added) and the
-    mask the result wrote (bits packed), to tell whether someone edited it since."""
-
-    segmentation: object
-    segmentId: str
-    previous: object
-    volume: object
-    written: object
-    agreementId: str = ""  # the agreement segment the result added (Undo removes it too)
-
-    def available(self) -> bool:
-        """The segment is still there to take back."""
-        return in_scene(self.segmentation) and \
-            self.segmentation.GetSegmentation().GetSegment(self.segmentId) is not None
-
-    def edited_voxels(self) -> int:
-        """How many voxels of the segment were changed since the result (Segment Editor, another
-        module, a script): what Undo would throw away. 0 when it is no longer there."""
-        import numpy as np
-
-        if not self.available():
-            return 0
-        now = _packed(self.segmentation, self.segmentId, self.volume)
-        if now.shape != self.written.shape:
-            return int(self.written.size * 8)
-        return int(np.unpackbits(np.bitwise_xor(now, self.written)).sum())
-
-    def undo(self, discardEdits: bool = False, beforeChange: BeforeChange = None) -> None:
-        """Remove the segment the result added, or restore the mask it replaced, and remove its
-        agreement segment. Raises :class:`EditedSinceResult` when the segment was edited after
-        the result, unless ``discardEdits``."""
-        edited = self.edited_voxels()
-        if edited and not discardEdits:
-            raise EditedSinceResult(edited, self.segmentation.GetSegmentation().GetSegment(self.segmentId).GetName())
-        if beforeChange is not None:
-            beforeChange(self.segmentation)
-        segmentation = self.segmentation.GetSegmentation()
-        if self.previous is None:
-            segmentation.RemoveSegment(self.segmentId)
-        else:
-            slicer.util.updateSegmentBinaryLabelmapFromArray(self.previous, self.segmentation, self.segmentId,
-                                                             self.volume)
-        if self.agreementId and segmentation.GetSegment(self.agreementId) is not None:
-            segmentation.RemoveSegment(self.agreementId)
+    queries: Optional[List[str]] = None  # several queries in one request (one segment each)
 
 
 def _remove_agreement_file(result: dict) -> None:
@@ -140,88 +79,145 @@ def _output_segmentation(target: Target, volumeNode, beforeChange: BeforeChange)
     return segNode
 
 
-def _write_segment(segNode, target: Target, volumeNode, mask, query: str, terminology) -> Tuple[str, object]:
-    """Write ``mask`` into the target's segment (replaced) or a new one named after the query,
-    with the result's coded colour and terminology. Returns ``(segmentId, previous mask or None)``."""
-    segmentation = segNode.GetSegmentation()
-    replaceId = target.replaceSegmentId
-    if replaceId and segmentation.GetSegment(replaceId):
-        segmentId = replaceId
-        previous = slicer.util.arrayFromSegmentBinaryLabelmap(segNode, segmentId, volumeNode).copy()
-    else:
-        name = unique_name(segment_name(query), _names(segmentation))
-        segmentId = segmentation.AddEmptySegment("", name)
-        previous = None
-        style = segment_style(terminology)  # the worker's coded name and colour
-        if style is not None:
-            segment = segmentation.GetSegment(segmentId)
-            segment.SetColor(*style[0])
-            segment.SetTerminology(style[1])
-    slicer.util.updateSegmentBinaryLabelmapFromArray(mask, segNode, segmentId, volumeNode)
-    return segmentId, previous
+@dataclass
+class _Found:
+    """One target found, checked before the scene is touched."""
+
+    query: str
+    anchor: dict
+    rois: list
+    k: int
+    prompts: list
+    zRange: object
+    mask: object
+    terminology: object
+    confidence: str
+    agreement: object = None
+    samples: int = 1
 
 
-def replace_agreement(p, segNode, volumeNode, agreement, query: str, samples: int, keep: str) -> str:
-    """Drop the last result's agreement segment (it described that result's answers) and add
-    this one's, ``"<query> agreement ≥ k/G"``, from ``agreement`` (a 0/1 array of the voxels at
-    least k samples include; None: no consensus). Returns the new segment's id or ''."""
+def _check(geo, anchor: dict, query: str, mask, result: dict) -> _Found:
+    rois, k = rois_from_anchor(geo, anchor)
+    prompts, zRange = prompts_from_anchor(geo, anchor)  # the corrections that ran (medvol.anchor/2)
+    return _Found(anchor.get("query") or query, anchor, rois, k, prompts, zRange, mask, result.get("terminology"),
+                  confidence_text(result))
+
+
+def _new_segment(segNode, query: str, terminology) -> str:
+    """An empty segment named after the query, with the result's coded colour and terminology."""
     segmentation = segNode.GetSegmentation()
-    old = p.agreementSegmentId
-    if old and old != keep and segmentation.GetSegment(old) is not None:
-        segmentation.RemoveSegment(old)
-    p.agreementSegmentId = ""
-    if agreement is None:
-        return ""
-    name = unique_name(agreement_segment_name(query, agreement_level(samples), samples), _names(segmentation))
-    segmentId = segmentation.AddEmptySegment("", name)
-    segmentation.GetSegment(segmentId).SetColor(1.0, 0.75, 0.2)
-    slicer.util.updateSegmentBinaryLabelmapFromArray(agreement, segNode, segmentId, volumeNode)
-    p.agreementSegmentId = segmentId
+    segmentId = segmentation.AddEmptySegment("", unique_name(segment_name(query), _names(segmentation)))
+    style = segment_style(terminology)  # the worker's coded name and colour
+    if style is not None:
+        segment = segmentation.GetSegment(segmentId)
+        segment.SetColor(*style[0])
+        segment.SetTerminology(style[1])
     return segmentId
 
 
+def _replace_agreement(p, segNode, volumeNode, found: _Found, keep: str) -> List[Change]:
+    """Drop the segment's last agreement segment (it described that result's answers) and add this
+    result's, ``"<query> agreement ≥ k/G"`` (``found.agreement``: a 0/1 array of the voxels at least
+    k samples include; None: no consensus). Returns the changes, for Undo."""
+    segmentation = segNode.GetSegmentation()
+    changes = []
+    old = p.agreementSegmentId
+    if old and old != keep and segmentation.GetSegment(old) is not None:
+        before = capture(p, segNode, old, volumeNode, withEvidence=False)
+        segmentation.RemoveSegment(old)
+        changes.append(Change(old, before, SegmentState()))
+    p.agreementSegmentId = ""
+    if found.agreement is None:
+        return changes
+    name = unique_name(agreement_segment_name(found.query, agreement_level(found.samples), found.samples),
+                       _names(segmentation))
+    segmentId = segmentation.AddEmptySegment("", name)
+    segmentation.GetSegment(segmentId).SetColor(1.0, 0.75, 0.2)
+    slicer.util.updateSegmentBinaryLabelmapFromArray(found.agreement, segNode, segmentId, volumeNode)
+    p.agreementSegmentId = segmentId
+    return changes + [Change(segmentId, SegmentState(), capture(p, segNode, segmentId, volumeNode, False))]
+
+
+def _write(p, segNode, volumeNode, geo, found: _Found, replaceId: str) -> List[Change]:
+    """One target into its segment (``replaceId``, else a new one) with its evidence; the evidence
+    of the segment shown before goes back to its own evidence node, untouched."""
+    segmentation = segNode.GetSegmentation()
+    if replaceId and segmentation.GetSegment(replaceId) is not None:
+        segmentId, before = replaceId, capture(p, segNode, replaceId, volumeNode)
+    else:
+        segmentId, before = _new_segment(segNode, found.query, found.terminology), SegmentState()
+    evidence.select_segment(p, segNode, segmentId)  # p now shows this segment's own evidence
+    slicer.util.updateSegmentBinaryLabelmapFromArray(found.mask, segNode, segmentId, volumeNode)
+    changes = _replace_agreement(p, segNode, volumeNode, found, keep=segmentId)
+    p.confidence = found.confidence
+    p.resultVolume = volumeNode
+    p.reasoning = found.anchor.get("reasoning") or ""
+    p.keySlice = int(found.anchor["slice"])
+    p.anchorJson = json.dumps(found.anchor)
+    place_rois(p, found.rois, found.k, volumeNode)  # this segment's old boxes only
+    place_corrections(p, geo, found.prompts, found.zRange, volumeNode)
+    p.boxesEdited = False
+    evidence.store(p)
+    return [Change(segmentId, before, capture(p, segNode, segmentId, volumeNode))] + changes
+
+
+def _several(result: dict, target: Target, geo, volumeNode, notes: List[str]) -> List[_Found]:
+    """The targets of a ``queries`` reply that were found, checked; a "not present" note for each
+    of the others (in the order asked)."""
+    entries = result.get("targets") or []
+    found, absent = [], []
+    labels = read_labels(result["mask_path"], volumeNode) if result.get("mask_path") else None
+    for i, entry in enumerate(entries):
+        query = entry.get("query") or (target.queries[i] if i < len(target.queries or []) else "")
+        anchor = entry.get("anchor") or {}
+        if entry.get("absent") or anchor.get("absent") or labels is None:
+            absent.append(absent_message(query) + (f" The model's reasoning: {anchor['reasoning']}"
+                                                   if anchor.get("reasoning") else ""))
+            continue
+        mask = (labels == int(entry.get("label") or i + 1)).astype("uint8")
+        found.append(_check(geo, anchor, query, mask, entry))
+    notes[:0] = absent
+    return found
+
+
 def apply_result(p, volumeNode, result: dict, target: Target,
-                 beforeChange: BeforeChange = None) -> Tuple[List[str], Optional[UndoRecord]]:
-    """Put the mask in a segment named after the query, the boxes on the key slice, the
-    corrections that ran (the anchor's prompts and slice range, if any; the old correction
-    nodes are removed), the reasoning in the parameter node ``p``, and show the key slice.
-    Returns the notes for the user and what Undo takes back (None for a "not present" answer,
-    which adds nothing and leaves the last result as it was)."""
-    anchor = result["anchor"]
-    query = anchor.get("query") or target.query
+                 beforeChange: BeforeChange = None) -> Tuple[List[str], Optional[Step]]:
+    """Put each target found into its own segment named after its query, with its evidence: the
+    boxes on the key slice, the corrections that ran (the anchor's prompts and slice range, if
+    any), the reasoning and the confidence; select the first and show its key slice. The
+    evidence of the other segments (a correction not sent yet included) is kept. Returns the
+    notes for the user and the Undo step (None when nothing was found: a "not present" answer
+    adds nothing and leaves the last result as it was)."""
     notes = list(result.get("notes") or [])
     model = result_model_text(result)  # what made it, as the worker says: zero-shot, MedVol-R1, smoke
     if model:
         notes.insert(0, model)
-    if result.get("absent") or anchor.get("absent"):
+    several = result.get("targets") is not None
+    if not several and (result.get("absent") or result["anchor"].get("absent")):
         _remove_agreement_file(result)
         return absent_notes(result, target.query, notes), None
 
     # everything that can fail on a bad result, before the scene is touched
     geo = geometry(volumeNode)
-    rois, k = rois_from_anchor(geo, anchor)
-    prompts, zRange = prompts_from_anchor(geo, anchor)  # the corrections that ran (medvol.anchor/2)
-    mask = read_mask(result["mask_path"], volumeNode)
-    agreement, samples = None, int(result.get("consensus") or 1)
-    if result.get("agreement_path"):
-        agreement = read_mask(result["agreement_path"], volumeNode, atLeast=agreement_level(samples))
-        _remove_agreement_file(result)
-    elif samples > 1:
-        notes.append("no agreement map came back (a remote worker writes it only into its output folder)")
+    if several:
+        found = _several(result, target, geo, volumeNode, notes)
+        if not found:
+            return notes, None
+    else:
+        found = [_check(geo, result["anchor"], target.query, read_mask(result["mask_path"], volumeNode), result)]
+        samples = int(result.get("consensus") or 1)
+        found[0].samples = samples
+        if result.get("agreement_path"):
+            found[0].agreement = read_mask(result["agreement_path"], volumeNode, atLeast=agreement_level(samples))
+            _remove_agreement_file(result)
+        elif samples > 1:
+            notes.append("no agreement map came back (a remote worker writes it only into its output folder)")
 
     segNode = _output_segmentation(target, volumeNode, beforeChange)
-    segmentId, previous = _write_segment(segNode, target, volumeNode, mask, query, result.get("terminology"))
-    agreementId = replace_agreement(p, segNode, volumeNode, agreement, query, samples, keep=segmentId)
-    undo = UndoRecord(segNode, segmentId, previous, volumeNode, _packed(segNode, segmentId, volumeNode), agreementId)
-    p.confidence = confidence_text(result)
-    p.outputSegmentation = segNode
-    p.segmentId = segmentId
-    p.resultVolume = volumeNode
-    p.reasoning = anchor.get("reasoning") or ""
-    p.keySlice = int(anchor["slice"])
-    p.anchorJson = json.dumps(anchor)
-    place_rois(p, rois, k, volumeNode)
-    place_corrections(p, geo, prompts, zRange, volumeNode)
-    p.boxesEdited = False
-    show_key_slice(volumeNode, anchor)
-    return notes, undo
+    step = Step(segNode, volumeNode, label=", ".join(f.query for f in found))
+    for i, f in enumerate(found):
+        step.changes += _write(p, segNode, volumeNode, geo, f, target.replaceSegmentId if i == 0 else "")
+    step.shown = step.changes[0].segmentId
+    evidence.select_segment(p, segNode, step.shown)
+    show_key_slice(volumeNode, found[0].anchor)
+    return notes, step

@@ -67,6 +67,14 @@ def read_mask(path: str, volumeNode, atLeast: int = 1):
     be painted onto the wrong voxels."""
     import numpy as np
 
+    return (read_labels(path, volumeNode) >= max(1, int(atLeast))).astype(np.uint8)
+
+
+def read_labels(path: str, volumeNode):
+    """The worker's label map (label *k* for query *k* of several) as a ``(k, j, i)`` array on
+    ``volumeNode``'s grid; another grid raises GeometryError, as in :func:`read_mask`."""
+    import numpy as np
+
     label = read_labelmap_file(path)
     dims = tuple(label.GetImageData().GetDimensions())
     want = tuple(volumeNode.GetImageData().GetDimensions())
@@ -81,7 +89,7 @@ def read_mask(path: str, volumeNode, atLeast: int = 1):
     if not np.allclose(a, b, rtol=0, atol=1e-3 * max(1.0, float(np.abs(b).max()))):
         raise GeometryError(f"the mask does not lie on the grid of {volumeNode.GetName()} "
                             "(its IJK→RAS matrix differs); was the volume changed while it was being segmented?")
-    return (slicer.util.arrayFromVolume(label) >= max(1, int(atLeast))).astype(np.uint8)
+    return np.array(slicer.util.arrayFromVolume(label))
 
 
 class ExportFolder:

@@ -96,11 +96,13 @@ def test_several_targets_are_one_segment_each(tmp_path, series):
     labels[70:90, 10:40, 3:7] = 2
     queries = ["the liver", "the spleen", "the kidney that contains the cyst"]  # the third found nothing
     segments = [{"name": q, "value": k, "term": match(q, k)} for k, q in enumerate(queries, start=1)]
-    out = save_dicom_seg(labels, ct.affine, series, tmp_path / "organs.dcm", segments, algorithm="MedVol test",
+    out = save_dicom_seg(labels, ct.affine, ct, tmp_path / "organs.dcm", segments, algorithm="MedVol test",
                          version="0")
     seg = hd.seg.segread(str(out))
-    assert [d.SegmentLabel for d in seg.SegmentSequence] == queries
-    assert [d.SegmentedPropertyTypeCodeSequence[0].CodeMeaning for d in seg.SegmentSequence][:2] == ["Liver", "Spleen"]
+    assert seg.SegmentationType == "LABELMAP"  # several targets: one frame set holding every segment's number
+    named = [d for d in seg.SegmentSequence if d.SegmentNumber > 0]  # a label map's segment 0 is its background
+    assert [d.SegmentLabel for d in named] == queries
+    assert [d.SegmentedPropertyTypeCodeSequence[0].CodeMeaning for d in named][:2] == ["Liver", "Spleen"]
     uids = [pydicom.dcmread(str(f), stop_before_pixels=True).SOPInstanceUID for f in sorted(series.iterdir())]
     got = seg.get_pixels_by_source_instance(source_sop_instance_uids=uids, segment_numbers=[1, 2, 3])
     assert [int(got[..., k].sum()) for k in range(3)] == [int((labels == v).sum()) for v in (1, 2, 3)]

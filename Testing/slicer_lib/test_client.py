@@ -41,6 +41,7 @@ def _track(s: Session):
     return states, events
 
 
+@pytest.mark.slow  # a worker process, a segment end to end
 def test_segment_reports_progress_and_returns_mask_and_world_anchor(session, ct_sm_path):
     states, events = _track(session)
     etas = []
@@ -106,6 +107,7 @@ def test_bad_requests_come_back_as_errors_and_the_worker_keeps_serving(session, 
     assert ok.state == "done"
 
 
+@pytest.mark.slow  # a worker process cancelled mid-request
 def test_cancel_stops_a_running_request(session, ct_path):
     states, events = _track(session)
     job = session.segment(str(ct_path), "the liver", TINY)
@@ -120,6 +122,7 @@ def test_cancel_stops_a_running_request(session, ct_path):
     assert session.wait(session.segment(str(ct_path), "the spleen", TINY), TIMEOUT).state == "done"
 
 
+@pytest.mark.slow  # a worker process tree killed
 def test_cancel_that_is_not_honoured_kills_the_process_tree(ct_sm_path):
     w = StdioWorker(_command(), cancel_grace_s=1.0)
     try:
@@ -145,6 +148,7 @@ def test_cancel_that_is_not_honoured_kills_the_process_tree(ct_sm_path):
         w.stop()
 
 
+@pytest.mark.slow  # a worker process crashed and started again
 def test_crash_is_reported_and_the_worker_restarts(ct_sm_path):
     s = Session(client_factory=lambda options: StdioWorker(_command()))
     crashes = []
@@ -178,6 +182,7 @@ def test_worker_that_cannot_start_fails_the_request_not_the_session(tmp_path):
     assert s.state == IDLE
 
 
+@pytest.mark.slow  # a worker process over HTTP, segments end to end
 def test_remote_worker_over_http(ct_sm_path, tmp_path):
     token = "t" * 24
     (tmp_path / "token").write_text(token)

@@ -59,7 +59,7 @@ def slicer_env():
     from MedVolR1SlicerPanel.selftest import MedVolR1SlicerTest, SelfTestWorker
     from MedVolR1SlicerScene.logic import MedVolR1SlicerLogic
     from MedVolR1SlicerScene.parameters import MedVolR1SlicerParameterNode
-    from MedVolR1SlicerScene.results import EditedSinceResult
+    from MedVolR1SlicerScene.history import EditedSinceResult
 
     # the logic, the self-test and everything they import run without any Qt module
     assert not {"qt", "ctk"} & set(sys.modules), sorted({"qt", "ctk"} & set(sys.modules))

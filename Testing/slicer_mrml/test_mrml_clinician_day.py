@@ -199,7 +199,8 @@ def test_undo_of_a_replacement_restores_the_previous_mask_only_when_told_to_drop
     assert p.segmentId == sid and seg.GetSegmentation().GetNumberOfSegments() == 1
     assert manual.undoLastResult()  # nothing edited since: no question asked
     np.testing.assert_array_equal(slicer.util.arrayFromSegmentBinaryLabelmap(seg, sid, volume), liver)
-    assert not manual.canUndo
+    assert manual.canUndo and manual.undoLastResult()  # the first result too: Undo is as deep as the session
+    assert seg.GetSegmentation().GetSegment(sid) is None and not manual.canUndo
 
 
 # ---- the input volume switched ----------------------------------------------------------------

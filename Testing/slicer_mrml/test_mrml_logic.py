@@ -257,7 +257,8 @@ def test_replace_then_undo_restores_the_previous_mask_and_undo_of_an_added_segme
     np.testing.assert_array_equal(segment_array(p, node), kji(kidneys))  # no liver voxel left
     assert logic.canUndo and logic.undoLastResult()
     np.testing.assert_array_equal(segment_array(p, node), kji(liver))
-    assert not logic.canUndo
+    assert logic.undoDepth(p) == 1  # the liver's own result is next
+    assert logic.canRedo and logic.redoLastResult() and logic.undoLastResult()  # Redo, and back
 
     # "keep both": a new segment with a numbered name; Undo removes it and leaves the other
     logic.applyResult(p, node, kidneys_result, replaceSegment=False)

@@ -100,7 +100,7 @@ UI_NAMES = ["queryEdit", "presetComboBox", "deviceComboBox", "windowComboBox", "
             "jumpButton", "editButton", "show3DCheckBox", "inputVolumeSelector", "historyComboBox",
             "outputSegmentationSelector", "progressBar", "statusLabel", "objectComboBox", "placePointsButton",
             "negativePointsButton", "clearCorrectionsButton", "rangeLabel", "setRangeStartButton", "setRangeEndButton",
-            "clearRangeButton", "modelLabel", "confidenceLabel"]
+            "clearRangeButton", "modelLabel", "confidenceLabel", "redoButton", "segmentComboBox"]
 
 
 @pytest.fixture

@@ -109,6 +109,52 @@ def test_enter_in_the_query_box_runs_segment(panel):
     assert segmentation.GetSegment(p.segmentId).GetName() == "the organ" and p.resultVolume is volume
 
 
+def test_shift_enter_starts_the_next_query_and_several_queries_go_in_one_request(panel):
+    """One query per line: Shift+Enter starts a line, Enter runs Segment; one ``segment`` request
+    with ``queries``, a segment for the one found and "not found" for the other, on its own line."""
+    load_ct(panel)
+    use_remote_worker(panel)
+    ui = panel.ui
+    type_text(ui.queryEdit, "the organ")
+    key(ui.queryEdit, Qt.Key_Return, Qt.ShiftModifier)
+    type_text(ui.queryEdit, "the appendix")
+    assert panel.workers.made == [] and ui.queryEdit.toPlainText() == "the organ\nthe appendix"
+    key(ui.queryEdit, Qt.Key_Return)
+    (worker,) = panel.workers.made
+    assert [op for op, _ in worker.requests] == ["load", "segment"]
+    assert worker.requests[1][1]["queries"] == ["the organ", "the appendix"] and "query" not in worker.requests[1][1]
+    wait_until(lambda: idle(panel))
+    p = panel.logic.getParameterNode()
+    segmentation = p.outputSegmentation.GetSegmentation()
+    assert segmentation.GetNumberOfSegments() == 1 and segmentation.GetSegment(p.segmentId).GetName() == "the organ"
+    assert "Not found in this CT: the appendix" in ui.statusLabel.text
+    assert [ui.segmentComboBox.itemText(i) for i in range(ui.segmentComboBox.count)] == ["the organ"]
+
+
+def test_the_segment_selector_shows_each_segments_own_evidence(panel):
+    """Two queries, two segments: choosing the first in the Segment selector (arrow key) shows its
+    boxes and hides the second's; Add box here then goes to the first."""
+    load_ct(panel)
+    use_remote_worker(panel)
+    ui, p = panel.ui, panel.logic.getParameterNode()
+    segment(panel, "the organ")
+    first_id, first_boxes = p.segmentId, list(p.boxes)
+    segment(panel, "the other organ")
+    second_id, second_boxes = p.segmentId, list(p.boxes)
+    assert second_id != first_id and ui.segmentComboBox.currentText == "the other organ"
+    assert not first_boxes[0].GetDisplayNode().GetVisibility()
+    ui.segmentComboBox.setFocus()
+    key(ui.segmentComboBox, Qt.Key_Up)
+    assert p.segmentId == first_id and p.boxes == first_boxes and ui.segmentComboBox.currentText == "the organ"
+    assert first_boxes[0].GetDisplayNode().GetVisibility() and not second_boxes[0].GetDisplayNode().GetVisibility()
+    k = p.keySliceIJK
+    panel.logic.redSliceNode().JumpSliceByCentering(*panel.logic.geometry(p.resultVolume).slice_center_ras(k + 1))
+    click(ui.addBoxButton)
+    assert len(p.corrections) == 1 and ui.repropagateButton.enabled
+    key(ui.segmentComboBox, Qt.Key_Down)
+    assert p.segmentId == second_id and p.corrections == [] and not ui.repropagateButton.enabled
+
+
 def test_escape_cancels_a_running_request(panel):
     load_ct(panel)
     use_remote_worker(panel)
@@ -308,9 +354,22 @@ def test_segment_add_box_repropagate_undo_through_the_panel(panel):
     assert p.segmentId == segmentId and not np.array_equal(second, first)
 
     click(ui.undoButton)
-    assert ui.statusLabel.text == "The last result was taken back."
+    assert ui.statusLabel.text == "Taken back: the organ."
     assert np.array_equal(slicer.util.arrayFromSegmentBinaryLabelmap(seg, segmentId, volume), first)
-    assert not ui.undoButton.enabled
+    # the evidence as it was when Re-propagate was clicked: the moved box and the box on slice k + 2
+    assert [panel.logic.nodeSlice(b) for b in p.corrections] == [k + 2] and ui.repropagateButton.enabled
+    assert ui.undoButton.enabled and ui.redoButton.enabled  # the first result is next; Redo puts this back
+    click(ui.redoButton)
+    assert ui.statusLabel.text == "Put back: the organ." and not ui.redoButton.enabled
+    assert np.array_equal(slicer.util.arrayFromSegmentBinaryLabelmap(seg, segmentId, volume), second)
+    click(ui.undoButton)
+    click(ui.undoButton)  # the first result too: no segment, and no evidence left on screen
+    assert seg.GetSegmentation().GetSegment(segmentId) is None and not ui.undoButton.enabled
+    assert ui.keySliceLabel.text == "–" and ui.reasoningEdit.toPlainText() == ""
+    assert not ui.repropagateButton.enabled and not ui.addBoxButton.enabled
+    click(ui.redoButton)
+    assert np.array_equal(slicer.util.arrayFromSegmentBinaryLabelmap(seg, segmentId, volume), first)
+    assert p.segmentId == segmentId and ui.keySliceLabel.text.startswith("S ")
 
     click(ui.editButton)
     editor = slicer.modules.segmenteditor.widgetRepresentation().self().editor

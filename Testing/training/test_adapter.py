@@ -16,6 +16,7 @@ from medvolcore.errors import AdapterMismatchError
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 
+@pytest.mark.slow  # trains the tiny model (the session's SFT run)
 def test_a_tiny_sft_adapter_records_its_base_data_and_steps(sft_run, sm_data):
     from huggingface_hub import ModelCard
 
@@ -44,6 +45,7 @@ def test_a_tiny_sft_adapter_records_its_base_data_and_steps(sft_run, sm_data):
         models.check_adapter_given("qwen3-vl-2b", adapter)
 
 
+@pytest.mark.slow  # trains the tiny model (the session's SFT run)
 def test_an_adapter_of_a_real_preset_names_its_hub_id_revision_and_licence(sft_run, sm_data, tmp_path):
     """The files for a run on qwen3-vl-4b (the preset's pinned commit, nothing downloaded), written
     over a copy of the tiny adapter: PEFT's config names the Hub id and commit, the card the
@@ -80,6 +82,7 @@ def test_an_adapter_of_a_real_preset_names_its_hub_id_revision_and_licence(sft_r
     assert not record_evaluation(tmp_path, tmp_path / "EVAL", summary, header, line)  # not a medvol-train adapter
 
 
+@pytest.mark.slow  # trains the tiny model (the session's SFT run)
 def test_evaluate_records_its_table_in_the_adapters_card(sft_run, tmp_path):
     """`medvol-train evaluate --adapter`'s aggregation (on hand-made case rows, as test_evaluate
     does; no model runs) adds its table row to the adapter's card and record."""

@@ -145,6 +145,7 @@ def grpo_run(sft_run, sm_data, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # GRPO steps on the tiny model
 def test_two_grpo_steps_from_the_sft_adapter_log_every_term(grpo_run):
     report = json.loads((grpo_run / "training.json").read_text(encoding="utf-8"))
     assert report["global_step"] == 2 and report["started_from"].endswith("adapter")
@@ -169,6 +170,7 @@ def test_two_grpo_steps_from_the_sft_adapter_log_every_term(grpo_run):
     assert ev["step"] == 2 and all(math.isfinite(ev[f"eval_rewards/{t}/mean"]) for t in TERMS)
 
 
+@pytest.mark.slow  # GRPO steps on the tiny model
 def test_grpo_adapter_loads_in_the_grounder(grpo_run):
     from medvolcore import models
     from medvolcore.grounder import QwenVLGrounder
@@ -185,6 +187,7 @@ def _twin_sample(sample: dict, folder: Path) -> dict:
     return {**sample, "id": sample["id"] + "_twin", "data_dir": str(folder), "slices_file": "twin.npz"}
 
 
+@pytest.mark.slow  # SFT then GRPO on the tiny model
 def test_two_volumes_with_one_prompt_text_keep_their_own_images(sm_data, sft_run, tmp_path):
     """A generation batch holding two volumes with the same prompt text (here two prompts
     per step, two accumulation steps). Every scoring pass — the reference pass inside generation and
@@ -263,6 +266,7 @@ def test_two_volumes_with_one_prompt_text_keep_their_own_images(sm_data, sft_run
         trainer._get_per_token_logps_and_entropies(model, ids, mask, n)
 
 
+@pytest.mark.slow  # GRPO steps on the tiny model, resumed
 def test_resume_continues_from_the_saved_step(grpo_run, sft_run, sm_data, tmp_path):
     import shutil
 

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 
+@pytest.mark.slow  # trains the tiny model (the session's SFT run)
 def test_sft_lowers_the_loss_and_logs_loss_and_lr(sft_run):
     report = json.loads((sft_run / "training.json").read_text(encoding="utf-8"))
     steps = [h["step"] for h in report["loss_history"]]
@@ -36,6 +37,7 @@ def test_sft_lowers_the_loss_and_logs_loss_and_lr(sft_run):
     assert b"train/loss" in blob and b"train/learning_rate" in blob
 
 
+@pytest.mark.slow  # trains the tiny model (the session's SFT run)
 def test_adapter_loads_back_through_the_grounder_and_changes_its_output(sft_run, sm_data, ct_sm_path):
     import torch
     from safetensors import safe_open
@@ -66,6 +68,7 @@ def test_adapter_loads_back_through_the_grounder_and_changes_its_output(sft_run,
     assert models.resolve("tiny", adapter=adapter).adapter_dir == adapter
 
 
+@pytest.mark.slow  # trains the tiny model (the session's SFT run)
 def test_resume_continues_from_the_saved_step(sft_run, sm_data, tmp_path):
     run = tmp_path / "RUN"
     shutil.copytree(sft_run, run)
@@ -129,6 +132,7 @@ def test_a_base_model_that_is_not_qwen3_vl_is_refused(sm_data, tmp_path, capsys)
     assert not (tmp_path / "R" / "adapter").exists()
 
 
+@pytest.mark.slow  # trains the tiny model (the session's SFT run)
 def test_cli_one_line_errors_for_runs_and_data(sft_run, sm_data, tmp_path, capsys):
     cases = [
         (["sft", "--data", str(sm_data), "--output", str(sft_run), "--preset", "tiny"], "already holds a run"),

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import unicodedata
 from typing import List, Optional, Sequence
 
 from ..anchor import MAX_BOXES
@@ -157,6 +158,9 @@ def validate_query(query) -> str:
         raise InputError("the query is not valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
     if len(q) > MAX_QUERY_CHARS:
         raise InputError(f"the query has {len(q)} characters; at most {MAX_QUERY_CHARS} are allowed")
+    bad = next((c for c in q if c not in "\t\n\r" and unicodedata.category(c) == "Cc"), None)
+    if bad is not None:  # a NUL cuts a file's text short; others reach segment names and DICOM text
+        raise InputError(f"the query holds the control character U+{ord(bad):04X}; write it as plain text")
     return q
 
 
