@@ -42,6 +42,13 @@ class VolumeError(MedVolError):
     code = "bad_volume"
 
 
+class GroundTruthError(VolumeError):
+    """A ground truth (reference label map) that cannot score the case: unreadable, of another space,
+    or without the requested label."""
+
+    code = "bad_ground_truth"
+
+
 class AnchorError(MedVolError):
     """An evidence anchor (object or file) is malformed or inconsistent."""
 

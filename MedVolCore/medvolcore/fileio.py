@@ -11,12 +11,18 @@ write of the same output removes what a ``kill -9`` left, and its format suffix 
 so every writer recognises it. Write failures (permission, full disk, read-only file system) become one
 :class:`~medvolcore.errors.OutputError` naming the file and the reason, and the temporary file
 is removed.
+
+The outputs of one job change as one set (:func:`output_set`): inside it, each file is written
+and checked under its temporary name and kept there; only when every file of the set is written
+are they renamed into place, an existing file first moved aside and put back if a later rename
+fails. A failure anywhere leaves every previous output as it was and no new file.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import errno
 import functools
 import os
@@ -405,6 +411,11 @@ def atomic_path(path: PathLike, overwrite: bool = False, *,
             (verify or (lambda t: check_written(t, final)))(tmp_path)
         except OSError as e:
             raise OutputError(f"cannot write {final}: {os_reason(e)}") from None
+        staging = _STAGING.get()
+        if staging is not None:  # one file of a set: renamed with the others (OutputSet.commit)
+            staging.add(tmp_path, final, overwrite)
+            tmp_path = None
+            return
         if final.exists() and not overwrite:  # appeared while we were writing
             raise OutputExistsError(f"{final} already exists; pass --overwrite to replace it")
         try:
@@ -417,6 +428,96 @@ def atomic_path(path: PathLike, overwrite: bool = False, *,
     finally:
         if tmp_path is not None:
             _remove_temporary(tmp_path)
+
+
+_STAGING: contextvars.ContextVar = contextvars.ContextVar("medvol_output_set", default=None)
+
+
+class OutputSet:
+    """Files written under temporary names (:func:`atomic_path` inside :func:`output_set`), to be
+    renamed into place together (:meth:`commit`) or removed together (:meth:`discard`)."""
+
+    def __init__(self) -> None:
+        self.staged: list = []  # (temporary, final, overwrite), in writing order
+
+    def add(self, tmp: Path, final: Path, overwrite: bool) -> None:
+        for i, (old_tmp, old_final, _) in enumerate(self.staged):
+            if _identity(old_final) == _identity(final):  # written twice: the later one counts
+                _remove_temporary(old_tmp)
+                del self.staged[i]
+                break
+        self.staged.append((tmp, final, overwrite))
+
+    def discard(self) -> None:
+        for tmp, _, _ in self.staged:
+            _remove_temporary(tmp)
+        self.staged = []
+
+    def commit(self) -> None:
+        """Rename every staged file into place. An existing output is first moved aside under a
+        temporary name; if any rename fails (or the process is interrupted), the files already
+        placed are removed, the moved-aside ones put back, and the error raised: the folder holds
+        the previous set, whole."""
+        staged, self.staged = self.staged, []
+        placed: list = []  # (final, the previous file's temporary name or None)
+        try:
+            for _, final, overwrite in staged:
+                if os.path.lexists(final) and not overwrite:  # appeared while we were writing
+                    raise OutputExistsError(f"{final} already exists; pass --overwrite to replace it")
+            for tmp, final, _ in staged:
+                try:
+                    os.chmod(tmp, 0o666 & ~_umask())
+                    aside = None
+                    if os.path.lexists(final):
+                        fd, name = tempfile.mkstemp(prefix=temporary_prefix(final),
+                                                    suffix=".part" + full_suffix(final).lower(), dir=final.parent)
+                        os.close(fd)
+                        aside = Path(name)
+                        try:
+                            os.replace(final, aside)
+                        except OSError:
+                            _remove_temporary(aside)
+                            raise
+                    placed.append((final, aside))
+                    os.replace(tmp, final)
+                except OSError as e:
+                    raise OutputError(f"cannot write {final}: {os_reason(e)}") from None
+        except BaseException:
+            for final, aside in reversed(placed):
+                with contextlib.suppress(OSError):
+                    if aside is not None and os.path.lexists(aside):
+                        os.replace(aside, final)
+                    elif aside is None:
+                        os.unlink(final)
+            for tmp, _, _ in staged:
+                _remove_temporary(tmp)
+            raise
+        for _, aside in placed:
+            if aside is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(aside)
+
+
+@contextlib.contextmanager
+def output_set() -> Iterator[OutputSet]:
+    """Inside this block, every file written with :func:`atomic_path` (so every writer of this
+    package) stays under its temporary name; when the block ends without an error they are all
+    renamed into place (:meth:`OutputSet.commit`), otherwise all removed. A block inside another
+    joins the outer set."""
+    outer = _STAGING.get()
+    if outer is not None:
+        yield outer
+        return
+    files = OutputSet()
+    token = _STAGING.set(files)
+    try:
+        yield files
+    except BaseException:
+        _STAGING.reset(token)
+        files.discard()
+        raise
+    _STAGING.reset(token)
+    files.commit()
 
 
 def _umask() -> int:

@@ -18,8 +18,11 @@ The steps, in this order, so that nothing is loaded or written for a job that ca
    one, so a front door can load models only once the inputs are known good);
 4. ground + propagate (``query``) or propagate the given anchor (``anchor``, or ``key_slice`` +
    ``boxes``: the language model is not used);
-5. the mask (uint8, on the volume's own grid), then the anchor file, then the QC picture, each
-   written atomically (temporary name, then rename). When the grounder answered that the target is
+5. the mask (uint8, on the volume's own grid), then the anchor file, then the QC picture (and
+   every other output: labels tables, agreement maps, statistics), as one set
+   (:func:`~medvolcore.fileio.output_set`): each is written and checked under a temporary name, and
+   they are renamed into place only once all are written, so a failure at any of them leaves the
+   previous outputs as they were and no new file. When the grounder answered that the target is
    not in the volume (an *absent* result), no mask file is written unless the outputs ask for an
    all-zero one (``empty_mask_on_absent``); the anchor file (schema ``medvol.anchor/3``) and the QC
    picture are written as usual and say so.
@@ -54,10 +57,12 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from .dicomseg import check_dicom_source, is_dicom_output, referenceable_outputs
-from .fileio import MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix, write_text_atomic
+from .fileio import (MASK_SUFFIXES, PNG_SUFFIXES, check_distinct, check_output, full_suffix, output_set,
+                     write_text_atomic)
 from .stats import STATS_SUFFIXES, check_stats_path, stats_text, target_stats
 from .models.identity import SMOKE_BANNER  # re-exported here, where it always was
 from .request import MAX_TARGETS, SegmentRequest  # declared in medvolcore.request; imported from here too
+from .errors import InputError
 from .result import SegmentResult
 
 __all__ = ["SegmentRequest", "SegmentResult", "SegmentOutputs", "SMOKE_BANNER", "check_outputs", "default_anchor_path",
@@ -153,6 +158,7 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
     (without ``overwrite``), that cannot be written, or whose suffix is not of their kind (every
     file of :func:`planned_files` for ``targets`` targets)."""
     files = planned_files(outputs, targets)
+    _check_labels_tables(files)
     check_distinct([(name, path) for _, name, path in files], list(inputs))
     create, overwrite = outputs.create_folders, outputs.overwrite
     for kind, name, path in files:
@@ -169,6 +175,25 @@ def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[
             check_output(path, overwrite, suffixes=PNG_SUFFIXES, what="QC picture", create_folder=create)
         else:
             check_output(path, overwrite, create_folder=create)
+
+
+def _check_labels_tables(files) -> None:
+    """Refuse two label maps whose labels tables would be one file (``organs.nii.gz`` and
+    ``organs.nrrd`` both → ``organs.labels.json``), naming both masks and the shared table."""
+    import os
+
+    seen, mask = {}, None
+    for kind, name, path in files:
+        if kind == "mask":
+            mask = (name, path)
+        elif kind == "labels":
+            key = os.path.normcase(os.path.realpath(os.path.expanduser(str(path))))
+            if key in seen:
+                (n1, m1), (n2, m2) = seen[key], mask
+                raise InputError(f"{n1} {m1} and {n2} {m2} would share one labels table, {path}: with several "
+                                 "queries each label map gets a table named after it, so give label maps different "
+                                 "names before the suffix (organs.nii.gz and organs_copy.nrrd)")
+            seen[key] = mask
 
 
 def _given_anchor(request: SegmentRequest, stack):
@@ -241,6 +266,7 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     check_outputs(outputs, [("--volume", volume_path)] + list(inputs), targets)
 
     stack = as_stack(volume)
+    warnings = _plausibility(stack, request)
     outputs, refused = referenceable_outputs(outputs, stack.volume)  # before any model loads
     anchor = None if request.grounded else _given_anchor(request, stack)
     pipe = pipeline() if callable(pipeline) else pipeline
@@ -270,10 +296,11 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     if progress is not None:
         progress("write", 0.0, "writing the mask" if targets == 1 else f"writing the {targets} targets")
     t_write = time.perf_counter()
-    if targets > 1:
-        res = _write_targets(segs, stack, volume_path, request, outputs, window)
-    else:
-        res = _write_target(segs[0], stack, volume_path, request, outputs, window, query)
+    with output_set():  # every file to a temporary; all renamed into place once all are written
+        if targets > 1:
+            res = _write_targets(segs, stack, volume_path, request, outputs, window, warnings)
+        else:
+            res = _write_target(segs[0], stack, volume_path, request, outputs, window, query, warnings)
     if refused:
         res.notes = list(res.notes or []) + refused
     res.timings["write_s"] = round(time.perf_counter() - t_write, 4)
@@ -283,9 +310,35 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     return res
 
 
+def _plausibility(stack, request: SegmentRequest) -> List[str]:
+    """The volume's CT plausibility warnings (:func:`medvolcore.volume.ct_plausibility`; an all-air
+    volume is refused), or an error with ``strict_ct`` — before any model loads."""
+    from .errors import VolumeError
+    from .volume import ct_plausibility
+
+    warnings = ct_plausibility(stack.volume.array, stack.volume.name)
+    if warnings and request.strict_ct:
+        refused = warnings[0].replace("; the result is unreliable", "")
+        raise VolumeError(f"{refused} (refused: {request.name('strict_ct')})")
+    return [w + f" ({request.name('strict_ct')} refuses such a volume)" for w in warnings]
+
+
+ALGORITHM_NAME_CHARS = 64  # a DICOM LO value
+
+
 def _algorithm(seg) -> str:
-    """The DICOM-SEG's algorithm name: the model that made the anchor, or a given anchor's propagation."""
-    return "MedVol " + ((seg.identity or {}).get("label") or "propagation of a given anchor")
+    """The DICOM-SEG's algorithm name (a DICOM LO: 64 characters): the model that made the anchor,
+    or a given anchor's propagation; a longer label is cut at the end of a phrase (before ``:``,
+    ``;``, ``,`` or ``(``), never in the middle of one."""
+    name = "MedVol " + ((seg.identity or {}).get("label") or "propagation of a given anchor")
+    if len(name) <= ALGORITHM_NAME_CHARS:
+        return name
+    head = name[:ALGORITHM_NAME_CHARS]
+    cuts = [head.rfind(sep) for sep in (":", ";", ",", " (")]
+    cut = max(cuts)
+    if cut > len("MedVol "):
+        return head[:cut].rstrip()
+    return head[:ALGORITHM_NAME_CHARS - 1].rsplit(" ", 1)[0] + "…"
 
 
 def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: List[dict], algorithm: str,
@@ -329,11 +382,13 @@ def _target_stats(seg, mask, stack, name: str) -> dict:
                         (world.get("slice_center_ras") or [None, None, None])[2])
 
 
-def _save_qc(path, stack, seg, mask_stack, request: SegmentRequest, window, title: str, overwrite: bool) -> None:
+def _save_qc(path, stack, seg, mask_stack, request: SegmentRequest, window, title: str, overwrite: bool,
+             warnings: Sequence[str] = (), empty_note: str = "") -> None:
     from .qc import save_qc
 
     save_qc(path, stack, seg.anchor, mask_stack, overwrite=overwrite, title=title, reasoning=seg.reasoning,
-            window=window, gt_mask=request.reference, **_qc_identity(seg, request.grounded))
+            window=window, gt_mask=request.reference, warnings=list(warnings),
+            empty_note=empty_note, **_qc_identity(seg, request.grounded))
 
 
 def _volume_name(stack, volume_path) -> Optional[str]:
@@ -342,7 +397,7 @@ def _volume_name(stack, volume_path) -> Optional[str]:
 
 
 def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window,
-                  query) -> SegmentResult:
+                  query, warnings: Sequence[str] = ()) -> SegmentResult:
     """Write a one-target job's files (see the module docstring's step 5) → its result."""
     from .terminology import match
     from .volume import save_mask
@@ -362,7 +417,7 @@ def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: Seg
         seg.anchor.save(outputs.anchor, outputs.overwrite)
     if outputs.qc:
         title = request.qc_title if request.qc_title is not None else f"query: {seg.anchor.query or query or ''}"
-        _save_qc(outputs.qc, stack, seg, seg.mask_stack, request, window, title, outputs.overwrite)
+        _save_qc(outputs.qc, stack, seg, seg.mask_stack, request, window, title, outputs.overwrite, warnings)
     metrics = None
     if request.reference is not None:
         from .metrics import overlap
@@ -371,7 +426,7 @@ def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: Seg
         metrics = {"dice": round(m["dice"], 6), "iou": round(m["iou"], 6), "pred_voxels": m["pred_voxels"],
                    "gt_voxels": m["gt_voxels"]}
     fields = _target_fields(seg, query, term, stats)
-    fields["notes"] = list(dict.fromkeys(seg.notes))
+    fields["notes"] = list(dict.fromkeys(list(warnings) + list(seg.notes)))
     return SegmentResult(
         mode="segment" if request.grounded else "propagate", volume=_volume_name(stack, volume_path),
         preset=seg.preset, smoke=bool(seg.smoke), identity=seg.identity, **fields,
@@ -398,7 +453,8 @@ def resolve_overlaps(masks: Sequence, shape) -> Tuple[object, List[dict]]:
     return labels, overlaps
 
 
-def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window) -> SegmentResult:
+def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: SegmentOutputs, window,
+                   warnings: Sequence[str] = ()) -> SegmentResult:
     """Write a several-target job's files → its result (see "Several targets" in the module docstring)."""
     from . import RESEARCH_USE_NOTICE
     from .terminology import match
@@ -411,7 +467,7 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
     import numpy as np
 
     voxel_ml = abs(float(np.linalg.det(np.asarray(stack.volume.affine, dtype=np.float64)[:3, :3]))) / 1000.0
-    notes = []
+    notes = list(warnings)
     for o in overlaps:
         j, k = o["labels"]
         o.update(queries=[queries[j - 1], queries[k - 1]], volume_ml=round(o["voxels"] * voxel_ml, 3))
@@ -436,8 +492,12 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
         if outputs.qc:
             files["qc"] = numbered(outputs.qc, k)
             title = (f"{request.qc_title} · " if request.qc_title else "") + f"target {k}/{n} · query: {q}"
-            _save_qc(files["qc"], stack, seg, (labels_stack == k).astype("uint8"), request, window, title,
-                     outputs.overwrite)
+            mine = (labels_stack == k).astype("uint8")
+            key = None if seg.absent else int(seg.anchor.slice)
+            lost_here = key is not None and not mine[key].any() and bool(np.any(seg.mask_stack[key]))
+            _save_qc(files["qc"], stack, seg, mine, request, window, title, outputs.overwrite, warnings,
+                     empty_note="mask: none left here (taken by an earlier target)"
+                     if lost_here else "")
         lost = sum(o["voxels"] for o in overlaps if o["labels"][1] == k)
         targets.append(SegmentResult(label=k, **_target_fields(seg, q, term, stats), overlap_voxels_lost=lost,
                                      anchor_out=files.get("anchor_out"), qc=files.get("qc"),

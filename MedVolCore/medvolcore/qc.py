@@ -8,13 +8,24 @@ notice as its last line. The PNG also carries text chunks (``Source``: the model
 What the picture draws (all in display pixels, after the slice is enlarged ``scale`` times with
 nearest neighbour):
 
-* the mask outline: a 2 px ring just *outside* the mask (the mask's own edge voxels stay visible);
-* the ground-truth contour (``gt_mask``): a 2 px ring just *inside* the ground truth's edge, so a
-  perfect mask shows the two colours side by side rather than one over the other;
-* each evidence box: a 2 px (or ``scale // 2``) frame just outside the outline ring, around the
-  box's inclusive pixels, numbered from 1 as in the anchor file;
+* the mask: a translucent fill and a 2 px outline along the mask's own edge, inside it, where the
+  image's edge counts as an edge: a mask that reaches the border of the slice is outlined along
+  the border, so a mask that covers almost the whole slice shows as a frame around it;
+* the ground-truth contour (``gt_mask``): a 2 px ring just *outside* the ground truth's edge (and,
+  where the ground truth reaches the border of the slice, inside it along the border), so a perfect
+  mask shows the two colours side by side rather than one over the other;
+* each evidence box: a 2 px (or ``scale // 2``) frame outside the box's inclusive pixels, beyond
+  the ground-truth ring, numbered from 1 as in the anchor file (numbers that would overlap are set
+  side by side);
 * the orientation letters on the four edges, from the stack's direction (radiological view:
   the patient's right on the image's left).
+
+The panel states the mask's share of the key slice (and of the body on it: voxels above
+:data:`BODY_HU`) and of the volume, and flags a mask that covers more than
+:data:`PLAUSIBLE_BODY_SHARE` of the body on the key slice or in the volume; a volume that does not
+look like CT (``warnings``) is named in the banner. Every text block has a line budget (the title,
+banner and model line are cut with "…"), so the model line, the key slice, the legend and the
+notice always show, whatever the query's length.
 """
 
 from __future__ import annotations
@@ -36,6 +47,9 @@ _GT_COLOUR = (0, 220, 255)
 _LETTER_COLOUR = (255, 255, 120)
 _BACKGROUND = (20, 20, 20)
 RING_PX = 2  # width of the mask outline and of the ground-truth contour, in display pixels
+FILL_ALPHA = 0.3  # opacity of the mask's fill
+BODY_HU = -500.0  # a voxel above this is body (not air) when the mask's share of the body is stated
+PLAUSIBLE_BODY_SHARE = 0.5  # a mask over this share of the body (key slice or volume) is flagged
 MARGIN_PX = 22  # the band around the slice that holds the orientation letters
 DUPLICATE_IOU = 0.9  # boxes with an IoU above this (or identical) are flagged as duplicates
 # A direction's secondary letter is shown when its component is at least this large (about 17°
@@ -44,7 +58,8 @@ _OBLIQUE_COMPONENT = 0.3
 
 
 def _ring(mask2d: np.ndarray, inside: bool) -> np.ndarray:
-    """The :data:`RING_PX`-wide band along a mask's edge: just outside it or just inside it."""
+    """The :data:`RING_PX`-wide band along a mask's edge: just outside it or just inside it (where
+    the image's border counts as the mask's edge: a mask reaching the border is outlined along it)."""
     from scipy import ndimage
 
     m = np.asarray(mask2d, dtype=bool)
@@ -52,6 +67,34 @@ def _ring(mask2d: np.ndarray, inside: bool) -> np.ndarray:
     if inside:
         return m & ~ndimage.binary_erosion(m, structure=square, iterations=RING_PX, border_value=0)
     return ndimage.binary_dilation(m, structure=square, iterations=RING_PX) & ~m
+
+
+def _edge_band(shape) -> np.ndarray:
+    """The pixels within :data:`RING_PX` of the image's border."""
+    band = np.zeros(shape, bool)
+    band[:RING_PX], band[-RING_PX:], band[:, :RING_PX], band[:, -RING_PX:] = True, True, True, True
+    return band
+
+
+def mask_shares(stack, mask_stack, z: int) -> Dict[str, float]:
+    """The mask's share of slice ``z``, of the body on it (voxels above :data:`BODY_HU`), of the
+    volume and of the body in the volume (0..1; a share of no body is 0)."""
+    m = np.asarray(mask_stack, bool)
+    body = np.asarray(stack.data) > BODY_HU
+    key, key_body = m[z], body[z]
+    return {"slice": float(key.mean()), "slice_body": float((key & key_body).sum() / max(1, key_body.sum())),
+            "volume": float(m.mean()), "volume_body": float((m & body).sum() / max(1, body.sum()))}
+
+
+def implausible_size(shares: Dict[str, float]) -> str:
+    """A warning when the mask covers more than :data:`PLAUSIBLE_BODY_SHARE` of the body on the
+    key slice or in the volume (no organ does), else ''."""
+    where = [f"{shares[k]:.0%} of the body {name}" for k, name in (("slice_body", "on the key slice"),
+                                                                    ("volume_body", "in the volume"))
+             if shares[k] > PLAUSIBLE_BODY_SHARE]
+    if not where:
+        return ""
+    return f"IMPLAUSIBLE SIZE: the mask covers {' and '.join(where)}; check it against the image"
 
 
 def _direction_letters(v: Sequence[float]) -> str:
@@ -103,10 +146,14 @@ def slice_position_mm(stack, z: int) -> Tuple[float, bool]:
 
 
 def _file_index(stack, z: int) -> str:
-    """Which index of the source file the stack slice ``z`` is (``k=74``), for other viewers."""
+    """Which index of the source the stack slice ``z`` is, for other viewers: ``file index k=74`` of
+    a file; of a DICOM series, its slice in the series sorted by position (``DICOM series slice 75 of
+    112, by position``: 1-based, as viewers count; a file name or InstanceNumber may differ)."""
     axis = stack.perm[0]
     idx = round(float(stack.stack_to_source_index([z, 0, 0])[axis]))
-    return f"{'ijk'[axis]}={idx}"
+    if getattr(stack.volume, "source_format", "") == "dicom":
+        return f"DICOM series slice {idx + 1} of {stack.volume.shape[axis]}, by position"
+    return f"file index {'ijk'[axis]}={idx}"
 
 
 def signal_text(anchor) -> str:
@@ -186,12 +233,16 @@ def _groups(n: int, pairs) -> List[List[int]]:
 
 def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask: Optional[np.ndarray] = None,
               title: str = "", reasoning: str = "", banner: str = "", model: str = "",
-              footer: str = RESEARCH_USE_NOTICE, window=None, scale: Optional[int] = None, panel_width: int = 360):
+              footer: str = RESEARCH_USE_NOTICE, window=None, scale: Optional[int] = None, panel_width: int = 360,
+              warnings: Sequence[str] = (), empty_note: str = ""):
     """A PIL image: the key slice (radiological view, patient right on the left) with each box,
     the mask outline and the ground-truth contour of that slice (see the module docstring for
     how each is drawn), orientation letters on its edges, and a text panel (banner, title,
     ``model`` — which model made it —, key slice and S position, window/level, legend, duplicate
     boxes, reasoning) whose last line is always ``footer`` (the research-use notice).
+    ``warnings``: lines shown under the banner, in its colour (a volume that does not look like
+    CT). ``empty_note``: the legend's words when the mask has nothing on the key slice (by default
+    "mask: none on this slice").
 
     ``mask_stack``: the mask on the stack (``(z, y, x)``, as ``Segmentation.mask_stack``).
     ``gt_mask``: a ground-truth mask on the volume's own grid (the volume's shape, as
@@ -216,11 +267,20 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
     boxes = [] if absent else [list(map(int, b)) for b in anchor.boxes]
     pairs = duplicate_boxes(boxes)
     bw = max(2, s // 2)
+    has_gt = gt_mask is not None
+    gt_here = mask_here = False
+    shares = None
+    if mask_stack is not None and not absent:  # the fill first, under the boxes and the outlines
+        mask_here = bool(np.any(mask_stack[z]))
+        big_mask = enlarged(mask_stack[z])
+        rgb[big_mask] = (rgb[big_mask] * (1 - FILL_ALPHA) + np.array(_MASK_COLOUR) * FILL_ALPHA).astype(np.uint8)
+        shares = mask_shares(stack, mask_stack, z)
     img = Image.fromarray(rgb)
     draw = ImageDraw.Draw(img)
     small = _font(11)
-    gap = RING_PX + 1  # boxes sit outside the outline ring
-    for group in _groups(len(boxes), pairs):
+    gap = RING_PX + 1  # a box's frame sits outside the ground-truth ring drawn outside its edge
+    groups = _groups(len(boxes), pairs)
+    for group in groups:
         for i in group:
             x0, y0, x1, y1 = boxes[i]
             c = _BOX_COLOURS[i % len(_BOX_COLOURS)]
@@ -228,21 +288,24 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
             draw.rectangle([max(0, x0 * s - gap - bw), max(0, y0 * s - gap - bw),
                             min(w * s - 1, (x1 + 1) * s - 1 + gap + bw), min(h * s - 1, (y1 + 1) * s - 1 + gap + bw)],
                            outline=c, width=bw)
+    placed: list = []  # the number labels' rectangles, so none is drawn over another
+    for group in groups:  # after every frame, so no frame covers a number
         x0, y0 = boxes[group[0]][:2]
         label = "=".join(str(i + 1) for i in group)
+        tw = int(draw.textlength(label, font=small)) + 3
         ly = y0 * s - gap - bw - 13
-        draw.text((max(0, x0 * s - gap - bw), ly if ly >= 0 else y0 * s + 2), label,
-                  fill=_BOX_COLOURS[group[0] % len(_BOX_COLOURS)], font=small)
+        lx, ly = max(0, x0 * s - gap - bw), (ly if ly >= 0 else y0 * s + 2)
+        while any(lx < px1 and px0 < lx + tw and ly < py1 and py0 < ly + 13 for px0, py0, px1, py1 in placed):
+            lx += tw  # another number is there: beside it
+        placed.append((lx, ly, lx + tw, ly + 13))
+        draw.text((lx, ly), label, fill=_BOX_COLOURS[group[0] % len(_BOX_COLOURS)], font=small)
     rgb = np.asarray(img).copy()
-    has_gt = gt_mask is not None
-    gt_here = mask_here = False
+    if mask_here:
+        rgb[_ring(enlarged(mask_stack[z]), inside=True)] = _MASK_COLOUR
     if has_gt:
-        gt_slice = np.asarray(stack.to_stack(np.asarray(gt_mask))[z], bool)
+        gt_slice = enlarged(np.asarray(stack.to_stack(np.asarray(gt_mask))[z], bool))
         gt_here = bool(gt_slice.any())
-        rgb[_ring(enlarged(gt_slice), inside=True)] = _GT_COLOUR
-    if mask_stack is not None and not absent:
-        mask_here = bool(np.any(mask_stack[z]))
-        rgb[_ring(enlarged(mask_stack[z]), inside=False)] = _MASK_COLOUR
+        rgb[_ring(gt_slice, inside=False) | (_ring(gt_slice, inside=True) & _edge_band(gt_slice.shape))] = _GT_COLOUR
     img = Image.fromarray(rgb)
 
     font, big = _font(13), _font(16)
@@ -261,18 +324,26 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
     title, banner, model, reasoning, footer = (_drawable(t, font) for t in (title, banner, model, reasoning, footer))
     lines: list = []  # (text, colour) or ("", None) for a gap, or a legend row: [(swatch colour, text), ...]
 
-    def add(text, colour):
-        for ln in textwrap.wrap(text, chars):
+    def add(text, colour, most: int = 4):
+        """``text`` wrapped to the panel, at most ``most`` lines (the last cut with "…")."""
+        wrapped = textwrap.wrap(text, chars)
+        if len(wrapped) > most:
+            wrapped = wrapped[:most]
+            wrapped[-1] = wrapped[-1][: chars - 1].rstrip() + "…"
+        for ln in wrapped:
             lines.append((ln, colour))
 
-    if banner:
-        add(banner, (255, 90, 90))
+    size_flag = implausible_size(shares) if shares else ""
+    for text in [banner] + [_drawable(w, font) for w in warnings] + [size_flag]:
+        if text:
+            add(text, (255, 90, 90), most=3)
+    if banner or warnings or size_flag:
         lines.append(("", None))
-    add(title, (255, 255, 255))
-    add(model, (255, 200, 120))
+    add(title, (255, 255, 255), most=3)
+    add(model, (255, 200, 120), most=2)
     pos, oblique = slice_position_mm(stack, z)
     centre = "centre, oblique slice" if oblique else "slice centre"
-    where = f"S {pos:+.1f} mm ({centre}), file index {_file_index(stack, z)}"
+    where = f"S {pos:+.1f} mm ({centre}), {_file_index(stack, z)}"
     if absent:
         add("NOT FOUND: the model answered that the target is not in this CT", (255, 200, 60))
         add(f"no key slice; showing the middle slice z={z} of {stack.depth} (z=0 at the head end)", (200, 200, 200))
@@ -280,6 +351,9 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
         add(f"key slice z={z} of {stack.depth} (z=0 at the head end)", (200, 200, 200))
     add(where, (200, 200, 200))
     add(_window_text(win), (200, 200, 200))
+    if shares is not None:
+        add(f"mask: {shares['slice']:.1%} of this slice ({shares['slice_body']:.1%} of the body on it), "
+            f"{shares['volume']:.1%} of the volume", (255, 120, 120) if size_flag else (200, 200, 200))
     add(signal_text(anchor), (255, 220, 120))
     lines.append(("", None))
     legend = []
@@ -287,9 +361,10 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
         legend.append([(_BOX_COLOURS[i % len(_BOX_COLOURS)], str(i + 1)) for i in range(len(boxes))]
                       + [(None, "evidence box(es)")])
     if mask_stack is not None and not absent:
-        legend.append([(_MASK_COLOUR, "mask outline, outside its edge" if mask_here else "mask: none on this slice")])
+        legend.append([(_MASK_COLOUR, "mask: outline along its edge, translucent fill" if mask_here
+                        else (empty_note or "mask: none on this slice"))])
     if has_gt:
-        gt_text = "ground truth, inside its edge" if gt_here else "ground truth: none on this slice"
+        gt_text = "ground truth, outside its edge" if gt_here else "ground truth: none on this slice"
         legend.append([(_GT_COLOUR, gt_text)])
     if legend:
         lines.append(("legend:", (200, 200, 200)))
@@ -307,9 +382,10 @@ def render_qc(stack, anchor, mask_stack: Optional[np.ndarray] = None, *, gt_mask
                 lines.append((ln, (230, 230, 230)))
     foot = textwrap.wrap(footer, chars)
     bottom = canvas.height - 16 * len(foot) - 6  # the footer's lines are never cut
-    for entry in lines:
-        if y > bottom - 14:
-            d.text((x, y), "…", fill=(200, 200, 200), font=font)
+    for n, entry in enumerate(lines):
+        if y + 16 > bottom or (n < len(lines) - 1 and y + 32 > bottom):  # no room for this line and a next
+            if y + 16 <= bottom:
+                d.text((x, y), "…", fill=(200, 200, 200), font=font)
             break
         if isinstance(entry, list):  # a legend row: a swatch, then its text, left to right
             xx = x
@@ -337,8 +413,9 @@ def save_qc(path, stack, anchor, mask_stack=None, overwrite: bool = False, **kw)
     info.add_text("Software", f"medvolcore {__version__}")
     if kw.get("model"):
         info.add_text("Source", kw["model"])
-    if kw.get("banner"):
-        info.add_text("Warning", kw["banner"])
+    warning = " | ".join(t for t in [kw.get("banner", "")] + list(kw.get("warnings") or ()) if t)
+    if warning:
+        info.add_text("Warning", warning)
     info.add_text("Disclaimer", kw.get("footer", RESEARCH_USE_NOTICE))
     with atomic_path(path, overwrite) as tmp:
         img.save(str(tmp), format="PNG", pnginfo=info)

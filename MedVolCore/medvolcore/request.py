@@ -175,6 +175,9 @@ class SegmentRequest:
         doc="the structure the query is about when the data says so (a dataset's label name, kidney_left): it names "
             "and codes the segment; the model still reads the query. Short text, one query only",
         label="the target name", cli="--target-name", wire="target_name", ops=("segment",), types=str)
+    strict_ct: bool = _declare(
+        False, doc="refuse a volume that does not look like CT in HU (no air, label-like values) instead of warning",
+        cli="--strict-ct", wire="strict_ct", types=bool)
     door: str = dataclasses.field(default="api", compare=False, repr=False)  # who built it: one of DOORS
 
     @property

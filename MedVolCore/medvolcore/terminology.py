@@ -136,7 +136,8 @@ def phrases() -> Dict[str, str]:
         out[" ".join(words)] = name
         if words[-1] in ("left", "right") and len(words) > 1:
             out[" ".join([words[-1]] + words[:-1])] = name  # "right kidney"
-    syn = json.loads(open(resource_path("terminology", "synonyms.json"), encoding="utf-8").read())
+    with open(resource_path("terminology", "synonyms.json"), encoding="utf-8") as f:
+        syn = json.load(f)
     for k, v in syn.items():
         if not k.startswith("_") and v in table():
             out[normalise(k)] = v

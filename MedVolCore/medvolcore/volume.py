@@ -28,7 +28,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Union
 
 import numpy as np
 
@@ -350,6 +350,41 @@ def read_grid(path) -> Optional[tuple]:
     if not np.all(np.isfinite(affine)) or abs(np.linalg.det(affine[:3, :3])) < 1e-12:
         raise VolumeError(f"{p}: the voxel-to-world matrix is singular or not finite")
     return shape, affine
+
+
+AIR_HU = -500.0  # CT shows air (about -1000 HU) around and inside a body: a CT has voxels below this
+LABEL_LIKE_VALUES = 256  # at most this many distinct whole values, none negative: a label map, not a CT
+
+
+def ct_plausibility(array: np.ndarray, name: str = "the volume") -> List[str]:
+    """Warnings for a volume whose intensities do not look like CT in Hounsfield units (empty when
+    they do): no voxel below :data:`AIR_HU` (no air: MR, a label map, CT without its rescale), or
+    only a few distinct whole values, none negative (a label map). A volume that is all air (no
+    voxel above :data:`AIR_HU`) is refused (:class:`~medvolcore.errors.VolumeError`): there is
+    nothing to segment. One pass over the voxels for the range, a strided sample of at most about
+    two million for the distinct values."""
+    a = np.asarray(array)
+    finite = a[np.isfinite(a)] if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all() else a
+    if finite.size == 0 or float(finite.max()) <= AIR_HU:
+        top = "no finite voxel" if finite.size == 0 else f"its highest value is {float(finite.max()):g} HU"
+        raise VolumeError(f"{name} is all air ({top}; nothing above {AIR_HU:g} HU): there is nothing to segment; "
+                          "is it the right file?")
+    lo, hi = float(finite.min()), float(finite.max())
+    reasons = []
+    if lo > AIR_HU:
+        reasons.append(f"no voxel below {AIR_HU:g} HU (values {lo:g} to {hi:g}: no air"
+                       + (", the range of MR or of CT stored without its rescale" if lo >= 0 else "") + ")")
+    step = max(1, int(np.ceil((a.size / 2_000_000) ** (1 / 3))))
+    sample = a[::step, ::step, ::step] if a.ndim == 3 else a
+    sample = sample[np.isfinite(sample)] if np.issubdtype(sample.dtype, np.floating) else sample
+    if lo >= 0 and np.array_equal(sample, np.round(sample)):
+        n = len(np.unique(sample))
+        if n <= LABEL_LIKE_VALUES:
+            reasons.append(f"only {n} distinct whole values (a label map?)")
+    if not reasons:
+        return []
+    return [f"{name} does not look like CT in Hounsfield units: {'; '.join(reasons)}. The models expect CT; "
+            "the result is unreliable"]
 
 
 def load_volume(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVolume:

@@ -467,7 +467,7 @@ def _complete_case(out: Path, case, preset="tiny") -> Path:
 def test_resume_reruns_a_case_whose_input_was_replaced(tmp_path, replaced):
     from medvolcore.batch import BatchOptions, run_batch
 
-    ct, seg = _tiny_ct(tmp_path / "ct.nii.gz"), _tiny_ct(tmp_path / "seg.nii.gz")
+    ct, seg = _tiny_ct(tmp_path / "ct.nii.gz"), _tiny_ct(tmp_path / "seg.nii.gz", value=1)  # gt: a label
     manifest = write_manifest(tmp_path / "m.csv", [{"id": "a", "volume": "ct.nii.gz", "query": QUERY,
                                                      "gt": "seg.nii.gz"}], "csv")
     out = tmp_path / "out"

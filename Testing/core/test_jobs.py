@@ -278,3 +278,27 @@ def test_several_targets_outputs_are_checked_before_any_model_loads(tmp_path, sm
         run_segment_job(lambda: made.append(1), small_ct[0], SegmentRequest(queries=["The liver", "the  liver"]),
                         SegmentOutputs(tmp_path / "x.nii.gz"))
     assert made == []
+
+
+def test_label_maps_sharing_a_labels_table_are_named_with_the_fix(tmp_path):
+    outputs = SegmentOutputs([tmp_path / "organs.nii.gz", tmp_path / "organs.nrrd"])
+    with pytest.raises(InputError) as ei:
+        check_outputs(outputs, targets=2)
+    msg = str(ei.value)
+    assert "organs.nii.gz and --out" in msg and "organs.nrrd would share one labels table" in msg
+    assert "organs.labels.json" in msg and "different names before the suffix" in msg
+    check_outputs(outputs, targets=1)  # one query: no table, no clash
+
+
+def test_the_dicom_algorithm_name_ends_at_a_phrase():
+    from types import SimpleNamespace
+
+    from medvolcore.jobs import _algorithm
+
+    smoke = SimpleNamespace(identity={"label": "untrained tiny smoke model (random weights): results are meaningless"})
+    assert _algorithm(smoke) == "MedVol untrained tiny smoke model (random weights)"
+    zero = SimpleNamespace(identity={"label": "Qwen/Qwen3-VL-4B-Instruct, zero-shot, not trained for this task"})
+    assert _algorithm(zero) == "MedVol Qwen/Qwen3-VL-4B-Instruct, zero-shot"
+    assert _algorithm(SimpleNamespace(identity=None)) == "MedVol propagation of a given anchor"
+    for seg in (smoke, zero):
+        assert len(_algorithm(seg)) <= 64

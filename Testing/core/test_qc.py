@@ -1,7 +1,9 @@
 """The QC picture (:mod:`medvolcore.qc`), read back from the PNG pixel by pixel: orientation letters
-from the stack's direction, the mask outline (2 px, outside the mask), the ground-truth contour,
-the legend, window/level, key slice and S position, duplicate boxes flagged. A small synthetic CT
-on a known grid; no model."""
+from the stack's direction, the mask outline (2 px, along the mask's own edge, the image's border
+included) and its translucent fill, the ground-truth contour, the mask's share and the implausible
+size flag, the text budget that keeps the model line, legend and notice on a long query, the
+legend, window/level, key slice and S position, duplicate boxes flagged, box numbers apart. A small
+synthetic CT on a known grid; no model."""
 
 from __future__ import annotations
 
@@ -137,25 +139,29 @@ def test_the_same_ct_stored_ras_or_lps_gives_the_same_picture_with_the_letters_o
     assert stack.to_stack(block)[anchor.slice][:, stack.width // 2:].sum() == 0
 
 
-def test_mask_outline_is_2px_outside_the_mask_and_the_ground_truth_inside_its_edge(tmp_path, anchor):
+def test_mask_outline_is_2px_along_its_edge_and_the_ground_truth_outside_its_edge(tmp_path, anchor):
     _render.tmp = tmp_path
     vol = _ras_volume()
     stack, pic = _render(vol, anchor, name="no_gt.png")
     area = _slice_area(pic, stack)
     m = _enlarged(stack.to_stack(_mask(vol))[anchor.slice])
     outside = ndimage.distance_transform_cdt(~m, metric="chessboard")  # steps from the mask
-    assert np.array_equal(_is(area, RED), (outside >= 1) & (outside <= RING_PX))
-    assert RING_PX == 2 and not _is(area, RED)[m].any()  # the mask's own edge voxels stay visible
+    inside = ndimage.distance_transform_cdt(m, metric="chessboard")
+    assert np.array_equal(_is(area, RED), m & (inside <= RING_PX))
+    assert RING_PX == 2
+    fill = m & (inside > RING_PX)  # the mask's inside: the image under a translucent red
+    assert fill.any() and not _is(area, RED)[fill].any()
+    assert np.all(area[fill][:, 0].astype(int) > area[fill][:, 1].astype(int))  # reddened, not grey
     assert not _is(pic, CYAN).any()
-    assert not _find(pic, _text("ground truth, inside its edge", (230, 230, 230)))
+    assert not _find(pic, _text("ground truth, outside its edge", (230, 230, 230)))
 
-    # a ground truth equal to the mask: its contour lies just inside, beside the outline, not under it
+    # a ground truth equal to the mask: its contour lies just outside, beside the outline, not under it
     _, pic = _render(vol, anchor, gt=_mask(vol), name="gt.png")
     area = _slice_area(pic, stack)
-    inside = ndimage.distance_transform_cdt(m, metric="chessboard")
-    assert np.array_equal(_is(area, CYAN), m & (inside <= RING_PX))
-    assert np.array_equal(_is(area, RED), (outside >= 1) & (outside <= RING_PX))
-    for legend in ("mask outline, outside its edge", "ground truth, inside its edge", "evidence box(es)"):
+    assert np.array_equal(_is(area, CYAN), (outside >= 1) & (outside <= RING_PX))
+    assert np.array_equal(_is(area, RED), m & (inside <= RING_PX))
+    for legend in ("mask: outline along its edge, translucent fill", "ground truth, outside its edge",
+                   "evidence box(es)"):
         assert _find(pic, _text(legend, (230, 230, 230))), legend
     elsewhere = np.zeros(SHAPE, bool)
     elsewhere[20:34, 8:22, 5] = True  # on file slice k=5 (stack z=0), not on the key slice
@@ -165,6 +171,83 @@ def test_mask_outline_is_2px_outside_the_mask_and_the_ground_truth_inside_its_ed
     # the swatches of the legend: the outline's and the ground truth's colours in the panel
     panel = pic[:, 2 * MARGIN_PX + stack.width * SCALE:]
     assert _is(panel, RED).sum() == 100 and _is(panel, CYAN).sum() == 100  # 10×10 px each
+
+
+def test_a_mask_over_98_percent_of_the_slice_is_outlined_along_the_border_and_flagged(tmp_path):
+    """A runaway mask that reaches all four edges of the slice: its outline runs along the whole
+    border of the picture's slice (it used to be drawn outside the mask, so off the image), its
+    share is stated and it is flagged."""
+    a = np.full(SHAPE, 40.0, np.float32)  # soft tissue everywhere: all body
+    vol = CTVolume(a, AFFINE_RAS.copy())
+    stack = AxialStack(vol)
+    mask = np.ones(SHAPE, bool)
+    mask[18:22, 14:18, :] = False  # a 4×4 hole: the mask is 98.75 % of each slice
+    ms = stack.to_stack(mask)
+    assert 0.98 < ms[2].mean() < 0.99
+    box = [0, 0, stack.width - 1, stack.height - 1]
+    path = tmp_path / "runaway.png"
+    save_qc(path, stack, EvidenceAnchor(2, [box], [stack.width, stack.height]), ms, title="query: the liver",
+            model="model: test")
+    with Image.open(path) as im:
+        pic = np.asarray(im.convert("RGB")).copy()
+    area = _slice_area(pic, stack)
+    red = _is(area, RED)
+    h, w = red.shape
+    # every pixel of the border's 2 px band is outline (the box frame is drawn under it)
+    band = np.zeros((h, w), bool)
+    band[:RING_PX], band[-RING_PX:], band[:, :RING_PX], band[:, -RING_PX:] = True, True, True, True
+    assert red[band].all()
+    assert red[0].all() and red[-1].all() and red[:, 0].all() and red[:, -1].all()
+    # and round the hole, inside the mask
+    hole = ~_enlarged(ms[2])
+    near_hole = (ndimage.distance_transform_cdt(~hole, metric="chessboard") <= RING_PX) & ~hole
+    assert red[near_hole].all() and not red[hole].any()
+    flag = (255, 90, 90)
+    assert _find(pic, _text("IMPLAUSIBLE SIZE: the mask covers 99% of the", flag))
+    assert _find(pic, _text("mask: 98.8% of this slice (98.8% of the body on", (255, 120, 120)))
+
+
+def test_a_small_mask_is_not_flagged_and_a_long_query_keeps_the_panel(tmp_path, anchor):
+    """A plausible mask gets its share stated, no flag; a 2000-character query is cut to its line
+    budget: the model line, key slice, legend and notice still show."""
+    from medvolcore import RESEARCH_USE_NOTICE
+
+    vol = _ras_volume()
+    vol.array[vol.array == -1000.0] = 40.0  # a body all round the block: the mask is a small share of it
+    stack = AxialStack(vol)
+    path = tmp_path / "long.png"
+    save_qc(path, stack, anchor, stack.to_stack(_mask(vol)), title="query: " + "the liver " * 200,
+            model="model: test", reasoning="a bright block " * 100)
+    with Image.open(path) as im:
+        pic = np.asarray(im.convert("RGB")).copy()
+    assert not _find(pic, _text("IMPLAUSIBLE SIZE", (255, 90, 90)))
+    assert _find(pic, _text("model: test", (255, 200, 120)))
+    assert _find(pic, _text("key slice z=2 of 6 (z=0 at the head end)", (200, 200, 200)))
+    assert _find(pic, _text("mask: outline along its edge, translucent fill", (230, 230, 230)))
+    assert _find(pic, _text(" ".join(RESEARCH_USE_NOTICE.split()[:3]), (255, 255, 160)))  # whole, not overdrawn
+    assert _find(pic, _text("mask: 15.3% of this slice (15.3% of the body on", (200, 200, 200)))
+
+
+def test_box_numbers_are_never_drawn_over_each_other(tmp_path, anchor):
+    """Boxes of one corner that are not duplicates: each number where it can be read."""
+    b = anchor.boxes[0]
+    boxes = [b, [b[0], b[1], b[2] - 6, b[3] - 6], [b[0], b[1], b[2] - 10, b[3]]]
+    assert duplicate_boxes(boxes) == []
+    vol = _ras_volume()
+    stack = AxialStack(vol)
+    path = tmp_path / "boxes.png"
+    save_qc(path, stack, EvidenceAnchor(anchor.slice, boxes, anchor.image_size), None, scale=SCALE)
+    with Image.open(path) as im:
+        pic = np.asarray(im.convert("RGB")).copy()
+    from medvolcore.qc import _BOX_COLOURS
+
+    for i in range(3):
+        im = Image.new("RGB", (30, 30), (0, 0, 0))  # the number as drawn on the slice's black air
+        ImageDraw.Draw(im).text((5, 5), str(i + 1), fill=_BOX_COLOURS[i], font=_font(11))
+        t = np.asarray(im).astype(np.float64)
+        ys, xs = np.nonzero(np.any(t > 0, axis=-1))
+        found = _find(pic, t[ys.min():ys.max() + 1, xs.min():xs.max() + 1])  # whole, nothing drawn over it
+        assert found, i + 1
 
 
 def test_panel_says_window_key_slice_and_its_s_position(tmp_path, anchor):
@@ -209,3 +292,24 @@ def test_qc_line_prints_the_confidence_else_the_answer_signal():
     b = EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200], signal={"answer_mean_prob": 0.912})
     assert signal_text(b).startswith("answer signal 0.91") and "not the chance" in signal_text(b)
     assert signal_text(EvidenceAnchor(3, [[10, 20, 29, 39]], [100, 200])) == ""
+
+
+def test_a_dicom_slice_is_named_in_the_series_not_as_a_file_index():
+    from medvolcore.qc import _file_index
+
+    vol = _ras_volume()
+    assert _file_index(AxialStack(vol), 2) == "file index k=3"
+    dicom = CTVolume(vol.array, vol.affine, source_format="dicom")
+    assert _file_index(AxialStack(dicom), 2) == "DICOM series slice 4 of 6, by position"
+
+
+def test_a_target_whose_voxels_went_to_an_earlier_one_says_so(tmp_path, anchor):
+    vol = _ras_volume()
+    stack = AxialStack(vol)
+    note = "mask: none left here (taken by an earlier target)"  # as medvolcore.jobs writes it
+    path = tmp_path / "lost.png"
+    save_qc(path, stack, anchor, np.zeros(stack.data.shape, np.uint8), empty_note=note)
+    with Image.open(path) as im:
+        pic = np.asarray(im.convert("RGB")).copy()
+    assert _find(pic, _text(note, (230, 230, 230)))
+    assert not _find(pic, _text("mask: none on this slice", (230, 230, 230)))

@@ -482,3 +482,13 @@ def test_mask_comes_back_as_gzip_bytes_when_asked(tiny_server, data_folder):
     assert resp.getheader("Content-Type") == "application/json" and j["ok"] is True
     old = nib.Nifti1Image.from_bytes(_gzip.decompress(__import__("base64").b64decode(j["result"]["mask_b64"])))
     assert np.array_equal(np.asanyarray(old.dataobj), np.asanyarray(mask.dataobj))
+
+
+def test_a_refused_volume_body_keeps_the_request_id(tiny_server):
+    """A volume body refused before the worker reads the request (not NIfTI here) answers with the
+    request's own id, taken from its header, so the client can tell which request failed."""
+    server, _ = tiny_server
+    resp, data = _volume_rpc(server.port, b"this is not a NIfTI file at all" * 20,
+                             {"id": "case-7", "op": "propagate", "anchor": SMALL_ANCHOR})
+    j = json.loads(data)
+    assert resp.status == 400 and j["ok"] is False and j["id"] == "case-7"

@@ -153,3 +153,19 @@ def test_cli_one_line_errors_for_runs_and_data(sft_run, sm_data, tmp_path, capsy
         from medvoltrain.sft import train_sft
 
         train_sft(sm_data, sft_run, load_settings(None, {"preset": "tiny"}))
+
+
+def test_the_printed_losses_are_rounded(monkeypatch, capsys, tmp_path):
+    """The run's one line shows losses as a person reads them (``6.452``), not every float digit."""
+    import medvoltrain.sft
+    from medvoltrain.cli import main as train_main
+
+    def fake_run(data, output, settings, resume=False, overwrite=False):
+        return {"adapter": str(output), "global_step": 2, "seconds": 1.0, "loss_first": 6.451651573181152,
+                "loss_last": 6.451651573181152}
+
+    monkeypatch.setattr(medvoltrain.sft, "train_sft", fake_run)
+    code = train_main(["sft", "--data", str(tmp_path), "--output", str(tmp_path / "a"), "--preset", "tiny",
+                       "--max-steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "loss 6.452 → 6.452" in out and "6.4516" not in out

@@ -75,8 +75,14 @@ def cmd_sft(args) -> int:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     else:
         sys.stdout.write(f"adapter written to {summary['adapter']} after {summary['global_step']} step(s) "
-                         f"({summary['seconds']:.1f} s); loss {summary['loss_first']} → {summary['loss_last']}\n")
+                         f"({summary['seconds']:.1f} s); loss {_loss(summary['loss_first'])} → "
+                         f"{_loss(summary['loss_last'])}\n")
     return 0
+
+
+def _loss(value) -> str:
+    """A loss for people: four significant digits (``6.452``), or ``n/a`` when none was recorded."""
+    return "n/a" if value is None else f"{float(value):.4g}"
 
 
 def cmd_grpo(args) -> int:

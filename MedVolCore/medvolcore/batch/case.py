@@ -175,15 +175,19 @@ def _segment_case(c: Case, cdir: Path, pipe, opts, hu_window, progress, fingerpr
     from ..jobs import SegmentOutputs, run_segment_job
     from ..request import SegmentRequest
     from ..pipeline import as_stack
+    from ..errors import GroundTruthError, VolumeError
     from ..volume import CTVolume, label_mask, load_label_map
 
     stack = as_stack(c.volume)
     target = on = None
     if c.gt is not None:  # read before the model runs: a bad label map fails the case cheaply
-        labels = load_label_map(c.gt)
-        on = gt_on_grid(stack.volume, labels)  # by geometry (medvolcore.geometry), or refused
-        labels = CTVolume(on.array, stack.volume.affine, path=labels.path)
-        target = label_mask(labels, c.label)
+        try:
+            labels = load_label_map(c.gt)
+            on = gt_on_grid(stack.volume, labels)  # by geometry (medvolcore.geometry), or refused
+            labels = CTVolume(on.array, stack.volume.affine, path=labels.path)
+            target = label_mask(labels, c.label)
+        except VolumeError as e:
+            raise GroundTruthError(f"the ground truth {c.gt.name}: {e}") from None
     request = SegmentRequest.from_manifest({"id": c.id, "query": c.query}, reference=target,
                                            **opts.request_settings(hu_window))
     agreement = cdir / AGREEMENT if opts.consensus > 1 else None

@@ -273,12 +273,28 @@ def check_case_files(cases: Sequence[Case]) -> None:
     read, nothing loaded): the volume and the ground truth exist, are regular files or DICOM
     folders and their headers read as 3-D scalar images (:func:`medvolcore.volume.read_grid`), and
     the ground truth covers the volume's space (:func:`medvolcore.geometry.match_grids`: the rule
-    ``medvol metrics`` uses). Each distinct file is read once. A DICOM folder's geometry needs
-    every slice scanned: its files are checked here, its grid when the case runs."""
+    ``medvol metrics`` uses), and holds the requested label (one read of its voxels, the one cheap
+    read this check makes). Each distinct file is read once. A DICOM folder's geometry needs every
+    slice scanned: here it must hold at least one DICOM file (the ``DICM`` mark of a DICOM file's
+    header), its grid is checked when the case runs. A ground truth's problem says so
+    (``bad_ground_truth: …``)."""
+    from ..errors import GroundTruthError
     from ..geometry import match_grids
-    from ..volume import read_grid
+    from ..volume import label_mask, load_label_map, read_grid
 
     grids: Dict[str, object] = {}
+    label_maps: Dict[str, object] = {}
+
+    def labels_of(p: Path):
+        key = str(p)
+        if key not in label_maps:
+            try:
+                label_maps[key] = load_label_map(p)
+            except MedVolError as e:
+                label_maps[key] = e
+        if isinstance(label_maps[key], MedVolError):
+            raise label_maps[key]
+        return label_maps[key]
 
     def grid(p: Path):
         key = str(p)
@@ -296,12 +312,39 @@ def check_case_files(cases: Sequence[Case]) -> None:
             continue
         try:
             vg = grid(c.volume)
-            gg = grid(c.gt) if c.gt is not None else None
+            if vg is None:
+                _check_dicom_folder(c.volume)
+        except MedVolError as e:
+            c.problem = one_line(str(e))
+            continue
+        if c.gt is None:
+            continue
+        try:
+            gg = grid(c.gt)
             if vg is not None and gg is not None:
                 match_grids(vg[0], vg[1], gg[0], gg[1], pred_name=f"the CT {c.volume.name}",
                             gt_name=f"the ground truth {c.gt.name}")
+            label_mask(labels_of(c.gt), c.label)
         except MedVolError as e:
-            c.problem = one_line(str(e))
+            c.problem = one_line(f"{GroundTruthError.code}: {e}")
+
+
+def _check_dicom_folder(folder: Path) -> None:
+    """Refuse a folder in which no file is a DICOM file (none has the ``DICM`` mark at byte 128 of
+    the DICOM file format), reading 132 bytes of each file until one is."""
+    from ..errors import VolumeError
+
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not entry.is_file():
+            continue
+        try:
+            with open(entry.path, "rb") as f:
+                if f.read(132)[128:] == b"DICM":
+                    return
+        except OSError:
+            continue
+    raise VolumeError(f"{folder} holds no DICOM file (no file in it has the DICOM file mark), so no DICOM series; "
+                      "give the folder of one series")
 
 
 __all__ = ["Case", "ManifestError", "read_manifest", "check_case_files", "check_case_id", "parse_label",

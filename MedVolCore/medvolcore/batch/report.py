@@ -130,6 +130,7 @@ th{background:#eee} .banner{background:#b00020;color:#fff;padding:.6em 1em;font-
 .error{white-space:pre-wrap;color:#b00020} .invalid{color:#b00020} .meta{color:#555;font-size:.9em}
 .notice{font-weight:bold;color:#7a4d00} table.aggregate{margin:.8em 0 1.2em}
 table.aggregate caption{text-align:left;font-weight:bold;padding:.3em 0}
+.scroll{overflow-x:auto;max-width:100%} table.cases td{white-space:nowrap}
 """
 
 
@@ -198,13 +199,15 @@ def render_summary_html(rows: Sequence[dict], title: str = "MedVol batch", prese
     parts.append(f"<p class=\"meta\">{esc(model)}preset {esc(preset)} · {len(rows)} case(s): {n_done} done, "
                  f"{n_absent} not found, {n_failed} failed, {n_invalid} invalid (not run) · written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>")
     parts.append(_aggregate_html(agg if agg is not None else aggregate(rows)))
-    parts.append("<table class=\"cases\"><tr>" + "".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS) + "</tr>")
+    # a wide table scrolls in its own box: the page keeps its width
+    parts.append("<div class=\"scroll\"><table class=\"cases\"><tr>" + "".join(f"<th>{c}</th>" for c in SUMMARY_COLUMNS)
+                 + "</tr>")
     for r, cells in zip(rows, summary_csv_rows(rows)):
         anchor = "case-" + quote(r["id"])
         tds = [f"<td><a href=\"#{anchor}\">{esc(cells[0])}</a></td>", f"<td class=\"{r['status']}\">{esc(cells[1])}</td>"]
         tds += [f"<td>{esc(v)}</td>" for v in cells[2:]]
         parts.append("<tr>" + "".join(tds) + "</tr>")
-    parts.append("</table>")
+    parts.append("</table></div>")
     for r in rows:
         cid = r["id"]
         link = quote(cid)

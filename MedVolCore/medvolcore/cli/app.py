@@ -1,8 +1,11 @@
 """The ``medvol`` command line: the parser, and ``main`` that turns every failure into one line.
 
 Every command has ``--help``. Errors are one line on stderr and a non-zero exit code
-(``--debug`` shows the traceback). Text printed for people goes through
-:func:`~.common.terminal_safe`, so user text (queries, file names, case ids) cannot drive the terminal. Long work shows a progress bar on stderr; ``--json``
+(``--debug`` shows the traceback); with ``--json`` the error is also a JSON object on stdout
+(``{"ok": false, "error": {"code", "message", "exit_code"}}``). Python warnings of the libraries
+(transformers, torch, …) say nothing a user can act on: they are silenced unless ``--debug``.
+Text printed for people goes through :func:`~.common.terminal_safe`, so user text (queries, file
+names, case ids) cannot drive the terminal. Long work shows a progress bar on stderr; ``--json``
 prints a machine-readable result on stdout. The commands live in one module per group
 (:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`), each of which imports only
 :mod:`.common` of this package; heavy libraries are imported by the command that needs them.
@@ -11,10 +14,13 @@ prints a machine-readable result on stdout. The commands live in one module per 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 import threading
+import warnings
 from typing import List, Optional
 
 from .. import RESEARCH_USE_NOTICE, __version__
@@ -81,11 +87,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         logger.addHandler(_OneLineWarnings(level=logging.WARNING))
     logger.propagate = False
     previous = _on_sigterm_unwind()
+    quiet = warnings.catch_warnings()
+    quiet.__enter__()
+    if not args.debug:  # libraries' warnings (deprecations, past_key_values, …) mean nothing to a user
+        warnings.filterwarnings("ignore")
+        warnings.filterwarnings("default", module=r"medvolcore(\.|$)")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].logging.set_verbosity_error()
     try:
         return int(args.func(args) or 0)
     except MedVolError as e:
         if args.debug:
             raise
+        _json_error(args, e.code, str(e), e.exit_code)
         details = getattr(e, "details", None) or []
         if len(details) > 1:  # several problems found at once (a batch manifest): one line each, then the count
             for line in details:
@@ -101,12 +116,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as e:  # an unexpected failure: still one line, with a hint
         if args.debug:
             raise
+        _json_error(args, "internal_error", f"{type(e).__name__}: {e}", 1)
         sys.stderr.write(terminal_safe(f"{PROG} {args.command}: internal error: {type(e).__name__}: {e} "
                                        "(rerun with --debug for details)", one_line=True) + "\n")
         return 1
     finally:
+        quiet.__exit__(None, None, None)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _json_error(args, code: str, message: str, exit_code: int) -> None:
+    """With ``--json``, the error as the JSON object a script reads on stdout (the line on stderr stays)."""
+    if getattr(args, "json", False):
+        sys.stdout.write(json.dumps({"ok": False, "command": args.command,
+                                     "error": {"code": code, "message": message, "exit_code": exit_code}}) + "\n")
 
 
 def main_command(command: str, argv: Optional[List[str]] = None) -> int:

@@ -16,7 +16,8 @@ import json
 import sys
 
 from ..caseruns import SHARD_HELP
-from .common import add_compute_options, add_consensus_options, add_preset_option, add_stop_option, seed_arg, terminal_safe
+from .common import (add_compute_options, add_consensus_options, add_ct_options, add_preset_option, add_stop_option,
+                     seed_arg, terminal_safe)
 
 HELP = "Segment every case of a manifest (CSV or JSONL); resumable, shardable, with a summary table and page."
 
@@ -74,7 +75,7 @@ def add_batch_command(sub, add):
     g.add_argument("--overwrite", action="store_true", help="redo every case of the shard, replacing its outputs")
     sp.add_argument("--seed", type=seed_arg, help="random seed for --sample (reproducible sampling)")
     sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+    add_ct_options(sp)
     add_stop_option(sp)
     sp.add_argument("--empty-mask-on-absent", action="store_true",
                     help="for a case the model answers 'not present', still write mask.nii.gz, all zero")
@@ -149,7 +150,8 @@ def cmd_batch(args) -> int:
     from ..caseruns import parse_shard
 
     opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
-                        sample=args.sample, ct_window=args.ct_window, stop_after_empty=args.stop_after_empty,
+                        sample=args.sample, ct_window=args.ct_window, strict_ct=args.strict_ct,
+                        stop_after_empty=args.stop_after_empty,
                         consensus=args.consensus, consensus_mask=args.consensus_mask, shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                         empty_mask_on_absent=args.empty_mask_on_absent, threads=args.threads,

@@ -110,6 +110,38 @@ def add_stop_option(sp) -> None:
                          f"(default {DEFAULT_STOP_AFTER_EMPTY}; 0 = propagate through the whole volume, as the paper)")
 
 
+def add_ct_options(sp) -> None:
+    """``--ct-window`` (the display window of the frames the models see) and ``--strict-ct``."""
+    sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W",
+                    help="display window of the frames the models see: soft_tissue 40/400 (default), lung, bone, … "
+                         "or CENTER,WIDTH in HU")
+    sp.add_argument("--strict-ct", action="store_true",
+                    help="refuse a volume that does not look like CT in HU (no air below -500 HU, or a few whole "
+                         "values like a label map) instead of warning in the result and the QC picture")
+
+
+def propagate_weights(args) -> tuple:
+    """``medvol propagate``'s MedSAM2 weights: ``("checkpoint", path)`` from ``--sam-checkpoint`` or
+    from ``--preset``'s downloaded weights, or ``("random", (seed, image_size))`` from
+    ``--random-weights`` or a preset of random weights (``tiny``); refused when none is given."""
+    if getattr(args, "preset", None) is not None:
+        from ..models import resolve
+
+        models = resolve(args.preset, require_adapter=False)
+        kind, value = ("checkpoint", models.sam_checkpoint) if models.sam_checkpoint else ("random", models.sam_random)
+    elif args.sam_checkpoint is not None:
+        kind, value = "checkpoint", args.sam_checkpoint
+    elif args.random_weights is not None:
+        kind, value = "random", (args.random_weights, args.image_size or 512)
+    else:
+        raise InputError("no MedSAM2 weights: pass --preset NAME (its downloaded weights: medvol models download "
+                         "NAME; tiny for a smoke test), --sam-checkpoint PATH (e.g. MedSAM2_latest.pt), or "
+                         "--random-weights SEED for an untrained smoke test")
+    if args.image_size not in (None, 512) and args.random_weights is None:
+        raise InputError("--image-size applies to --random-weights only; MedSAM2 checkpoints run at 512")
+    return kind, value
+
+
 def add_consensus_options(sp, agreement: Optional[str] = "--agreement") -> None:
     """``--consensus G``, ``--consensus-mask`` and (unless ``agreement`` is None) ``--agreement FILE``."""
     from ..consensus import MASK_MODES

@@ -15,9 +15,9 @@ import time
 from typing import Optional
 
 from ..errors import InputError
-from .common import (PROG, add_compute_options, add_consensus_options, add_preset_option, add_stop_option,
-                     apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb, seed_arg, stop_text,
-                     terminal_safe)
+from .common import (PROG, add_compute_options, add_consensus_options, add_ct_options, add_preset_option,
+                     add_stop_option, apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb,
+                     propagate_weights, seed_arg, stop_text, terminal_safe)
 
 VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder"
 
@@ -76,12 +76,8 @@ def cmd_propagate(args) -> int:
 
     t0 = time.perf_counter()
     request = SegmentRequest.from_cli(args)  # the anchor (or key slice and boxes), the range, early stop, …
-    if args.sam_checkpoint is None and args.random_weights is None:
-        raise InputError("no MedSAM2 weights: pass --sam-checkpoint PATH (e.g. MedSAM2_latest.pt), "
-                         "or --random-weights SEED for an untrained smoke test")
-    if args.sam_checkpoint is not None and args.image_size not in (None, 512):
-        raise InputError("--image-size applies to --random-weights only; MedSAM2 checkpoints run at 512")
-    inputs = [("--anchor", args.anchor), ("--sam-checkpoint", args.sam_checkpoint)] + [
+    kind, weights = propagate_weights(args)  # --preset's, --sam-checkpoint or --random-weights; refused when none
+    inputs = [("--anchor", args.anchor), ("--sam-checkpoint", weights if kind == "checkpoint" else None)] + [
         ("--mask-prompt", p["mask_file"]) for p in args.prompts or [] if "mask_file" in p]
     outputs = SegmentOutputs(args.out, anchor=args.anchor_out, overwrite=args.overwrite)  # checked by the job
     loaded = {}
@@ -93,16 +89,15 @@ def cmd_propagate(args) -> int:
 
         device = str(resolve_device(args.device))
         t_load = time.perf_counter()
-        if args.sam_checkpoint is not None:
-            propagator = MedSAM2Propagator.from_checkpoint(args.sam_checkpoint, device=device)
-            loaded["weights"] = str(args.sam_checkpoint)
+        if kind == "checkpoint":
+            propagator = MedSAM2Propagator.from_checkpoint(weights, device=device)
+            loaded["weights"] = str(weights)
         else:
+            (seed, size) = weights
             logging.getLogger("medvolcore").warning(
-                "random MedSAM2 weights (seed %d): the mask is meaningless, for smoke tests and benchmarks only",
-                args.random_weights)
-            size = args.image_size or 512
-            propagator = MedSAM2Propagator.from_random(args.random_weights, image_size=size, device=device)
-            loaded["weights"] = f"random(seed={args.random_weights}, image_size={size})"
+                "random MedSAM2 weights (seed %d): the mask is meaningless, for smoke tests and benchmarks only", seed)
+            propagator = MedSAM2Propagator.from_random(seed, image_size=size, device=device)
+            loaded["weights"] = f"random(seed={seed}, image_size={size})"
         loaded.update(device=device, load_s=time.perf_counter() - t_load)
         return Pipeline.with_propagator(propagator)
 
@@ -116,7 +111,8 @@ def cmd_propagate(args) -> int:
     t = res["timings"]
     prop = res["propagation"]
     out = {
-        "out": res["out"], "volume": str(args.volume), "anchor": res["anchor"], "weights": loaded["weights"],
+        "out": res["out"], "outs": res["outs"], "volume": str(args.volume), "anchor": res["anchor"],
+        "weights": loaded["weights"],
         "device": loaded["device"], "ct_window": _window_pair(args.ct_window),
         "slice_range": list(prop["slice_range"]), "slices_encoded": t["slices_encoded"], "propagation": prop,
         "encoder_calls": t["encoder_calls"], "mask_voxels": res["mask_voxels"],
@@ -131,7 +127,7 @@ def cmd_propagate(args) -> int:
     lo, hi = prop["slice_range"]
     n_prompts = len(res["anchor"].get("prompts") or [])
     corrections = f" with {n_prompts} correction prompt{'s' if n_prompts != 1 else ''}" if n_prompts else ""
-    text = (f"wrote {res['out']}{corrections}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
+    text = (f"wrote {', '.join(res['outs'])}{corrections}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
             f"({t['slices_encoded']} encoded, {t['propagate_s_per_slice']:.2f} s/slice{stop_text(prop)}), "
             f"peak memory {out['peak_memory_mb']} MB")
     emit(out, args.json, text)
@@ -508,7 +504,7 @@ def _add_segment_options(sp) -> None:
     sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     sp.add_argument("--no-constrain", action="store_true", help="no grammar-constrained decoding (parse and retry instead)")
     sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
-    sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W", help="display window (default soft_tissue 40/400)")
+    add_ct_options(sp)
     add_stop_option(sp)
     sp.add_argument("--empty-mask-on-absent", action="store_true",
                     help="when the model answers that the target is not in this CT, still write the mask, all zero, "
@@ -543,7 +539,9 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--slice", type=index_arg, help="key slice z of the canonical axial stack (0 = most superior)")
     sp.add_argument("--box", type=index_arg, nargs=4, action="append", metavar=("X0", "Y0", "X1", "Y1"),
                     help="inclusive pixel box on the key slice (repeatable)")
-    sp.add_argument("--out", required=True, help="mask to write (.nii.gz, .nii or .nrrd), on the volume's grid")
+    sp.add_argument("--out", required=True, action="append", metavar="PATH",
+                    help="mask to write on the volume's grid (.nii.gz, .nii, .nrrd, .mha, .seg.nrrd; .dcm for a DICOM "
+                         "folder); repeat it to write every format given")
     c = sp.add_argument_group("corrections (added to the anchor's own; objects are numbered from 1 in the anchor's "
                               "box order, the next free number adds an object)")
     c.add_argument("--add-box", type=index_arg, nargs=6, action=_PromptAction, metavar=("Z", "K", "X0", "Y0", "X1", "Y1"),
@@ -559,12 +557,12 @@ def add_volume_commands(add) -> None:
                    help="propagate only inside slices Z0..Z1 (inclusive; replaces the anchor's range)")
     sp.set_defaults(prompts=None)
     w = sp.add_mutually_exclusive_group()
+    w.add_argument("--preset", help="the MedSAM2 weights of a model preset (after medvol models download NAME)")
     w.add_argument("--sam-checkpoint", metavar="PATH", help="MedSAM2 checkpoint, e.g. MedSAM2_latest.pt")
     w.add_argument("--random-weights", type=seed_arg, metavar="SEED", help="seeded random weights (tests, benchmarks)")
     sp.add_argument("--image-size", type=index_arg, help="model input size for --random-weights (default 512)")
     sp.add_argument("--window", type=index_arg, metavar="W", help="propagate only slices [k-W, k+W] (default: all)")
-    sp.add_argument("--ct-window", default=None, metavar="PRESET|C,W",
-                    help="display window for the frames: soft_tissue (default), lung, bone, … or CENTER,WIDTH in HU")
+    add_ct_options(sp)
     sp.add_argument("--largest-component", action="store_true", help="keep each box's largest 3-D connected component")
     add_stop_option(sp)
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="cpu (fp32) or cuda (bfloat16 autocast)")

@@ -363,7 +363,8 @@ class ResolvedModels:
 
 def _how_to_get(name: str) -> str:
     return (f"run `medvol models download {name}`, or on a machine without internet copy the weights into a folder "
-            f"and run `medvol models import {name} FOLDER` (see `medvol models import --help`)")
+            f"and run `medvol models import {name} FOLDER` (see `medvol models import --help`); to try the commands "
+            "first, `--preset tiny` (an untrained smoke model, meaningless results) or `medvol demo` need no download")
 
 
 def read_registration(name: str) -> Optional[dict]:

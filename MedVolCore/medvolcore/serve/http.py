@@ -91,6 +91,22 @@ REPLY_HEADER = "X-MedVol-Reply"
 MAX_REPLY_HEADER = 32 << 10  # a longer reply goes back as JSON with ``mask_b64`` (clients cap header lines)
 
 
+def _header_id(header: str):
+    """The ``id`` of the request object in a volume body's header, when it reads as one (a string
+    or an integer within the wire's bounds), else None: a refusal of the body still carries it."""
+    from ..request import MAX_WIRE_INT
+
+    try:
+        rid = json.loads(header).get("id")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    if isinstance(rid, str) and len(rid) <= 200:
+        return rid
+    if isinstance(rid, int) and not isinstance(rid, bool) and -MAX_WIRE_INT < rid < MAX_WIRE_INT:
+        return rid
+    return None
+
+
 @dataclass
 class HttpSettings:
     """The HTTP transport's settings (``medvol serve --http`` options).
@@ -384,10 +400,10 @@ class Handler(BaseHTTPRequestHandler):
                                           HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE) else "bad_request"
         self._send(status.value, error_reply(None, kind, str(message or status.phrase)[:200]), close=True)
 
-    def _refuse(self, status: int, code: str, message: str) -> None:
+    def _refuse(self, status: int, code: str, message: str, rid=None) -> None:
         log.warning("http %s %s %s refused: %s", self.client_address[0], loggable(self.command or "-", 20),
                     self._log_path(), loggable(message, 300))
-        self._send(status, error_reply(None, code, message), close=True)
+        self._send(status, error_reply(rid, code, message), close=True)
 
     def _framing_error(self) -> Optional[str]:
         """Why this request's framing is refused, or None. A body has exactly one Content-Length
@@ -584,11 +600,12 @@ class Handler(BaseHTTPRequestHandler):
             return
         self._call(data)
 
-    def _refuse_body(self, status: int, code: str, message: str, unread: int) -> None:
+    def _refuse_body(self, status: int, code: str, message: str, unread: int, rid=None) -> None:
         """Refuse a volume body of which ``unread`` bytes were not read: the reply goes first, then
         up to 16 MB of the rest are read and dropped (so that a client still sending its body sees
-        the reply, not a reset) and the connection is closed; a bigger rest is never read."""
-        self._refuse(status, code, message)
+        the reply, not a reset) and the connection is closed; a bigger rest is never read. ``rid``:
+        the request's ``id`` from its header, so the client can match the refusal to its request."""
+        self._refuse(status, code, message, rid)
         if 0 < unread <= _DRAIN_MAX:
             self.server.watchdog.arm(self.connection, self.server.settings.client_timeout + unread / BODY_MIN_RATE)
             while unread > 0:
@@ -607,10 +624,11 @@ class Handler(BaseHTTPRequestHandler):
             self._refuse_body(400, "bad_request", "a volume body needs the request object in the X-MedVol-Request "
                                                   "header", n)
             return
+        rid = _header_id(header)
         ceiling = upload_ceiling(worker.max_voxels)
         if ceiling is not None and n > ceiling:
             self._refuse_body(413, "too_large", f"a volume body of {n:,} bytes is more than --max-voxels "
-                                                f"{worker.max_voxels:,} allows ({ceiling:,} bytes)", n)
+                                                f"{worker.max_voxels:,} allows ({ceiling:,} bytes)", n, rid)
             return
         self.server.watchdog.arm(self.connection, self.server.settings.client_timeout + n / BODY_MIN_RATE)
         prefix, info = b"", None
@@ -630,7 +648,7 @@ class Handler(BaseHTTPRequestHandler):
             check_space(worker.tmp_dir, n)
             upload = store_body(prefix, self.rfile.read, n, info, worker.tmp_dir)
         except MedVolError as e:
-            self._refuse_body(413 if e.code == "too_large" else 400, e.code, str(e), n - len(prefix))
+            self._refuse_body(413 if e.code == "too_large" else 400, e.code, str(e), n - len(prefix), rid)
             return
         finally:
             self.server.watchdog.disarm(self.connection)
