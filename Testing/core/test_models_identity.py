@@ -116,11 +116,13 @@ class FixedAnchorGrounder:
 
 @pytest.fixture(scope="module")
 def tiny_ct(tmp_path_factory):
-    """A 40×40×2 CT (HU, 1 mm voxels) with a bright block: the smallest volume a run takes, cheap to propagate."""
+    """A 40×40×2 CT (HU, 1 mm voxels): a body of soft tissue in air with a bright block, the smallest
+    volume a run takes, cheap to propagate (with air, so that it looks like CT)."""
     import nibabel as nib
     import numpy as np
 
-    data = np.full((40, 40, 2), -100, np.int16)
+    data = np.full((40, 40, 2), -1000, np.int16)
+    data[4:36, 4:36, :] = -100
     data[10:28, 10:30, :] = 60
     path = tmp_path_factory.mktemp("identity_ct") / "ct.nii.gz"
     nib.save(nib.Nifti1Image(data, np.eye(4)), str(path))
