@@ -27,7 +27,7 @@ from typing import Callable, Optional
 from .. import RESEARCH_USE_NOTICE, __version__
 from ..cpu import apply_threads, check_threads
 from ..errors import CancelledError, ForbiddenError, MedVolError
-from ..sources import client_parts, private_copy
+from ..sources import COPY_SECONDS, client_parts, private_copy
 from .upload import Upload
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
 from .lifecycle import make_tmp_dir, release_tmp_dir
@@ -665,7 +665,8 @@ class Worker:
             return self.cache.get_path(path, job.cancel, tmp_dir=self.tmp_dir)
         # Over HTTP the client's path is opened once, without following links, and copied into
         # the private temp folder while hashed; the reader reads only that copy, which is removed.
-        with private_copy(self.data_dir, value, self.tmp_dir, job.cancel, "volume") as copy:
+        with private_copy(self.data_dir, value, self.tmp_dir, job.cancel, "volume", max_bytes=self.cache.max_bytes(),
+                          max_voxels=self.cache.max_voxels, seconds=COPY_SECONDS) as copy:
             try:
                 return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256)
             except MedVolError as e:  # name the client's file, not the private copy
