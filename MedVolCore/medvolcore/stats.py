@@ -64,17 +64,45 @@ def stats_cell(value) -> str:
     return " ".join(str(x) for x in value) if isinstance(value, (list, tuple)) else str(value)
 
 
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _numbers(text: str) -> bool:
+    words = text.split()
+    try:
+        return bool(words) and all(isinstance(float(w), float) for w in words)
+    except ValueError:
+        return False
+
+
+def spreadsheet_cell(value) -> str:
+    """A CSV cell a spreadsheet shows as text: a cell that starts with ``=``, ``+``, ``-``, ``@``,
+    a tab or a carriage return, and is not a number (or numbers separated by spaces, such as a
+    bounding-box corner ``-12.5 4 3``), gets a leading apostrophe, so a query such as
+    ``=HYPERLINK(…)`` or ``@SUM(…)`` is never taken for a formula."""
+    text = "" if value is None else str(value)
+    if text.startswith(_FORMULA_START) and not _numbers(text):
+        return "'" + text
+    return text
+
+
+def spreadsheet_rows(rows) -> list:
+    """Every cell of ``rows`` through :func:`spreadsheet_cell`."""
+    return [[spreadsheet_cell(c) for c in row] for row in rows]
+
+
 def stats_text(rows: List[dict], path) -> str:
     """``rows`` as the file ``path`` wants: a JSON list, or CSV with :data:`COLUMNS` (boxes as
-    ``r a s`` triples, :func:`stats_cell`)."""
+    ``r a s`` triples, :func:`stats_cell`; text cells made safe for spreadsheets,
+    :func:`spreadsheet_cell`)."""
     if str(path).lower().endswith(".json"):
         return json.dumps(rows, indent=1) + "\n"
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(COLUMNS)
     for r in rows:
-        w.writerow([stats_cell(r.get(c)) for c in COLUMNS])
+        w.writerow([spreadsheet_cell(stats_cell(r.get(c))) for c in COLUMNS])
     return buf.getvalue()
 
 
-__all__ = ["target_stats", "stats_text", "stats_cell", "check_stats_path", "COLUMNS", "STATS_SUFFIXES"]
+__all__ = ["target_stats", "stats_text", "stats_cell", "spreadsheet_cell", "spreadsheet_rows", "check_stats_path", "COLUMNS", "STATS_SUFFIXES"]

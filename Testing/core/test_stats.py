@@ -40,3 +40,24 @@ def test_stats_files():
     assert got[0]["bbox_ras_max"] == "1.0 1.0 1.0" and got[0]["key_slice"] == ""
     with pytest.raises(InputError, match="--stats: write .json or .csv"):
         check_stats_path("stats.txt")
+
+
+FORMULAS = ["=HYPERLINK(\"http://x\",\"liver\")", "@SUM(A1:A9)", "+1+cmd|' /C calc'!A0", "-2+3+cmd|' /C calc'!A0",
+            "\t=1+1"]
+
+
+@pytest.mark.probe("43.5", "--stats x.csv with queries =HYPERLINK(…), @SUM(…), +…, -…, a leading tab")
+@pytest.mark.parametrize("query", FORMULAS)
+def test_stats_csv_cells_are_never_formulas(query):
+    row = target_stats(np.ones((2, 2, 2)), np.full((2, 2, 2), -7.0), np.diag([-1.0, -1.0, 1.0, 1.0]), query)
+    got = list(csv.DictReader(io.StringIO(stats_text([row], "s.csv"))))[0]
+    assert got["query"] == "'" + query
+    # numbers stay numbers, negative ones included
+    assert got["mean_hu"] == "-7.0" and got["bbox_ras_min"].startswith("-1.0 ") and got["voxels"] == "8"
+
+
+def test_spreadsheet_cell():
+    from medvolcore.stats import spreadsheet_cell
+
+    assert [spreadsheet_cell(v) for v in ("liver", "-12.5", "-1 2 -3", "-", "=", None, 5, "-inf", "a=b")] == [
+        "liver", "-12.5", "-1 2 -3", "'-", "'=", "", "5", "-inf", "a=b"]
