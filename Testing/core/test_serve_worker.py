@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -481,3 +482,43 @@ def test_worker_segment_with_consensus_replies_confidence_and_writes_agreement(t
                                None, "http")
     finally:
         http.close(5)
+
+
+@pytest.mark.probe("43.5", "several queries + consensus + agreement: stdio names the files written, HTTP replies ok")
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_several_targets_name_their_agreement_maps_as_written(tiny, monkeypatch, ct4, tmp_path, transport):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [ABSENT])
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    w = Worker(transport=transport, device="cpu", out_dir=out_dir if transport == "http" else None)
+    w.pipeline = tiny  # loaded: no model loads in this test
+    where = (lambda name: name) if transport == "http" else (lambda name: str(out_dir / name))
+    req = {"id": "several", "op": "segment", "queries": ["the liver", "the spleen"], "consensus": 2,
+           "agreement": where("agr.nii.gz"), "out": where("m.nii.gz"), "stop_after_empty": 0}
+    if transport == "http":
+        req["volume_b64"] = base64.b64encode(Path(ct4).read_bytes()).decode("ascii")
+    else:
+        req["volume"] = str(ct4)
+    replies: queue.Queue = queue.Queue()
+    try:
+        w.handle(req, reply=replies.put)
+        r = replies.get(timeout=120)
+        while "event" in r:
+            r = replies.get(timeout=120)
+    finally:
+        w.close(10)
+    assert r["ok"] is True, r
+    res = r["result"]
+    assert res["agreement_path"] is None  # one map per target, named in its entry
+    for k, entry in enumerate(res["targets"], start=1):
+        path = entry["agreement_path"]
+        written = out_dir / path if transport == "http" else Path(path)
+        assert written.is_file() and written.name == f"agr.{k}.nii.gz", path
+        assert np.asarray(nib.load(str(written)).dataobj).max() <= 2
+        if transport == "http":
+            assert not os.path.isabs(path) and not os.path.isabs(entry["agreement_out"])
+            assert base64.b64decode(entry["agreement_b64"]) == written.read_bytes()

@@ -675,6 +675,20 @@ class Worker:
                     text = text.replace(copy.path.name, os.path.basename(os.path.normpath(value)))
                 raise type(e)(text) from None
 
+    def _entry_files(self, entry: dict, transport: str) -> None:
+        """A several-target entry's files as the client may see them: its agreement map (numbered,
+        as :func:`medvolcore.jobs.numbered` wrote it) as ``agreement_path`` (and over HTTP its bytes
+        as ``agreement_b64``); over HTTP every path relative to ``--out-dir``, never absolute."""
+        written = entry.get("agreement_out")
+        if written is not None:
+            if transport == "http":
+                entry["agreement_b64"] = base64.b64encode(Path(written).read_bytes()).decode("ascii")
+            entry["agreement_path"] = written
+        if transport == "http":
+            for key in ("agreement_out", "agreement_path", "anchor_out", "qc"):
+                if entry.get(key) is not None:
+                    entry[key] = os.path.relpath(entry[key], self.out_dir)
+
     def _out_path(self, job: _Job) -> tuple:
         out = job.req.get("out")
         if out:
@@ -736,7 +750,12 @@ class Worker:
                 result["labels_path"] = os.path.relpath(labels_file, self.out_dir) if job.transport == "http" \
                     else labels_file
         result.update(model_label=(res.identity or {}).get("label"), volume_sha256=digest)
-        if agr_path is not None:
+        if res.targets is not None:  # several targets: each entry names its own files, as written
+            for entry in result.get("targets") or ():
+                self._entry_files(entry, job.transport)
+            if agr_path is not None:
+                result["agreement_path"] = None  # one map per target (numbered): in each entry of 'targets'
+        elif agr_path is not None:
             if job.transport == "http":
                 result["agreement_b64"] = base64.b64encode(agr_path.read_bytes()).decode("ascii")
                 result["agreement_path"] = os.path.relpath(agr_path, self.out_dir)
