@@ -522,3 +522,41 @@ def test_several_targets_name_their_agreement_maps_as_written(tiny, monkeypatch,
         if transport == "http":
             assert not os.path.isabs(path) and not os.path.isabs(entry["agreement_out"])
             assert base64.b64decode(entry["agreement_b64"]) == written.read_bytes()
+
+
+@pytest.mark.probe("43.5", "HTTP out .nrrd/.mha/.nii/.seg.nrrd: mask_b64 and the application/gzip body are .nii.gz")
+@pytest.mark.parametrize("suffix", [".nrrd", ".mha", ".nii", ".seg.nrrd"])
+def test_http_mask_bytes_are_nifti_gz_whatever_out_is(tiny, ct4, tmp_path, suffix):
+    import gzip
+    import io
+    import queue
+
+    from medvolcore.serve import Worker
+    from medvolcore.serve.worker import MASK_BYTES_KEY
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    w = Worker(transport="http", device="cpu", out_dir=out_dir)
+    w.pipeline = tiny
+    anchor = {"schema": "medvol.anchor/1", "slice": 1, "boxes": [[10, 10, 40, 40]], "source": "user"}
+    got = {}
+    try:
+        for as_body in (False, True):
+            replies: queue.Queue = queue.Queue()
+            w.handle({"id": "m", "op": "propagate", "anchor": anchor, "out": f"m{int(as_body)}{suffix}",
+                      "volume_b64": base64.b64encode(Path(ct4).read_bytes()).decode("ascii"), "stop_after_empty": 0},
+                     reply=replies.put, mask_bytes=as_body)
+            r = replies.get(timeout=120)
+            while "event" in r:
+                r = replies.get(timeout=120)
+            assert r["ok"] is True, r
+            got[as_body] = r["result"].pop(MASK_BYTES_KEY) if as_body else base64.b64decode(r["result"]["mask_b64"])
+            assert r["result"]["mask_path"] == f"m{int(as_body)}{suffix}"
+            assert list(w.tmp_dir.glob("*reply*")) == []  # the reply's copy is gone
+    finally:
+        w.close(10)
+    for data in got.values():
+        assert data[:2] == b"\x1f\x8b"
+        img = nib.Nifti1Image.from_bytes(gzip.decompress(data))
+        assert tuple(img.shape) == tuple(nib.load(str(ct4)).shape) and np.asarray(img.dataobj).sum() > 0
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(f"m{i}{suffix}" for i in (0, 1))

@@ -697,9 +697,33 @@ class Worker:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(job.id))[:40] if job.id is not None else "req"
         return self.tmp_dir / f"{job.op}-{self._counter:04d}-{safe}.nii.gz", False, True
 
+    def _reply_copy(self, job: _Job) -> Optional[Path]:
+        """Over HTTP with an ``out`` that is not ``.nii.gz`` (``.nrrd``, ``.mha``, ``.nii``,
+        ``.seg.nrrd``, ``.dcm``): a private ``.nii.gz`` the job also writes, whose bytes the reply
+        carries (``mask_b64`` and the ``application/gzip`` body are ``.nii.gz``, whatever ``out``
+        is); None otherwise."""
+        from ..fileio import full_suffix
+
+        out = job.req.get("out")
+        if job.transport != "http" or not out or full_suffix(str(out)).lower() == ".nii.gz":
+            return None
+        self._counter += 1
+        return self.tmp_dir / f"{job.op}-{self._counter:04d}-reply.nii.gz"
+
     def _run_volume_job(self, job: _Job, progress) -> dict:
         """A ``segment`` or ``propagate`` request: :func:`~medvolcore.jobs.run_segment_job` on the
         cached volume, with the models loaded only once the inputs are known good."""
+        from ..jobs import labels_path
+
+        reply_copy = self._reply_copy(job)
+        try:
+            return self._volume_job(job, progress, reply_copy)
+        finally:
+            if reply_copy is not None:
+                for f in (reply_copy, Path(labels_path(reply_copy))):
+                    f.unlink(missing_ok=True)
+
+    def _volume_job(self, job: _Job, progress, reply_copy: Optional[Path]) -> dict:
         from ..jobs import SegmentOutputs, run_segment_job
         from ..request import SegmentRequest
 
@@ -713,7 +737,8 @@ class Worker:
         agreement = req.get("agreement")
         agr_path = self.output_path(agreement, job.transport, "agreement") if agreement else None
         # over HTTP no folder is created for a client
-        outputs = SegmentOutputs(out, overwrite=overwrite, create_folders=job.transport != "http",
+        outputs = SegmentOutputs([out, reply_copy] if reply_copy else out, overwrite=overwrite,
+                                 create_folders=job.transport != "http",
                                  names=("out", "anchor_out", "qc"),
                                  empty_mask_on_absent=bool(req.get("empty_mask_on_absent", False)),
                                  agreement=agr_path, agreement_name="agreement")
@@ -744,6 +769,8 @@ class Worker:
             self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
         result = res.to_wire(job.op)  # the result's fields this op replies with; then what only the worker knows
         for labels_file in res.labels_out or ():  # several queries: the table is the reply's 'targets'
+            if reply_copy is not None and Path(labels_file).parent == reply_copy.parent:
+                continue  # the reply copy's table: removed with it
             if is_temp:
                 Path(labels_file).unlink(missing_ok=True)
             else:
@@ -764,10 +791,11 @@ class Worker:
         if res.out is None:  # the model answered "not present" and no empty mask was asked for
             result["mask_b64" if job.transport == "http" else "mask_path"] = None
         elif job.transport == "http":
+            sent = reply_copy or out  # always .nii.gz bytes, as the protocol says
             if job.mask_bytes:  # the transport sends them as the reply body
-                result[MASK_BYTES_KEY] = out.read_bytes()
+                result[MASK_BYTES_KEY] = sent.read_bytes()
             else:
-                result["mask_b64"] = base64.b64encode(out.read_bytes()).decode("ascii")
+                result["mask_b64"] = base64.b64encode(sent.read_bytes()).decode("ascii")
             if is_temp:
                 out.unlink()
             else:
