@@ -420,6 +420,13 @@ class Worker:
             return {"target": target, "found": True, "state": "queued"}
         return {"target": target, "found": False, "state": "not_found"}
 
+    def session_busy(self, session: Optional[str]) -> bool:
+        """True while a request of ``session`` is queued or running (its client still needs the
+        session to see or cancel it)."""
+        with self._cv:
+            cur = self._current
+            return (cur is not None and cur.session == session) or any(j.session == session for j in self._queue)
+
     def cancel_session(self, session: str, reason: str) -> int:
         """Cancel the queued requests of ``session`` (it expired); a running one is left to
         finish and its reply still goes to its client. Returns how many were cancelled."""
