@@ -560,3 +560,34 @@ def test_http_mask_bytes_are_nifti_gz_whatever_out_is(tiny, ct4, tmp_path, suffi
         img = nib.Nifti1Image.from_bytes(gzip.decompress(data))
         assert tuple(img.shape) == tuple(nib.load(str(ct4)).shape) and np.asarray(img.dataobj).sum() > 0
     assert sorted(p.name for p in out_dir.iterdir()) == sorted(f"m{i}{suffix}" for i in (0, 1))
+
+
+@pytest.mark.probe("43.5", "HTTP: client B sends the CT client A sent: volume_cached / slices_encoded tell B nothing")
+def test_a_cached_volume_is_reported_only_to_the_client_that_sent_it(tiny, ct4):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    w = Worker(transport="http", device="cpu")
+    w.pipeline = tiny
+    anchor = {"schema": "medvol.anchor/1", "slice": 1, "boxes": [[10, 10, 40, 40]], "source": "user"}
+    data = base64.b64encode(Path(ct4).read_bytes()).decode("ascii")
+
+    def timings(session):
+        replies: queue.Queue = queue.Queue()
+        w.handle({"id": "p", "op": "propagate", "anchor": anchor, "volume_b64": data, "stop_after_empty": 0},
+                 reply=replies.put, session=session)
+        r = replies.get(timeout=120)
+        while "event" in r:
+            r = replies.get(timeout=120)
+        assert r["ok"] is True, r
+        return r["result"]["timings"]["volume_cached"], r["result"]["slices_encoded"]
+
+    try:
+        first = timings("alice")
+        assert first[0] is False and first[1] > 0
+        assert timings("alice") == (True, 0)  # her own volume: cached, nothing encoded again
+        assert timings("bob") == first  # bob learns nothing of alice's request
+        assert timings("bob") == (True, 0)
+    finally:
+        w.close(10)

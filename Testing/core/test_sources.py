@@ -165,8 +165,13 @@ def stack_for(w: Worker, volume=None, transport=None, keep=True, timeout=20.0, *
         raise value
     stack, digest, cached = value
     if keep and not cached:
-        w.cache.put(digest, stack)
+        w.cache.put(digest, stack, w._scope(job))
     return value
+
+
+def _scope_of(w: Worker) -> str:
+    """The cache scope of :func:`stack_for`'s requests (no session) on ``w``."""
+    return w._scope(_Job({"id": "t"}, lambda r: None, w.transport))
 
 
 def reply_to(w: Worker, req: dict, timeout=20.0) -> dict:
@@ -200,7 +205,7 @@ def test_empty_folder_is_refused_before_any_cache_lookup(stdio_worker, http_work
     planted, _, _ = stack_for(stdio_worker, outside / "s5", keep=False)
     empty_key = hashlib.sha256(b"").hexdigest()  # what an empty folder hashed to
     for w, volume in ((stdio_worker, root / "empty"), (http_worker, "empty")):
-        w.cache.put(empty_key, planted)
+        w.cache.put(empty_key, planted, _scope_of(w))
         with pytest.raises(VolumeError, match="holds no file"):
             stack_for(w, volume)
         r = reply_to(w, {"volume": str(volume)})
@@ -225,7 +230,7 @@ def test_cached_volume_that_disagrees_with_its_header_is_not_served(stdio_worker
     assert cached is True and stack.volume.shape == (16, 16, 4)
     # an upload is checked the same way
     data = (root / "ct.nii.gz").read_bytes()
-    http_worker.cache.put(hashlib.sha256(data).hexdigest(), wrong)
+    http_worker.cache.put(hashlib.sha256(data).hexdigest(), wrong, _scope_of(http_worker))
     stack, _, cached = stack_for(http_worker, volume_b64=base64.b64encode(data).decode())
     assert cached is False and stack.volume.shape == (16, 16, 4)
 

@@ -29,7 +29,7 @@ from ..cpu import apply_threads, check_threads
 from ..errors import CancelledError, ForbiddenError, MedVolError
 from ..sources import COPY_SECONDS, client_parts, private_copy
 from .upload import Upload
-from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
+from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache, scoped
 from .lifecycle import make_tmp_dir, release_tmp_dir
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
                        ok_reply, parse_request, valid_id)
@@ -646,8 +646,16 @@ class Worker:
         mismatches = self.cache.mismatches
         stack, digest, cached = self._read_stack(job, progress)
         if self.cache.mismatches != mismatches:
-            self.features.discard_prefix(digest)
+            self.features.discard_prefix(scoped(self._scope(job), digest))
         return stack, digest, cached
+
+    @staticmethod
+    def _scope(job: _Job) -> str:
+        """Whose cached volumes and encoded slices a request may use: over HTTP its session's
+        only (a session is a client's identity: one address is every client behind a proxy, and
+        the server's token is shared), so no reply tells a client that another one sent the same
+        CT; over stdio the one client's ("")."""
+        return f"session:{job.session or ''}" if job.transport == "http" else ""
 
     def _read_stack(self, job: _Job, progress) -> tuple:
         req = job.req
@@ -658,13 +666,13 @@ class Worker:
             except (ValueError, TypeError) as e:
                 raise RequestError(f"{job.op}: 'volume_b64' is not valid base64: {e}") from None
             progress("read", 0.0, f"reading the uploaded volume ({len(data)} bytes)")
-            return self.cache.get_bytes(data, self.tmp_dir, job.cancel)
+            return self.cache.get_bytes(data, self.tmp_dir, job.cancel, self._scope(job))
         if req.get("volume") is None and isinstance(job.body, Upload):  # streamed to a private file
             progress("read", 0.0, f"reading the uploaded volume ({job.body.size} bytes)")
-            return self.cache.get_path(job.body.path, job.cancel, digest=job.body.sha256)
+            return self.cache.get_path(job.body.path, job.cancel, digest=job.body.sha256, scope=self._scope(job))
         if req.get("volume") is None and job.body is not None:
             progress("read", 0.0, f"reading the uploaded volume ({len(job.body)} bytes)")
-            return self.cache.get_bytes(job.body, self.tmp_dir, job.cancel)
+            return self.cache.get_bytes(job.body, self.tmp_dir, job.cancel, self._scope(job))
         value = req["volume"]
         path = self.client_path(value, job.transport, "volume")
         progress("read", 0.0, f"reading {path.name}")
@@ -675,7 +683,7 @@ class Worker:
         with private_copy(self.data_dir, value, self.tmp_dir, job.cancel, "volume", max_bytes=self.cache.max_bytes(),
                           max_voxels=self.cache.max_voxels, seconds=COPY_SECONDS) as copy:
             try:
-                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256)
+                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job))
             except MedVolError as e:  # name the client's file, not the private copy
                 text = str(e).replace(str(copy.path), repr(value))
                 if copy.path.is_file():  # a folder's copy has the client's folder name already
@@ -761,7 +769,7 @@ class Worker:
 
         def features(pipe, window):
             # features depend on the volume's content, the HU window and the loaded MedSAM2
-            keys.append((digest, window.center, window.width, self._pipe_generation))
+            keys.append((scoped(self._scope(job), digest), window.center, window.width, self._pipe_generation))
             return self.features.store(keys[-1])
 
         try:
@@ -773,7 +781,7 @@ class Worker:
                     self.features.discard(key)
             raise
         if not cached:
-            self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
+            self.cache.put(digest, stack, self._scope(job))  # only now: a failed or cancelled request keeps nothing
         result = res.to_wire(job.op)  # the result's fields this op replies with; then what only the worker knows
         for labels_file in res.labels_out or ():  # several queries: the table is the reply's 'targets'
             if reply_copy is not None and Path(labels_file).parent == reply_copy.parent:
