@@ -591,3 +591,69 @@ def test_a_cached_volume_is_reported_only_to_the_client_that_sent_it(tiny, ct4):
         assert timings("bob") == (True, 0)
     finally:
         w.close(10)
+
+
+@pytest.mark.probe("43.4", "HTTP upload: a gzip NIfTI of zeros, the mask covering it: memory per voxel of the request")
+def test_a_request_holds_at_most_12_bytes_a_voxel(tiny, tmp_path, record_property):
+    """The numpy memory a whole propagate request holds at its peak (tracemalloc: the arrays the
+    engine makes; the models' tensors are a fixed cost, apart), per voxel of the volume."""
+    import gzip
+    import queue
+    import tracemalloc
+
+    from medvolcore.serve import Worker
+    from medvolcore.serve.cache import DEFAULT_MAX_VOXELS, REQUEST_BYTES_PER_VOXEL
+
+    shape = (512, 512, 40)
+    raw = nib.Nifti1Image(np.zeros(shape, np.int16), np.diag([0.8, 0.8, 2.0, 1.0])).to_bytes()
+    data = gzip.compress(raw)
+    w = Worker(transport="http", device="cpu", feature_cache_mb=0)
+    w.pipeline = tiny
+    anchor = {"schema": "medvol.anchor/1", "slice": 20, "boxes": [[5, 5, 506, 506]], "source": "user"}
+    replies: queue.Queue = queue.Queue()
+    tracemalloc.start()
+    try:
+        w.handle({"id": "z", "op": "propagate", "anchor": anchor, "stop_after_empty": 0}, reply=replies.put,
+                 body=data)
+        r = replies.get(timeout=300)
+        while "event" in r:
+            r = replies.get(timeout=300)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        w.close(10)
+    assert r["ok"] is True, r
+    voxels = int(np.prod(shape))
+    record_property("upload bytes", len(data))
+    record_property("peak bytes/voxel", round(peak / voxels, 2))
+    assert r["result"]["mask_voxels"] > voxels // 4  # a mask over much of the volume: the statistics' worst case
+    assert peak / voxels <= 12
+    # the default limit's worst case fits in 8 GiB at the measured cost per voxel
+    assert REQUEST_BYTES_PER_VOXEL * DEFAULT_MAX_VOXELS <= 8 << 30
+
+
+@pytest.mark.probe("43.4", "64 queries (or a consensus of 8) on a volume the voxel limit admits for one target")
+def test_several_targets_get_a_smaller_volume_not_more_memory(ct4):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    shape = nib.load(str(ct4)).shape
+    voxels = int(np.prod(shape))
+    w = Worker(transport="stdio", max_voxels=voxels)  # ct4 is as large as a volume may be
+
+    def refuse(*a, **k):
+        raise AssertionError("the models were reached")
+
+    w._ensure_pipeline = refuse
+    try:
+        for fields in ({"queries": [f"organ {i}" for i in range(64)]}, {"query": "the liver", "consensus": 8}):
+            got: queue.Queue = queue.Queue()
+            w.handle(dict({"id": "many", "op": "segment", "volume": str(ct4)}, **fields), reply=got.put)
+            r = got.get(timeout=60)
+            while "event" in r:
+                r = got.get(timeout=60)
+            assert r["ok"] is False and r["error"]["code"] == "too_large", r
+            assert "send fewer queries, a smaller consensus or a smaller volume" in r["error"]["message"]
+    finally:
+        w.close(5)

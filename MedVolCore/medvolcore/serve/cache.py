@@ -32,7 +32,7 @@ from ..errors import MedVolError, VolumeError
 from ..sources import HashMemo, hashed_copy, known_sha256, sources_sha256, store_bytes, volume_sources
 
 __all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_FEATURE_CACHE_MB", "DEFAULT_MAX_VOXELS", "StackCache", "file_sha256",
-           "header_geometry", "scoped"]
+           "header_geometry", "scoped", "request_bytes", "check_request_memory", "REQUEST_BYTES_PER_VOXEL"]
 
 log = logging.getLogger("medvolcore.serve")
 
@@ -40,7 +40,41 @@ DEFAULT_CACHE_SIZE = 4
 # MedSAM2 image features of recent volumes: about 4.2 MB a slice at 512 px (fp32), so 2 GB holds
 # some 480 slices, e.g. four 120-slice CTs (the worker's default volume cache).
 DEFAULT_FEATURE_CACHE_MB = 2048
-DEFAULT_MAX_VOXELS = 1024 * 1024 * 2000  # a 1024×1024 CT of 2000 slices (8 GB as float32)
+# A 1024×1024 CT of 1000 slices (4 GB as float32; 512×512 CTs of up to 4000 slices). A one-target
+# request peaks at about REQUEST_BYTES_PER_VOXEL bytes a voxel (Testing/benchmarks/memory.py,
+# docs/benchmarks.md), so the largest volume it allows costs at most about 7.3 GiB.
+DEFAULT_MAX_VOXELS = 1024 * 1024 * 1000
+# What a request holds per voxel, measured (docs/benchmarks.md, "Memory per voxel"): the volume as
+# float32, then per target its masks (source grid and stack, the label map), then per extra
+# consensus sample its mask and share of the agreement map.
+VOLUME_BYTES_PER_VOXEL = 4.0
+TARGET_BYTES_PER_VOXEL = 3.5
+SAMPLE_BYTES_PER_VOXEL = 3.75
+REQUEST_BYTES_PER_VOXEL = VOLUME_BYTES_PER_VOXEL + TARGET_BYTES_PER_VOXEL
+
+
+def request_bytes(voxels: int, targets: int = 1, samples: int = 1) -> float:
+    """About how many bytes a segment/propagate request on ``voxels`` voxels holds at its peak,
+    with ``targets`` queries and a consensus of ``samples`` answers each."""
+    per_target = TARGET_BYTES_PER_VOXEL + SAMPLE_BYTES_PER_VOXEL * (max(1, samples) - 1)
+    return voxels * (VOLUME_BYTES_PER_VOXEL + max(1, targets) * per_target)
+
+
+def check_request_memory(voxels: int, targets: int, samples: int, max_voxels: Optional[int]) -> None:
+    """Refuse (:class:`~medvolcore.errors.LimitError`) a request whose peak memory would pass what
+    ``max_voxels`` allows a one-target request (:func:`request_bytes`): several targets and a
+    consensus multiply the masks held, so they get a smaller volume, never more memory."""
+    if max_voxels is None:
+        return
+    need, budget = request_bytes(voxels, targets, samples), request_bytes(int(max_voxels))
+    if need > budget:
+        from ..errors import LimitError
+
+        largest = int(max_voxels * budget / request_bytes(int(max_voxels), targets, samples))
+        raise LimitError(f"{targets} target(s) with {samples} answer(s) each on a volume of {voxels:,} voxels would "
+                         f"hold about {need / 2**30:.1f} GiB, more than the voxel limit (--max-voxels) allows a "
+                         f"request ({budget / 2**30:.1f} GiB); with these settings the volume may have at most "
+                         f"{largest:,} voxels: send fewer queries, a smaller consensus or a smaller volume")
 
 
 def file_sha256(path: Path, cancel=None) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import collections
 import logging
+import math
 import os
 import re
 import threading
@@ -29,7 +30,8 @@ from ..cpu import apply_threads, check_threads
 from ..errors import CancelledError, ForbiddenError, MedVolError
 from ..sources import COPY_SECONDS, client_parts, private_copy
 from .upload import Upload
-from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache, scoped
+from .cache import (DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache,
+                    check_request_memory, scoped)
 from .lifecycle import make_tmp_dir, release_tmp_dir
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
                        ok_reply, parse_request, valid_id)
@@ -748,6 +750,8 @@ class Worker:
         stack, digest, cached = self._stack_for(job, progress)
         read_s = time.perf_counter() - t0
         progress("read", 1.0, "volume from cache" if cached else "volume read")
+        check_request_memory(math.prod(stack.volume.shape), len(request.queries or ()) or 1,
+                             int(request.consensus or 1), self.cache.max_voxels)
         out, overwrite, is_temp = self._out_path(job)
         agreement = req.get("agreement")
         agr_path = self.output_path(agreement, job.transport, "agreement") if agreement else None
