@@ -36,6 +36,13 @@ SINGLE_FILE = 4  # vtkSlicerVolumesLogic::SingleFile: read this file only, never
 REGULARIZATION_KEY = "DICOM/ScalarVolume/AcquisitionGeometryRegularization"
 
 
+def shown(text):
+    """``text`` as it may reach a terminal: every control character (an escape sequence's ESC,
+    a carriage return, a newline) written as its escape (``\\x1b``), so a query or a file name
+    cannot move the cursor, retitle the window or fake another line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def _write_atomic(path, write, overwrite):
     """``write(tmp)`` to a temporary name in ``path``'s folder (same suffix), then rename it to
     ``path`` (never half-written). Without ``overwrite`` a file that appeared at ``path`` since
@@ -271,16 +278,16 @@ def main(argv, logic=None):
             logic = MedVolR1SlicerLogic()
         try:
             for i, job in enumerate(jobs, 1):
-                print(f"[{i}/{len(jobs)}] {job.input.name}: {job.query}", flush=True)
+                print(f"[{i}/{len(jobs)}] {shown(job.input.name)}: {shown(job.query)}", flush=True)
                 try:
                     if run_job(logic, job, options, args.anchor_dir, args.overwrite) == "absent":
                         absent.append(job)
-                        print(f"  not found in this CT: {job.query} (no output written)", flush=True)
+                        print(f"  not found in this CT: {shown(job.query)} (no output written)", flush=True)
                     results.append((job, None))
                 except Exception as e:  # noqa: BLE001 - one case's failure, whatever it is, is reported
                     known = isinstance(e, (batchjobs.BatchError, ValueError, OSError, RuntimeError))
                     results.append((job, str(e) if known else f"{type(e).__name__}: {e}"))
-                    print(f"  failed: {results[-1][1]}", file=sys.stderr, flush=True)
+                    print(f"  failed: {shown(results[-1][1])}", file=sys.stderr, flush=True)
                     if not args.keep_going:
                         break
         finally:
@@ -293,7 +300,7 @@ def main(argv, logic=None):
     if len(results) < len(jobs):
         text += f"\n  not run: {len(jobs) - len(results)} (stopped at the first failure; --keep-going goes on)"
         code = 1
-    print(text, flush=True)
+    print("\n".join(shown(line) for line in text.split("\n")), flush=True)
     return code
 
 

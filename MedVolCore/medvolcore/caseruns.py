@@ -97,13 +97,37 @@ def shard_of(items: Sequence, shard: Optional[Shard], position: Optional[Callabl
 
 # ---- inputs and records ---------------------------------------------------------------------------
 
-_DETACHED_DATA_RE = re.compile(rb"^\s*(?:ElementDataFile\s*=|data file\s*:)\s*(\S[^\r\n]*?)\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def _data_files_state(header: Path) -> Optional[list]:
+    """Size and ``mtime_ns`` of every data file a detached header names, as its reader finds them
+    (:func:`medvolcore.sources.declared_data_files`: one name, ``LIST``, a numbered pattern, the
+    NRRD ``data file``/``datafile`` and MetaImage ``ElementDataFile`` fields); None for a file
+    holding its voxels; a data file missing now has no size (the case then fails when it runs)."""
+    from .errors import MedVolError
+    from .sources import declared_data_files
+
+    try:
+        _, names = declared_data_files(header)
+    except (OSError, MedVolError):
+        return None
+    if names is None:
+        return None
+    out = []
+    for name in names:
+        f = Path(name) if os.path.isabs(name) else header.parent / name
+        try:
+            fst = os.stat(f)
+            out.append([name, fst.st_size, fst.st_mtime_ns])
+        except OSError:
+            out.append([name, None, None])
+    return out
 
 
 def input_state(path: Optional[Path]) -> Optional[dict]:
     """What an input file or DICOM folder is now, cheaply (no pixel is read), for a case's
-    fingerprint: a file's size and ``mtime_ns`` (symbolic links followed; a detached header's data
-    file, ``.mhd``/``.nhdr``, as well); a folder's file count and a sha256 over its files' names,
+    fingerprint: a file's size and ``mtime_ns`` (symbolic links followed; every data file a
+    detached header names, ``.mhd``/``.nhdr``, as well); a folder's file count and a sha256 over its files' names,
     sizes and ``mtime_ns``. None when the path does not exist (the case then fails when it runs)."""
     if path is None:
         return None
@@ -125,14 +149,7 @@ def input_state(path: Optional[Path]) -> Optional[dict]:
         return {"files": n, "sha256": h.hexdigest()}
     state = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     if str(path).lower().endswith((".mhd", ".nhdr")):
-        try:
-            with open(path, "rb") as f:
-                m = _DETACHED_DATA_RE.search(f.read(64 * 1024))
-        except OSError:
-            m = None
-        if m is not None:
-            data = Path(path).parent / os.fsdecode(m.group(1))
-            state["data"] = input_state(data) if data.is_file() else None
+        state["data"] = _data_files_state(Path(path))
     return state
 
 

@@ -29,6 +29,31 @@ def _r(x, nd=3):
     return None if x is None else round(float(x), nd)
 
 
+_STATS_SLAB = 1 << 20  # voxels per slab of the HU statistics: their memory does not grow with the volume
+
+
+def _hu_stats(m: np.ndarray, hu: np.ndarray) -> dict:
+    """Mean, standard deviation (population), min and max of ``hu`` inside ``m``, one slab of the
+    last axis at a time (each slab's count, mean and sum of squared deviations combined as Chan
+    et al. combine them), so the memory used is a slab's, not the mask's voxel count × 8 bytes."""
+    step = max(1, _STATS_SLAB // max(1, m.shape[0] * m.shape[1]))
+    count, mean, m2, lo, hi = 0, 0.0, 0.0, np.inf, -np.inf
+    for k in range(0, m.shape[2], step):
+        v = np.asarray(hu[:, :, k:k + step][m[:, :, k:k + step]], dtype=np.float64)
+        if not v.size:
+            continue
+        c, mu = v.size, float(v.mean())
+        d = v - mu
+        q = float(np.dot(d, d))
+        delta = mu - mean
+        total = count + c
+        mean += delta * c / total
+        m2 += q + delta * delta * count * c / total
+        count = total
+        lo, hi = min(lo, float(v.min())), max(hi, float(v.max()))
+    return {"mean_hu": _r(mean, 2), "std_hu": _r((m2 / count) ** 0.5, 2), "min_hu": _r(lo, 2), "max_hu": _r(hi, 2)}
+
+
 def target_stats(mask: np.ndarray, hu: np.ndarray, affine: np.ndarray, query: str = "",
                  key_slice: Optional[int] = None, key_slice_s_mm: Optional[float] = None) -> dict:
     """The statistics of one target (``mask`` and ``hu`` on one grid, ``affine`` its voxel → RAS)."""
@@ -41,10 +66,12 @@ def target_stats(mask: np.ndarray, hu: np.ndarray, affine: np.ndarray, query: st
            "min_hu": None, "max_hu": None, "key_slice": key_slice, "key_slice_s_mm": _r(key_slice_s_mm, 2),
            "bbox_ras_min": None, "bbox_ras_max": None}
     if n:
-        v = np.asarray(hu, dtype=np.float64)[m]
-        out.update(mean_hu=_r(v.mean(), 2), std_hu=_r(v.std(), 2), min_hu=_r(v.min(), 2), max_hu=_r(v.max(), 2))
-        idx = np.nonzero(m)
-        lo, hi = [int(a.min()) for a in idx], [int(a.max()) for a in idx]
+        out.update(_hu_stats(m, np.asarray(hu)))
+        lo, hi = [], []
+        for axis in range(3):  # the mask's extent along each axis, from its projections (no index arrays)
+            hit = np.flatnonzero(m.any(axis=tuple(a for a in range(3) if a != axis)))
+            lo.append(int(hit[0]))
+            hi.append(int(hit[-1]))
         corners = np.array([[i, j, k, 1.0] for i in (lo[0], hi[0]) for j in (lo[1], hi[1]) for k in (lo[2], hi[2])])
         ras = (np.asarray(affine, dtype=np.float64) @ corners.T).T[:, :3]
         out["bbox_ras_min"] = [_r(x, 2) for x in ras.min(axis=0)]
@@ -64,17 +91,45 @@ def stats_cell(value) -> str:
     return " ".join(str(x) for x in value) if isinstance(value, (list, tuple)) else str(value)
 
 
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _numbers(text: str) -> bool:
+    words = text.split()
+    try:
+        return bool(words) and all(isinstance(float(w), float) for w in words)
+    except ValueError:
+        return False
+
+
+def spreadsheet_cell(value) -> str:
+    """A CSV cell a spreadsheet shows as text: a cell that starts with ``=``, ``+``, ``-``, ``@``,
+    a tab or a carriage return, and is not a number (or numbers separated by spaces, such as a
+    bounding-box corner ``-12.5 4 3``), gets a leading apostrophe, so a query such as
+    ``=HYPERLINK(…)`` or ``@SUM(…)`` is never taken for a formula."""
+    text = "" if value is None else str(value)
+    if text.startswith(_FORMULA_START) and not _numbers(text):
+        return "'" + text
+    return text
+
+
+def spreadsheet_rows(rows) -> list:
+    """Every cell of ``rows`` through :func:`spreadsheet_cell`."""
+    return [[spreadsheet_cell(c) for c in row] for row in rows]
+
+
 def stats_text(rows: List[dict], path) -> str:
     """``rows`` as the file ``path`` wants: a JSON list, or CSV with :data:`COLUMNS` (boxes as
-    ``r a s`` triples, :func:`stats_cell`)."""
+    ``r a s`` triples, :func:`stats_cell`; text cells made safe for spreadsheets,
+    :func:`spreadsheet_cell`)."""
     if str(path).lower().endswith(".json"):
         return json.dumps(rows, indent=1) + "\n"
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(COLUMNS)
     for r in rows:
-        w.writerow([stats_cell(r.get(c)) for c in COLUMNS])
+        w.writerow([spreadsheet_cell(stats_cell(r.get(c))) for c in COLUMNS])
     return buf.getvalue()
 
 
-__all__ = ["target_stats", "stats_text", "stats_cell", "check_stats_path", "COLUMNS", "STATS_SUFFIXES"]
+__all__ = ["target_stats", "stats_text", "stats_cell", "spreadsheet_cell", "spreadsheet_rows", "check_stats_path", "COLUMNS", "STATS_SUFFIXES"]

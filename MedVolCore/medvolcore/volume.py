@@ -405,16 +405,18 @@ def load_volume(path, *, max_voxels: Optional[int] = None, cancel=None) -> CTVol
     hu = np.asarray(data, dtype=np.float32)
     del data
     notes = list(record.notes) if record is not None else []
-    finite = np.isfinite(hu)
-    if not finite.any():
+    # one slab of the last axis at a time: a whole-volume boolean mask would cost a byte per voxel
+    step = max(1, (_SLAB_BYTES // 4) // max(1, hu.shape[0] * hu.shape[1]))
+    slabs = [(slice(None), slice(None), slice(k, k + step)) for k in range(0, hu.shape[2], step)]
+    bad = sum(int(hu[s].size - np.count_nonzero(np.isfinite(hu[s]))) for s in slabs)
+    if bad == hu.size:
         raise VolumeError(f"{Path(path).name}: every voxel is NaN or infinite")
-    if not finite.all():
-        fill = float(hu[finite].min())
-        bad = int((~finite).sum())
+    if bad:
+        fill = min(float(hu[s][np.isfinite(hu[s])].min(initial=np.inf)) for s in slabs)
         notes.append(f"the volume had {bad} NaN or infinite voxel(s); they were set to {fill:.0f} HU, the lowest value")
         log.warning("%s: %d non-finite voxels set to %.0f HU", path, bad, fill)
-        np.copyto(hu, np.float32(fill), where=~finite)
-    del finite
+        for s in slabs:
+            np.copyto(hu[s], np.float32(fill), where=~np.isfinite(hu[s]))
     return CTVolume(hu, affine, header=header, path=str(path), source_format=fmt, notes=notes, dicom=record)
 
 

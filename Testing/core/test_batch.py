@@ -776,3 +776,17 @@ def test_batch_check_accepts_a_flipped_ground_truth_grid(tmp_path):
     assert case.problem is None
     m = match_grids(a.shape, AFFINE, a.shape, flipped)
     assert m.kind == "reoriented" and "flipped axes 0" in m.note
+
+
+@pytest.mark.probe("43.5", "batch summary.csv with a case id, error and query that start with = @ + - or a tab")
+def test_summary_csv_cells_are_never_formulas(tmp_path):
+    import csv
+
+    from medvolcore.batch.report import write_summary_csv
+
+    row = {"id": "=HYPERLINK(\"http://x\")", "status": "failed", "error": "@SUM(A1:A9) is not a volume",
+           "slice": 3, "boxes": 1, "seconds": 1.5, "dice": None, "iou": None, "confidence": None,
+           "stats": {"query": "\t+1+cmd", "mean_hu": -12.5, "bbox_ras_min": [-1.0, 2.0, -3.0]}}
+    got = list(csv.DictReader(open(write_summary_csv(tmp_path / "summary.csv", [row]), newline="")))[0]
+    assert (got["id"], got["error"]) == ("'=HYPERLINK(\"http://x\")", "'@SUM(A1:A9) is not a volume")
+    assert got["mean_hu"] == "-12.5" and got["bbox_ras_min"] == "-1.0 2.0 -3.0"

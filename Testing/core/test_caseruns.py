@@ -95,3 +95,22 @@ def test_mean_and_median_over_finite_values_only():
     rows = [{"v": 1.0}, {"v": 2}, {"v": 10.0}, {"v": None}, {"v": math.nan}, {"v": True}, {"v": "3"}, {}]
     assert column_stats(rows, ["v", "w"]) == {"v": {"mean": 13 / 3, "median": 2.0, "n": 3},
                                               "w": {"mean": None, "median": None, "n": 0}}
+
+
+@pytest.mark.probe("43.5", "--resume after an .nhdr's data files changed (LIST, numbered pattern, 'datafile:')")
+@pytest.mark.parametrize("field", ["data file: LIST\nct0.raw\nct1.raw", "data file: ct%d.raw 0 1 1",
+                                   "datafile: ct1.raw"])
+def test_the_fingerprint_covers_every_data_file_of_a_detached_header(tmp_path, field):
+    import os
+
+    from medvolcore.caseruns import input_state
+
+    for i in range(2):
+        (tmp_path / f"ct{i}.raw").write_bytes(b"\0" * 8)
+    nhdr = tmp_path / "ct.nhdr"
+    nhdr.write_text("NRRD0004\ntype: short\ndimension: 3\nsizes: 2 2 1\nencoding: raw\nendian: little\n"
+                    f"{field}\n")
+    before = input_state(nhdr)
+    (tmp_path / "ct1.raw").write_bytes(b"\1" * 8)  # same size, new content and time
+    os.utime(tmp_path / "ct1.raw", ns=(7, 7))
+    assert input_state(nhdr) != before

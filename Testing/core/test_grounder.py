@@ -758,3 +758,22 @@ def test_a_template_with_the_query_before_the_slices_shares_nothing_and_stays_ri
     for q, s in zip(QUERIES, shared):
         assert s.greedy.timings["shared_prompt"] is False
         assert s.greedy.raw_text == grounder.ground(small_stack, q, max_new_tokens=100).raw_text
+
+
+@pytest.mark.probe("43.5", "an adapter whose adapter_model.bin pickle names a class (refused by torch): the message")
+def test_a_refused_pickle_adapter_is_a_clear_model_error(tiny_dir, tmp_path):
+    import fractions
+
+    peft = pytest.importorskip("peft")
+    model = QwenVLGrounder.from_pretrained(tiny_dir).model
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=_LORA_TARGETS))
+    pm.save_pretrained(tmp_path / "pickled", safe_serialization=False)
+    weights = tmp_path / "pickled" / "adapter_model.bin"
+    assert weights.is_file()
+    state = torch.load(weights, weights_only=True)
+    state[next(iter(state))] = fractions.Fraction(1, 2)  # a global torch's safe loader does not allow
+    torch.save(state, weights)
+    with pytest.raises(ModelError) as info:
+        QwenVLGrounder.from_pretrained(tiny_dir, adapter=tmp_path / "pickled")
+    msg = str(info.value)
+    assert "adapter_model.bin is a pickle" in msg and "safetensors" in msg and "\n" not in msg

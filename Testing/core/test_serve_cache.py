@@ -201,7 +201,7 @@ def stack_for(w: Worker, volume: Path) -> tuple:
     job = _Job({"id": "t", "op": "propagate", "anchor": ANCHOR, "volume": str(volume)}, lambda r: None, "stdio")
     stack, digest, cached = w._stack_for(job, lambda *a, **k: None)
     if not cached:
-        w.cache.put(digest, stack)
+        w.cache.put(digest, stack, w._scope(job))
     return stack, digest, cached
 
 

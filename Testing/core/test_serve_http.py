@@ -492,3 +492,46 @@ def test_a_refused_volume_body_keeps_the_request_id(tiny_server):
                              {"id": "case-7", "op": "propagate", "anchor": SMALL_ANCHOR})
     j = json.loads(data)
     assert resp.status == 400 and j["ok"] is False and j["id"] == "case-7"
+
+
+@pytest.mark.probe("43.5", "64+ session-less GET /hello from one address (a proxy) while a client holds its session")
+def test_session_less_requests_from_one_address_never_push_out_a_used_session(inproc, record_property):
+    before = len(inproc.server.sessions)
+    alice = inproc.connect()
+    _, r, sid = rpc(alice, {"id": "h", "op": "hello"})
+    _, r, again = rpc(alice, {"id": "h1", "op": "status"}, session=sid)  # alice uses her session
+    assert again == sid
+    mallory = inproc.connect()  # the same address: behind one proxy
+    for _ in range(200):
+        mallory.request("GET", "/hello")
+        resp = mallory.getresponse()
+        resp.read()
+        assert resp.status == 200
+    _, r, again = rpc(alice, {"id": "h2", "op": "hello"}, session=sid)
+    alice.close()
+    mallory.close()
+    assert again == sid and r["result"]["session"] == sid
+    record_property("sessions held", len(inproc.server.sessions))
+    assert len(inproc.server.sessions) <= before + 64 + 1  # 64 new ones at most for the address, and alice's
+
+
+def test_a_session_with_a_request_in_flight_is_never_pushed_out():
+    from medvolcore.serve.http import SessionsFull, SessionTable
+
+    busy = set()
+    table = SessionTable(per_client=2, total=100, busy=busy.__contains__)
+    a = table.session(None, "c")
+    busy.add(a)  # a request of a's runs; a was never sent back (a fresh session)
+    b = table.session(None, "c")
+    busy.add(b)
+    with pytest.raises(SessionsFull):
+        table.session(None, "c")  # both fresh ones are busy: no third, and neither is pushed out
+    assert table.session(a, "c") == a and table.session(b, "c") == b  # now known: the fresh pool is free
+    for _ in range(10):
+        table.session(None, "c")
+    for k in range(3):  # known sessions: at most 2 per address, and never a busy one
+        table.session(table.session(None, "c"), "c")
+    assert table.session(a, "c") == a and table.session(b, "c") == b
+    busy.clear()
+    c = table.session(table.session(None, "c"), "c")
+    assert table.session(c, "c") == c and len(table) <= 2 + 2

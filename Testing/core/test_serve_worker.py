@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -551,3 +552,178 @@ def test_bad_mask_prompts_are_json_errors_before_any_model(tmp_path):
         assert w.pipeline is None  # refused before any model was asked for
     finally:
         w.close(10)
+
+
+@pytest.mark.probe("43.5", "several queries + consensus + agreement: stdio names the files written, HTTP replies ok")
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_several_targets_name_their_agreement_maps_as_written(tiny, monkeypatch, ct4, tmp_path, transport):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    _canned_samples(monkeypatch, tiny.grounder, GREEDY, [ABSENT])
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    w = Worker(transport=transport, device="cpu", out_dir=out_dir if transport == "http" else None)
+    w.pipeline = tiny  # loaded: no model loads in this test
+    where = (lambda name: name) if transport == "http" else (lambda name: str(out_dir / name))
+    req = {"id": "several", "op": "segment", "queries": ["the liver", "the spleen"], "consensus": 2,
+           "agreement": where("agr.nii.gz"), "out": where("m.nii.gz"), "stop_after_empty": 0}
+    if transport == "http":
+        req["volume_b64"] = base64.b64encode(Path(ct4).read_bytes()).decode("ascii")
+    else:
+        req["volume"] = str(ct4)
+    replies: queue.Queue = queue.Queue()
+    try:
+        w.handle(req, reply=replies.put)
+        r = replies.get(timeout=120)
+        while "event" in r:
+            r = replies.get(timeout=120)
+    finally:
+        w.close(10)
+    assert r["ok"] is True, r
+    res = r["result"]
+    assert res["agreement_path"] is None  # one map per target, named in its entry
+    for k, entry in enumerate(res["targets"], start=1):
+        path = entry["agreement_path"]
+        written = out_dir / path if transport == "http" else Path(path)
+        assert written.is_file() and written.name == f"agr.{k}.nii.gz", path
+        assert np.asarray(nib.load(str(written)).dataobj).max() <= 2
+        if transport == "http":
+            assert not os.path.isabs(path) and not os.path.isabs(entry["agreement_out"])
+            assert base64.b64decode(entry["agreement_b64"]) == written.read_bytes()
+
+
+@pytest.mark.probe("43.5", "HTTP out .nrrd/.mha/.nii/.seg.nrrd: mask_b64 and the application/gzip body are .nii.gz")
+@pytest.mark.parametrize("suffix", [".nrrd", ".mha", ".nii", ".seg.nrrd"])
+def test_http_mask_bytes_are_nifti_gz_whatever_out_is(tiny, ct4, tmp_path, suffix):
+    import gzip
+    import io
+    import queue
+
+    from medvolcore.serve import Worker
+    from medvolcore.serve.worker import MASK_BYTES_KEY
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    w = Worker(transport="http", device="cpu", out_dir=out_dir)
+    w.pipeline = tiny
+    anchor = {"schema": "medvol.anchor/1", "slice": 1, "boxes": [[10, 10, 40, 40]], "source": "user"}
+    got = {}
+    try:
+        for as_body in (False, True):
+            replies: queue.Queue = queue.Queue()
+            w.handle({"id": "m", "op": "propagate", "anchor": anchor, "out": f"m{int(as_body)}{suffix}",
+                      "volume_b64": base64.b64encode(Path(ct4).read_bytes()).decode("ascii"), "stop_after_empty": 0},
+                     reply=replies.put, mask_bytes=as_body)
+            r = replies.get(timeout=120)
+            while "event" in r:
+                r = replies.get(timeout=120)
+            assert r["ok"] is True, r
+            got[as_body] = r["result"].pop(MASK_BYTES_KEY) if as_body else base64.b64decode(r["result"]["mask_b64"])
+            assert r["result"]["mask_path"] == f"m{int(as_body)}{suffix}"
+            assert list(w.tmp_dir.glob("*reply*")) == []  # the reply's copy is gone
+    finally:
+        w.close(10)
+    for data in got.values():
+        assert data[:2] == b"\x1f\x8b"
+        img = nib.Nifti1Image.from_bytes(gzip.decompress(data))
+        assert tuple(img.shape) == tuple(nib.load(str(ct4)).shape) and np.asarray(img.dataobj).sum() > 0
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(f"m{i}{suffix}" for i in (0, 1))
+
+
+@pytest.mark.probe("43.5", "HTTP: client B sends the CT client A sent: volume_cached / slices_encoded tell B nothing")
+def test_a_cached_volume_is_reported_only_to_the_client_that_sent_it(tiny, ct4):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    w = Worker(transport="http", device="cpu")
+    w.pipeline = tiny
+    anchor = {"schema": "medvol.anchor/1", "slice": 1, "boxes": [[10, 10, 40, 40]], "source": "user"}
+    data = base64.b64encode(Path(ct4).read_bytes()).decode("ascii")
+
+    def timings(session):
+        replies: queue.Queue = queue.Queue()
+        w.handle({"id": "p", "op": "propagate", "anchor": anchor, "volume_b64": data, "stop_after_empty": 0},
+                 reply=replies.put, session=session)
+        r = replies.get(timeout=120)
+        while "event" in r:
+            r = replies.get(timeout=120)
+        assert r["ok"] is True, r
+        return r["result"]["timings"]["volume_cached"], r["result"]["slices_encoded"]
+
+    try:
+        first = timings("alice")
+        assert first[0] is False and first[1] > 0
+        assert timings("alice") == (True, 0)  # her own volume: cached, nothing encoded again
+        assert timings("bob") == first  # bob learns nothing of alice's request
+        assert timings("bob") == (True, 0)
+    finally:
+        w.close(10)
+
+
+@pytest.mark.probe("43.4", "HTTP upload: a gzip NIfTI of zeros, the mask covering it: memory per voxel of the request")
+def test_a_request_holds_at_most_12_bytes_a_voxel(tiny, tmp_path, record_property):
+    """The numpy memory a whole propagate request holds at its peak (tracemalloc: the arrays the
+    engine makes; the models' tensors are a fixed cost, apart), per voxel of the volume."""
+    import gzip
+    import queue
+    import tracemalloc
+
+    from medvolcore.serve import Worker
+    from medvolcore.serve.cache import DEFAULT_MAX_VOXELS, REQUEST_BYTES_PER_VOXEL
+
+    shape = (512, 512, 40)
+    raw = nib.Nifti1Image(np.zeros(shape, np.int16), np.diag([0.8, 0.8, 2.0, 1.0])).to_bytes()
+    data = gzip.compress(raw)
+    w = Worker(transport="http", device="cpu", feature_cache_mb=0)
+    w.pipeline = tiny
+    anchor = {"schema": "medvol.anchor/1", "slice": 20, "boxes": [[5, 5, 506, 506]], "source": "user"}
+    replies: queue.Queue = queue.Queue()
+    tracemalloc.start()
+    try:
+        w.handle({"id": "z", "op": "propagate", "anchor": anchor, "stop_after_empty": 0}, reply=replies.put,
+                 body=data)
+        r = replies.get(timeout=300)
+        while "event" in r:
+            r = replies.get(timeout=300)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        w.close(10)
+    assert r["ok"] is True, r
+    voxels = int(np.prod(shape))
+    record_property("upload bytes", len(data))
+    record_property("peak bytes/voxel", round(peak / voxels, 2))
+    assert r["result"]["mask_voxels"] > voxels // 4  # a mask over much of the volume: the statistics' worst case
+    assert peak / voxels <= 12
+    # the default limit's worst case fits in 8 GiB at the measured cost per voxel
+    assert REQUEST_BYTES_PER_VOXEL * DEFAULT_MAX_VOXELS <= 8 << 30
+
+
+@pytest.mark.probe("43.4", "64 queries (or a consensus of 8) on a volume the voxel limit admits for one target")
+def test_several_targets_get_a_smaller_volume_not_more_memory(ct4):
+    import queue
+
+    from medvolcore.serve import Worker
+
+    shape = nib.load(str(ct4)).shape
+    voxels = int(np.prod(shape))
+    w = Worker(transport="stdio", max_voxels=voxels)  # ct4 is as large as a volume may be
+
+    def refuse(*a, **k):
+        raise AssertionError("the models were reached")
+
+    w._ensure_pipeline = refuse
+    try:
+        for fields in ({"queries": [f"organ {i}" for i in range(64)]}, {"query": "the liver", "consensus": 8}):
+            got: queue.Queue = queue.Queue()
+            w.handle(dict({"id": "many", "op": "segment", "volume": str(ct4)}, **fields), reply=got.put)
+            r = got.get(timeout=60)
+            while "event" in r:
+                r = got.get(timeout=60)
+            assert r["ok"] is False and r["error"]["code"] == "too_large", r
+            assert "send fewer queries, a smaller consensus or a smaller volume" in r["error"]["message"]
+    finally:
+        w.close(5)

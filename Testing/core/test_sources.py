@@ -165,8 +165,13 @@ def stack_for(w: Worker, volume=None, transport=None, keep=True, timeout=20.0, *
         raise value
     stack, digest, cached = value
     if keep and not cached:
-        w.cache.put(digest, stack)
+        w.cache.put(digest, stack, w._scope(job))
     return value
+
+
+def _scope_of(w: Worker) -> str:
+    """The cache scope of :func:`stack_for`'s requests (no session) on ``w``."""
+    return w._scope(_Job({"id": "t"}, lambda r: None, w.transport))
 
 
 def reply_to(w: Worker, req: dict, timeout=20.0) -> dict:
@@ -200,7 +205,7 @@ def test_empty_folder_is_refused_before_any_cache_lookup(stdio_worker, http_work
     planted, _, _ = stack_for(stdio_worker, outside / "s5", keep=False)
     empty_key = hashlib.sha256(b"").hexdigest()  # what an empty folder hashed to
     for w, volume in ((stdio_worker, root / "empty"), (http_worker, "empty")):
-        w.cache.put(empty_key, planted)
+        w.cache.put(empty_key, planted, _scope_of(w))
         with pytest.raises(VolumeError, match="holds no file"):
             stack_for(w, volume)
         r = reply_to(w, {"volume": str(volume)})
@@ -225,7 +230,7 @@ def test_cached_volume_that_disagrees_with_its_header_is_not_served(stdio_worker
     assert cached is True and stack.volume.shape == (16, 16, 4)
     # an upload is checked the same way
     data = (root / "ct.nii.gz").read_bytes()
-    http_worker.cache.put(hashlib.sha256(data).hexdigest(), wrong)
+    http_worker.cache.put(hashlib.sha256(data).hexdigest(), wrong, _scope_of(http_worker))
     stack, _, cached = stack_for(http_worker, volume_b64=base64.b64encode(data).decode())
     assert cached is False and stack.volume.shape == (16, 16, 4)
 
@@ -390,3 +395,115 @@ def test_sources_list_what_the_readers_read(tmp_path):
                    "list.mhd": ["list.mhd", "s00.raw", "s01.raw", "s02.raw", "s03.raw"]}
     for name in ("pattern.mhd", "list.mhd"):  # and the reader reads exactly those voxels
         assert np.array_equal(load_volume(tmp_path / name).array, load_volume(tmp_path / "v.mha").array)
+
+
+# ---- 43.3: with --data-dir, what a name stands for is checked before a byte is copied ------------------
+
+def _sparse_nifti(path: Path, shape, size: int) -> Path:
+    """A NIfTI file declaring ``shape`` (int8 voxels), made ``size`` bytes long as a sparse file
+    (no disk blocks behind it)."""
+    hdr = nib.Nifti1Header()
+    hdr.set_data_shape(shape)
+    hdr.set_data_dtype(np.int8)
+    with open(path, "wb") as fh:
+        fh.write(hdr.binaryblock + b"\0" * 4)
+        fh.truncate(size)
+    return path
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """The bytes the worker copied from the data folder (every copy goes through ``_copy_fd``)."""
+    import medvolcore.sources as sources
+
+    seen = []
+    real = sources._copy_fd
+
+    def counting(src_fd, *a, **k):
+        digest, size = real(src_fd, *a, **k)
+        seen.append(size)
+        return digest, size
+
+    monkeypatch.setattr(sources, "_copy_fd", counting)
+    return seen
+
+
+@pytest.mark.probe("43.3", "HTTP --data-dir: sparse 4 GB NIfTIs under --max-voxels 100000 (header over it; size over it)")
+@pytest.mark.parametrize("shape", [(1024, 1024, 4096), (16, 16, 4)], ids=["declares-4G-voxels", "declares-1k-voxels"])
+def test_a_sparse_huge_file_is_refused_before_it_is_copied(tmp_path, shape, copies, record_property):
+    data = tmp_path / "data"
+    data.mkdir()
+    f = _sparse_nifti(data / "big.nii", shape, 4 << 30)
+    assert f.stat().st_size == 4 << 30 and f.stat().st_blocks * 512 < (16 << 20)  # sparse: nothing on disk
+    w = _no_models(Worker(transport="http", data_dir=data, max_voxels=100000))
+    try:
+        t = time.perf_counter()
+        with pytest.raises(LimitError, match="refused before copying it"):
+            stack_for(w, "big.nii", timeout=30)
+        seconds = time.perf_counter() - t
+        record_property("refused in s", round(seconds, 3))
+        assert seconds < 5 and copies == [] and _left_in(w) == []
+        r = reply_to(w, {"volume": "big.nii"})
+        assert r["ok"] is False and r["error"]["code"] == "too_large", r
+        assert str(data) not in r["error"]["message"]
+    finally:
+        w.close(5)
+
+
+@pytest.mark.probe("43.3", "HTTP --data-dir: a gzip NIfTI of zeros declaring 512×512×600 under --max-voxels 100000")
+def test_a_compressed_bomb_in_the_data_folder_is_refused_from_its_header(tmp_path, copies):
+    data = tmp_path / "data"
+    data.mkdir()
+    hdr = nib.Nifti1Header()
+    hdr.set_data_shape((512, 512, 600))
+    hdr.set_data_dtype(np.int16)
+    import gzip
+
+    with gzip.open(data / "zeros.nii.gz", "wb") as fh:
+        fh.write(hdr.binaryblock + b"\0" * 4)
+        for _ in range(600):
+            fh.write(bytes(512 * 512 * 2))
+    w = _no_models(Worker(transport="http", data_dir=data, max_voxels=100000))
+    try:
+        with pytest.raises(LimitError, match="512×512×600 = 157,286,400 voxels"):
+            stack_for(w, "zeros.nii.gz")
+        assert copies == [] and _left_in(w) == []
+    finally:
+        w.close(5)
+
+
+@pytest.mark.probe("43.3", "HTTP --data-dir: \"volume\": \".\" (the data folder itself) and a folder of NIfTI files")
+def test_the_data_folder_itself_is_refused_without_copying_it(http_worker, material, copies, tmp_path):
+    for value in (".", "./", ""):
+        t = time.perf_counter()
+        with pytest.raises(VolumeError, match="not a DICOM file"):
+            stack_for(http_worker, value)
+        assert time.perf_counter() - t < 5
+    assert copies == [] and _left_in(http_worker) == []
+    r = reply_to(http_worker, {"volume": "."})
+    assert r["ok"] is False and r["error"]["code"] == "bad_volume", r
+    assert str(material[0]) not in r["error"]["message"]
+    # a DICOM series is still copied, file by file
+    assert stack_for(http_worker, "series3", keep=False)[0].volume.shape == (16, 16, 3)
+    assert len(copies) == 3
+
+
+def test_a_folder_over_the_byte_cap_is_refused_before_copying(material, copies, tmp_path):
+    from medvolcore.sources import private_copy
+
+    root = material[0]
+    with pytest.raises(LimitError, match="refused before copying it"):
+        private_copy(root, "series3", tmp_path, max_bytes=1000)
+    assert copies == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_copy_past_its_deadline_stops(material, tmp_path):
+    from medvolcore.sources import private_copy
+
+    for value in ("series3", "ct.nii.gz"):
+        with pytest.raises(LimitError, match="took more than 0 s to copy"):
+            private_copy(material[0], value, tmp_path, seconds=0.0)
+    assert list(tmp_path.iterdir()) == []
+    with private_copy(material[0], "ct.nii.gz", tmp_path, seconds=60, max_voxels=16 * 16 * 4,
+                      max_bytes=1 << 20) as copy:
+        assert copy.path.is_file()

@@ -211,3 +211,16 @@ def test_consensus_and_threads_reach_the_worker_options(batch, scene, slicer_env
         code = batch.main(["--input", str(ct), "--query", "q", "--output", str(tmp_path / "x.seg.nrrd"), *argv],
                           logic=logic)
         assert code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.probe("43.5", "headless Slicer batch: a query holding terminal escape sequences and a newline")
+def test_queries_reach_the_terminal_escaped(batch, scene, slicer_env, tmp_path, capsys):
+    ct = tmp_path / "ct.nii.gz"
+    _ct(ct)
+    query = "\x1b]0;owned\x07the liver\x1b[2J\r\nmedvol batch (Slicer): 9 of 9 done"
+    code = batch.main(["--input", str(ct), "--query", query, "--output", str(tmp_path / "o.seg.nrrd")],
+                      logic=StandInLogic(slicer_env))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert not any(c in out + err for c in "\x1b\x07\r") and "9 of 9 done" not in out.splitlines()[-1]
+    assert "\\x1b]0;owned\\x07the liver\\x1b[2J" in out

@@ -22,7 +22,7 @@ from ..caseruns import column_stats, finite, status_counts
 from ..fileio import write_text_atomic
 from ..models.identity import identity_note
 from ..stats import COLUMNS as _STATS_COLUMNS
-from ..stats import stats_cell
+from ..stats import spreadsheet_rows, stats_cell
 from .case import AGREEMENT, FINISHED, INVALID, STATUSES
 
 CASE_COLUMNS = ("id", "status", "error", "slice", "boxes", "seconds", "dice", "iou", "confidence")
@@ -113,8 +113,8 @@ def write_summary_csv(path: Path, rows: Sequence[dict], agg: Optional[dict] = No
     buf = io.StringIO(newline="")
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(SUMMARY_COLUMNS)
-    w.writerows(summary_csv_rows(rows))
-    w.writerows(aggregate_csv_rows(agg if agg is not None else aggregate(rows)))
+    w.writerows(spreadsheet_rows(summary_csv_rows(rows)))  # ids, errors and queries are text from the manifest
+    w.writerows(spreadsheet_rows(aggregate_csv_rows(agg if agg is not None else aggregate(rows))))
     return write_text_atomic(path, buf.getvalue(), overwrite=True)
 
 

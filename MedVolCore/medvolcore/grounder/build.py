@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -124,6 +125,13 @@ def load_adapter(model, model_dir: Path, meta: dict, adapter_dir: Path):
         warnings.simplefilter("always")
         try:
             peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+        except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused what the pickle names
+            weights = next((p.name for p in sorted(adapter_dir.iterdir()) if p.suffix in (".bin", ".pt", ".pth")),
+                           "its weights file")
+            raise ModelError(f"adapter {adapter_dir}: {weights} is a pickle that holds more than tensors, which is "
+                             "refused (loading it could run code it carries): "
+                             f"{one_line(str(e).strip().splitlines()[0] if str(e).strip() else 'UnpicklingError', 160)}; "
+                             "save the adapter as safetensors (adapter_model.safetensors, peft's default)") from None
         except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as e:
             detail = str(e).strip()
             first = next((ln.strip() for ln in detail.splitlines() if "size mismatch" in ln), None)

@@ -10,7 +10,10 @@ into the worker's private folder while hashed and the reader reads only that cop
 give a volume under another volume's key. Before a cached volume is served, its shape and affine are checked against the file's
 header (a cheap header read); a volume that does not match is read again. A stack enters the
 cache only once its request succeeded, so a volume from a failed or cancelled request is never
-held in memory.
+held in memory. Over HTTP the entries are scoped to the client that sent the volume (its
+session): another client sending the same CT gets its own read and its own encoded slices, so
+``volume_cached`` and ``slices_encoded`` (and the time a request takes) never tell a client what
+another one sent.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ..errors import MedVolError, VolumeError
 from ..sources import HashMemo, hashed_copy, known_sha256, sources_sha256, store_bytes, volume_sources
 
 __all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_FEATURE_CACHE_MB", "DEFAULT_MAX_VOXELS", "StackCache", "file_sha256",
-           "header_geometry"]
+           "header_geometry", "scoped", "request_bytes", "check_request_memory", "REQUEST_BYTES_PER_VOXEL"]
 
 log = logging.getLogger("medvolcore.serve")
 
@@ -37,7 +40,41 @@ DEFAULT_CACHE_SIZE = 4
 # MedSAM2 image features of recent volumes: about 4.2 MB a slice at 512 px (fp32), so 2 GB holds
 # some 480 slices, e.g. four 120-slice CTs (the worker's default volume cache).
 DEFAULT_FEATURE_CACHE_MB = 2048
-DEFAULT_MAX_VOXELS = 1024 * 1024 * 2000  # a 1024×1024 CT of 2000 slices (8 GB as float32)
+# A 1024×1024 CT of 1000 slices (4 GB as float32; 512×512 CTs of up to 4000 slices). A one-target
+# request peaks at about REQUEST_BYTES_PER_VOXEL bytes a voxel (Testing/benchmarks/memory.py,
+# docs/benchmarks.md), so the largest volume it allows costs at most about 7.3 GiB.
+DEFAULT_MAX_VOXELS = 1024 * 1024 * 1000
+# What a request holds per voxel, measured (docs/benchmarks.md, "Memory per voxel"): the volume as
+# float32, then per target its masks (source grid and stack, the label map), then per extra
+# consensus sample its mask and share of the agreement map.
+VOLUME_BYTES_PER_VOXEL = 4.0
+TARGET_BYTES_PER_VOXEL = 3.5
+SAMPLE_BYTES_PER_VOXEL = 3.75
+REQUEST_BYTES_PER_VOXEL = VOLUME_BYTES_PER_VOXEL + TARGET_BYTES_PER_VOXEL
+
+
+def request_bytes(voxels: int, targets: int = 1, samples: int = 1) -> float:
+    """About how many bytes a segment/propagate request on ``voxels`` voxels holds at its peak,
+    with ``targets`` queries and a consensus of ``samples`` answers each."""
+    per_target = TARGET_BYTES_PER_VOXEL + SAMPLE_BYTES_PER_VOXEL * (max(1, samples) - 1)
+    return voxels * (VOLUME_BYTES_PER_VOXEL + max(1, targets) * per_target)
+
+
+def check_request_memory(voxels: int, targets: int, samples: int, max_voxels: Optional[int]) -> None:
+    """Refuse (:class:`~medvolcore.errors.LimitError`) a request whose peak memory would pass what
+    ``max_voxels`` allows a one-target request (:func:`request_bytes`): several targets and a
+    consensus multiply the masks held, so they get a smaller volume, never more memory."""
+    if max_voxels is None:
+        return
+    need, budget = request_bytes(voxels, targets, samples), request_bytes(int(max_voxels))
+    if need > budget:
+        from ..errors import LimitError
+
+        largest = int(max_voxels * budget / request_bytes(int(max_voxels), targets, samples))
+        raise LimitError(f"{targets} target(s) with {samples} answer(s) each on a volume of {voxels:,} voxels would "
+                         f"hold about {need / 2**30:.1f} GiB, more than the voxel limit (--max-voxels) allows a "
+                         f"request ({budget / 2**30:.1f} GiB); with these settings the volume may have at most "
+                         f"{largest:,} voxels: send fewer queries, a smaller consensus or a smaller volume")
 
 
 def file_sha256(path: Path, cancel=None) -> str:
@@ -97,6 +134,12 @@ def header_geometry(path) -> tuple:
     return tuple(int(v) for v in size), _LPS_TO_RAS @ lps
 
 
+def scoped(scope: str, digest: str) -> str:
+    """The cache key of ``digest`` in ``scope``: the digest itself over stdio (one client), else
+    the scope and the digest, so one HTTP client's entries never answer another's request."""
+    return f"{scope}\0{digest}" if scope else digest
+
+
 class StackCache:
     """A small LRU of AxialStacks keyed by the content sha256 of the files they were read from.
 
@@ -146,7 +189,7 @@ class StackCache:
             return None
         return int(self.max_voxels) * 8 + MAX_NIFTI_EXTENSIONS + (64 << 20)
 
-    def get_path(self, path, cancel=None, digest: Optional[str] = None, tmp_dir=None) -> tuple:
+    def get_path(self, path, cancel=None, digest: Optional[str] = None, tmp_dir=None, scope: str = "") -> tuple:
         """``(stack, sha256, cached)`` for a volume path (not added to the cache: see :meth:`put`).
 
         ``digest``: the path's content key when the caller already has it, for a private file
@@ -157,38 +200,40 @@ class StackCache:
         ``tmp_dir`` while hashed (:func:`medvolcore.sources.hashed_copy`), and only that copy is
         read: the voxels are those of the key, even when the file is replaced while it is read.
         A cached volume is served without a copy when every file is one already hashed, as it
-        is now (same path, device, inode, size, mtime and ctime).
+        is now (same path, device, inode, size, mtime and ctime). ``scope``: whose cache entries
+        these are (the worker's HTTP client identity, :func:`scoped`; "" over stdio): an entry
+        is served only in the scope that put it.
         """
         path = Path(path)
         if digest is not None:
-            return self._get_private(path, digest, cancel)
+            return self._get_private(path, digest, cancel, scope)
         sources = volume_sources(path)
         known = known_sha256(sources, self._memo)
         if known is not None:
-            stack = self._cached(known, path)
+            stack = self._cached(scoped(scope, known), path)
             if stack is not None:
                 return stack, known, True
         with hashed_copy(path, tmp_dir if tmp_dir is not None else tempfile.gettempdir(), cancel, self._memo,
                          self.max_bytes()) as copy:
             try:
-                stack, digest, cached = self._get_private(copy.path, copy.sha256, cancel)
+                stack, digest, cached = self._get_private(copy.path, copy.sha256, cancel, scope)
             except MedVolError as e:  # name the caller's file, not the private copy
                 raise type(e)(str(e).replace(str(copy.path), str(path))) from None
         if not cached:
             stack.volume.path = str(path)
         return stack, digest, cached
 
-    def _get_private(self, path: Path, digest: str, cancel) -> tuple:
+    def _get_private(self, path: Path, digest: str, cancel, scope: str = "") -> tuple:
         from ..stack import AxialStack
         from ..volume import load_volume
 
-        stack = self._cached(digest, path)
+        stack = self._cached(scoped(scope, digest), path)
         if stack is not None:
             return stack, digest, True
         self.misses += 1
         return AxialStack(load_volume(path, max_voxels=self.max_voxels, cancel=cancel)), digest, False
 
-    def get_bytes(self, data: bytes, tmp_dir: Path, cancel=None) -> tuple:
+    def get_bytes(self, data: bytes, tmp_dir: Path, cancel=None, scope: str = "") -> tuple:
         """``(stack, sha256, cached)`` for uploaded NIfTI bytes, written to a private file in
         ``tmp_dir`` to be read (or to have its header checked against a cached volume), then
         removed. A full disk raises :class:`~medvolcore.errors.LimitError`."""
@@ -197,25 +242,26 @@ class StackCache:
             raise VolumeError(f"uploaded volume is {len(data)} bytes: too short to be a NIfTI file")
         tmp = store_bytes(data, tmp_dir, ".nii.gz" if data[:2] == b"\x1f\x8b" else ".nii")
         try:
-            return self._get_private(tmp, digest, cancel)
+            return self._get_private(tmp, digest, cancel, scope)
         finally:
             try:
                 tmp.unlink()
             except OSError:
                 pass
 
-    def put(self, digest: str, stack) -> None:
+    def put(self, digest: str, stack, scope: str = "") -> None:
+        key = scoped(scope, digest)
         with self._lock:
             if self.size == 0:
                 return
-            self._items[digest] = stack
-            self._items.move_to_end(digest)
+            self._items[key] = stack
+            self._items.move_to_end(key)
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
     def describe(self) -> list:
         with self._lock:
-            return [{"sha256": k, "shape_zyx": list(v.shape)} for k, v in self._items.items()]
+            return [{"sha256": k.rsplit("\0", 1)[-1], "shape_zyx": list(v.shape)} for k, v in self._items.items()]
 
     def __len__(self) -> int:
         return len(self._items)

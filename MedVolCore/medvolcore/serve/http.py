@@ -25,8 +25,11 @@ this transport adds (``docs/architecture.md``, "Worker trust boundary"):
   ``Content-Length`` or a body on GET get a 400 JSON error and the connection is closed;
 - a reply's headers and body leave in one write (and ``TCP_NODELAY``): two small writes on a
   keep-alive connection would wait for the client's delayed ACK, about 40 ms a reply;
-- sessions are counted per client address (an IPv6 /64 counts as one), at most
-  ``MAX_SESSIONS_PER_CLIENT`` each, so a client that makes many sessions only forgets its own;
+- sessions are counted per client address (an IPv6 /64 counts as one) and, once a client sends
+  its session id back, per session: at most ``MAX_SESSIONS_PER_CLIENT`` new sessions and as
+  many known ones per address, and a session with a request in flight is never pushed out, so
+  session-less requests from one address (one address is every client behind a proxy) never
+  cost another client its session (:class:`SessionTable`);
   a session idle for ``session_idle_s`` is forgotten and its queued requests are cancelled
   (its running request, if any, finishes and is answered);
 - one access-log line per request goes to stderr (client address, op, id, outcome, seconds;
@@ -58,7 +61,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..errors import InputError, LimitError, MedVolError
 from .lifecycle import Stop, install_signals, loggable, say, stop_worker
@@ -68,7 +71,7 @@ from .upload import Upload, body_bound, check_space, read_header, store_body, up
 from .worker import MASK_BYTES_KEY
 from .worker import Worker, WorkerSettings, log
 
-__all__ = ["HttpSettings", "HttpServer", "Handler", "SessionTable", "serve_http", "read_token", "is_loopback",
+__all__ = ["HttpSettings", "HttpServer", "Handler", "SessionTable", "SessionsFull", "serve_http", "read_token", "is_loopback",
            "allowed_names", "check_folders", "client_key", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_CLIENT_TIMEOUT_S",
            "DEFAULT_PORT", "DEFAULT_SESSION_IDLE_S"]
 
@@ -237,43 +240,81 @@ def client_key(address: str) -> str:
     return str(ip)
 
 
-class SessionTable:
-    """The session ids this server issued, per client (:func:`client_key`), least recently used
-    first. A client holds at most ``per_client`` sessions: a new one beyond that replaces that
-    client's own oldest, never another client's. ``total`` bounds the memory of all of them
-    (reached only with more than ``total / per_client`` clients; then the client holding the
-    most sessions loses its oldest). Thread-safe."""
+class SessionsFull(Exception):
+    """Every session a client address may hold has a request in flight: no new one is issued."""
 
-    def __init__(self, per_client: int = MAX_SESSIONS_PER_CLIENT, total: int = MAX_SESSIONS):
+
+class SessionTable:
+    """The session ids this server issued, per client address (:func:`client_key`), least
+    recently used first, in two pools per address. A session is *fresh* until its client sends
+    its id back, then *known*: the session secret is the client's identity (the server's one
+    token is shared by all its clients, and one address is every client behind a proxy or a
+    tunnel). Each pool holds at most ``per_client`` sessions per address: a new fresh session
+    beyond that pushes out that address's least recently used fresh one, a session becoming
+    known pushes out its least recently used known one, and never a session with a request
+    queued or running (``busy(sid)``): when every candidate is busy, :meth:`session` raises
+    :class:`SessionsFull`. So session-less requests (``GET /hello``, ``status``) from one
+    address never push out a client that uses its session. ``total`` bounds the memory of all
+    of them (then the address holding the most sessions loses its oldest idle one, fresh ones
+    first). Thread-safe."""
+
+    def __init__(self, per_client: int = MAX_SESSIONS_PER_CLIENT, total: int = MAX_SESSIONS,
+                 busy: Optional[Callable[[str], bool]] = None):
         self.per_client = int(per_client)
         self.total = int(total)
+        self.busy = busy or (lambda sid: False)
         self._lock = threading.Lock()
-        self._last = {}  # session id -> [client, last request (monotonic s)]
-        self._by_client: "dict[str, collections.OrderedDict]" = {}
+        self._last = {}  # session id -> [client, last request (monotonic s), known]
+        self._pools: "dict[tuple, collections.OrderedDict]" = {}  # (client, known) -> sessions, LRU first
 
     def __len__(self) -> int:
         return len(self._last)
 
     def session(self, sid: Optional[str], client: str) -> str:
-        """``sid`` when this server issued it and still knows it (now its most recent use), else a
-        new session of ``client``."""
+        """``sid`` when this server issued it and still knows it (now its most recent use, and
+        known), else a new fresh session of ``client``."""
         now = time.monotonic()
         with self._lock:
             entry = self._last.get(sid) if sid else None
             if entry is not None:
                 entry[1] = now
-                self._by_client[entry[0]].move_to_end(sid)
+                if not entry[2]:  # sent back by its client: now a known session
+                    self._pools[(entry[0], False)].pop(sid, None)
+                    self._drop_empty((entry[0], False))
+                    entry[2] = True
+                    known = self._pools.setdefault((entry[0], True), collections.OrderedDict())
+                    known[sid] = None
+                    self._trim(known, keep=sid)
+                else:
+                    self._pools[(entry[0], True)].move_to_end(sid)
                 return sid
+            fresh = self._pools.setdefault((client, False), collections.OrderedDict())
+            if len(fresh) >= self.per_client and self._idle(fresh) is None:
+                self._drop_empty((client, False))
+                raise SessionsFull(f"this address already holds {len(fresh)} new sessions with requests in flight; "
+                                   "send your session id (X-MedVol-Session) or wait for a reply")
             sid = secrets.token_urlsafe(18)
-            mine = self._by_client.setdefault(client, collections.OrderedDict())
-            mine[sid] = None
-            self._last[sid] = [client, now]
-            while len(mine) > self.per_client:
-                self._forget(mine.popitem(last=False)[0])
+            fresh[sid] = None
+            self._last[sid] = [client, now, False]
+            self._trim(fresh, keep=sid)
             while len(self._last) > self.total:
-                biggest = max(self._by_client.values(), key=len)
-                self._forget(biggest.popitem(last=False)[0])
+                pools = sorted(self._pools.values(), key=len, reverse=True)
+                victim = next((v for pool in pools for v in [self._idle(pool)] if v is not None and v != sid), None)
+                if victim is None:
+                    break
+                self._forget(victim)
             return sid
+
+    def _idle(self, pool) -> Optional[str]:
+        """The least recently used session of ``pool`` with no request in flight, or None."""
+        return next((sid for sid in pool if not self.busy(sid)), None)
+
+    def _trim(self, pool, keep: str) -> None:
+        while len(pool) > self.per_client:
+            victim = next((s for s in pool if s != keep and not self.busy(s)), None)
+            if victim is None:
+                return  # every other one is busy: kept (the bound is exceeded by busy sessions only)
+            self._forget(victim)
 
     def touch(self, sid: Optional[str]) -> None:
         """Mark ``sid`` as used now (a reply was delivered to it)."""
@@ -286,16 +327,21 @@ class SessionTable:
         """Forget the sessions unused for more than ``idle_s`` seconds; returns their ids."""
         cutoff = time.monotonic() - idle_s
         with self._lock:
-            old = [sid for sid, (_, t) in self._last.items() if t < cutoff]
+            old = [sid for sid, (_, t, _k) in self._last.items() if t < cutoff]
             for sid in old:
-                self._by_client[self._last[sid][0]].pop(sid, None)
                 self._forget(sid)
         return old
 
     def _forget(self, sid: str) -> None:
-        client = self._last.pop(sid)[0]
-        if not self._by_client.get(client):
-            self._by_client.pop(client, None)
+        client, _, known = self._last.pop(sid)
+        pool = self._pools.get((client, known))
+        if pool is not None:
+            pool.pop(sid, None)
+        self._drop_empty((client, known))
+
+    def _drop_empty(self, key) -> None:
+        if not self._pools.get(key):
+            self._pools.pop(key, None)
 
 
 def check_folders(settings: WorkerSettings) -> None:
@@ -451,7 +497,11 @@ class Handler(BaseHTTPRequestHandler):
             if not (scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())):
                 self._refuse(401, "unauthorized", "missing or wrong token: send 'Authorization: Bearer TOKEN'")
                 return False
-        self.session = self._session()
+        try:
+            self.session = self._session()
+        except SessionsFull as e:
+            self._refuse(429, "busy", str(e))
+            return False
         return True
 
     def _session(self) -> str:
@@ -678,7 +728,7 @@ class HttpServer(ThreadingHTTPServer):
         self.limit = worker.max_request_bytes
         self.allowed = allowed_names(settings.host, settings.allowed_hosts)
         self.watchdog = _Watchdog()
-        self.sessions = SessionTable()
+        self.sessions = SessionTable(busy=worker.session_busy)
         self._reaper_stop = threading.Event()
         worker.hello_extra = {"session_idle_s": settings.session_idle_s}
         self._active = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import collections
 import logging
+import math
 import os
 import re
 import threading
@@ -27,9 +28,10 @@ from typing import Callable, Optional
 from .. import RESEARCH_USE_NOTICE, __version__
 from ..cpu import apply_threads, check_threads
 from ..errors import CancelledError, ForbiddenError, MedVolError
-from ..sources import client_parts, private_copy
+from ..sources import COPY_SECONDS, client_parts, private_copy
 from .upload import Upload
-from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
+from .cache import (DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache,
+                    check_request_memory, scoped)
 from .lifecycle import make_tmp_dir, release_tmp_dir
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
                        ok_reply, parse_request, valid_id)
@@ -420,6 +422,13 @@ class Worker:
             return {"target": target, "found": True, "state": "queued"}
         return {"target": target, "found": False, "state": "not_found"}
 
+    def session_busy(self, session: Optional[str]) -> bool:
+        """True while a request of ``session`` is queued or running (its client still needs the
+        session to see or cancel it)."""
+        with self._cv:
+            cur = self._current
+            return (cur is not None and cur.session == session) or any(j.session == session for j in self._queue)
+
     def cancel_session(self, session: str, reason: str) -> int:
         """Cancel the queued requests of ``session`` (it expired); a running one is left to
         finish and its reply still goes to its client. Returns how many were cancelled."""
@@ -639,8 +648,16 @@ class Worker:
         mismatches = self.cache.mismatches
         stack, digest, cached = self._read_stack(job, progress)
         if self.cache.mismatches != mismatches:
-            self.features.discard_prefix(digest)
+            self.features.discard_prefix(scoped(self._scope(job), digest))
         return stack, digest, cached
+
+    @staticmethod
+    def _scope(job: _Job) -> str:
+        """Whose cached volumes and encoded slices a request may use: over HTTP its session's
+        only (a session is a client's identity: one address is every client behind a proxy, and
+        the server's token is shared), so no reply tells a client that another one sent the same
+        CT; over stdio the one client's ("")."""
+        return f"session:{job.session or ''}" if job.transport == "http" else ""
 
     def _read_stack(self, job: _Job, progress) -> tuple:
         req = job.req
@@ -651,13 +668,13 @@ class Worker:
             except (ValueError, TypeError) as e:
                 raise RequestError(f"{job.op}: 'volume_b64' is not valid base64: {e}") from None
             progress("read", 0.0, f"reading the uploaded volume ({len(data)} bytes)")
-            return self.cache.get_bytes(data, self.tmp_dir, job.cancel)
+            return self.cache.get_bytes(data, self.tmp_dir, job.cancel, self._scope(job))
         if req.get("volume") is None and isinstance(job.body, Upload):  # streamed to a private file
             progress("read", 0.0, f"reading the uploaded volume ({job.body.size} bytes)")
-            return self.cache.get_path(job.body.path, job.cancel, digest=job.body.sha256)
+            return self.cache.get_path(job.body.path, job.cancel, digest=job.body.sha256, scope=self._scope(job))
         if req.get("volume") is None and job.body is not None:
             progress("read", 0.0, f"reading the uploaded volume ({len(job.body)} bytes)")
-            return self.cache.get_bytes(job.body, self.tmp_dir, job.cancel)
+            return self.cache.get_bytes(job.body, self.tmp_dir, job.cancel, self._scope(job))
         value = req["volume"]
         path = self.client_path(value, job.transport, "volume")
         progress("read", 0.0, f"reading {path.name}")
@@ -665,14 +682,29 @@ class Worker:
             return self.cache.get_path(path, job.cancel, tmp_dir=self.tmp_dir)
         # Over HTTP the client's path is opened once, without following links, and copied into
         # the private temp folder while hashed; the reader reads only that copy, which is removed.
-        with private_copy(self.data_dir, value, self.tmp_dir, job.cancel, "volume") as copy:
+        with private_copy(self.data_dir, value, self.tmp_dir, job.cancel, "volume", max_bytes=self.cache.max_bytes(),
+                          max_voxels=self.cache.max_voxels, seconds=COPY_SECONDS) as copy:
             try:
-                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256)
+                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job))
             except MedVolError as e:  # name the client's file, not the private copy
                 text = str(e).replace(str(copy.path), repr(value))
                 if copy.path.is_file():  # a folder's copy has the client's folder name already
                     text = text.replace(copy.path.name, os.path.basename(os.path.normpath(value)))
                 raise type(e)(text) from None
+
+    def _entry_files(self, entry: dict, transport: str) -> None:
+        """A several-target entry's files as the client may see them: its agreement map (numbered,
+        as :func:`medvolcore.jobs.numbered` wrote it) as ``agreement_path`` (and over HTTP its bytes
+        as ``agreement_b64``); over HTTP every path relative to ``--out-dir``, never absolute."""
+        written = entry.get("agreement_out")
+        if written is not None:
+            if transport == "http":
+                entry["agreement_b64"] = base64.b64encode(Path(written).read_bytes()).decode("ascii")
+            entry["agreement_path"] = written
+        if transport == "http":
+            for key in ("agreement_out", "agreement_path", "anchor_out", "qc"):
+                if entry.get(key) is not None:
+                    entry[key] = os.path.relpath(entry[key], self.out_dir)
 
     def _out_path(self, job: _Job) -> tuple:
         out = job.req.get("out")
@@ -682,9 +714,33 @@ class Worker:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(job.id))[:40] if job.id is not None else "req"
         return self.tmp_dir / f"{job.op}-{self._counter:04d}-{safe}.nii.gz", False, True
 
+    def _reply_copy(self, job: _Job) -> Optional[Path]:
+        """Over HTTP with an ``out`` that is not ``.nii.gz`` (``.nrrd``, ``.mha``, ``.nii``,
+        ``.seg.nrrd``, ``.dcm``): a private ``.nii.gz`` the job also writes, whose bytes the reply
+        carries (``mask_b64`` and the ``application/gzip`` body are ``.nii.gz``, whatever ``out``
+        is); None otherwise."""
+        from ..fileio import full_suffix
+
+        out = job.req.get("out")
+        if job.transport != "http" or not out or full_suffix(str(out)).lower() == ".nii.gz":
+            return None
+        self._counter += 1
+        return self.tmp_dir / f"{job.op}-{self._counter:04d}-reply.nii.gz"
+
     def _run_volume_job(self, job: _Job, progress) -> dict:
         """A ``segment`` or ``propagate`` request: :func:`~medvolcore.jobs.run_segment_job` on the
         cached volume, with the models loaded only once the inputs are known good."""
+        from ..jobs import labels_path
+
+        reply_copy = self._reply_copy(job)
+        try:
+            return self._volume_job(job, progress, reply_copy)
+        finally:
+            if reply_copy is not None:
+                for f in (reply_copy, Path(labels_path(reply_copy))):
+                    f.unlink(missing_ok=True)
+
+    def _volume_job(self, job: _Job, progress, reply_copy: Optional[Path]) -> dict:
         from ..jobs import SegmentOutputs, run_segment_job
         from ..request import SegmentRequest
 
@@ -694,11 +750,14 @@ class Worker:
         stack, digest, cached = self._stack_for(job, progress)
         read_s = time.perf_counter() - t0
         progress("read", 1.0, "volume from cache" if cached else "volume read")
+        check_request_memory(math.prod(stack.volume.shape), len(request.queries or ()) or 1,
+                             int(request.consensus or 1), self.cache.max_voxels)
         out, overwrite, is_temp = self._out_path(job)
         agreement = req.get("agreement")
         agr_path = self.output_path(agreement, job.transport, "agreement") if agreement else None
         # over HTTP no folder is created for a client
-        outputs = SegmentOutputs(out, overwrite=overwrite, create_folders=job.transport != "http",
+        outputs = SegmentOutputs([out, reply_copy] if reply_copy else out, overwrite=overwrite,
+                                 create_folders=job.transport != "http",
                                  names=("out", "anchor_out", "qc"),
                                  empty_mask_on_absent=bool(req.get("empty_mask_on_absent", False)),
                                  agreement=agr_path, agreement_name="agreement")
@@ -714,7 +773,7 @@ class Worker:
 
         def features(pipe, window):
             # features depend on the volume's content, the HU window and the loaded MedSAM2
-            keys.append((digest, window.center, window.width, self._pipe_generation))
+            keys.append((scoped(self._scope(job), digest), window.center, window.width, self._pipe_generation))
             return self.features.store(keys[-1])
 
         try:
@@ -726,16 +785,23 @@ class Worker:
                     self.features.discard(key)
             raise
         if not cached:
-            self.cache.put(digest, stack)  # only now: a failed or cancelled request keeps nothing
+            self.cache.put(digest, stack, self._scope(job))  # only now: a failed or cancelled request keeps nothing
         result = res.to_wire(job.op)  # the result's fields this op replies with; then what only the worker knows
         for labels_file in res.labels_out or ():  # several queries: the table is the reply's 'targets'
+            if reply_copy is not None and Path(labels_file).parent == reply_copy.parent:
+                continue  # the reply copy's table: removed with it
             if is_temp:
                 Path(labels_file).unlink(missing_ok=True)
             else:
                 result["labels_path"] = os.path.relpath(labels_file, self.out_dir) if job.transport == "http" \
                     else labels_file
         result.update(model_label=(res.identity or {}).get("label"), volume_sha256=digest)
-        if agr_path is not None:
+        if res.targets is not None:  # several targets: each entry names its own files, as written
+            for entry in result.get("targets") or ():
+                self._entry_files(entry, job.transport)
+            if agr_path is not None:
+                result["agreement_path"] = None  # one map per target (numbered): in each entry of 'targets'
+        elif agr_path is not None:
             if job.transport == "http":
                 result["agreement_b64"] = base64.b64encode(agr_path.read_bytes()).decode("ascii")
                 result["agreement_path"] = os.path.relpath(agr_path, self.out_dir)
@@ -744,10 +810,11 @@ class Worker:
         if res.out is None:  # the model answered "not present" and no empty mask was asked for
             result["mask_b64" if job.transport == "http" else "mask_path"] = None
         elif job.transport == "http":
+            sent = reply_copy or out  # always .nii.gz bytes, as the protocol says
             if job.mask_bytes:  # the transport sends them as the reply body
-                result[MASK_BYTES_KEY] = out.read_bytes()
+                result[MASK_BYTES_KEY] = sent.read_bytes()
             else:
-                result["mask_b64"] = base64.b64encode(out.read_bytes()).decode("ascii")
+                result["mask_b64"] = base64.b64encode(sent.read_bytes()).decode("ascii")
             if is_temp:
                 out.unlink()
             else:
