@@ -121,7 +121,8 @@ def _read_here(sitk, path: Path, go: Callable):
             raise VolumeError(f"{path} is a folder without a readable DICOM series (no file in it could be read as "
                               "DICOM: not DICOM, damaged or truncated)")
         if len(series) > 1:
-            raise VolumeError(f"{path} holds {len(series)} DICOM series ({', '.join(series[:4])}"
+            named = [uid.strip() or "one with no Series Instance UID" for uid in series[:4]]
+            raise VolumeError(f"{path} holds {len(series)} DICOM series ({', '.join(named)}"
                               f"{' …' if len(series) > 4 else ''}); put each series in its own folder")
         files = reader.GetGDCMSeriesFileNames(str(path), series[0])
         info = sitk.ImageFileReader()

@@ -200,6 +200,24 @@ def test_dicom_two_series_in_one_folder_is_refused(tmp_path, dicom_series, write
         load_volume(folder)
 
 
+def test_a_series_without_a_uid_among_others_is_named_not_printed_empty(tmp_path, dicom_series, write_dicom_series):
+    """Anonymisation can blank the Series Instance UID: the mixed-series error then says so instead of
+    listing an empty UID."""
+    import pydicom
+
+    sitk, img, folder = dicom_series
+    write_dicom_series(sitk, sitk.Cast(img, sitk.sitkInt16)[:, :, :5], tmp_path / "other", uid="1.2.826.0.1.3680043.2.1125.98")
+    for f in (tmp_path / "other").iterdir():
+        ds = pydicom.dcmread(f)
+        ds.SeriesInstanceUID = ""
+        ds.save_as(folder / ("b_" + f.name))
+    with pytest.raises(VolumeError) as err:
+        load_volume(folder)
+    msg = str(err.value)
+    assert "2 DICOM series" in msg and "one with no Series Instance UID" in msg
+    assert "(, " not in msg and ", )" not in msg and ", ," not in msg
+
+
 @pytest.mark.probe("13", "medvol info on a gapped series")
 def test_cli_dicom_gap_is_one_line(capsys, dicom_series):
     _, _, folder = dicom_series

@@ -36,11 +36,11 @@ CLI_SEVERAL = {"out", "volume", "outs", "labels_out", "queries", "preset", "smok
                "overlaps", "overlap_rule", "stats", "stats_out", "notes", "mask_voxels", "timings"} | CLI_RUN
 WIRE_ONE = {"anchor", "reasoning", "smoke", "absent", "notes", "preset", "terminology", "stats", "propagation",
             "identity", "model_label", "volume_sha256", "shape", "mask_voxels", "slices_encoded", "mask_path",
-            "timings"}
+            "mask_temporary", "timings"}
 WIRE_SEGMENT = {"answer_mean_logprob", "answer_mean_prob", "consensus", "consensus_mask", "confidence", "samples"}
 WIRE_SEVERAL = {"queries", "targets", "overlaps", "overlap_rule", "smoke", "absent", "notes", "preset", "stats",
                 "labels_path", "identity", "model_label", "volume_sha256", "shape", "mask_voxels", "slices_encoded",
-                "mask_path", "timings"}
+                "mask_path", "mask_temporary", "timings"}
 WIRE_TIMINGS = {"load_s", "models_reloaded", "volume_cached", "volume_read_s", "request_s", "write_s", "job_s"}
 
 

@@ -727,3 +727,17 @@ def test_several_targets_get_a_smaller_volume_not_more_memory(ct4):
             assert "send fewer queries, a smaller consensus or a smaller volume" in r["error"]["message"]
     finally:
         w.close(5)
+
+
+def test_a_stdio_mask_in_the_workers_temporary_folder_is_said_to_be_temporary(worker, ct_sm_path, tmp_path):
+    """With no 'out' the stdio worker writes the mask into its own temporary folder, which goes when the
+    worker exits: the reply says so (mask_temporary), and says the opposite for an 'out' asked for."""
+    anchor = {"schema": "medvol.anchor/1", "slice": 15, "boxes": [[40, 30, 80, 70]], "source": "user"}
+    base = {"op": "propagate", "volume": str(ct_sm_path), "anchor": anchor, "stop_after_empty": 0, "preset": "tiny"}
+    r = worker.call({"id": "tmp-1", **base})
+    assert r["ok"] is True, r
+    assert r["result"]["mask_temporary"] is True and Path(r["result"]["mask_path"]).exists()
+    out = tmp_path / "kept.nii.gz"
+    r = worker.call({"id": "tmp-2", **base, "out": str(out)})
+    assert r["ok"] is True, r
+    assert r["result"]["mask_temporary"] is False and r["result"]["mask_path"] == str(out) and out.exists()

@@ -821,6 +821,8 @@ class Worker:
                 result["mask_path"] = os.path.relpath(out, self.out_dir)  # relative to --out-dir, never absolute
         else:
             result["mask_path"] = str(out)
+        if job.transport != "http":  # no 'out' given: the mask is in the worker's temporary folder, gone at exit
+            result["mask_temporary"] = bool(is_temp and res.out is not None)
         timings = dict(res.timings)
         timings.update(load_s=round(load["load_s"], 4), models_reloaded=load["reloaded"], volume_cached=cached,
                        volume_read_s=round(read_s, 4), request_s=round(time.perf_counter() - t0, 4))
