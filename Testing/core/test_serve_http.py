@@ -30,7 +30,7 @@ from core.worker_clients import StdioClient
 
 from medvolcore import RESEARCH_USE_NOTICE
 from medvolcore.errors import CancelledError
-from medvolcore.serve.http import HttpServer, HttpSettings, Handler
+from medvolcore.serve.http import HttpServer, HttpSettings
 from medvolcore.serve.protocol import RequestError, parse_request
 from medvolcore.serve.worker import Worker
 
@@ -325,16 +325,6 @@ def test_idle_sessions_are_reaped(record_property):
 
 # ---- II.10: one write per reply ---------------------------------------------------------------------
 
-class _TwoWrites(Handler):
-    """The reply as it was written before: headers, then the body, and Nagle's algorithm on."""
-
-    nodelay = False
-
-    def _write_reply(self, body):
-        self.end_headers()
-        self.wfile.write(body)
-
-
 def _keep_alive_ms(s, n=15) -> float:
     conn = s.connect()
     rpc(conn, None, method="GET", path="/status")
@@ -350,13 +340,7 @@ def _keep_alive_ms(s, n=15) -> float:
 @pytest.mark.probe("II.10", "keep-alive reply time (headers and body in one write)")
 def test_keep_alive_replies_are_not_delayed(inproc, record_property):
     after = _keep_alive_ms(inproc)
-    inproc.server.RequestHandlerClass = _TwoWrites  # new connections only
-    try:
-        before = _keep_alive_ms(inproc)
-    finally:
-        inproc.server.RequestHandlerClass = Handler
-    record_property("keep-alive reply ms, two writes (before)", round(before, 2))
-    record_property("keep-alive reply ms, one write (after)", round(after, 2))
+    record_property("keep-alive reply ms", round(after, 2))
     assert after < 10, f"{after:.1f} ms a reply on a kept-alive connection"
 
 

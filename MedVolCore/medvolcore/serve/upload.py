@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import LimitError, VolumeError
 
-__all__ = ["Upload", "HeaderInfo", "upload_ceiling", "body_bound", "read_header", "HEADER_PREFIX_MAX",
+__all__ = ["Upload", "HeaderInfo", "BodyWriter", "store_body", "check_space", "upload_ceiling", "body_bound", "read_header", "HEADER_PREFIX_MAX",
            "CHUNK", "WHAT"]
 
 WHAT = "uploaded volume"
@@ -145,37 +145,72 @@ def check_space(folder, n: int) -> None:
                          "later or send a smaller volume")
 
 
+class BodyWriter:
+    """A body being written to a new private file in ``folder`` while hashed: :meth:`write` each
+    chunk as it arrives, then :meth:`finish` (the :class:`Upload`) or :meth:`discard` (the file is
+    removed). A full disk raises :class:`LimitError` and leaves no file."""
+
+    def __init__(self, prefix: bytes, info: HeaderInfo, folder):
+        self.info = info
+        self.size = 0
+        self._digest = hashlib.sha256()
+        fd, self._name = tempfile.mkstemp(prefix="upload-", suffix=".nii.gz" if info.gzip else ".nii", dir=folder)
+        self._file = os.fdopen(fd, "wb")
+        self.write(prefix)
+
+    def write(self, chunk: bytes) -> None:
+        from ..sources import _no_space
+
+        try:
+            self._file.write(chunk)
+        except OSError as e:
+            self.discard()
+            err = _no_space(e, f"the {WHAT}")
+            if err is None:
+                raise
+            raise err from None
+        self._digest.update(chunk)
+        self.size += len(chunk)
+
+    def finish(self) -> Upload:
+        from ..sources import _no_space
+
+        try:
+            self._file.close()
+        except OSError as e:
+            self.discard()
+            err = _no_space(e, f"the {WHAT}")
+            if err is None:
+                raise
+            raise err from None
+        return Upload(Path(self._name), self._digest.hexdigest(), self.size, self.info)
+
+    def discard(self) -> None:
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        try:
+            os.unlink(self._name)
+        except OSError:
+            pass
+
+
 def store_body(prefix: bytes, read: Callable[[int], bytes], n: int, info: HeaderInfo, folder) -> Optional[Upload]:
     """Write a body of ``n`` bytes, whose first bytes are ``prefix`` and whose rest ``read(k)``
-    returns in chunks, to a new private file in ``folder``, hashing it. None when the client
-    stopped sending before ``n`` bytes (the file is removed). A full disk raises
-    :class:`LimitError` and leaves no file."""
-    from ..sources import _no_space
-
-    digest = hashlib.sha256(prefix)
-    fd, name = tempfile.mkstemp(prefix="upload-", suffix=".nii.gz" if info.gzip else ".nii", dir=folder)
-    ok = False
+    returns in chunks, to a new private file in ``folder``, hashing it (:class:`BodyWriter`). None
+    when the client stopped sending before ``n`` bytes (the file is removed)."""
+    writer = BodyWriter(prefix, info, folder)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(prefix)
-            left = n - len(prefix)
-            while left > 0:
-                chunk = read(min(CHUNK, left))
-                if not chunk:
-                    return None
-                digest.update(chunk)
-                f.write(chunk)
-                left -= len(chunk)
-        ok = True
-        return Upload(Path(name), digest.hexdigest(), n, info)
-    except OSError as e:
-        err = _no_space(e, f"the {WHAT}")
-        if err is None:
-            raise
-        raise err from None
-    finally:
-        if not ok:
-            try:
-                os.unlink(name)
-            except OSError:
-                pass
+        left = n - len(prefix)
+        while left > 0:
+            chunk = read(min(CHUNK, left))
+            if not chunk:
+                writer.discard()
+                return None
+            writer.write(chunk)
+            left -= len(chunk)
+    except BaseException:
+        writer.discard()
+        raise
+    return writer.finish()

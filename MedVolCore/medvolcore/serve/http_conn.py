@@ -1,0 +1,234 @@
+"""One HTTP connection of ``medvol serve --http``: uvicorn's HTTP/1.1 protocol (h11) with the
+transport's connection rules added (``docs/architecture.md``, "Worker trust boundary").
+
+- at most ``max_connections`` connections at once: one more is answered 503 (JSON) at once and
+  closed, before anything of it is read;
+- a client has ``client_timeout`` seconds to send a request's line and headers (and as long
+  between requests on a kept-alive connection), else it is disconnected;
+- a request repeating a protocol header (:data:`SINGLE_HEADERS`), or one h11 cannot frame (two
+  different ``Content-Length``, digits that are not ASCII, a malformed line), is answered 400 as a
+  JSON error and the connection closed: the header block is checked as it arrived, before h11
+  folds equal ``Content-Length`` values into one;
+- a client that half-closes its side after its request (``shutdown(SHUT_WR)``) still gets its
+  reply: the end of its stream only stops reading. While the reply is pending, the server then
+  sends ``100 Continue`` once a second (an interim reply every HTTP/1.1 client skips); a client
+  that is really gone answers it with a reset, its connection is lost and its request cancelled.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from typing import Optional
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .lifecycle import loggable
+from .protocol import encode_line, error_reply
+from .worker import log
+
+__all__ = ["Connection", "SINGLE_HEADERS", "repeated_header"]
+
+# headers the protocol reads one value of: a request carrying one of them twice is refused
+SINGLE_HEADERS = ("content-length", "transfer-encoding", "host", "origin", "content-type", "accept",
+                  "authorization", "x-medvol-request", "x-medvol-session")
+_HEAD_END = re.compile(rb"\n\r?\n")
+_PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
+PROBE_INTERVAL_S = 1.0
+
+
+def repeated_header(head: bytes) -> Optional[str]:
+    """The name of the first protocol header that ``head`` (a request's line and header lines)
+    carries more than once, or None."""
+    seen = set()
+    for line in head.split(b"\n")[1:]:
+        name, colon, _ = line.partition(b":")
+        if not colon:
+            continue
+        name = name.strip().lower().decode("latin-1")
+        if name in SINGLE_HEADERS:
+            if name in seen:
+                return "-".join(w.capitalize() for w in name.split("-")).replace("Medvol", "MedVol")
+            seen.add(name)
+    return None
+
+
+def _request_line(head: bytes) -> tuple:
+    """(method, path without its query) of a raw request head, fit for the log."""
+    parts = head.split(b"\n", 1)[0].strip().split(b" ")
+    method = loggable(parts[0].decode("latin-1"), 20) if parts and parts[0] else "-"
+    target = parts[1].decode("latin-1") if len(parts) > 1 else ""
+    return method, loggable(target.split("?", 1)[0], 100) + ("?…" if "?" in target else "")
+
+
+def _raw_reply(status: int, reason: str, obj: dict, extra: str = "") -> bytes:
+    body = encode_line(obj)
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"X-Content-Type-Options: nosniff\r\nCache-Control: no-store\r\n{extra}Connection: close\r\n\r\n"
+            ).encode("ascii") + body
+
+
+class _Transport:
+    """The socket's transport as uvicorn sees it: closing it after a refusal whose request body
+    is still coming first reads and drops that rest (:meth:`Connection.close_or_drain`)."""
+
+    def __init__(self, transport, connection):
+        self._transport = transport
+        self._connection = connection
+
+    def close(self) -> None:
+        self._connection.close_or_drain()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
+class Connection(H11Protocol):
+    """uvicorn's h11 protocol with the connection rules above; ``owner`` is the
+    :class:`~medvolcore.serve.http.HttpServer` (set on a subclass made per server)."""
+
+    owner = None
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._timer = None
+        self._probe_timer = None
+        self._refused = False
+        self._eof = False
+        self._head = b""
+        self._why = None
+        self._raw = None
+        self._drain_left = None
+        next_event = self.conn.next_event
+
+        def checked_next_event():
+            if self.conn.their_state is h11.IDLE:
+                buf, _ = self.conn.trailing_data
+                m = _HEAD_END.search(buf)
+                if m is not None:
+                    self._head = buf[:m.start()]
+                    name = repeated_header(self._head)
+                    if name is not None:
+                        self._why = f"a request may carry one {name} header, not several"
+                        raise h11.RemoteProtocolError(self._why)
+            try:
+                event = next_event()
+            except h11.RemoteProtocolError as e:
+                # h11's wording without the bytes it quotes (a query, a token) after the colon
+                self._why = self._why or str(e).split(":", 1)[0] or "malformed request"
+                raise
+            if isinstance(event, h11.Request):
+                self._disarm()
+            return event
+
+        self.conn.next_event = checked_next_event
+
+    # -- the connection cap and the deadline for a request's line and headers --
+    def connection_made(self, transport) -> None:
+        owner = self.owner
+        if len(self.connections) >= owner.settings.max_connections:
+            self._refused = True
+            self.transport = transport
+            reply = error_reply(None, "busy", f"the server already serves {owner.settings.max_connections} "
+                                              "connections; try again later")
+            transport.write(_raw_reply(503, "Service Unavailable", reply, "Retry-After: 5\r\n"))
+            transport.close()
+            return
+        self._raw = transport
+        super().connection_made(_Transport(transport, self))
+        sock = transport.get_extra_info("socket")
+        try:  # a reply's headers and body are two writes: without it the second waits for a delayed ACK
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (OSError, AttributeError):
+            pass
+        owner.peak_connections = max(owner.peak_connections, len(self.connections))
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._drain_left is not None:
+            self._drain_left -= len(data)
+            if self._drain_left <= 0:
+                self._raw.close()
+        elif not self._refused:
+            super().data_received(data)
+
+    # -- a refused body: the reply first, then up to ``drain`` bytes of the rest read and dropped --
+    def close_or_drain(self) -> None:
+        """Close; but after a reply that refused a request whose body is still coming, first
+        read and drop up to the ``drain`` bytes the application allowed (at the minimum body
+        rate), so that a client still sending its body sees the reply, not a reset."""
+        cycle = self.cycle
+        budget = 0
+        if cycle is not None and cycle.response_complete and self._drain_left is None:
+            budget = int((cycle.scope.get("state") or {}).get("drain") or 0)
+        if budget <= 0 or self.conn.their_state is not h11.SEND_BODY or self._raw.is_closing():
+            self._raw.close()
+            return
+        from .http_app import BODY_MIN_RATE
+
+        self._drain_left = budget
+        self._disarm()
+        self._timer = self.loop.call_later(self.owner.settings.client_timeout + budget / BODY_MIN_RATE,
+                                           self._raw.close)
+        self._raw.resume_reading()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
+        if self._refused:
+            return
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(self.owner.settings.client_timeout, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _too_slow(self) -> None:
+        self._timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._drain_left is not None:  # its own deadline runs
+            self._unset_keepalive_if_required()
+        elif self._eof:
+            self.transport.close()
+        elif not self.transport.is_closing():
+            self._arm()
+
+    # -- refusals of the framing, as JSON --
+    def send_400_response(self, msg: str) -> None:
+        why = self._why or msg
+        method, path = _request_line(self._head) if self._head else ("-", "-")
+        client = self.client[0] if self.client else "-"
+        log.warning("http %s %s %s refused: %s", client, method, path, loggable(why, 300))
+        too_large = "too large" in why or "too long" in why
+        reply = error_reply(None, "too_large" if too_large else "bad_request", why[:300])
+        self.transport.write(_raw_reply(431 if too_large else 400, "Request Header Fields Too Large" if too_large
+                                        else "Bad Request", reply))
+        self.transport.close()
+
+    # -- a half-closed client still gets its reply --
+    def eof_received(self) -> bool:
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or cycle.more_body:
+            return False  # idle, or gone in the middle of its request: close
+        self._eof = True
+        self._probe()
+        return True  # keep writing: the reply is still to come
+
+    def _probe(self) -> None:
+        self._probe_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or cycle.response_started or cycle.disconnected:
+            return
+        self.transport.write(_PROBE)
+        self._probe_timer = self.loop.call_later(PROBE_INTERVAL_S, self._probe)
