@@ -23,10 +23,11 @@ def cmd_serve(args) -> int:
         raise InputError(f"--max-voxels must be positive, got {args.max_voxels}")
     http_only = (args.token_file or args.port is not None or args.host is not None or args.data_dir is not None
                  or args.out_dir is not None or args.allowed_host or args.max_connections is not None
-                 or args.client_timeout is not None or args.session_idle_s is not None)
+                 or args.client_timeout is not None or args.session_idle_s is not None or args.tls_cert is not None
+                 or args.tls_key is not None)
     if not args.http and http_only:
         raise InputError("--host, --port, --token-file, --data-dir, --out-dir, --allowed-host, --max-connections, "
-                         "--client-timeout and --session-idle-s apply to --http only")
+                         "--client-timeout, --session-idle-s, --tls-cert and --tls-key apply to --http only")
     http = None
     if args.http:
         http = HttpSettings(host=args.host or DEFAULT_HOST, port=DEFAULT_PORT if args.port is None else args.port,
@@ -36,7 +37,7 @@ def cmd_serve(args) -> int:
                             client_timeout=DEFAULT_CLIENT_TIMEOUT_S if args.client_timeout is None
                             else args.client_timeout,
                             session_idle_s=DEFAULT_SESSION_IDLE_S if args.session_idle_s is None
-                            else args.session_idle_s)
+                            else args.session_idle_s, tls_cert=args.tls_cert, tls_key=args.tls_key)
         if http.max_connections < 1:
             raise InputError(f"--max-connections must be at least 1, got {http.max_connections}")
         if not http.client_timeout > 0:
@@ -107,10 +108,14 @@ def _add_arguments(sp) -> None:
                     help=f"HTTP only: connections served at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})")
     sp.add_argument("--client-timeout", type=float, default=None, metavar="S",
                     help="HTTP only: seconds a client has to send a request's line and headers before it is "
-                         f"disconnected (default {DEFAULT_CLIENT_TIMEOUT_S:g}; bodies get this plus 1 s per 256 KB)")
+                         f"disconnected (default {DEFAULT_CLIENT_TIMEOUT_S:g}); a body must then keep arriving at "
+                         "256 kB/s or more, else it is cut")
     sp.add_argument("--session-idle-s", type=float, default=None, metavar="S",
                     help="HTTP only: a session without a request for S seconds is forgotten and its queued "
                          f"requests are cancelled; a running one finishes (default {DEFAULT_SESSION_IDLE_S:g})")
+    sp.add_argument("--tls-cert", metavar="PEM", default=None,
+                    help="HTTP only: serve HTTPS with this certificate (chain) file; needs --tls-key")
+    sp.add_argument("--tls-key", metavar="PEM", default=None, help="HTTP only: the private key of --tls-cert")
 
 
 SERVE_HELP = "Run a persistent worker that keeps the models loaded (protocol 1 over --stdio or --http)."

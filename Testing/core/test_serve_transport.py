@@ -1,0 +1,213 @@
+"""The HTTP transport's connection rules (``medvol serve --http`` on uvicorn): a body sent slower
+than the minimum rate is cut, a half-closed client still gets its reply, ``X-MedVol-Request`` is
+UTF-8 with percent-encoding, a repeated protocol header is refused, the OpenAPI description and
+TLS. The in-process server of :mod:`core.test_serve_http` (client timeout 5 s) answers them."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.parse
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from core.test_serve_http import _InProcess, rpc
+
+from medvolcore.serve.http import HttpServer, HttpSettings
+from medvolcore.serve.worker import Worker
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = _InProcess()
+    yield s
+    s.close()
+
+
+def _replies(sock, wait: float) -> tuple:
+    """Every final reply (status, JSON body) on ``sock`` until it closes or ``wait`` s pass, interim
+    ``100 Continue`` replies skipped; and whether the server closed the connection."""
+    sock.settimeout(wait)
+    got, closed = b"", False
+    deadline = time.monotonic() + wait
+    try:
+        while time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+    except socket.timeout:
+        pass
+    except ConnectionResetError:
+        closed = True
+    out = []
+    while got.startswith(b"HTTP/"):
+        head, _, rest = got.partition(b"\r\n\r\n")
+        status = int(head.split()[1])
+        if 100 <= status < 200:
+            got = rest
+            continue
+        n = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0])
+        out.append((status, json.loads(rest[:n])))
+        got = rest[n:]
+    return out, closed
+
+
+def _nifti_header(shape, dtype=np.int16) -> bytes:
+    hdr = nib.Nifti1Header()
+    hdr.set_data_shape(shape)
+    hdr.set_data_dtype(dtype)
+    hdr["vox_offset"] = 352
+    return hdr.binaryblock + b"\0" * 4
+
+
+@pytest.mark.probe("45.1", "a 512 MB volume body dripped one byte every 0.5 s (client timeout 5 s)")
+def test_a_slow_drip_body_is_cut(server, record_property):
+    head = _nifti_header((1024, 1024, 256))  # 512 MB of voxels: the old deadline was 5 s + 2,048 s
+    n = len(head) + 1024 * 1024 * 256 * 2
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    t = time.perf_counter()
+    s.sendall(b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+              b'X-MedVol-Request: {"id": "drip", "op": "segment", "query": "q"}\r\n'
+              + f"Content-Length: {n}\r\n\r\n".encode() + head)
+    cut = None
+    try:
+        while time.perf_counter() - t < 15:
+            s.sendall(b"\0")
+            time.sleep(0.5)
+    except (BrokenPipeError, ConnectionResetError):
+        cut = time.perf_counter() - t
+    replies, closed = _replies(s, 1)
+    s.close()
+    cut = cut or time.perf_counter() - t
+    record_property("slow body cut after s", round(cut, 2))
+    assert closed or cut < 15, "a body sent at 2 bytes/s held its connection for 15 s"
+    assert cut < 10
+    if replies:
+        assert replies[0][0] == 408 and replies[0][1]["error"]["code"] == "bad_request"
+    st, r, _ = rpc(server.connect(), {"id": "after", "op": "status"})
+    assert st == 200 and r["ok"]
+
+
+@pytest.mark.probe("45.1", "a client half-closes its side after a request that runs 1 s")
+def test_a_half_closed_client_gets_its_reply():
+    s = _InProcess()
+    try:
+        body = json.dumps({"id": "half", "op": "segment", "volume_b64": "AA==", "query": "block"}).encode()
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 10
+        while not s.worker.status()["busy"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sock.shutdown(socket.SHUT_WR)  # nothing more to send; still reading
+        threading.Timer(1.5, s.gate.set).start()
+        replies, closed = _replies(sock, 10)
+        sock.close()
+        assert replies and replies[0][0] == 200, replies
+        assert replies[0][1]["ok"] is True and replies[0][1]["result"] == {"echo": "half"}
+        assert closed
+    finally:
+        s.close()
+
+
+def _volume_request(port: int, header: bytes, body: bytes) -> tuple:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+                 b"Connection: close\r\nX-MedVol-Request: " + header + b"\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    replies, _ = _replies(sock, 30)
+    sock.close()
+    return replies[0]
+
+
+@pytest.mark.probe("45.1", "X-MedVol-Request naming \"Größe\" as UTF-8, percent-encoded and raw")
+def test_the_request_header_is_utf8_percent_encoded(server, small_ct):
+    ct = small_ct[0].read_bytes()
+    req = '{"id": "Größe 50%", "op": "segment", "query": "Größe"}'
+    encoded = urllib.parse.quote(req, safe=" {}:,\"").encode("ascii")
+    assert b"%C3%B6" in encoded and b"%25" in encoded
+    for header in (encoded, req.replace("%", "%25").encode("utf-8")):
+        st, r = _volume_request(server.port, header, ct)
+        assert st == 200 and r["ok"] is True, r
+        assert r["id"] == "Größe 50%" and r["result"] == {"echo": "Größe 50%"}
+    st, r = _volume_request(server.port, b'{"id": "x\xff", "op": "segment", "query": "q"}', ct)
+    assert st == 400 and r["error"]["code"] == "bad_request" and "UTF-8" in r["error"]["message"]
+
+
+REPEATED = {
+    "X-MedVol-Request": ("application/octet-stream", b'X-MedVol-Request: {"id": 1, "op": "hello"}\r\n' * 2),
+    "Origin": ("application/json", b"Origin: http://127.0.0.1:{port}\r\n" * 2),
+    "Host": ("application/json", b"Host: 127.0.0.1\r\n"),
+    "Content-Type": ("application/json", b"Content-Type: application/json\r\n"),
+    "Accept": ("application/json", b"Accept: application/json\r\n" * 2),
+    "X-MedVol-Session": ("application/json", b"X-MedVol-Session: {sid}\r\n" * 2),
+    "Authorization": ("application/json", b"Authorization: Bearer 0123456789abcdef\r\n" * 2),
+    "Content-Length (equal)": ("application/json", b"Content-Length: 24\r\n"),
+}
+
+
+@pytest.mark.probe("45.1", "each protocol header sent twice")
+@pytest.mark.parametrize("name", list(REPEATED))
+def test_a_repeated_protocol_header_is_refused(server, name):
+    _, _, sid = rpc(server.connect(), {"id": "h", "op": "hello"})
+    ctype, extra = REPEATED[name]
+    extra = extra.replace(b"{port}", str(server.port).encode()).replace(b"{sid}", sid.encode())
+    body = b'{"id":"s","op":"status"}'
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + ctype.encode() + b"\r\n" + extra
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    replies, closed = _replies(sock, 5)
+    sock.close()
+    assert len(replies) == 1 and closed, (name, replies)
+    st, r = replies[0]
+    assert st == 400 and r["ok"] is False and r["error"]["code"] == "bad_request", (name, r)
+    assert "not several" in r["error"]["message"] and name.split(" ")[0] in r["error"]["message"]
+
+
+def test_openapi_description_is_generated_from_the_routes(server):
+    conn = server.connect()
+    conn.request("GET", "/openapi.json")
+    resp = conn.getresponse()
+    doc = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 200 and doc["openapi"].startswith("3.")
+    assert set(doc["paths"]) == {"/rpc", "/status", "/hello", "/openapi.json"}
+    assert set(doc["paths"]["/rpc"]) == {"post"} and set(doc["paths"]["/status"]) == {"get"}
+    assert "X-MedVol-Request" in doc["paths"]["/rpc"]["post"]["description"]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_directly(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    worker = Worker(transport="http")
+    server = HttpServer(HttpSettings(host="127.0.0.1", port=0, tls_cert=str(cert), tls_key=str(key)), worker, None)
+    th = threading.Thread(target=server.serve_forever, daemon=True)
+    th.start()
+    try:
+        ctx = ssl.create_default_context(cafile=str(cert))
+        ctx.check_hostname = False
+        conn = http.client.HTTPSConnection("127.0.0.1", server.server_address[1], context=ctx, timeout=30)
+        conn.request("GET", "/status")
+        resp = conn.getresponse()
+        r = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 200 and r["ok"] is True
+        plain = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+        with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+            plain.request("GET", "/status")
+            plain.getresponse().read()
+        plain.close()
+    finally:
+        server.server_close()
+        worker.close(5)
