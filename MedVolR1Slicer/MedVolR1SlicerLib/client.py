@@ -528,7 +528,7 @@ class RemoteWorker(_BaseWorker):
                 body = open(upload, "rb")
                 headers = self._headers("application/octet-stream")
                 headers["Content-Length"] = str(os.fstat(body.fileno()).st_size)  # streamed, never chunked
-                headers["X-MedVol-Request"] = json.dumps(req)
+                headers["X-MedVol-Request"] = json.dumps(req).replace("%", "%25")  # ASCII, percent-decoded
                 headers["Accept"] = MASK_TYPE + ", application/json"  # the mask as bytes, not base64
                 data, mask_to = body, self.tmp_dir / f"{job.id}.mask.nii.gz"
             else:
