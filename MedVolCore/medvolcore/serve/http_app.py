@@ -178,8 +178,8 @@ class Transport:
                                                               f"{origin[:100]!r})")
         if server.token is not None:
             scheme, _, value = h.get("authorization", "").partition(" ")
-            if not (scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode("utf-8", "replace"),
-                                                                         server.token.encode())):
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode("latin-1"),
+                                                                         server.token.encode("utf-8"))):
                 return self.refuse(request, 401, "unauthorized", "missing or wrong token: send 'Authorization: "
                                                                  "Bearer TOKEN'")
         from .http import SessionsFull, client_key
