@@ -45,21 +45,21 @@ def _vmhwm(pid: int) -> float:
     return float("nan")
 
 
-def start() -> tuple:
+def start(log_path: Path) -> tuple:
+    """The server as a child process, its log (one access line per request) going to a file."""
+    log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "medvolcore.cli_serve", "--http", "--host", "127.0.0.1", "--port",
                              "0", "--device", "cpu", "--preset", "tiny", "--threads", "1"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+    log.close()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline().decode("utf-8", "replace")
-        if "ready (protocol 1) on http://127.0.0.1:" in line:
-            port = int(line.split("http://127.0.0.1:")[1].split()[0].rstrip("/;"))
-            proc.stderr.close()
-            return proc, port
-        if not line:
-            break
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+        if "ready (protocol 1) on http://127.0.0.1:" in text:
+            return proc, int(text.split("http://127.0.0.1:")[1].split()[0].rstrip("/;"))
+        time.sleep(0.1)
     proc.kill()
-    raise SystemExit("the server did not start")
+    raise SystemExit("the server did not start:\n" + log_path.read_text(encoding="utf-8", errors="replace"))
 
 
 def volume_header(shape) -> bytes:
@@ -102,7 +102,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import medvolcore
 
-    proc, port = start()
+    import tempfile
+
+    log_path = Path(tempfile.mkdtemp(prefix="medvol-transport-bench-")) / "serve.log"
+    proc, port = start(log_path)
     rows = {"code": str(Path(medvolcore.__file__).parent)}
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)

@@ -198,7 +198,7 @@ class Transport:
         responses:
           200: {description: "a protocol reply (JSON)"}
         """
-        return await self._call(request, json.dumps({"id": None, "op": "status"}))
+        return await self._call(request, json.dumps({"id": None, "op": "status"}), inline=True)
 
     async def hello(self, request: Request) -> Response:
         """
@@ -206,7 +206,7 @@ class Transport:
         responses:
           200: {description: "a protocol reply (JSON)"}
         """
-        return await self._call(request, json.dumps({"id": None, "op": "hello"}))
+        return await self._call(request, json.dumps({"id": None, "op": "hello"}), inline=True)
 
     async def openapi(self, request: Request) -> Response:
         """
@@ -354,7 +354,10 @@ class Transport:
         accept = request.headers.get("accept") or ""
         return any(part.split(";")[0].strip().lower() == MASK_TYPE for part in accept.split(","))
 
-    async def _call(self, request: Request, raw, upload=None) -> Response:
+    async def _call(self, request: Request, raw, upload=None, inline: bool = False) -> Response:
+        """Hand ``raw`` to the worker and wait for its final reply, or for the client to go
+        (then the request is cancelled). ``inline``: ``status`` and ``hello``, answered at once
+        without a thread; anything a client wrote is parsed and checked in a worker thread."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         worker = self.worker
@@ -366,21 +369,26 @@ class Transport:
                 upload.remove()
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(obj))
 
+        def handle():
+            return worker.handle_line(raw, reply=reply, body=upload, transport="http", session=request.state.session,
+                                      mask_bytes=self._wants_mask_bytes(request))
+
         try:
-            job = await loop.run_in_executor(None, lambda: worker.handle_line(
-                raw, reply=reply, body=upload, transport="http", session=request.state.session,
-                mask_bytes=self._wants_mask_bytes(request)))
+            job = handle() if inline else await loop.run_in_executor(None, handle)
         except Exception:  # noqa: BLE001 - a bad request never kills the server or goes unanswered
             if upload is not None:
                 upload.remove()
             return self.reply(request, 500, internal_reply(None, f"HTTP {request.method} {self._log_path(request)}"),
                               close=True)
-        gone = asyncio.ensure_future(self._disconnected(request))
-        try:
-            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not gone.done():
-                gone.cancel()
+        if not done.done():
+            await asyncio.sleep(0)  # a reply given at once is set on the next turn of the loop
+        if not done.done():
+            gone = asyncio.ensure_future(self._disconnected(request))
+            try:
+                await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not gone.done():
+                    gone.cancel()
         if not done.done():
             if job is not None:
                 worker.abandon(job)  # its reply, when it comes, removes the upload
