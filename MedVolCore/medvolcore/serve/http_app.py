@@ -16,12 +16,11 @@ import base64
 import hmac
 import json
 import re
+import threading
 import time
 import urllib.parse
 from typing import Optional
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -95,7 +94,8 @@ class Transport:
                   Route("/hello", self.hello, methods=["GET"]), Route("/openapi.json", self.openapi, methods=["GET"])]
         self.schemas = SchemaGenerator({"openapi": "3.0.0", "info": {"title": "medvol serve",
                                                                      "version": f"protocol {PROTOCOL}"}})
-        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+        self.routes = routes  # the one declaration: dispatched on below, described at /openapi.json
+        self._by_path = {route.path: route for route in routes}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -107,10 +107,19 @@ class Transport:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
+        route = self._by_path.get(scope["path"].rstrip("/"))
         try:
-            await self.app(scope, receive, send)
+            if route is None:
+                response = self.reply(request, 404, error_reply(None, "not_found", "no such path; use POST /rpc, "
+                                                                "GET /status or GET /hello"), close=request.method != "GET")
+            elif request.method not in route.methods:
+                response = self.reply(request, 405, error_reply(None, "bad_request", "use POST /rpc, GET /status or "
+                                                                "GET /hello"), close=True)
+            else:
+                response = await route.endpoint(request)
         except _Gone:
-            pass
+            return
+        await response(scope, receive, send)
 
     # -- replies --
     def reply(self, request: Request, status: int, obj: dict, close: bool = False) -> Response:
@@ -127,13 +136,6 @@ class Transport:
         log.warning("http %s %s %s refused: %s", self._client(request), loggable(request.method, 20),
                     self._log_path(request), loggable(message, 300))
         return self.reply(request, status, error_reply(rid, code, message), close=True)
-
-    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
-        if exc.status_code == 405:
-            return self.reply(request, 405, error_reply(None, "bad_request", "use POST /rpc, GET /status or "
-                                                                             "GET /hello"), close=True)
-        return self.reply(request, 404, error_reply(None, "not_found", "no such path; use POST /rpc, GET /status "
-                                                                       "or GET /hello"), close=request.method != "GET")
 
     @staticmethod
     def _client(request: Request) -> str:
@@ -214,7 +216,7 @@ class Transport:
         responses:
           200: {description: "OpenAPI 3 (JSON)"}
         """
-        schema = self.schemas.get_schema(self.app.routes)
+        schema = self.schemas.get_schema(self.routes)
         return Response(json.dumps(schema, indent=1), 200, {"Cache-Control": "no-store"},
                         media_type="application/json")
 
@@ -360,6 +362,7 @@ class Transport:
         without a thread; anything a client wrote is parsed and checked in a worker thread."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
+        here = threading.get_ident()
         worker = self.worker
 
         def reply(obj):
@@ -367,7 +370,10 @@ class Transport:
                 return
             if upload is not None:  # the worker is done with it: its one final reply
                 upload.remove()
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(obj))
+            if threading.get_ident() == here:  # answered at once, in this thread
+                done.done() or done.set_result(obj)
+            else:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(obj))
 
         def handle():
             return worker.handle_line(raw, reply=reply, body=upload, transport="http", session=request.state.session,
@@ -380,8 +386,6 @@ class Transport:
                 upload.remove()
             return self.reply(request, 500, internal_reply(None, f"HTTP {request.method} {self._log_path(request)}"),
                               close=True)
-        if not done.done():
-            await asyncio.sleep(0)  # a reply given at once is set on the next turn of the loop
         if not done.done():
             gone = asyncio.ensure_future(self._disconnected(request))
             try:
