@@ -1,14 +1,14 @@
-"""One HTTP connection of ``medvol serve --http``: uvicorn's HTTP/1.1 protocol (h11) with the
-transport's connection rules added (``docs/architecture.md``, "Worker trust boundary").
+"""One HTTP connection of ``medvol serve --http``: uvicorn's HTTP/1.1 protocol (httptools) with
+the transport's connection rules added (``docs/architecture.md``, "Worker trust boundary").
 
 - at most ``max_connections`` connections at once: one more is answered 503 (JSON) at once and
   closed, before anything of it is read;
 - a client has ``client_timeout`` seconds to send a request's line and headers (and as long
   between requests on a kept-alive connection), else it is disconnected;
-- a request repeating a protocol header (:data:`SINGLE_HEADERS`), or one h11 cannot frame (two
-  different ``Content-Length``, digits that are not ASCII, a malformed line), is answered 400 as a
-  JSON error and the connection closed: the header block is checked as it arrived, before h11
-  folds equal ``Content-Length`` values into one;
+- a request repeating a protocol header (:data:`SINGLE_HEADERS`), or one the parser cannot frame
+  (two ``Content-Length``, digits that are not ASCII, ``Transfer-Encoding`` beside
+  ``Content-Length``, a malformed line), is answered 400 as a JSON error and the connection
+  closed;
 - a client that half-closes its side after its request (``shutdown(SHUT_WR)``) still gets its
   reply: the end of its stream only stops reading. While the reply is pending, the server then
   sends ``100 Continue`` once a second (an interim reply every HTTP/1.1 client skips); a client
@@ -17,49 +17,26 @@ transport's connection rules added (``docs/architecture.md``, "Worker trust boun
 
 from __future__ import annotations
 
-import re
 import socket
-from typing import Optional
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .lifecycle import loggable
 from .protocol import encode_line, error_reply
 from .worker import log
 
-__all__ = ["Connection", "SINGLE_HEADERS", "repeated_header"]
+__all__ = ["Connection", "SINGLE_HEADERS"]
 
 # headers the protocol reads one value of: a request carrying one of them twice is refused
-SINGLE_HEADERS = ("content-length", "transfer-encoding", "host", "origin", "content-type", "accept",
-                  "authorization", "x-medvol-request", "x-medvol-session")
-_HEAD_END = re.compile(rb"\n\r?\n")
+SINGLE_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"host", b"origin", b"content-type", b"accept",
+                            b"authorization", b"x-medvol-request", b"x-medvol-session"))
 _PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 PROBE_INTERVAL_S = 1.0
 
 
-def repeated_header(head: bytes) -> Optional[str]:
-    """The name of the first protocol header that ``head`` (a request's line and header lines)
-    carries more than once, or None."""
-    seen = set()
-    for line in head.split(b"\n")[1:]:
-        name, colon, _ = line.partition(b":")
-        if not colon:
-            continue
-        name = name.strip().lower().decode("latin-1")
-        if name in SINGLE_HEADERS:
-            if name in seen:
-                return "-".join(w.capitalize() for w in name.split("-")).replace("Medvol", "MedVol")
-            seen.add(name)
-    return None
-
-
-def _request_line(head: bytes) -> tuple:
-    """(method, path without its query) of a raw request head, fit for the log."""
-    parts = head.split(b"\n", 1)[0].strip().split(b" ")
-    method = loggable(parts[0].decode("latin-1"), 20) if parts and parts[0] else "-"
-    target = parts[1].decode("latin-1") if len(parts) > 1 else ""
-    return method, loggable(target.split("?", 1)[0], 100) + ("?…" if "?" in target else "")
+def _header_name(name: bytes) -> str:
+    return "-".join(w.capitalize() for w in name.decode("latin-1").split("-")).replace("Medvol", "MedVol")
 
 
 def _raw_reply(status: int, reason: str, obj: dict, extra: str = "") -> bytes:
@@ -100,8 +77,8 @@ class _Transport:
         return getattr(self._transport, name)
 
 
-class Connection(H11Protocol):
-    """uvicorn's h11 protocol with the connection rules above; ``owner`` is the
+class Connection(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the connection rules above; ``owner`` is the
     :class:`~medvolcore.serve.http.HttpServer` (set on a subclass made per server)."""
 
     owner = None
@@ -112,33 +89,11 @@ class Connection(H11Protocol):
         self._probe_timer = None
         self._refused = False
         self._eof = False
-        self._head = b""
         self._why = None
         self._raw = None
         self._drain_left = None
-        next_event = self.conn.next_event
-
-        def checked_next_event():
-            if self.conn.their_state is h11.IDLE:
-                buf, _ = self.conn.trailing_data
-                m = _HEAD_END.search(buf)
-                if m is not None:
-                    self._head = buf[:m.start()]
-                    name = repeated_header(self._head)
-                    if name is not None:
-                        self._why = f"a request may carry one {name} header, not several"
-                        raise h11.RemoteProtocolError(self._why)
-            try:
-                event = next_event()
-            except h11.RemoteProtocolError as e:
-                # h11's wording without the bytes it quotes (a query, a token) after the colon
-                self._why = self._why or str(e).split(":", 1)[0] or "malformed request"
-                raise
-            if isinstance(event, h11.Request):
-                self._disarm()
-            return event
-
-        self.conn.next_event = checked_next_event
+        self._seen = set()
+        self.url = b""
 
     # -- the connection cap and the deadline for a request's line and headers --
     def connection_made(self, transport) -> None:
@@ -156,20 +111,52 @@ class Connection(H11Protocol):
         if hasattr(transport, "max_size"):  # asyncio reads 256 kB at a time: a volume body comes faster in 1 MB
             transport.max_size = 1 << 20
         sock = transport.get_extra_info("socket")
-        try:  # a reply's headers and body are two writes: without it the second waits for a delayed ACK
+        try:  # a reply's head and body: without it a second write would wait for a delayed ACK
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (OSError, AttributeError):
             pass
         owner.peak_connections = max(owner.peak_connections, len(self.connections))
         self._arm()
 
+    # -- parsing: each protocol header once --
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._seen = set()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lower = name.lower()
+        if lower in SINGLE_HEADERS:
+            if lower in self._seen:
+                self._why = f"a request may carry one {_header_name(lower)} header, not several"
+                raise ValueError(self._why)  # the parser stops; send_400_response answers
+            self._seen.add(lower)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
     def data_received(self, data: bytes) -> None:
         if self._drain_left is not None:
             self._drain_left -= len(data)
             if self._drain_left <= 0:
                 self._raw.close()
-        elif not self._refused:
-            super().data_received(data)
+            return
+        if self._refused:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._why = "protocol upgrades are not supported"
+            self.send_400_response(self._why)
+        except httptools.HttpParserError as e:
+            # the parser's reason, without the bytes it may quote (a query, a token)
+            self._why = self._why or (str(e).split(":", 1)[0].strip() or "malformed request")
+            if not self.url:  # refused in its request line: the log names what it held
+                parts = data.split(b"\n", 1)[0].split(b" ")
+                self.url = parts[1] if len(parts) > 1 else b""
+            self.send_400_response(self._why)
 
     # -- a refused body: the reply first, then up to ``drain`` bytes of the rest read and dropped --
     def close_or_drain(self) -> None:
@@ -180,7 +167,7 @@ class Connection(H11Protocol):
         budget = 0
         if cycle is not None and cycle.response_complete and self._drain_left is None:
             budget = int((cycle.scope.get("state") or {}).get("drain") or 0)
-        if budget <= 0 or self.conn.their_state is not h11.SEND_BODY or self._raw.is_closing():
+        if budget <= 0 or not cycle.more_body or self._raw.is_closing():
             self._raw.close()
             return
         from .http_app import BODY_MIN_RATE
@@ -225,7 +212,12 @@ class Connection(H11Protocol):
     # -- refusals of the framing, as JSON --
     def send_400_response(self, msg: str) -> None:
         why = self._why or msg
-        method, path = _request_line(self._head) if self._head else ("-", "-")
+        try:
+            method = loggable(self.parser.get_method().decode("latin-1"), 20)
+        except Exception:  # noqa: BLE001 - no method parsed yet
+            method = "-"
+        target = bytes(self.url or b"").decode("latin-1")
+        path = (loggable(target.split("?", 1)[0], 100) + ("?…" if "?" in target else "")) if target else "-"
         client = self.client[0] if self.client else "-"
         log.warning("http %s %s %s refused: %s", client, method, path, loggable(why, 300))
         too_large = "too large" in why or "too long" in why
