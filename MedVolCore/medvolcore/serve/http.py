@@ -44,6 +44,7 @@ worker until it stops. ``--port 0`` picks a free port, shown in the ready line
 from __future__ import annotations
 
 import collections
+import functools
 import ipaddress
 import logging
 import os
@@ -152,6 +153,7 @@ def allowed_names(host: str, extra: Sequence[str] = ()) -> Optional[set]:
     return allowed
 
 
+@functools.lru_cache(maxsize=4096)
 def client_key(address: str) -> str:
     """The client a session is counted under: its IPv4 address, or its IPv6 /64 (one machine
     usually holds a whole /64, so counting single IPv6 addresses would not bound anything)."""

@@ -139,7 +139,8 @@ class Transport:
 
     @staticmethod
     def _client(request: Request) -> str:
-        return request.client.host if request.client else "-"
+        client = request.scope.get("client")
+        return client[0] if client else "-"
 
     @staticmethod
     def _log_path(request: Request) -> str:

@@ -47,9 +47,9 @@ def _raw_reply(status: int, reason: str, obj: dict, extra: str = "") -> bytes:
 
 
 class _Transport:
-    """The socket's transport as uvicorn sees it. Writes made in one turn of the event loop leave
-    in one send (a reply's head and body: two small sends on a kept-alive connection cost a
-    round trip each); closing it after a refusal whose request body is still coming first reads
+    """The socket's transport as uvicorn sees it. A reply's writes (its head, its body) leave in
+    one send once it is complete (two small sends on a kept-alive connection cost a round trip
+    each); closing it after a refusal whose request body is still coming first reads
     and drops that rest (:meth:`Connection.close_or_drain`)."""
 
     def __init__(self, transport, connection):
@@ -58,9 +58,12 @@ class _Transport:
         self._pending = []
 
     def write(self, data) -> None:
-        if not self._pending:
-            self._connection.loop.call_soon(self.flush)
-        self._pending.append(bytes(data))
+        cycle = self._connection.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self._pending.append(bytes(data))  # a reply being written: it leaves when complete
+            return
+        self.flush()
+        self._transport.write(data)
 
     def flush(self) -> None:
         if self._pending:
@@ -201,6 +204,7 @@ class Connection(HttpToolsProtocol):
             self.transport.close()
 
     def on_response_complete(self) -> None:
+        self.transport.flush()
         super().on_response_complete()
         if self._drain_left is not None:  # its own deadline runs
             self._unset_keepalive_if_required()
