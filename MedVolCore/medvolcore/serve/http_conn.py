@@ -169,7 +169,8 @@ class Connection(HttpToolsProtocol):
         cycle = self.cycle
         budget = 0
         if cycle is not None and cycle.response_complete and self._drain_left is None:
-            budget = int((cycle.scope.get("state") or {}).get("drain") or 0)
+            # what the application did not read, less what arrived but it left in the buffer
+            budget = int((cycle.scope.get("state") or {}).get("drain") or 0) - len(cycle.body)
         if budget <= 0 or not cycle.more_body or self._raw.is_closing():
             self._raw.close()
             return
