@@ -28,14 +28,15 @@ from starlette.schemas import SchemaGenerator
 
 from ..errors import LimitError, MedVolError
 from .lifecycle import loggable
+from .http_conn import BODY_MIN_RATE
 from .protocol import PROTOCOL, _jsonable, encode_line, error_reply, internal_reply
 from .upload import WHAT as UPLOAD_WHAT
+from .sessions import SessionsFull, client_key
 from .upload import BodyWriter, body_bound, check_space, read_header, upload_ceiling
 from .worker import MASK_BYTES_KEY, log
 
 __all__ = ["Transport", "BODY_MIN_RATE", "decode_request_header"]
 
-BODY_MIN_RATE = 256 << 10  # bytes/s a client must at least sustain while sending a body
 SESSION_HEADER = "X-MedVol-Session"
 REQUEST_HEADER = "X-MedVol-Request"
 MASK_TYPE = "application/gzip"  # ``Accept`` this: the mask comes back as the body, the reply in a header
@@ -185,8 +186,6 @@ class Transport:
                                                                          server.token.encode("utf-8"))):
                 return self.refuse(request, 401, "unauthorized", "missing or wrong token: send 'Authorization: "
                                                                  "Bearer TOKEN'")
-        from .http import SessionsFull, client_key
-
         sid = (h.get(SESSION_HEADER) or "").strip()[:64]
         try:
             request.state.session = server.sessions.session(sid, client_key(self._client(request)))

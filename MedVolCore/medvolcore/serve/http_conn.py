@@ -26,11 +26,12 @@ from .lifecycle import loggable
 from .protocol import encode_line, error_reply
 from .worker import log
 
-__all__ = ["Connection", "SINGLE_HEADERS"]
+__all__ = ["Connection", "SINGLE_HEADERS", "BODY_MIN_RATE"]
 
 # headers the protocol reads one value of: a request carrying one of them twice is refused
 SINGLE_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"host", b"origin", b"content-type", b"accept",
                             b"authorization", b"x-medvol-request", b"x-medvol-session"))
+BODY_MIN_RATE = 256 << 10  # bytes/s a client must at least sustain while sending a body
 _PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 PROBE_INTERVAL_S = 1.0
 
@@ -174,8 +175,6 @@ class Connection(HttpToolsProtocol):
         if budget <= 0 or not cycle.more_body or self._raw.is_closing():
             self._raw.close()
             return
-        from .http_app import BODY_MIN_RATE
-
         self._drain_left = budget
         self._disarm()
         self._timer = self.loop.call_later(self.owner.settings.client_timeout + budget / BODY_MIN_RATE,
