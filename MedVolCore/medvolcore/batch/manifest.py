@@ -282,30 +282,23 @@ def check_case_files(cases: Sequence[Case]) -> None:
     from ..geometry import match_grids
     from ..volume import label_mask, load_label_map, read_grid
 
-    grids: Dict[str, object] = {}
-    label_maps: Dict[str, object] = {}
+    def read_once(read):
+        """``read(path)``, once per path: its answer, or its error raised again."""
+        seen: Dict[str, object] = {}
 
-    def labels_of(p: Path):
-        key = str(p)
-        if key not in label_maps:
-            try:
-                label_maps[key] = load_label_map(p)
-            except MedVolError as e:
-                label_maps[key] = e
-        if isinstance(label_maps[key], MedVolError):
-            raise label_maps[key]
-        return label_maps[key]
+        def get(p: Path):
+            key = str(p)
+            if key not in seen:
+                try:
+                    seen[key] = read(p)
+                except MedVolError as e:
+                    seen[key] = e
+            if isinstance(seen[key], MedVolError):
+                raise seen[key]
+            return seen[key]
+        return get
 
-    def grid(p: Path):
-        key = str(p)
-        if key not in grids:
-            try:
-                grids[key] = read_grid(p)
-            except MedVolError as e:
-                grids[key] = e
-        if isinstance(grids[key], MedVolError):
-            raise grids[key]
-        return grids[key]
+    labels_of, grid = read_once(load_label_map), read_once(read_grid)
 
     for c in cases:
         if c.problem:
