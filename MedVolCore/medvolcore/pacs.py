@@ -320,3 +320,82 @@ def store_seg(path: Path, url: DicomWebURL, token: Optional[str] = None, timeout
         raise PacsError(f"the DICOMweb server {url.host} did not accept the DICOM-SEG into study {url.study}")
     return {"url": str(url), "sop_instance_uid": ds.SOPInstanceUID, "series_instance_uid": ds.SeriesInstanceUID,
             "seconds": round(time.monotonic() - t0, 3)}
+
+
+# ---- servers an operator allows (medvol serve --pacs-config FILE --allow-pacs NAME) ----------------------------
+
+@dataclass(frozen=True)
+class PacsServer:
+    """A DICOMweb server a worker may read from: its ``name`` in the config file, its service
+    root ``base``, the ``Authorization`` value read from its token file (or None) and its limits."""
+
+    name: str
+    base: str
+    token: Optional[str]
+    limits: Limits
+
+
+def load_servers(path, names) -> dict:
+    """``{name: PacsServer}`` for each of ``names`` in the servers file ``path``: JSON
+    ``{"servers": {"NAME": {"url": "https://host/dicom-web", "token_file": "…", "max_instances": N,
+    "max_instance_mb": MB, "max_mb": MB, "timeout_s": S}}}`` (only ``url`` is required)."""
+    import json
+
+    where = f"--pacs-config {path}"
+    try:
+        if Path(path).stat().st_size > 1 << 20:
+            raise InputError(f"{where}: over 1 MB, not a servers file")
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"{where}: cannot be read as JSON ({type(e).__name__}: {e})") from None
+    table = doc.get("servers") if isinstance(doc, dict) else None
+    if not isinstance(table, dict):
+        raise InputError(f"{where}: expected {{\"servers\": {{\"NAME\": {{\"url\": …}}}}}}")
+    out = {}
+    for name in names:
+        entry = table.get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
+            raise InputError(f"--allow-pacs {name}: no server of that name (with a \"url\") in {path}")
+        unknown = set(entry) - {"url", "token_file", "max_instances", "max_instance_mb", "max_mb", "timeout_s"}
+        if unknown:
+            raise InputError(f"{where}: server {name!r} has unknown keys {sorted(unknown)}")
+        base = _base(entry["url"], f"{where}: server {name!r}")
+        token = read_token(entry["token_file"]) if entry.get("token_file") else None
+        d = Limits()
+        try:
+            limits = Limits(max_instances=int(entry.get("max_instances", d.max_instances)),
+                            max_instance_bytes=int(float(entry.get("max_instance_mb", d.max_instance_bytes / 2**20))
+                                                   * 2**20),
+                            max_bytes=int(float(entry.get("max_mb", d.max_bytes / 2**20)) * 2**20),
+                            timeout_s=float(entry.get("timeout_s", d.timeout_s)))
+        except (TypeError, ValueError):
+            raise InputError(f"{where}: server {name!r}: limits must be numbers") from None
+        if min(limits.max_instances, limits.max_instance_bytes, limits.max_bytes, limits.timeout_s) <= 0:
+            raise InputError(f"{where}: server {name!r}: limits must be positive")
+        out[name] = PacsServer(name, base, token, limits)
+    return out
+
+
+def _base(text: str, what: str) -> str:
+    """The normalised service root of a server's URL (``dicomweb://`` read as ``http://``)."""
+    parts = urlsplit(text)
+    scheme = SCHEMES.get(parts.scheme.lower())
+    if scheme is None or not parts.hostname or parts.username or parts.password or parts.query or parts.fragment:
+        raise InputError(f"{what}: {text!r} is not a DICOMweb service URL (http(s)://HOST[:PORT]/PATH)")
+    path = "/".join(s for s in parts.path.split("/") if s)
+    return f"{scheme}://{parts.netloc.lower()}" + (f"/{path}" if path else "")
+
+
+def allowed_source(text: str, servers: dict, what: str = "volume"):
+    """``(PacsServer, DicomWebURL)`` for a client's series URL, only on a server the operator
+    allowed (same scheme, host, port and service path); anything else is refused before any
+    connection is made."""
+    from .errors import ForbiddenError
+
+    url = parse_url(text, f"'{what}'")
+    base = _base(url.base, f"'{what}'")
+    for server in (servers or {}).values():
+        if server.base == base:
+            return server, url
+    raise ForbiddenError(f"'{what}' names a DICOMweb server this worker does not read from; an operator allows one "
+                         "with `medvol serve --pacs-config FILE --allow-pacs NAME`")

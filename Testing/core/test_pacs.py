@@ -276,3 +276,74 @@ def test_a_bad_server_is_one_line_and_nothing_is_kept(capsys, tmp_path, bad_serv
     assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
     assert says in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == [] and _leftover_downloads() == before
+
+
+# ---- the worker: series only on servers the operator allowed ------------------------------
+
+def _call(worker, req, transport=None):
+    done, got = threading.Event(), []
+    worker.handle(req, reply=lambda r: (got.append(r), done.set()) if "event" not in r else None, transport=transport)
+    assert done.wait(300)
+    return got[0]
+
+
+def _servers_file(tmp_path, url) -> Path:
+    f = tmp_path / "pacs.json"
+    f.write_text(json.dumps({"servers": {"orthanc": {"url": url, "max_instances": 100}}}))
+    return f
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_the_worker_fetches_no_url_the_operator_did_not_allow(tmp_path, transport):
+    import socket
+
+    from medvolcore.serve import Worker
+
+    listener = socket.socket()  # a host the client names: it must never be contacted
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(5)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    allowed = pacs.load_servers(_servers_file(tmp_path, f"http://127.0.0.1:{free_port()}/dicom-web"), ["orthanc"])
+    w = Worker(transport=transport, device="cpu", pacs_servers=allowed)
+    none = Worker(transport=transport, device="cpu")
+    try:
+        for worker, url in ((w, f"dicomweb://127.0.0.1:{port}/dicom-web/studies/{STUDY}/series/{SERIES}"),
+                            (w, f"http://127.0.0.1:{port}/other/studies/{STUDY}/series/{SERIES}"),
+                            (none, f"dicomweb://127.0.0.1:{port}/dicom-web/studies/{STUDY}/series/{SERIES}")):
+            r = _call(worker, {"op": "segment", "id": 1, "volume": url, "query": "liver", "preset": "tiny"}, transport)
+            assert r["ok"] is False and r["error"]["code"] == "forbidden", r
+            assert "--allow-pacs" in r["error"]["message"]
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+        w.close(5)
+        none.close(5)
+
+
+@needs_orthanc
+def test_the_worker_segments_a_series_on_an_allowed_orthanc(orthanc, tmp_path):
+    import nibabel as nib
+
+    from medvolcore.serve import Worker
+
+    servers = pacs.load_servers(_servers_file(tmp_path, f"{orthanc.url}/dicom-web/"), ["orthanc"])
+    w = Worker(transport="stdio", device="cpu", pacs_servers=servers)
+    try:
+        r = _call(w, {"op": "segment", "id": 1, "volume": _series_url(orthanc), "query": "the liver",
+                      "preset": "tiny", "out": str(tmp_path / "m.nii.gz")})
+        assert r["ok"] is True, r
+        assert r["result"]["retrieved"]["instances"] == 8 and r["result"]["retrieved"]["pacs"] == "orthanc"
+        assert nib.load(str(tmp_path / "m.nii.gz")).shape[2] == 8
+        assert not list(Path(w.tmp_dir).glob("dicomweb-*"))  # the retrieved series is gone
+    finally:
+        w.close(5)
+
+
+def test_serve_needs_both_allow_pacs_and_its_config(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "serve", "--stdio", "--allow-pacs", "orthanc")
+    assert code == 2 and "--pacs-config" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, "serve", "--stdio", "--allow-pacs", "elsewhere",
+                           "--pacs-config", _servers_file(tmp_path, "http://127.0.0.1:1/dicom-web"))
+    assert code == 2 and "--allow-pacs elsewhere: no server of that name" in err
