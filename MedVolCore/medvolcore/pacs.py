@@ -218,8 +218,7 @@ def _failure(exc: Exception, url: DicomWebURL, doing: str) -> MedVolError:
         return PacsError(f"cannot reach {where} while {doing} (is it running, and is the URL right?)")
     if isinstance(exc, requests.RequestException):
         return PacsError(f"{where}: request failed while {doing}: {type(exc).__name__}")
-    return PacsError(f"{where} sent an answer that is not valid DICOMweb while {doing} ({type(exc).__name__}: "
-                     f"{str(exc)[:120]})")
+    return PacsError(f"{where} sent an answer that is not valid DICOMweb while {doing} ({type(exc).__name__})")
 
 
 def retrieve_series(url: DicomWebURL, folder: Path, token: Optional[str] = None, limits: Optional[Limits] = None,

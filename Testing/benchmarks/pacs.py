@@ -2,7 +2,7 @@
 """Benchmark of the DICOMweb round trip against a real Orthanc on loopback.
 
 Writes the CT (default: the 30-slice sample CT) as a DICOM series, starts Orthanc with its
-DICOMweb plugin on a free loopback port (Testing/core/orthanc.py), uploads the series, then
+DICOMweb plugin on a free loopback port (Testing/reference/orthanc.py), uploads the series, then
 measures: retrieval alone (WADO-RS, ``medvolcore.pacs.retrieve_series``, into a fresh folder each
 time; MB/s of DICOM files written), and the whole ``medvol segment --volume dicomweb://…
 --out dicomweb://…`` as a user runs it (a new process: start-up and model loading included), with
@@ -38,7 +38,7 @@ def main() -> int:
     import SimpleITK as sitk  # noqa: N813
 
     from conftest import _write_dicom_series
-    from core.orthanc import Orthanc, why_not_available
+    from reference.orthanc import Orthanc, why_not_available
     from medvolcore import pacs
 
     why = why_not_available()

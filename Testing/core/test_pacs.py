@@ -1,5 +1,5 @@
 """A DICOMweb server as source and destination (medvolcore.pacs, ``medvol segment --volume
-dicomweb://… --out dicomweb://…``), against a real Orthanc on loopback (Testing/core/orthanc.py),
+dicomweb://… --out dicomweb://…``), against a real Orthanc on loopback (Testing/reference/orthanc.py),
 and against small servers that misbehave on purpose (a refused connection, HTTP errors, a body
 cut short): each a single error line, nothing stored."""
 
@@ -17,7 +17,7 @@ import pytest
 from medvolcore import pacs
 from medvolcore.errors import InputError, LimitError
 
-from core.orthanc import Orthanc, free_port, why_not_available
+from reference.orthanc import Orthanc, free_port, why_not_available
 from core.test_cli import run_cli
 
 sitk = pytest.importorskip("SimpleITK")
