@@ -162,9 +162,14 @@ def _client(url: DicomWebURL, token: Optional[str], budget: Optional[_Budget]):
     if budget is not None:
         session.hooks["response"].append(lambda r, *a, **k: _bounded(r, url, budget))
     client = DICOMwebClient(url.base, session=session, headers={"Authorization": token} if token else None,
-                            timeout=(10.0, budget.limits.read_timeout_s if budget else 60.0))
+                            timeout=_timeouts(budget.limits) if budget else (10.0, 60.0))
     client.set_http_retry_params(retry=False)
     return client
+
+
+def _timeouts(limits: Limits) -> tuple:
+    """(connect, read) seconds for one request: never past the whole retrieval's deadline."""
+    return (min(10.0, limits.timeout_s), min(limits.read_timeout_s, limits.timeout_s))
 
 
 def _bounded(response, url: DicomWebURL, budget: _Budget):

@@ -5,10 +5,12 @@ cut short): each a single error line, nothing stored."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -221,15 +223,28 @@ class _Bad(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):  # noqa: N802
+        if self.mode == "slow":
+            time.sleep(5)
         if self.mode in ("401", "404", "500"):
             self.send_response(int(self.mode))
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
         if "/instances" in self.path and "/instances/" not in self.path:  # QIDO: one instance
-            body = json.dumps([{"00080018": {"vr": "UI", "Value": [f"{SERIES}.1"]}}]).encode()
+            uid = __import__("pydicom").dcmread(io.BytesIO(self.instance)).SOPInstanceUID if self.mode == "cut" \
+                else f"{SERIES}.1"
+            body = json.dumps([{"00080018": {"vr": "UI", "Value": [uid]}}]).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/dicom+json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if self.mode == "cut":  # a whole HTTP body whose one part is a DICOM file cut inside its pixel data
+            part = self.instance[: len(self.instance) // 2]
+            body = b"--b0\r\nContent-Type: application/dicom\r\n\r\n" + part + b"\r\n--b0--\r\n"
+            self.send_response(200)
+            self.send_header("Content-Type", 'multipart/related; type="application/dicom"; boundary=b0')
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -244,11 +259,12 @@ class _Bad(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def bad_server():
+def bad_server(source_series):
     servers = []
+    instance = sorted(source_series.iterdir())[0].read_bytes()
 
     def start(mode):
-        handler = type("H", (_Bad,), {"mode": mode})
+        handler = type("H", (_Bad,), {"mode": mode, "instance": instance})
         srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
@@ -266,15 +282,17 @@ def bad_server():
     ("404", "has no such resource"),
     ("500", "failed on its side"),
     ("truncated", "truncated answer"),
+    ("slow", "did not answer in time"),
+    ("cut", "truncated"),
 ])
 def test_a_bad_server_is_one_line_and_nothing_is_kept(capsys, tmp_path, bad_server, mode, says):
     url = (f"dicomweb://127.0.0.1:{free_port()}/dicom-web/studies/{STUDY}/series/{SERIES}" if mode == "down"
            else bad_server(mode))
     before = _leftover_downloads()
     code, stdout, err = run_cli(capsys, "segment", "--volume", url, "--query", "liver", "--out", tmp_path / "m.dcm",
-                                "--preset", "tiny", "--device", "cpu", "--no-progress", "--dicomweb-timeout", "20")
+                                "--preset", "tiny", "--device", "cpu", "--no-progress", "--dicomweb-timeout", "1" if mode == "slow" else "20")
     assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1, err
-    assert says in err and "Traceback" not in err
+    assert says in err and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == [] and _leftover_downloads() == before
 
 
