@@ -365,3 +365,18 @@ def test_serve_needs_both_allow_pacs_and_its_config(capsys, tmp_path):
     code, _, err = run_cli(capsys, "serve", "--stdio", "--allow-pacs", "elsewhere",
                            "--pacs-config", _servers_file(tmp_path, "http://127.0.0.1:1/dicom-web"))
     assert code == 2 and "--allow-pacs elsewhere: no server of that name" in err
+
+
+@needs_orthanc
+def test_keep_downloads_keeps_the_series_for_the_next_run(capsys, orthanc, tmp_path):
+    keep = tmp_path / "downloads"
+    args = ["segment", "--volume", _series_url(orthanc), "--query", "liver", "--out", tmp_path / "m.nii.gz",
+            "--preset", "tiny", "--device", "cpu", "--json", "--no-progress", "--keep-downloads", keep]
+    code, stdout, err = run_cli(capsys, *args)
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["downloads"] == str(keep / SERIES) and len(list((keep / SERIES).glob("*.dcm"))) == 8
+    assert res["retrieved"]["fetched"] == 8
+    code, stdout, err = run_cli(capsys, *args, "--overwrite")
+    assert code == 0, err
+    assert json.loads(stdout)["retrieved"]["fetched"] == 0  # nothing fetched again
