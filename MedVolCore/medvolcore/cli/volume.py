@@ -584,8 +584,9 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--out", required=True, action="append", metavar="PATH",
                     help="mask to write, on the CT's grid: a label map (.nii.gz, .nii, .nrrd, .mha), a Slicer "
                          "segmentation (.seg.nrrd) or, for a DICOM series folder, a DICOM Segmentation (.dcm); "
-                         "repeat it to write the same result in several formats. With several queries a label map "
-                         "gets a table beside it (*.labels.json)")
+                         "repeat it to write the same result in several formats, or a DICOMweb study "
+                         "(dicomweb://…/studies/S) to store the DICOM-SEG into (docs/pacs.md). With several queries a "
+                         "label map gets a table beside it (*.labels.json)")
     sp.add_argument("--target-name", metavar="NAME",
                     help="the structure the query is about, when you know it (e.g. a dataset's label name, "
                          "kidney_left): it names and codes the segment (SNOMED CT, colour); the model still reads "
