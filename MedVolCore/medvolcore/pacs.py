@@ -403,3 +403,85 @@ def allowed_source(text: str, servers: dict, what: str = "volume"):
             return server, url
     raise ForbiddenError(f"'{what}' names a DICOMweb server this worker does not read from; an operator allows one "
                          "with `medvol serve --pacs-config FILE --allow-pacs NAME`")
+
+
+# ---- many series: a batch manifest's URLs, and a QIDO-RS search writing one -------------------------------
+
+@dataclass
+class SeriesAccess:
+    """How a run reads the series its manifest names by URL: ``servers`` (``--pacs-config`` and
+    ``--allow-pacs``: only those servers, each with its own token and limits) or else one ``token``
+    (sent to one server only) and the run's ``limits``; ``keep`` a folder keeping the downloads."""
+
+    token: Optional[str] = None
+    limits: Limits = field(default_factory=Limits)
+    servers: Optional[dict] = None
+    keep: Optional[Path] = None
+
+    def source(self, text: str) -> tuple:
+        """``(DicomWebURL, token, limits)`` for a manifest's series URL, or an :class:`InputError`
+        saying why that server is not read from (nothing is contacted)."""
+        url = parse_url(text, "volume")
+        if self.servers is None:
+            return url, self.token, self.limits
+        base = _base(url.base, "volume")
+        for server in self.servers.values():
+            if server.base == base:
+                return url, server.token, server.limits
+        raise InputError(f"volume {text}: a server not allowed by --allow-pacs (give it in --pacs-config and allow it)")
+
+
+def check_sources(texts, access: SeriesAccess) -> dict:
+    """``{url: problem}`` for the series URLs of a manifest that ``access`` refuses: a server not
+    allowed, or with one ``--dicomweb-token-file``, a server other than the first URL's (a token
+    goes to one server)."""
+    problems, first = {}, None
+    for text in texts:
+        try:
+            url, _token, _limits = access.source(text)
+        except InputError as e:
+            problems[text] = str(e)
+            continue
+        if access.servers is None and access.token:
+            first = first or url.base
+            if url.base != first:
+                problems[text] = (f"volume {text}: --dicomweb-token-file is sent to one server ({first}); give the "
+                                  "servers in --pacs-config, each with its token_file")
+    return problems
+
+
+_DATE = re.compile(r"^(\d{8})?(-(\d{8})?)?$")
+_MODALITY = re.compile(r"^[A-Z0-9_]{1,16}$")
+
+
+def find_series(base: str, modality: Optional[str] = None, study_date: Optional[str] = None, limit: int = 1000,
+                token: Optional[str] = None, timeout_s: float = 60.0) -> list:
+    """The series on the DICOMweb server at ``base`` (its service root) matching ``modality`` and
+    ``study_date`` (``YYYYMMDD``, ``YYYYMMDD-YYYYMMDD``, ``-YYYYMMDD`` or ``YYYYMMDD-``), at most
+    ``limit`` (QIDO-RS): a list of :class:`DicomWebURL`, in the server's order."""
+    root = DicomWebURL(_base(base, "--url"), "0")
+    filters = {}
+    if modality:
+        if not _MODALITY.match(modality):
+            raise InputError(f"--modality {modality!r}: a DICOM modality is upper-case letters and digits (CT, MR, …)")
+        filters["Modality"] = modality
+    if study_date:
+        if not _DATE.match(study_date) or study_date == "-":
+            raise InputError(f"--study-date {study_date!r}: expected YYYYMMDD, YYYYMMDD-YYYYMMDD, -YYYYMMDD or YYYYMMDD-")
+        filters["StudyDate"] = study_date
+    if limit <= 0:
+        raise InputError("--limit must be positive")
+    client = _client(root, token, None)
+    client._timeout = (min(10.0, timeout_s), timeout_s)
+    try:
+        found = client.search_for_series(search_filters=filters, fields=["0020000D", "0020000E"], limit=limit)
+    except Exception as e:  # noqa: BLE001
+        raise _failure(e, root, "searching for series") from None
+    out = []
+    for item in found if isinstance(found, list) else []:
+        uids = [((item.get(tag) or {}).get("Value") or [None])[0] if isinstance(item, dict) else None
+                for tag in ("0020000D", "0020000E")]
+        if not all(isinstance(u, str) and _UID.match(u) and len(u) <= 64 for u in uids):
+            raise PacsError(f"the DICOMweb server {root.host} listed a series without valid study and series UIDs")
+        out.append(DicomWebURL(root.base, uids[0], uids[1]))
+    return out[:limit]

@@ -19,14 +19,26 @@ from pathlib import Path
 from ..errors import InputError
 
 
-def add_dicomweb_options(sp) -> None:
-    g = sp.add_argument_group("DICOMweb (a PACS): --volume …/studies/S/series/SE, --out …/studies/S")
+def add_dicomweb_options(sp, batch: bool = False) -> None:
+    g = sp.add_argument_group("DICOMweb (a PACS): a manifest's volume …/studies/S/series/SE" if batch else
+                              "DICOMweb (a PACS): --volume …/studies/S/series/SE, --out …/studies/S")
     g.add_argument("--dicomweb-token-file", metavar="FILE",
                    help="file holding the server's bearer token (or a whole 'Basic …'/'Bearer …' Authorization "
-                        "value); sent over HTTPS, or plain HTTP to this machine's loopback only")
+                        "value); sent over HTTPS, or plain HTTP to this machine's loopback only"
+                        + ("; every series URL of the manifest must then be on one server" if batch else ""))
     g.add_argument("--keep-downloads", metavar="DIR",
-                   help="keep the retrieved series under DIR/SERIES_UID (default: deleted when the command ends); "
-                        "a retrieval into a folder already there fetches only the instances missing")
+                   help="keep the retrieved series under DIR/SERIES_UID (default: deleted when "
+                        + ("each case ends" if batch else "the command ends")
+                        + "); a retrieval into a folder already there fetches only the instances missing")
+    if batch:
+        g.add_argument("--pacs-config", metavar="FILE",
+                       help="servers file (JSON, as for medvol serve): with --allow-pacs, series URLs are read only "
+                            "from the servers allowed, each with its token_file and limits")
+        g.add_argument("--allow-pacs", action="append", metavar="NAME",
+                       help="read series URLs from server NAME of --pacs-config (repeatable)")
+        g.add_argument("--store-seg", action="store_true",
+                       help="store each URL case's DICOM-SEG into its series' study on the same server (STOW-RS), "
+                            "before the case counts as finished; the local copy is not kept")
     g.add_argument("--dicomweb-max-instances", type=int, default=2000, metavar="N",
                    help="refuse a series of more instances (default 2000)")
     g.add_argument("--dicomweb-max-instance-mb", type=float, default=512, metavar="MB",
@@ -46,6 +58,21 @@ def _limits(args):
                          "--dicomweb-timeout must be positive")
     return Limits(max_instances=int(values[0]), max_instance_bytes=int(values[1] * 2**20),
                   max_bytes=int(values[2] * 2**20), timeout_s=float(values[3]))
+
+
+def series_access(args):
+    """``medvol batch``'s DICOMweb options as a :class:`medvolcore.pacs.SeriesAccess` (files read,
+    nothing contacted)."""
+    from .. import pacs
+
+    if bool(args.pacs_config) != bool(args.allow_pacs):
+        raise InputError("--allow-pacs NAME and --pacs-config FILE go together (the file says where NAME is)")
+    if args.pacs_config and args.dicomweb_token_file:
+        raise InputError("with --pacs-config each server's token is its token_file; leave out --dicomweb-token-file")
+    servers = pacs.load_servers(args.pacs_config, args.allow_pacs) if args.pacs_config else None
+    token = pacs.read_token(args.dicomweb_token_file) if args.dicomweb_token_file else None
+    return pacs.SeriesAccess(token=token, limits=_limits(args), servers=servers,
+                             keep=Path(args.keep_downloads) if args.keep_downloads else None)
 
 
 @contextmanager
@@ -104,6 +131,62 @@ def dicomweb_run(args, outs: list):
         yield volume, local, finish
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+FIND_HELP = "Search a DICOMweb server for series (QIDO-RS) and write a medvol batch manifest of their URLs."
+
+
+def add_pacs_command(sub, add):
+    """``medvol pacs find``."""
+    sp = add("pacs", FIND_HELP, cmd_pacs)
+    sp.add_argument("action", choices=["find"], help="find: search for series and write a manifest")
+    sp.add_argument("--url", required=True, metavar="BASE",
+                    help="the server's DICOMweb root: dicomweb://HOST[:PORT]/PATH (Orthanc: …/dicom-web) or https://…")
+    sp.add_argument("--modality", metavar="M", help="only series of this modality (CT, MR, …)")
+    sp.add_argument("--study-date", metavar="RANGE", help="YYYYMMDD, YYYYMMDD-YYYYMMDD, -YYYYMMDD or YYYYMMDD-")
+    sp.add_argument("--limit", type=int, default=1000, metavar="N", help="at most N series (default 1000)")
+    sp.add_argument("--query", required=True, help="the query of every row (what to segment in each series)")
+    sp.add_argument("--out", required=True, metavar="MANIFEST.csv", help="the manifest to write (id,volume,query)")
+    sp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    sp.add_argument("--dicomweb-token-file", metavar="FILE", help="as for medvol segment")
+    sp.add_argument("--dicomweb-timeout", type=float, default=60, metavar="S", help="give up after S seconds (60)")
+    return sp
+
+
+def cmd_pacs(args) -> int:
+    import csv
+    import io
+    import json
+
+    from .. import pacs
+    from ..fileio import atomic_path
+    from ..grounder import validate_query
+
+    out = Path(args.out)
+    if not out.name.lower().endswith(".csv"):
+        raise InputError(f"--out {out}: write the manifest as a .csv file")
+    if out.exists() and not args.overwrite:
+        raise InputError(f"--out {out} exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise InputError(f"--out {out}: the folder {out.parent} does not exist")
+    query = validate_query(args.query)
+    if not args.dicomweb_timeout or args.dicomweb_timeout <= 0:
+        raise InputError("--dicomweb-timeout must be positive")
+    token = pacs.read_token(args.dicomweb_token_file) if args.dicomweb_token_file else None
+    found = pacs.find_series(args.url, args.modality, args.study_date, args.limit, token, args.dicomweb_timeout)
+    text = io.StringIO(newline="")
+    w = csv.writer(text, lineterminator="\n")
+    w.writerow(["id", "volume", "query"])
+    for url in found:
+        w.writerow([url.series, str(url).replace("http://", "dicomweb://", 1), query])
+    with atomic_path(out, overwrite=args.overwrite) as tmp:
+        Path(tmp).write_text(text.getvalue(), encoding="utf-8")
+    if args.json:
+        sys.stdout.write(json.dumps({"manifest": str(out), "series": len(found),
+                                     "urls": [str(u) for u in found]}, indent=2) + "\n")
+    else:
+        sys.stdout.write(f"{len(found)} series written to {out}\n")
+    return 0
 
 
 def stored_text(res: dict) -> str:
