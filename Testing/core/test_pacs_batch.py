@@ -225,3 +225,14 @@ def test_a_case_on_a_server_that_is_down_fails_alone(capsys, tmp_path):
     assert failure["id"] == "a" and failure["error"].startswith("pacs_error: cannot reach the DICOMweb server")
     assert sorted(p.name for p in (tmp_path / "out" / "a").iterdir()) == ["error.json"]
     assert _leftover_downloads() == before
+
+
+def test_pacs_find_on_a_server_that_is_down_is_one_line(capsys, tmp_path):
+    from reference.orthanc import free_port
+
+    code, _, err = run_cli(capsys, "pacs", "find", "--url", f"dicomweb://127.0.0.1:{free_port()}/dicom-web",
+                           "--query", "liver", "--out", tmp_path / "m.csv")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "cannot reach the DICOMweb server" in err
+    assert not (tmp_path / "m.csv").exists()
+    code, _, err = run_cli(capsys, "pacs", "find", "--url", "ftp://h/x", "--query", "liver", "--out", tmp_path / "m.csv")
+    assert code == 2 and "not a DICOMweb service URL" in err
