@@ -236,3 +236,11 @@ def test_pacs_find_on_a_server_that_is_down_is_one_line(capsys, tmp_path):
     assert not (tmp_path / "m.csv").exists()
     code, _, err = run_cli(capsys, "pacs", "find", "--url", "ftp://h/x", "--query", "liver", "--out", tmp_path / "m.csv")
     assert code == 2 and "not a DICOMweb service URL" in err
+
+
+def test_dicomweb_options_without_any_url_are_refused(capsys, tmp_path, small_ct):
+    manifest = tmp_path / "cases.csv"
+    manifest.write_text(f"id,volume,query\na,{small_ct[0]},liver\n")
+    code, _, err = run_cli(capsys, "batch", "--manifest", manifest, "--out-dir", tmp_path / "out", "--store-seg",
+                           "--preset", "tiny", "--dry-run")
+    assert code == 2 and "names none" in err and len(err.strip().splitlines()) == 1
