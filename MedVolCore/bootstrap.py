@@ -27,7 +27,8 @@ Steps, each skipped when already satisfied, so running it again is cheap:
    ``--no-pyqt`` or ``--no-slicer-core`` is given (that tier needs both). Also for the tests only:
    inside Slicer, Qt comes through PythonQt;
 8. install Debian's ``dicom3tools`` (``dciodvfy``) and ``dcmtk`` (``dcmdump``), which the DICOM
-   conformance tests use to check the DICOM-SEGs written independently of highdicom, unless
+   conformance tests use to check the DICOM-SEGs written independently of highdicom, and ``orthanc``
+   with ``orthanc-dicomweb`` (the DICOMweb server the PACS tests run on loopback), unless
    ``--no-dicom-tools`` is given: with ``apt-get`` as root only, and a failure is a warning (those
    checks then skip and say why).
 """
@@ -134,18 +135,24 @@ def install_torch(py: Path, mode: str) -> None:
         run(pip + ["torch>=2.5", "--index-url", TORCH_CPU_INDEX])
 
 
-DICOM_TOOLS = {"dciodvfy": "dicom3tools", "dcmdump": "dcmtk"}
+DICOM_TOOLS = {"dciodvfy": "dicom3tools", "dcmdump": "dcmtk", "Orthanc": "orthanc"}
+# Orthanc's DICOMweb plugin, where Debian's orthanc-dicomweb puts it (the PACS tests' server)
+ORTHANC_DICOMWEB = Path("/usr/share/orthanc/plugins/libOrthancDicomWeb.so")
 
 
 def install_dicom_tools() -> None:
-    """Debian's dicom3tools and dcmtk, where apt-get can install them (root); never fatal."""
+    """Debian's dicom3tools and dcmtk (the conformance tests' validators), and Orthanc with its
+    DICOMweb plugin (the PACS tests' server), where apt-get can install them (root); never fatal."""
     missing = sorted({pkg for tool, pkg in DICOM_TOOLS.items() if shutil.which(tool) is None})
+    if not ORTHANC_DICOMWEB.exists():
+        missing.append("orthanc-dicomweb")
     if not missing:
-        log("dciodvfy and dcmdump already installed")
+        log("dciodvfy, dcmdump and Orthanc with its DICOMweb plugin already installed")
         return
+    skipped = ("the DICOM conformance tests' validator checks and the PACS tests against Orthanc skip when theirs "
+               "is missing")
     if shutil.which("apt-get") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
-        log(f"warning: {', '.join(missing)} not installed (needs apt-get as root); the DICOM conformance tests' "
-            "validator checks will skip")
+        log(f"warning: {', '.join(missing)} not installed (needs apt-get as root); {skipped}")
         return
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     install = ["apt-get", "install", "-y", "--no-install-recommends"] + missing
@@ -154,8 +161,7 @@ def install_dicom_tools() -> None:
         subprocess.run(["apt-get", "update"], env=env)
         r = subprocess.run(install, env=env)
     if r.returncode != 0:
-        log(f"warning: apt-get could not install {', '.join(missing)}; the DICOM conformance tests' validator "
-            "checks will skip")
+        log(f"warning: apt-get could not install {', '.join(missing)}; {skipped}")
 
 
 def main(argv=None) -> int:
@@ -172,7 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-pyqt", action="store_true",
                     help="skip PyQt5 5.15 (with its Qt 5.15 libraries, about 200 MB; only Testing/slicer_qt needs it)")
     ap.add_argument("--no-dicom-tools", action="store_true",
-                    help="skip Debian's dicom3tools and dcmtk (the DICOM conformance tests' validators)")
+                    help="skip Debian's dicom3tools, dcmtk, orthanc and orthanc-dicomweb (the DICOM conformance "
+                         "tests' validators, the PACS tests' server)")
     args = ap.parse_args(argv)
 
     venv = Path(args.venv)
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     run([py, "-m", "pip", "install", "--quiet", "--upgrade", "pip>=23.1", "setuptools>=64", "wheel"])
     install_torch(py, args.torch)
 
-    extras = "itk,dicom" if args.no_dev else "itk,dicom,dev"
+    extras = "itk,dicom,pacs" if args.no_dev else "itk,dicom,pacs,dev"
     run([py, "-m", "pip", "install", "--quiet", "-e", f"{REPO / 'MedVolCore'}[{extras}]"] + SAM2_RUNTIME)
 
     if has_module(py, "sam2") != SAM2_SPEC.split("==")[1]:

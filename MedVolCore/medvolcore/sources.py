@@ -569,6 +569,23 @@ def check_header(fd: int, suffix: str, what: str, limits: "CopyLimits") -> None:
                          f"{int(limits.max_voxels):,} (--max-voxels); refused before copying it")
 
 
+def _series_entry(dir_fd: int, name: str, value: str, what: str) -> Optional[os.stat_result]:
+    """The stat of entry ``name`` of a series folder when it is a regular file; None when it is gone
+    or a subfolder (not part of the series); a symbolic link, device, FIFO or socket is refused."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse_link(value, what, name, entry=True)
+    if stat.S_ISDIR(st.st_mode):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise VolumeError(f"'{what}' {value!r} holds {name}, which is not a regular file (a device, FIFO or "
+                          "socket); a DICOM folder should hold only the files of its series")
+    return st
+
+
 def check_series_folder(dir_fd: int, names: List[str], value: str, what: str, limits: "CopyLimits") -> None:
     """Refuse a folder before any of it is copied: an entry that is a symbolic link, a device,
     FIFO or socket, a file that is not a DICOM file (no ``DICM`` marker after its 128-byte
@@ -576,17 +593,9 @@ def check_series_folder(dir_fd: int, names: List[str], value: str, what: str, li
     holding more than ``limits.max_bytes`` together. Reads 132 bytes of each file."""
     total = 0
     for name in sorted(names):
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
+        st = _series_entry(dir_fd, name, value, what)
+        if st is None:
             continue
-        if stat.S_ISLNK(st.st_mode):
-            raise _refuse_link(value, what, name, entry=True)
-        if stat.S_ISDIR(st.st_mode):
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            raise VolumeError(f"'{what}' {value!r} holds {name}, which is not a regular file (a device, FIFO or "
-                              "socket); a DICOM folder should hold only the files of its series")
         total += st.st_size
         limits.check_size(total, f"'{what}' {value!r}")
         fd = _open_entry(dir_fd, name, value, what, folder=False)
@@ -701,17 +710,9 @@ def _copy_folder(dir_fd: int, value: str, what: str, folder: Path, cancel, limit
     manifest = _Manifest("dicom")
     copied = 0
     for name in sorted(names):
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            continue  # gone since the listing
-        if stat.S_ISLNK(st.st_mode):
-            raise _refuse_link(value, what, name, entry=True)
-        if stat.S_ISDIR(st.st_mode):
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            raise VolumeError(f"'{what}' {value!r} holds {name}, which is not a regular file (a device, FIFO or "
-                              "socket); a DICOM folder should hold only the files of its series")
+        st = _series_entry(dir_fd, name, value, what)
+        if st is None:
+            continue  # gone since the listing, or a subfolder (not part of the series)
         fd = _open_entry(dir_fd, name, value, what, folder=False)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):

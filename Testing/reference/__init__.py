@@ -6,5 +6,7 @@
   counterpart of ``medvol propagate``;
 - ``controlled_masks``: a MedSAM2 predictor whose tracked masks follow given volumes while every
   sam2 computation still runs;
-- ``qwen3_vl_sizes``: the published Qwen3-VL sizes and the memory a run of each needs.
+- ``qwen3_vl_sizes``: the published Qwen3-VL sizes and the memory a run of each needs;
+- ``orthanc``: a real Orthanc with its DICOMweb plugin on a free loopback port (the PACS tests'
+  and benchmark's server), or why it cannot run here.
 """

@@ -117,23 +117,31 @@ def test_bad_painted_slices_are_one_message_and_nothing_is_sent(manual, client, 
         _refused(manual, client, p, tiny, "has 2 objects: choose the one")
 
 
+def _repropagate_and_answer(manual, client, p, volume, mask, tmp_path, tiny):
+    """Re-propagate, and answer as the worker would: the anchor sent, run, with ``mask`` (KJI) as the
+    result. Returns the job, the anchor that ran and the mask file."""
+    from medvolcore.volume import load_volume, save_mask
+
+    job, _ = manual.startRepropagate(p, tiny)
+    stack = stack_of(manual, volume)
+    ran = EvidenceAnchor.from_dict(job.request["anchor"], stack).with_world(stack).to_dict()
+    path = save_mask(np.transpose(mask, (2, 1, 0)).astype(np.uint8), load_volume(manual.exportVolume(volume)),
+                     tmp_path / "ran.nii.gz")
+    client.answer(job, {"anchor": ran, "mask_path": str(path), "notes": [], "smoke": False})
+    assert job.state == "done", job.error
+    return job, ran, path
+
+
 def test_the_painted_result_comes_back_and_its_slice_stays_a_prompt(manual, client, oblique, tmp_path, tiny):
     """The worker's /4 answer is put into the scene (a mask prompt makes no node); the next
     Re-propagate sends the painted slice again, and painting it once more replaces its mask."""
-    from medvolcore.volume import load_volume, save_mask
     from MedVolR1SlicerScene import painted
 
     volume, geo = segmented(manual, client, oblique, tmp_path, tiny)
     p = manual.getParameterNode()
     k = p.keySliceIJK + 3
     edited = _paint(p, volume, geo, k, _fix_outline)
-    job, _ = manual.startRepropagate(p, tiny)
-    stack = stack_of(manual, volume)
-    ran = EvidenceAnchor.from_dict(job.request["anchor"], stack).with_world(stack).to_dict()
-    path = save_mask(np.transpose(edited, (2, 1, 0)).astype(np.uint8), load_volume(manual.exportVolume(volume)),
-                     tmp_path / "ran.nii.gz")
-    client.answer(job, {"anchor": ran, "mask_path": str(path), "notes": [], "smoke": False})
-    assert job.state == "done", job.error
+    job, ran, path = _repropagate_and_answer(manual, client, p, volume, edited, tmp_path, tiny)
     assert painted.painted_slices(p) == [] and len(p.corrections) == 0  # the result is the new reference
     first = ran["prompts"][0]
     # a box moved: the painted slice is sent again, as it ran
@@ -186,7 +194,6 @@ def test_undo_and_redo_keep_each_results_slices_as_the_reference(manual, client,
     """Undo puts the segment back as it was when Re-propagate was clicked (the two painted slices not
     yet sent) with the earlier result's slice digests, so those two slices are painted again and
     nothing else is; Redo puts the later result back with its own digests: nothing painted."""
-    from medvolcore.volume import load_volume, save_mask
     from MedVolR1SlicerScene import painted
 
     volume, geo = segmented(manual, client, oblique, tmp_path, tiny)
@@ -194,13 +201,7 @@ def test_undo_and_redo_keep_each_results_slices_as_the_reference(manual, client,
     k = p.keySliceIJK + 3
     edited = _paint(p, volume, geo, k, _fix_outline)
     edited = _paint(p, volume, geo, k + 1, lambda s: np.pad(s[2:], ((0, 2), (0, 0))))  # a result differing on two slices
-    job, _ = manual.startRepropagate(p, tiny)
-    stack = stack_of(manual, volume)
-    ran = EvidenceAnchor.from_dict(job.request["anchor"], stack).with_world(stack).to_dict()
-    path = save_mask(np.transpose(edited, (2, 1, 0)).astype(np.uint8), load_volume(manual.exportVolume(volume)),
-                     tmp_path / "ran.nii.gz")
-    client.answer(job, {"anchor": ran, "mask_path": str(path), "notes": [], "smoke": False})
-    assert job.state == "done", job.error
+    job, ran, path = _repropagate_and_answer(manual, client, p, volume, edited, tmp_path, tiny)
     assert painted.painted_slices(p) == []
     assert manual.undoLastResult(p=p)
     p = manual.getParameterNode()

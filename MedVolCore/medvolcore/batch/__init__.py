@@ -39,6 +39,14 @@ folder's files) and the outputs it lists exist. A run killed at any moment there
 its outputs. A case that fails (missing or corrupt file, model error, …) gets
 ``DIR/<id>/error.json`` (its error code and message) and the run goes on.
 
+A ``volume`` may be a DICOMweb series URL (:mod:`medvolcore.pacs`; ``BatchOptions.dicomweb`` says
+how it is read): checked before any model loads without contacting a server (its form, and the
+servers allowed), the case retrieves it into its own private folder, reads it as a local DICOM
+series and removes it when the case ends (unless kept). Its fingerprint is its URL (a DICOM UID
+names one series forever), so ``--resume`` skips it without retrieving it. ``store_seg`` also
+writes its DICOM-SEG into that folder and stores it into the series' study; ``done.json`` (with
+``retrieved`` and ``stored``) is written only after the server accepted it.
+
 ``--resume`` skips complete cases and reruns failed or incomplete ones (their leftovers are
 removed first), and cases whose volume or gt file was replaced since. A case folder that is a
 symbolic link is refused: the run never writes or deletes through a link. Without ``--resume`` or ``--overwrite`` the run refuses to start when any of its

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -127,7 +131,10 @@ class BatchCase:
 
     def fingerprint(self, c: Case) -> dict:
         o = self.opts
-        return c.fingerprint(self.preset, o.adapter, o.consensus, o.consensus_mask)
+        d = c.fingerprint(self.preset, o.adapter, o.consensus, o.consensus_mask)
+        if c.source and o.store_seg:  # a case finished without storing its SEG runs again to store it
+            d["store_seg"] = True
+        return d
 
     def name(self, c: Case) -> str:
         return c.id
@@ -143,7 +150,12 @@ class BatchCase:
         cdir = self.out / c.id
         _clear_case(cdir)  # a case folder swapped for a link after planning: refused, nothing written into it
         cdir.mkdir(parents=True, exist_ok=True)
-        rec = _segment_case(c, cdir, self.pipeline, self.opts, self.hu_window, progress, fingerprint, t0)
+        if c.source:
+            with _retrieved(c, self.opts.dicomweb, progress) as (local, retrieved, work, store):
+                rec = _segment_case(local, cdir, self.pipeline, self.opts, self.hu_window, progress, fingerprint, t0,
+                                    retrieved, seg=work / "seg.dcm" if self.opts.store_seg else None, store=store)
+        else:
+            rec = _segment_case(c, cdir, self.pipeline, self.opts, self.hu_window, progress, fingerprint, t0)
         return case_row(c.id, rec["status"], "", rec["anchor"]["slice"], rec["anchor"]["n_boxes"], rec["seconds"],
                         (rec["metrics"] or {}).get("dice"), (rec["metrics"] or {}).get("iou"), _query=c.query,
                         _reasoning=rec["reasoning"], _smoke=rec["smoke"], _skipped=False, _run_seconds=rec["seconds"],
@@ -169,8 +181,31 @@ class BatchCase:
         return _failed_row(c, f"{code}: {message}", seconds)
 
 
-def _segment_case(c: Case, cdir: Path, pipe, opts, hu_window, progress, fingerprint, t0) -> dict:
-    """Segment the case, write its outputs, then ``done.json`` (returned)."""
+@contextmanager
+def _retrieved(c: Case, access, progress):
+    """``(case, retrieved, work, store)``: the case with its series retrieved into a private
+    folder (or ``KEEP/SERIES_UID`` with ``--keep-downloads``) as its volume, a private folder
+    ``work`` for the DICOM-SEG, and ``store(path)`` that stores a DICOM-SEG into the series' study
+    on the same server. ``work`` (and the download, unless kept) is removed when the case ends,
+    whatever the outcome."""
+    from ..pacs import DicomWebURL, SeriesAccess, retrieve_series, store_seg
+
+    access = access or SeriesAccess()
+    url, token, limits = access.source(c.source)
+    work = Path(tempfile.mkdtemp(prefix="medvol-dicomweb-"))  # 0700: patient data
+    folder = Path(access.keep) / url.series if access.keep else work / "series"
+    try:
+        retrieved = retrieve_series(url, folder, token, limits)
+        yield (replace(c, volume=folder), retrieved, work,
+               lambda seg: store_seg(seg, DicomWebURL(url.base, url.study), token))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _segment_case(c: Case, cdir: Path, pipe, opts, hu_window, progress, fingerprint, t0, retrieved=None, seg=None,
+                  store=None) -> dict:
+    """Segment the case, write its outputs (and the DICOM-SEG ``seg``, stored by ``store``), then
+    ``done.json`` (returned)."""
     from ..geometry import gt_on_grid
     from ..jobs import SegmentOutputs, run_segment_job
     from ..request import SegmentRequest
@@ -191,7 +226,7 @@ def _segment_case(c: Case, cdir: Path, pipe, opts, hu_window, progress, fingerpr
     request = SegmentRequest.from_manifest({"id": c.id, "query": c.query}, reference=target,
                                            **opts.request_settings(hu_window))
     agreement = cdir / AGREEMENT if opts.consensus > 1 else None
-    outputs = SegmentOutputs(cdir / OUTPUTS[0], anchor=cdir / OUTPUTS[1], qc=cdir / OUTPUTS[2], overwrite=True,
+    outputs = SegmentOutputs([cdir / OUTPUTS[0], seg] if seg else cdir / OUTPUTS[0], anchor=cdir / OUTPUTS[1], qc=cdir / OUTPUTS[2], overwrite=True,
                              names=OUTPUTS, empty_mask_on_absent=opts.empty_mask_on_absent, agreement=agreement,
                              agreement_name=AGREEMENT)
     res = run_segment_job(pipe, stack, request, outputs, inputs=[("volume", c.volume), ("gt", c.gt)],
@@ -214,6 +249,10 @@ def _segment_case(c: Case, cdir: Path, pipe, opts, hu_window, progress, fingerpr
         "timings": {k: v for k, v in res["timings"].items() if isinstance(v, float)},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if retrieved is not None:
+        rec["retrieved"] = retrieved
+    if seg is not None:  # stored before done.json: a case is finished only once the server took its SEG
+        rec["stored"] = store(seg) if Path(seg).is_file() else None
     write_record(cdir / DONE, rec)  # last: marks the case complete
     return rec
 

@@ -3,7 +3,8 @@
 A manifest lists cases, one per CSV row or JSONL line, with the fields ``id``, ``volume``,
 ``query`` and optionally ``gt`` (a label map) and ``label`` (an id, or several: ``2,3`` in CSV,
 ``[2, 3]`` in JSONL; without ``label`` every non-zero voxel of ``gt`` is the target). Relative
-paths are resolved against the manifest's folder. :func:`read_manifest` checks every row's fields
+paths are resolved against the manifest's folder; a ``volume`` that is a DICOMweb series URL is
+kept as ``Case.source`` (retrieved when the case runs). :func:`read_manifest` checks every row's fields
 (missing columns, empty fields, duplicate ids, ids that are not safe folder names, ``label``
 without ``gt``) and reports every problem at once; :func:`check_case_files` checks a row's files
 from their headers only. A :class:`Case`'s position in the manifest (``index``, invalid rows
@@ -24,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..caseruns import input_state, one_line
 from ..errors import InputError, MedVolError
+from ..pacs import is_dicomweb, parse_url
 from ..strictjson import DuplicateKeyError, unique_keys
 
 REQUIRED_FIELDS = ("id", "volume", "query")
@@ -51,14 +53,18 @@ class Case:
     index: int = 0
     line: int = 0
     problem: Optional[str] = None  # why the row cannot run (checked before any model loads); None: valid
+    source: Optional[str] = None  # a DICOMweb series URL (``volume`` is then None until it is retrieved)
 
     def fingerprint(self, preset: str = "", adapter=None, consensus: int = 1, consensus_mask: str = "greedy") -> dict:
         """What a finished case must match to be skipped by ``--resume``: its fields, the model,
         the consensus (when G > 1), and what its volume and ground truth files are now
-        (:func:`medvolcore.caseruns.input_state`), so a CT replaced at the same path runs again."""
-        d = {"volume": str(self.volume), "query": self.query, "gt": str(self.gt) if self.gt else None,
+        (:func:`medvolcore.caseruns.input_state`), so a CT replaced at the same path runs again.
+        A series named by URL is identified by its URL: DICOM never gives a UID to two series, so
+        a case finished on that URL is not retrieved again (``--overwrite`` redoes it)."""
+        d = {"volume": self.source or str(self.volume), "query": self.query, "gt": str(self.gt) if self.gt else None,
              "label": self.label, "preset": preset, "adapter": str(adapter) if adapter else None,
-             "volume_state": input_state(self.volume), "gt_state": input_state(self.gt) if self.gt else None}
+             "volume_state": {"dicomweb": self.source} if self.source else input_state(self.volume),
+             "gt_state": input_state(self.gt) if self.gt else None}
         if consensus > 1:
             d.update(consensus=consensus, consensus_mask=consensus_mask)
         return d
@@ -261,7 +267,15 @@ def _read_cases(path) -> Tuple[Path, List[Case], List[str]]:
         if case.label is not None and not gt_text:
             case.problem = "'label' is given without 'gt'; give the label map in 'gt'"
             continue
-        case.volume = _resolve(rec["volume"].strip(), base)
+        volume = rec["volume"].strip()
+        if is_dicomweb(volume):  # a series on a DICOMweb server: retrieved when the case runs
+            try:
+                case.source = str(parse_url(volume, "volume"))
+            except InputError as e:
+                case.problem = str(e)
+                continue
+        else:
+            case.volume = _resolve(volume, base)
         case.gt = _resolve(gt_text, base) if gt_text else None
     if not cases and not problems:
         raise ManifestError(f"{path}: the manifest lists no cases")
@@ -282,37 +296,30 @@ def check_case_files(cases: Sequence[Case]) -> None:
     from ..geometry import match_grids
     from ..volume import label_mask, load_label_map, read_grid
 
-    grids: Dict[str, object] = {}
-    label_maps: Dict[str, object] = {}
+    def read_once(read):
+        """``read(path)``, once per path: its answer, or its error raised again."""
+        seen: Dict[str, object] = {}
 
-    def labels_of(p: Path):
-        key = str(p)
-        if key not in label_maps:
-            try:
-                label_maps[key] = load_label_map(p)
-            except MedVolError as e:
-                label_maps[key] = e
-        if isinstance(label_maps[key], MedVolError):
-            raise label_maps[key]
-        return label_maps[key]
+        def get(p: Path):
+            key = str(p)
+            if key not in seen:
+                try:
+                    seen[key] = read(p)
+                except MedVolError as e:
+                    seen[key] = e
+            if isinstance(seen[key], MedVolError):
+                raise seen[key]
+            return seen[key]
+        return get
 
-    def grid(p: Path):
-        key = str(p)
-        if key not in grids:
-            try:
-                grids[key] = read_grid(p)
-            except MedVolError as e:
-                grids[key] = e
-        if isinstance(grids[key], MedVolError):
-            raise grids[key]
-        return grids[key]
+    labels_of, grid = read_once(load_label_map), read_once(read_grid)
 
     for c in cases:
         if c.problem:
             continue
         try:
-            vg = grid(c.volume)
-            if vg is None:
+            vg = grid(c.volume) if c.source is None else None  # a series URL: checked when it is retrieved
+            if vg is None and c.source is None:
                 _check_dicom_folder(c.volume)
         except MedVolError as e:
             c.problem = one_line(str(e))

@@ -55,6 +55,8 @@ class BatchOptions:
     dry_run: bool = False  # check everything, say what would run, load and write nothing
     threads: Optional[int] = None  # CPU threads (None: medvolcore.cpu's rule)
     grounder_dtype: Optional[str] = None  # fp32, bf16, or None/auto (medvolcore.cpu.grounder_dtype)
+    dicomweb: Optional[object] = None  # medvolcore.pacs.SeriesAccess: how rows naming a series by URL are read
+    store_seg: bool = False  # store each URL case's DICOM-SEG into its series' study on the same server
 
     def request_settings(self, hu_window=None) -> dict:
         """The options every case's segment request takes (:meth:`SegmentRequest.from_manifest`)."""
@@ -107,6 +109,25 @@ def _check_settings(opts: BatchOptions) -> None:
     SegmentRequest(door="manifest", **opts.request_settings()).check_settings()
 
 
+def _check_sources(cases: Sequence[Case], mine: Sequence[Case], opts: BatchOptions) -> None:
+    """Set ``problem`` on each row of this shard whose series URL this run may not read (a server
+    not allowed, or a second server for one token); no server is contacted. The DICOMweb options
+    of a manifest without any series URL (in any shard) are refused."""
+    from ..pacs import SeriesAccess, check_sources
+
+    access = opts.dicomweb
+    given = opts.store_seg or (access is not None and (access.token or access.keep or access.servers is not None))
+    if given and not any(c.source for c in cases):
+        raise InputError("--store-seg, --keep-downloads, --dicomweb-token-file and --pacs-config go with a manifest "
+                         "naming series by DICOMweb URL; this one names none")
+    urls = [c for c in mine if c.source and not c.problem]
+    if not urls:
+        return
+    problems = check_sources([c.source for c in urls], opts.dicomweb or SeriesAccess())
+    for c in urls:
+        c.problem = problems.get(c.source, c.problem)
+
+
 def _check_batch_inputs(manifest, out_dir, opts: BatchOptions) -> BatchPlan:
     if opts.resume and opts.overwrite:
         raise InputError("--resume and --overwrite do not go together: --resume keeps finished cases, "
@@ -114,6 +135,7 @@ def _check_batch_inputs(manifest, out_dir, opts: BatchOptions) -> BatchPlan:
     manifest_path, cases, fatal = _read_cases(manifest)
     mine = shard_cases(cases, opts.shard)
     check_case_files(mine)  # headers only: a missing file in row 500 is found before any model loads
+    _check_sources(cases, mine, opts)  # series URLs: their servers, nothing contacted
     # every row's fields are checked (a shard refuses a manifest with a bad row anywhere, as before);
     # files only for this shard's rows (each shard checks its own)
     problems = fatal + [f"line {c.line} ({c.id}): {c.problem}" for c in cases if c.problem]

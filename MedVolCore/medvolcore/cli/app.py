@@ -7,8 +7,9 @@ Every command has ``--help``. Errors are one line on stderr and a non-zero exit 
 Text printed for people goes through :func:`~.common.terminal_safe`, so user text (queries, file
 names, case ids) cannot drive the terminal. Long work shows a progress bar on stderr; ``--json``
 prints a machine-readable result on stdout. The commands live in one module per group
-(:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`), each of which imports only
-:mod:`.common` of this package; heavy libraries are imported by the command that needs them.
+(:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`, :mod:`.pacs`), each of which imports only
+:mod:`.common` (and :mod:`.pacs`, the DICOMweb options) of this package; heavy libraries are imported
+by the command that needs them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..errors import MedVolError
 from .batch import add_batch_command
 from .common import PROG, terminal_safe
 from .models import add_models_command
+from .pacs import add_pacs_command
 from .serve import add_serve_command
 from .volume import add_metrics_command, add_volume_commands
 
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_command(sub, add)
     add_serve_command(sub, add)
     add_batch_command(sub, add)
+    add_pacs_command(sub, add)
     add_metrics_command(add)
     return p
 

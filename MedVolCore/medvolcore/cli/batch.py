@@ -16,6 +16,7 @@ import json
 import sys
 
 from ..caseruns import SHARD_HELP
+from .pacs import add_dicomweb_options, series_access
 from .common import (add_compute_options, add_consensus_options, add_ct_options, add_preset_option, add_stop_option,
                      seed_arg, terminal_safe)
 
@@ -25,7 +26,11 @@ EPILOG = """\
 manifest: CSV with a header row, or JSONL (one object per line); fields id, volume, query and
 optionally gt (label map) and label (5, or 2,3 in CSV / [2,3] in JSONL; default: every non-zero
 voxel of gt). Relative paths are resolved against the manifest's folder. Ids must be safe folder
-names (letters, digits, '.', '_', '-').
+names (letters, digits, '.', '_', '-'). A volume may be a DICOMweb series URL
+(dicomweb://HOST[:PORT]/PATH/studies/S/series/SE, or https://…; medvol pacs find writes such a
+manifest): the case retrieves it into a private folder, removed when the case ends (unless
+--keep-downloads DIR), and reads it as a local series. A finished case is identified by its URL:
+--resume does not retrieve it again.
 
 outputs: DIR/<id>/mask.nii.gz, anchor.json, qc.png, then done.json (written last: a case counts
 as finished only with it); a failed case gets DIR/<id>/error.json and the run continues.
@@ -88,6 +93,7 @@ def add_batch_command(sub, add):
                     help="check the manifest and every file's header, say what would run, then stop (loads no model, "
                          "writes nothing)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_dicomweb_options(sp, batch=True)
     return sp
 
 
@@ -155,7 +161,8 @@ def cmd_batch(args) -> int:
                         consensus=args.consensus, consensus_mask=args.consensus_mask, shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                         empty_mask_on_absent=args.empty_mask_on_absent, threads=args.threads,
-                        grounder_dtype=args.grounder_dtype, skip_invalid=args.skip_invalid, dry_run=args.dry_run)
+                        grounder_dtype=args.grounder_dtype, skip_invalid=args.skip_invalid, dry_run=args.dry_run,
+                        dicomweb=series_access(args), store_seg=args.store_seg)
 
     # a cluster's time limit (SIGTERM) stops the run like Ctrl-C: cli.main turns it into an
     # exception, so temporary files are removed and --resume finishes the rest

@@ -51,10 +51,17 @@ def cmd_serve(args) -> int:
         from ..models import check_adapter_given
 
         check_adapter_given(args.preset, args.adapter)  # medvol-r1 without --adapter: one line, exit 2
+    if bool(args.pacs_config) != bool(args.allow_pacs):
+        raise InputError("--allow-pacs NAME and --pacs-config FILE go together (the file says where NAME is)")
+    pacs_servers = None
+    if args.allow_pacs:
+        from ..pacs import load_servers
+
+        pacs_servers = load_servers(args.pacs_config, args.allow_pacs)
     settings = WorkerSettings(preset=args.preset, adapter=args.adapter, device=args.device, cache_size=args.cache_size,
                               max_request_mb=args.max_request_mb, threads=threads, max_voxels=args.max_voxels,
                               data_dir=args.data_dir, out_dir=args.out_dir, debug=bool(getattr(args, "debug", False)),
-                              feature_cache_mb=args.feature_cache_mb)
+                              feature_cache_mb=args.feature_cache_mb, pacs_servers=pacs_servers)
     if http is not None:
         if not 0 <= http.port <= 65535:
             raise InputError(f"--port must be 0..65535, got {http.port}")
@@ -101,6 +108,12 @@ def _add_arguments(sp) -> None:
                     help="HTTP only: the one folder clients may write masks to ('out', relative to it; no "
                          "symbolic link out of it is followed); it may not overlap --data-dir; default: none, "
                          "the mask comes back in the reply")
+    sp.add_argument("--pacs-config", metavar="FILE",
+                    help='the DICOMweb servers the worker may know: JSON {"servers": {"NAME": {"url": '
+                         '"https://host/dicom-web", "token_file": "…"}}} (docs/pacs.md)')
+    sp.add_argument("--allow-pacs", action="append", metavar="NAME",
+                    help="let requests name a series on server NAME of --pacs-config as 'volume' "
+                         "(dicomweb://…/studies/S/series/SE); repeatable; no other URL is ever fetched")
     sp.add_argument("--allowed-host", action="append", metavar="NAME",
                     help="HTTP only: another name clients may use in the Host header (e.g. the machine's DNS name "
                          "behind a proxy); repeatable")

@@ -18,8 +18,9 @@ from ..errors import InputError
 from .common import (PROG, add_compute_options, add_consensus_options, add_ct_options, add_preset_option,
                      add_stop_option, apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb,
                      propagate_weights, seed_arg, stop_text, terminal_safe)
+from .pacs import add_dicomweb_options
 
-VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder"
+VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha), DICOM folder, or (segment) a DICOMweb series URL"
 
 
 # ---- medvol info -----------------------------------------------------------------------
@@ -396,11 +397,13 @@ def cmd_segment(args) -> int:
     queries = list(args.query or []) + (read_queries_file(args.queries) if args.queries else [])
     if not queries:
         raise InputError("give what to segment: --query TEXT (repeatable) or --queries FILE (one query per line)")
-    outs = list(args.out)
-    anchor_out = args.anchor_out or default_anchor_path(outs[0])
-    res = _run_segment(args.volume, queries, outs if len(outs) > 1 else outs[0], anchor_out, args.qc, args,
-                       args.preset, inputs=[("--queries", args.queries)])
-    emit(res, args.json, _segment_text(res))
+    from .pacs import dicomweb_run, stored_text
+
+    with dicomweb_run(args, list(args.out)) as (volume, outs, finish):  # a DICOMweb series is retrieved here
+        anchor_out = args.anchor_out or default_anchor_path(outs[0])
+        res = finish(_run_segment(volume, queries, outs if len(outs) > 1 else outs[0], anchor_out, args.qc, args,
+                                  args.preset, inputs=[("--queries", args.queries)]))
+    emit(res, args.json, "\n".join(t for t in (_segment_text(res), stored_text(res)) if t))
     return 0
 
 
@@ -581,8 +584,9 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--out", required=True, action="append", metavar="PATH",
                     help="mask to write, on the CT's grid: a label map (.nii.gz, .nii, .nrrd, .mha), a Slicer "
                          "segmentation (.seg.nrrd) or, for a DICOM series folder, a DICOM Segmentation (.dcm); "
-                         "repeat it to write the same result in several formats. With several queries a label map "
-                         "gets a table beside it (*.labels.json)")
+                         "repeat it to write the same result in several formats, or a DICOMweb study "
+                         "(dicomweb://…/studies/S) to store the DICOM-SEG into (docs/pacs.md). With several queries a "
+                         "label map gets a table beside it (*.labels.json)")
     sp.add_argument("--target-name", metavar="NAME",
                     help="the structure the query is about, when you know it (e.g. a dataset's label name, "
                          "kidney_left): it names and codes the segment (SNOMED CT, colour); the model still reads "
@@ -592,6 +596,7 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--qc", metavar="PNG", help="also write a picture of the key slice, boxes, mask outline and "
                                                 "reasoning (with several queries one per target, *.K.png)")
     _add_segment_options(sp)
+    add_dicomweb_options(sp)
 
     sp = add("demo", "Run the main job on the sample CT shipped with MedVol, with the best model present.", cmd_demo)
     sp.add_argument("--out-dir", default="medvol-demo",

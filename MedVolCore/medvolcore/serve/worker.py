@@ -28,6 +28,7 @@ from typing import Callable, Optional
 from .. import RESEARCH_USE_NOTICE, __version__
 from ..cpu import apply_threads, check_threads
 from ..errors import CancelledError, ForbiddenError, MedVolError
+from ..pacs import allowed_source, is_dicomweb
 from ..sources import COPY_SECONDS, client_parts, private_copy
 from .upload import Upload
 from .cache import (DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache,
@@ -57,7 +58,8 @@ class WorkerSettings:
     HTTP clients may write masks in (``out``; None: none, the mask comes back in the reply); it
     never overlaps ``data_dir``. ``feature_cache_mb``: memory for
     the encoded slices of recent volumes (MedSAM2's image features), so a re-propagation of a
-    volume seen before encodes no slice again; 0 keeps none.
+    volume seen before encodes no slice again; 0 keeps none. ``pacs_servers``: the DICOMweb
+    servers a request's ``volume`` may name a series on (``--allow-pacs``); no other URL is fetched.
     """
 
     preset: Optional[str] = None
@@ -71,6 +73,7 @@ class WorkerSettings:
     out_dir: Optional[Path] = None
     debug: bool = False
     feature_cache_mb: float = DEFAULT_FEATURE_CACHE_MB
+    pacs_servers: Optional[dict] = None  # {name: medvolcore.pacs.PacsServer} clients may name series on
 
     @property
     def max_request_bytes(self) -> int:
@@ -93,7 +96,7 @@ def _release_memory() -> None:
 
 class _Job:
     __slots__ = ("id", "op", "req", "reply", "cancel", "stage", "fraction", "message", "started", "transport", "body",
-                 "session", "mask_bytes", "eta", "request")
+                 "session", "mask_bytes", "eta", "request", "retrieved")
 
     def __init__(self, req: dict, reply: Callable[[dict], None], transport: str, body=None,
                  session: Optional[str] = None, mask_bytes: bool = False, request=None):
@@ -110,6 +113,7 @@ class _Job:
         self.started = None
         self.transport = transport
         self.body = body
+        self.retrieved = None  # what a series URL's retrieval fetched (medvolcore.pacs)
 
 
 class Worker:
@@ -130,7 +134,8 @@ class Worker:
                  device: str = "auto", cache_size: int = DEFAULT_CACHE_SIZE, transport: str = "stdio",
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_MB << 20, threads: Optional[int] = None,
                  data_dir=None, max_voxels: Optional[int] = DEFAULT_MAX_VOXELS,
-                 feature_cache_mb: float = DEFAULT_FEATURE_CACHE_MB, out_dir=None, default_adapter=None):
+                 feature_cache_mb: float = DEFAULT_FEATURE_CACHE_MB, out_dir=None, default_adapter=None,
+                 pacs_servers: Optional[dict] = None):
         from ..propagation import FeatureCache
 
         self.emit = emit or (lambda obj: None)
@@ -142,6 +147,7 @@ class Worker:
         self.data_dir = Path(os.path.realpath(data_dir)) if data_dir is not None else None
         self.out_dir = Path(os.path.realpath(out_dir)) if out_dir is not None else None
         self.default_adapter = default_adapter
+        self.pacs_servers = dict(pacs_servers or {})
         self.hello_extra: dict = {}  # what the transport adds to ``hello`` (HTTP: session idle time)
         self.max_voxels = max_voxels
         self.cache = StackCache(cache_size, max_voxels)
@@ -170,7 +176,7 @@ class Worker:
                      transport=transport, max_request_bytes=settings.max_request_bytes, threads=settings.threads,
                      data_dir=settings.data_dir, max_voxels=settings.max_voxels,
                      feature_cache_mb=settings.feature_cache_mb, out_dir=settings.out_dir,
-                     default_adapter=settings.adapter)
+                     default_adapter=settings.adapter, pacs_servers=settings.pacs_servers)
         if preload and settings.preset:
             worker.preload(settings.preset, settings.adapter)
         return worker
@@ -393,6 +399,9 @@ class Worker:
             raise RequestError(f"{op}: missing field 'volume' (a path to the CT"
                                + (", or 'volume_b64' / the request body with NIfTI bytes)" if transport == "http" else ")"))
         out, agreement = field(req, "out", str), field(req, "agreement", str)
+        if volume is not None and is_dicomweb(volume):  # only a series on a server the operator allowed
+            allowed_source(volume, self.pacs_servers)
+            volume = None
         vol_path = self.client_path(volume, transport, "volume") if volume is not None else None
         out_path = self.output_path(out, transport) if out is not None else None
         agr_path = self.output_path(agreement, transport, "agreement") if agreement is not None else None
@@ -676,6 +685,8 @@ class Worker:
             progress("read", 0.0, f"reading the uploaded volume ({len(job.body)} bytes)")
             return self.cache.get_bytes(job.body, self.tmp_dir, job.cancel, self._scope(job))
         value = req["volume"]
+        if is_dicomweb(value):
+            return self._read_series_url(job, value, progress)
         path = self.client_path(value, job.transport, "volume")
         progress("read", 0.0, f"reading {path.name}")
         if job.transport != "http":
@@ -691,6 +702,25 @@ class Worker:
                 if copy.path.is_file():  # a folder's copy has the client's folder name already
                     text = text.replace(copy.path.name, os.path.basename(os.path.normpath(value)))
                 raise type(e)(text) from None
+
+    def _read_series_url(self, job: _Job, value: str, progress) -> tuple:
+        """A series on an allowed DICOMweb server, retrieved into a private folder in the worker's
+        temporary folder, read from there, and removed whatever the outcome."""
+        import shutil
+        import tempfile
+
+        from ..pacs import retrieve_series
+
+        server, url = allowed_source(value, self.pacs_servers)
+        progress("read", 0.0, f"retrieving series {url.series} from {server.name}")
+        folder = Path(tempfile.mkdtemp(prefix="dicomweb-", dir=self.tmp_dir))
+        try:
+            got = retrieve_series(url, folder / "series", server.token, server.limits)
+            job.retrieved = {"pacs": server.name, "instances": got["instances"], "bytes": got["bytes"],
+                             "seconds": got["seconds"]}
+            return self.cache.get_path(folder / "series", job.cancel, tmp_dir=self.tmp_dir, scope=self._scope(job))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _entry_files(self, entry: dict, transport: str) -> None:
         """A several-target entry's files as the client may see them: its agreement map (numbered,
@@ -796,6 +826,8 @@ class Worker:
                 result["labels_path"] = os.path.relpath(labels_file, self.out_dir) if job.transport == "http" \
                     else labels_file
         result.update(model_label=(res.identity or {}).get("label"), volume_sha256=digest)
+        if job.retrieved is not None:
+            result["retrieved"] = job.retrieved
         if res.targets is not None:  # several targets: each entry names its own files, as written
             for entry in result.get("targets") or ():
                 self._entry_files(entry, job.transport)
