@@ -212,3 +212,18 @@ def test_tls_directly(tmp_path):
     finally:
         server.server_close()
         worker.close(5)
+
+
+def test_serving_over_http_without_its_extra_is_one_line(monkeypatch):
+    """uvicorn, httptools and Starlette are the `http` extra (Slicer's Python does not get them): without
+    them `medvol serve --http` is one error naming the extra, before anything is bound or loaded."""
+    import sys
+
+    from medvolcore.errors import DependencyError
+    from medvolcore.serve.http import HttpServer
+
+    for name in ("uvicorn", "starlette", "httptools"):
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, name, None)  # an import of it fails, as when it is not installed
+            with pytest.raises(DependencyError, match=r"pip install 'medvolcore\[http\]'"):
+                HttpServer(None, None, None)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..errors import InputError
+from ..errors import DependencyError, InputError
 from .lifecycle import Stop, install_signals, say, stop_worker
 from .protocol import PROTOCOL
 from .sessions import MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SessionsFull, SessionTable, client_key
@@ -176,7 +176,13 @@ class HttpServer:
     until :meth:`shutdown`."""
 
     def __init__(self, settings: "HttpSettings", worker: Worker, token: Optional[str], debug: bool = False):
-        import uvicorn
+        try:
+            import httptools  # noqa: F401 - the parser http_conn builds on
+            import starlette  # noqa: F401
+            import uvicorn
+        except ImportError:
+            raise DependencyError("serving over HTTP needs uvicorn, httptools and starlette: "
+                                  "pip install 'medvolcore[http]'") from None
 
         from .http_app import Transport
         from .http_conn import Connection
