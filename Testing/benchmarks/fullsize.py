@@ -316,7 +316,7 @@ def run_e2e(preset: str, ct: Path, device: str, env: dict, tmp: Path) -> dict:
         res.update(segment_s=tm.get("total_s"), ground_s=tm.get("ground_s"), propagate_s=tm.get("propagate_s"),
                    load_s=sum(loads.values()), slices_propagated=tm.get("slices_propagated"),
                    attempts=1 + sum(str(n).startswith("attempt ") for n in d.get("notes", [])),
-                   new_tokens=tm.get("ground_new_tokens"))
+                   new_tokens=tm.get("ground_new_tokens"), encoder_calls=tm.get("encoder_calls"))
         res["segment_excl_load_s"] = res["segment_s"] - res["load_s"]
     else:
         res["error"] = (etext.strip().splitlines() or ["(no output)"])[-1][:300]
