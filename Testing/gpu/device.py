@@ -210,7 +210,8 @@ def run_compile(args, work: Path) -> dict:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        prop.propagate(data, anchor.slice, anchor.boxes, window=1, stop_after_empty=0)  # warm-up
+        # warm-up: the same slices once (the compiled encoder is built, and rebuilt for any new shape)
+        prop.propagate(data, anchor.slice, anchor.boxes, window=window, stop_after_empty=0)
         _sync(args.device)
         warm = time.perf_counter() - t0
         r = prop.propagate(data, anchor.slice, anchor.boxes, window=window, stop_after_empty=0)
