@@ -253,7 +253,7 @@ def child_medsam2(args) -> dict:
     labels = load_label_map(args.labels)
     anchor = anchor_from_mask(AxialStack(labels).to_stack(label_mask(labels, KIDNEY_RIGHT)), stack=stack)
     t0 = time.perf_counter()
-    prop = MedSAM2Propagator.from_random(0, image_size=512, device=args.device)
+    prop = MedSAM2Propagator.from_random(0, image_size=args.image_size, device=args.device)
     _sync(args.device)
     load_s = time.perf_counter() - t0
     data = np.ascontiguousarray(stack.data, dtype=np.float32)
@@ -265,7 +265,7 @@ def child_medsam2(args) -> dict:
     _sync(args.device)
     return {"load_s": load_s, "slices": r.slices_propagated, "seconds": r.seconds,
             "seconds_per_slice": r.seconds_per_slice, "cpu_s": time.process_time() - c0,
-            "cuda_peak_gb": _cuda_peak(args.device), "key_slice": anchor.slice}
+            "cuda_peak_gb": _cuda_peak(args.device), "key_slice": anchor.slice, "encoder_calls": r.encoder_calls}
 
 
 def run_child(job: str, argv: list, env: dict) -> dict:
@@ -316,7 +316,7 @@ def run_e2e(preset: str, ct: Path, device: str, env: dict, tmp: Path) -> dict:
         res.update(segment_s=tm.get("total_s"), ground_s=tm.get("ground_s"), propagate_s=tm.get("propagate_s"),
                    load_s=sum(loads.values()), slices_propagated=tm.get("slices_propagated"),
                    attempts=1 + sum(str(n).startswith("attempt ") for n in d.get("notes", [])),
-                   new_tokens=tm.get("ground_new_tokens"))
+                   new_tokens=tm.get("ground_new_tokens"), encoder_calls=tm.get("encoder_calls"))
         res["segment_excl_load_s"] = res["segment_s"] - res["load_s"]
     else:
         res["error"] = (etext.strip().splitlines() or ["(no output)"])[-1][:300]
@@ -362,6 +362,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--ct", help=argparse.SUPPRESS)
     p.add_argument("--labels", help=argparse.SUPPRESS)
+    p.add_argument("--image-size", type=int, default=512, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         res = {"ground": child_ground, "medsam2": child_medsam2}[args.child](args)

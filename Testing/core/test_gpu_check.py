@@ -48,3 +48,72 @@ def test_gpu_check_bad_arguments_are_one_line(args, needle):
 def test_gpu_check_without_the_venv_says_how_to_make_it(tmp_path):
     r = _sh(env={"MEDVOL_PYTHON": str(tmp_path / "no-python"), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2 and "bootstrap.py" in r.stderr
+
+
+# ---- the kit for a bare, offline GPU machine: Testing/gpu/device.sh and wheels.sh ----------------
+
+DEVICE = REPO / "Testing" / "gpu" / "device.sh"
+WHEELS = REPO / "Testing" / "gpu" / "wheels.sh"
+
+
+def _bash(script, *args, env=None):
+    import os
+    import sys
+
+    e = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    return subprocess.run(["bash", str(script), *map(str, args)], capture_output=True, text=True, cwd=REPO,
+                          env=e, timeout=120)
+
+
+def test_device_dry_run_lists_every_check_in_priority_order(tmp_path):
+    r = _bash(DEVICE, "--dry-run", "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "device cuda, budget 420 s" in lines[0]
+    assert [ln.split()[0] for ln in lines[1:]] == ["cuda", "query4b", "query2b", "compile", "train", "agreement"]
+    assert "qwen3-vl-4b + MedSAM2 512, CT (512, 512, 300)" in r.stdout
+    assert "qwen3-vl-2b with LoRA" in r.stdout and "torch.compile off and on" in r.stdout
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing and installs nothing
+
+
+def test_device_report_goes_to_out_when_set_and_bad_budget_is_one_line(tmp_path):
+    r = _bash(DEVICE, "--dry-run", "--small", "--device", "cpu", env={"OUT": str(tmp_path)})
+    assert r.returncode == 0 and f"report {tmp_path}/report.json" in r.stdout
+    assert "mini + MedSAM2 256, CT (128, 128, 40)" in r.stdout
+    r = _bash(DEVICE, "--dry-run", "--budget", "0")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "device check: error: --budget must be positive, got 0 (see --help)"]
+
+
+def test_wheels_check_passes_on_the_built_wheels():
+    if not any((REPO / ".gpu-wheels").glob("*.whl")):
+        pytest.skip(".gpu-wheels/ is not built here (bash Testing/gpu/wheels.sh; the wheels are not committed)")
+    r = _bash(WHEELS, "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("0 problem(s)")
+
+
+def _wheel(folder, name, version, requires):
+    import zipfile
+
+    meta = "\n".join(["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+                      *(f"Requires-Dist: {q}" for q in requires)]) + "\n\n"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+
+
+def test_wheels_check_finds_a_missing_dependency_and_a_version_clash(tmp_path):
+    for name in ("sam2", "hydra-core", "omegaconf", "antlr4-python3-runtime", "iopath", "nibabel", "xgrammar",
+                 "trl", "datasets", "medvolcore"):
+        _wheel(tmp_path, name, "1.0", [])
+    _wheel(tmp_path, "medvoltrain", "1.0", ["no-such-package>=1", "torch>=9; python_version >= '3.12'",
+                                             "windows-only; sys_platform == 'win32'"])
+    r = _bash(WHEELS, "--check", env={"WHEELS_DIR": str(tmp_path)})
+    assert r.returncode == 1
+    problems = [ln for ln in r.stdout.splitlines() if "needs" in ln]
+    assert len(problems) == 2, r.stdout  # the Windows-only need is not the machine's
+    assert "no-such-package>=1: neither a wheel nor on the machine" in problems[0]
+    assert "torch>=9" in problems[1] and "the machine has 2.11.0" in problems[1]
+    (tmp_path / "sam2-1.0-py3-none-any.whl").unlink()
+    r = _bash(WHEELS, "--check", env={"WHEELS_DIR": str(tmp_path)})
+    assert "sam2: imported by device.sh, neither a wheel nor on the machine" in r.stdout

@@ -332,6 +332,11 @@ class MedSAM2Propagator:
         # bfloat16 autocast on CUDA (MedSAM2's own setting); False keeps fp32 there too (the GPU
         # check compares the two). The CPU always runs fp32.
         self.cuda_bf16 = True
+        # torch.compile of the image encoder's trunk (Hiera), made at the first propagation: off by
+        # default until measured figures on a GPU show it faster with its warm-up counted
+        # (docs/benchmarks.md, "The GPU check")
+        self.compile = False
+        self._compiled = False
         self._lock = threading.Lock()
 
     # -- constructors ------------------------------------------------------------------------
@@ -526,6 +531,9 @@ class MedSAM2Propagator:
         with self._lock:
             t0 = time.perf_counter()
             pred = self.predictor
+            if self.compile and not self._compiled:
+                pred.image_encoder.trunk.compile(dynamic=False)  # in place: the encoder's hooks stay outside
+                self._compiled = True
             if _frames is not None:
                 frames = _frames
             else:  # several states revisit the same slices: keep their features for the request
