@@ -160,8 +160,12 @@ def install_dicom_tools() -> None:
     if r.returncode != 0:  # a new machine has no package lists yet: read them, then try once more
         subprocess.run(["apt-get", "update"], env=env)
         r = subprocess.run(install, env=env)
-    if r.returncode != 0:
-        log(f"warning: apt-get could not install {', '.join(missing)}; {skipped}")
+    if r.returncode != 0 and len(missing) > 1:  # one package that cannot be installed keeps no other out
+        failed = [pkg for pkg in missing if subprocess.run(install[:4] + [pkg], env=env).returncode != 0]
+    else:
+        failed = missing if r.returncode != 0 else []
+    if failed:
+        log(f"warning: apt-get could not install {', '.join(failed)}; {skipped}")
 
 
 def main(argv=None) -> int:
