@@ -13,6 +13,7 @@ import pytest
 from medvolcore.batch import BatchOptions, Case, check_case_files, run_batch
 from medvolcore.errors import GroundTruthError
 
+from core.test_batch import _RecordingPipeline
 from core.test_geometry import AFFINE, _labels
 
 
@@ -26,15 +27,7 @@ def _ct(path: Path) -> Path:
     return _save(path, a)
 
 
-class _NoModel:
-    preset, smoke, identity = "tiny", True, None
-
-    def __init__(self):
-        self.calls = []
-
-    def load(self):
-        self.calls.append("load")
-        raise AssertionError("a model was loaded")
+_NoModel = _RecordingPipeline  # records whether anything tried to load a model
 
 
 def test_a_ground_truth_without_the_label_and_a_folder_without_dicom_are_caught(tmp_path):

@@ -159,31 +159,29 @@ class BodyWriter:
         self.write(prefix)
 
     def write(self, chunk: bytes) -> None:
-        from ..sources import _no_space
-
         try:
             self._file.write(chunk)
         except OSError as e:
-            self.discard()
-            err = _no_space(e, f"the {WHAT}")
-            if err is None:
-                raise
-            raise err from None
+            self._failed(e)
         self._digest.update(chunk)
         self.size += len(chunk)
 
     def finish(self) -> Upload:
-        from ..sources import _no_space
-
         try:
             self._file.close()
         except OSError as e:
-            self.discard()
-            err = _no_space(e, f"the {WHAT}")
-            if err is None:
-                raise
-            raise err from None
+            self._failed(e)
         return Upload(Path(self._name), self._digest.hexdigest(), self.size, self.info)
+
+    def _failed(self, e: OSError) -> None:
+        """The body could not be written: nothing is kept, and a full disk is one clear error."""
+        from ..sources import _no_space
+
+        self.discard()
+        err = _no_space(e, f"the {WHAT}")
+        if err is None:
+            raise e
+        raise err from None
 
     def discard(self) -> None:
         try:
