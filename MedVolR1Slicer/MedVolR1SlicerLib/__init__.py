@@ -6,7 +6,8 @@ every module at start-up, and these may not be installed yet.
 
 from .geometry import GeometryError, RoiBox, VolumeGeometry, anchor_from_rois, rois_from_anchor
 from .session import CANCELLING, IDLE, RUNNING, Options, Session
-from .client import Job, RemoteWorker, StdioWorker, WorkerError
+from .client import Job, StdioWorker, WorkerError
+from .remoteworker import RemoteWorker
 
 __all__ = [
     "GeometryError", "RoiBox", "VolumeGeometry", "anchor_from_rois", "rois_from_anchor",

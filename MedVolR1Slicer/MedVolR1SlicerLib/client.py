@@ -1,7 +1,8 @@
 """Clients of the MedVol worker (``medvol serve``, protocol 1), free of Qt and of medvolcore.
 
 :class:`StdioWorker` runs ``medvol serve --stdio`` as a child process with Slicer's Python and
-keeps it for the session; :class:`RemoteWorker` talks to ``medvol serve --http`` elsewhere.
+keeps it for the session; :class:`.remoteworker.RemoteWorker` talks to ``medvol serve --http``
+elsewhere.
 Both give the same interface:
 
 * ``submit(op, **fields) -> Job``: queue a request; returns at once.
@@ -18,9 +19,7 @@ end of its log in the message); the next ``submit`` restarts it.
 
 from __future__ import annotations
 
-import base64
 import collections
-import gzip
 import itertools
 import json
 import os
@@ -29,11 +28,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -368,223 +364,6 @@ class StdioWorker(_BaseWorker):
         for j in self.pending:
             j._finish(error=WorkerError("cancelled", "the worker was stopped"))
         self._jobs.clear()
-
-
-class RemoteWorker(_BaseWorker):
-    """A worker on another machine: ``medvol serve --http`` at ``url`` (``http://host:port``).
-
-    Segment and propagate requests send the local volume file as the request body, gzip-compressed
-    (a ``.nii`` is compressed into this client's folder first; the worker checks the voxel limit
-    from the header before decompressing the rest), and ask for the mask as the reply body
-    (``Accept: application/gzip``); the mask is written to a local temporary file, so callers
-    see ``mask_path`` as with a local worker. An older worker that answers with ``mask_b64`` in
-    JSON is understood too.
-    Progress comes from polling ``GET /status``. The server scopes ``status`` and ``cancel`` to
-    a session: the first reply carries a session id (``X-MedVol-Session``), sent back on every
-    later request, so this client sees and cancels its own requests only.
-    """
-
-    def __init__(self, url: str, token: Optional[str] = None, timeout_s: float = 3600.0,
-                 status_interval_s: float = 1.0, cancel_grace_s: float = 10.0, tmp_dir: Optional[str] = None):
-        super().__init__(cancel_grace_s)
-        url = url.strip().rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise WorkerError("bad_request", f"a remote worker address must start with http:// or https://, got {url!r}")
-        self.url = url
-        self.token = token or None
-        self.timeout_s = timeout_s
-        self.status_interval_s = status_interval_s
-        # masks the server sends back land here; a folder this client made is removed by stop()
-        # (they are patient data and must not pile up in the system's temp folder)
-        self._owns_tmp = tmp_dir is None
-        self.tmp_dir = Path(tmp_dir or tempfile.mkdtemp(prefix="medvol-remote-"))
-        self.session: Optional[str] = None
-        self._session_lock = threading.Lock()
-        self._gzip_cache = None  # ((path, size, mtime_ns), the compressed copy in tmp_dir)
-        self._gzip_lock = threading.Lock()
-
-    @property
-    def running(self) -> bool:
-        return True
-
-    def _headers(self, content_type: str = "application/json") -> dict:
-        h = {"Content-Type": content_type}
-        if self.token:
-            h["Authorization"] = f"Bearer {self.token}"
-        if self.session:
-            h[SESSION_HEADER] = self.session
-        return h
-
-    def _ensure_session(self) -> Optional[dict]:
-        """Get a session id before the first request (status polls share it); the hello's reply, if sent now."""
-        with self._session_lock:
-            if self.session is None:
-                return self._http("POST", "/rpc", json.dumps({"id": "session", "op": "hello"}).encode("utf-8"),
-                                  timeout=30)
-        return None
-
-    def _keep_session(self, headers) -> None:
-        sid = headers.get(SESSION_HEADER) if headers is not None else None
-        if sid:
-            self.session = sid
-
-    def _http(self, method: str, path: str, data=None, headers: Optional[dict] = None,
-              timeout: Optional[float] = None, mask_to: Optional[Path] = None) -> dict:
-        """One request; its reply envelope. ``data``: bytes or a binary file (sent with its
-        ``Content-Length`` in the headers). ``mask_to``: where a mask sent as the reply body
-        (``Content-Type: application/gzip``, the envelope in ``X-MedVol-Reply``) is written; its
-        result then has ``mask_path``."""
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or self._headers())
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as r:
-                self._keep_session(r.headers)
-                if mask_to is not None and (r.headers.get("Content-Type") or "").startswith(MASK_TYPE):
-                    return self._mask_reply(r, mask_to)
-                body = r.read()
-        except urllib.error.HTTPError as e:
-            body = e.read()
-            self._keep_session(e.headers)
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise WorkerError("connection", f"cannot reach the MedVol worker at {self.url}: {reason}") from None
-        try:
-            return json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise WorkerError("connection", f"{self.url} did not answer with MedVol JSON; is it a `medvol serve --http` "
-                                            "worker?") from None
-
-    def _mask_reply(self, r, mask_to: Path) -> dict:
-        """A reply whose body is the mask: the body goes to ``mask_to`` in 1 MB chunks."""
-        try:
-            reply = json.loads(r.headers.get(REPLY_HEADER) or "")
-        except json.JSONDecodeError:
-            reply = None
-        if not isinstance(reply, dict) or not isinstance(reply.get("result"), dict):
-            raise WorkerError("connection", f"{self.url} sent a mask without a readable {REPLY_HEADER} header")
-        part = mask_to.with_name(mask_to.name + ".part")
-        with open(part, "wb") as f:
-            shutil.copyfileobj(r, f, 1 << 20)
-        os.replace(part, mask_to)
-        reply["result"]["mask_path"] = str(mask_to)
-        return reply
-
-    def _gzipped(self, volume: str) -> Path:
-        """``volume`` as the gzip bytes the request sends: a ``.nii.gz`` (or any file that is gzip
-        already) as it is, a ``.nii`` compressed into this client's folder (level
-        :data:`UPLOAD_GZIP_LEVEL`, no file name or time in the gzip header), reused while the file
-        keeps its size and modification time; only the latest one is kept (it is patient data)."""
-        src = Path(volume)
-        with open(src, "rb") as f:
-            if f.read(2) == b"\x1f\x8b":
-                return src
-        st = src.stat()
-        key = (str(src.resolve()), st.st_size, st.st_mtime_ns)
-        with self._gzip_lock:
-            if self._gzip_cache is not None and self._gzip_cache[0] == key and self._gzip_cache[1].is_file():
-                return self._gzip_cache[1]
-            if self._gzip_cache is not None:
-                self._gzip_cache[1].unlink(missing_ok=True)
-                self._gzip_cache = None
-            fd, name = tempfile.mkstemp(prefix="upload-", suffix=".nii.gz", dir=self.tmp_dir)
-            try:
-                with open(src, "rb") as fin, os.fdopen(fd, "wb") as raw:
-                    with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=UPLOAD_GZIP_LEVEL,
-                                       mtime=0) as gz:
-                        shutil.copyfileobj(fin, gz, 1 << 20)
-            except BaseException:
-                Path(name).unlink(missing_ok=True)
-                raise
-            self._gzip_cache = (key, Path(name))
-            return Path(name)
-
-    def submit(self, op: str, **fields) -> Job:
-        job = self._new_job(op, fields)
-        threading.Thread(target=self._run, args=(job,), daemon=True, name=f"medvol-{job.id}").start()
-        return job
-
-    def _run(self, job: Job) -> None:
-        stop = threading.Event()
-        try:
-            first = self._ensure_session()
-            # a hello that opened the session is this request's answer: it is not sent twice
-            reply = first if job.op == "hello" and first is not None else self._post(job, stop)
-        except WorkerError as e:
-            reply = {"id": job.id, "ok": False, "error": {"code": e.code, "message": e.message}}
-        except OSError as e:
-            reply = {"id": job.id, "ok": False, "error": {"code": "bad_input", "message": f"cannot read the volume: {e}"}}
-        finally:
-            stop.set()
-        reply["id"] = job.id
-        self._inbox.put(("msg", reply))
-
-    def _post(self, job: Job, stop: threading.Event) -> dict:
-        """Send ``job`` (a CT as the body) and return the reply; ``/status`` is polled until ``stop``."""
-        req, body, mask_to = dict(job.request), None, None
-        try:
-            volume = req.get("volume")
-            if volume is not None and job.op in ("segment", "propagate"):
-                del req["volume"]
-                upload = self._gzipped(volume)
-                body = open(upload, "rb")
-                headers = self._headers("application/octet-stream")
-                headers["Content-Length"] = str(os.fstat(body.fileno()).st_size)  # streamed, never chunked
-                headers["X-MedVol-Request"] = json.dumps(req).replace("%", "%25")  # ASCII, percent-decoded
-                headers["Accept"] = MASK_TYPE + ", application/json"  # the mask as bytes, not base64
-                data, mask_to = body, self.tmp_dir / f"{job.id}.mask.nii.gz"
-            else:
-                data, headers = json.dumps(req).encode("utf-8"), self._headers()
-            if job.op in ("load", "segment", "propagate"):
-                threading.Thread(target=self._watch_status, args=(job, stop), daemon=True).start()
-            return self._http("POST", "/rpc", data, headers, mask_to=mask_to)
-        finally:
-            if body is not None:
-                body.close()
-
-    def _watch_status(self, job: Job, stop: threading.Event) -> None:
-        while not stop.wait(self.status_interval_s):
-            try:
-                st = self._http("GET", "/status", timeout=10).get("result") or {}
-            except WorkerError:
-                continue
-            cur = st.get("current") or {}
-            if cur.get("id") == job.id and not stop.is_set():
-                self._inbox.put(("msg", {"id": job.id, "event": "progress", "stage": cur.get("stage"),
-                                         "fraction": cur.get("fraction") or 0.0, "message": cur.get("message")}))
-
-    def _on_result(self, job: Job, result: dict) -> None:
-        b64 = result.pop("mask_b64", None)
-        if b64 is not None:
-            out = self.tmp_dir / f"{job.id}.mask.nii.gz"
-            out.write_bytes(base64.b64decode(b64))
-            result["mask_path"] = str(out)
-        job._finish(result=result)
-
-    def cancel(self, job: Job) -> None:
-        if job.done or job.cancel_requested_at is not None:
-            return
-        job.cancel_requested_at = time.monotonic()
-        body = json.dumps({"id": f"{job.id}-cancel", "op": "cancel", "target": job.id}).encode("utf-8")
-        threading.Thread(target=lambda: self._quiet_post(body), daemon=True).start()
-
-    def _quiet_post(self, body: bytes) -> None:
-        try:
-            self._http("POST", "/rpc", body, timeout=30)
-        except WorkerError:
-            pass
-
-    def _check_cancel_deadlines(self) -> None:
-        now = time.monotonic()
-        for j in self.pending:
-            if j.cancel_requested_at is not None and now - j.cancel_requested_at > self.cancel_grace_s:
-                # a remote process cannot be killed from here; stop waiting for it
-                j._finish(error=WorkerError("cancelled", "cancelled; the remote worker may still be finishing it"))
-
-    def stop(self, timeout: float = 10.0) -> None:
-        for j in self.pending:
-            j._finish(error=WorkerError("cancelled", "the connection was closed"))
-        self._jobs.clear()
-        if self._owns_tmp:
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
 def python_for_worker() -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Union
 
-from .client import Job, RemoteWorker, StdioWorker, WorkerError, python_for_worker, worker_command
+from .client import Job, StdioWorker, WorkerError, python_for_worker, worker_command
+from .remoteworker import RemoteWorker
 from .presets import default_preset
 from .signals import Signal
 

@@ -151,8 +151,26 @@ REPEATED = {
     "Accept": ("application/json", b"Accept: application/json\r\n" * 2),
     "X-MedVol-Session": ("application/json", b"X-MedVol-Session: {sid}\r\n" * 2),
     "Authorization": ("application/json", b"Authorization: Bearer 0123456789abcdef\r\n" * 2),
+    "X-MedVol-Volume": ("application/json", b"X-MedVol-Volume: " + b"ab" * 32 + b"\r\n" + b"X-MedVol-Volume: cd\r\n"),
     "Content-Length (equal)": ("application/json", b"Content-Length: 24\r\n"),
 }
+
+
+def test_the_volume_key_is_checked_not_trusted(server):
+    """``X-MedVol-Volume`` only routes (a load balancer hashes it): a well-formed key is served
+    whatever it says, a malformed one (what a proxy might split or log differently) gets 400."""
+    for key, ok in (("ab" * 32, True), ("path:case_01.nii.gz", True), ("a b", False), ("x" * 129, False),
+                    ("caf\u00e9", False), ("", False)):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.putrequest("GET", "/status", skip_accept_encoding=True)
+        conn.putheader("X-MedVol-Volume", key.encode("utf-8"))
+        conn.endheaders()
+        r = conn.getresponse()
+        reply = json.loads(r.read())
+        conn.close()
+        assert (r.status == 200 and reply["ok"]) is ok, (key, r.status, reply)
+        if not ok:
+            assert r.status == 400 and "X-MedVol-Volume" in reply["error"]["message"]
 
 
 @pytest.mark.probe("45.1", "each protocol header sent twice")

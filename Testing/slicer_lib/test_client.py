@@ -15,7 +15,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from MedVolR1SlicerLib.client import RemoteWorker, StdioWorker, WorkerError, worker_command
+from MedVolR1SlicerLib.client import StdioWorker, WorkerError, worker_command
+from MedVolR1SlicerLib.remoteworker import RemoteWorker
 from MedVolR1SlicerLib.geometry import RoiBox, VolumeGeometry, anchor_from_rois, rois_from_anchor
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, RUNNING, Options, Session
 
@@ -233,6 +234,7 @@ def test_remote_worker_uploads_gzip_and_reads_a_binary_mask(tmp_path, ct_sm_path
     chunked, which the worker refuses) and ``Accept: application/gzip``; a mask sent as the reply
     body (the envelope in ``X-MedVol-Reply``) lands in ``mask_path`` byte for byte."""
     import gzip
+    import hashlib
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -272,13 +274,76 @@ def test_remote_worker_uploads_gzip_and_reads_a_binary_mask(tmp_path, ct_sm_path
         assert "Transfer-Encoding" not in headers and int(headers["Content-Length"]) == len(body)
         assert headers["Accept"].startswith("application/gzip")
         assert json.loads(headers["X-MedVol-Request"])["query"] == "the liver"
+        assert headers["X-MedVol-Volume"] == hashlib.sha256(body).hexdigest()  # the affinity key: the bytes sent
         assert Path(res["mask_path"]).read_bytes() == mask and res["mask_voxels"] == 7
         w.call("segment", 30, volume=str(nii), query="again")
         assert seen[-1][1] == body  # the compressed copy is reused while the file is unchanged
         assert len(list(w.tmp_dir.glob("upload-*"))) == 1
         res = w.call("segment", 30, volume=str(ct_sm_path), query="gz")
         assert seen[-1][1] == ct_sm_path.read_bytes()  # a .nii.gz goes as it is
+        assert seen[-1][0]["X-MedVol-Volume"] == hashlib.sha256(ct_sm_path.read_bytes()).hexdigest()
+        assert "X-MedVol-Volume" not in seen[0][0]  # the hello is about no volume
     finally:
         srv.shutdown()
         w.stop()
     assert not w.tmp_dir.exists()
+
+
+def test_status_polls_and_the_cancel_of_a_job_carry_its_volume_key(ct_sm_path):
+    """Behind a load balancer that routes on ``X-MedVol-Volume``, a job's status polls and its
+    cancel must reach the worker that runs it: each carries the key of the volume the job sent;
+    a request about no volume carries none."""
+    import hashlib
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen, cancelled = [], threading.Event()
+    key = hashlib.sha256(ct_sm_path.read_bytes()).hexdigest()
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, obj):
+            out = json.dumps(obj).encode()
+            self.send_response(200)
+            for k, v in {"Content-Type": "application/json", "Content-Length": str(len(out)),
+                         "X-MedVol-Session": "s1"}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(out)
+
+        def do_GET(self):  # noqa: N802
+            seen.append(("status", self.headers.get("X-MedVol-Volume")))
+            self._send({"id": None, "ok": True, "result": {"current": {"id": "none", "stage": "ground"}}})
+
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            req = json.loads(self.headers.get("X-MedVol-Request") or body)
+            seen.append((req["op"], self.headers.get("X-MedVol-Volume")))
+            if req["op"] == "cancel":
+                cancelled.set()
+            elif req["op"] == "segment":
+                cancelled.wait(20)
+                self._send({"id": req["id"], "ok": False, "error": {"code": "cancelled", "message": "cancelled"}})
+                return
+            self._send({"id": req["id"], "ok": True, "result": {}})
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    w = RemoteWorker(f"http://127.0.0.1:{srv.server_address[1]}", status_interval_s=0.05)
+    try:
+        job = w.submit("segment", volume=str(ct_sm_path), query="the liver")
+        deadline = time.monotonic() + 20
+        while not any(op == "status" for op, _ in seen) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        w.cancel(job)
+        w.wait(job, 20)
+        assert cancelled.is_set() and job.state in ("failed", "cancelled")
+        ops = {op: k for op, k in seen}
+        assert ops["segment"] == key and ops["status"] == key and ops["cancel"] == key
+        assert ops["hello"] is None
+    finally:
+        srv.shutdown()
+        w.stop()

@@ -10,7 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from MedVolR1SlicerLib import remote
-from MedVolR1SlicerLib.client import RemoteWorker
+from MedVolR1SlicerLib.remoteworker import RemoteWorker
 from MedVolR1SlicerLib.reloading import reload_order
 from MedVolR1SlicerLib.session import Options, Session
 

@@ -38,6 +38,8 @@ from .worker import MASK_BYTES_KEY, log
 __all__ = ["Transport", "BODY_MIN_RATE", "decode_request_header"]
 
 SESSION_HEADER = "X-MedVol-Session"
+VOLUME_HEADER = "X-MedVol-Volume"  # the affinity key a load balancer routes on (docs/deploy.md)
+VOLUME_KEY = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 REQUEST_HEADER = "X-MedVol-Request"
 MASK_TYPE = "application/gzip"  # ``Accept`` this: the mask comes back as the body, the reply in a header
 REPLY_HEADER = "X-MedVol-Reply"
@@ -165,6 +167,10 @@ class Transport:
         if length is not None and request.method != "POST" and int(length) != 0:
             return self.refuse(request, 400, "bad_request", f"a {request.method} request has no body; POST requests "
                                                             "go to /rpc")
+        key = h.get(VOLUME_HEADER)
+        if key is not None and not VOLUME_KEY.fullmatch(key):
+            return self.refuse(request, 400, "bad_request", f"{VOLUME_HEADER} must be 1 to 128 letters, digits or "
+                                                            "'.', '_', ':', '-' (the sha256 of the volume sent)")
         server = self.server
         allowed = server.allowed
         host = h.get("host")

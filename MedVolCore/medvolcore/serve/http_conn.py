@@ -30,7 +30,8 @@ __all__ = ["Connection", "SINGLE_HEADERS", "BODY_MIN_RATE"]
 
 # headers the protocol reads one value of: a request carrying one of them twice is refused
 SINGLE_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"host", b"origin", b"content-type", b"accept",
-                            b"authorization", b"x-medvol-request", b"x-medvol-session"))
+                            b"authorization", b"x-medvol-request", b"x-medvol-session",
+                            b"x-medvol-volume"))
 BODY_MIN_RATE = 256 << 10  # bytes/s a client must at least sustain while sending a body
 _PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 PROBE_INTERVAL_S = 1.0
