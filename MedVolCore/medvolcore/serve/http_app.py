@@ -106,7 +106,7 @@ class Transport:
         request = Request(scope, receive)
         request.state.t0 = time.monotonic()
         request.state.session = None
-        refusal = self.checks(request)
+        refusal = self.checks(request) or self.open_session(request)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -156,6 +156,8 @@ class Transport:
 
     # -- checks on the headers alone, before any body is read --
     def checks(self, request: Request) -> Optional[Response]:
+        """A refusal of what the request's headers say (framing, volume key, ``Host``, ``Origin``,
+        token), or None."""
         h = request.headers
         if "transfer-encoding" in h:
             return self.refuse(request, 400, "bad_request", "Transfer-Encoding is not supported; send the body "
@@ -192,9 +194,14 @@ class Transport:
                                                                          server.token.encode("utf-8"))):
                 return self.refuse(request, 401, "unauthorized", "missing or wrong token: send 'Authorization: "
                                                                  "Bearer TOKEN'")
-        sid = (h.get(SESSION_HEADER) or "").strip()[:64]
+        return None
+
+    def open_session(self, request: Request) -> Optional[Response]:
+        """The request's session (the one it names, when this server issued it, else a new one),
+        in ``request.state.session``; a refusal when its client may hold no more."""
+        sid = (request.headers.get(SESSION_HEADER) or "").strip()[:64]
         try:
-            request.state.session = server.sessions.session(sid, client_key(self._client(request)))
+            request.state.session = self.server.sessions.session(sid, client_key(self._client(request)))
         except SessionsFull as e:
             return self.refuse(request, 429, "busy", str(e))
         return None
