@@ -44,6 +44,15 @@ def cmd_serve(args) -> int:
             raise InputError(f"--client-timeout must be positive, got {http.client_timeout:g}")
         if not http.session_idle_s > 0:
             raise InputError(f"--session-idle-s must be positive, got {http.session_idle_s:g}")
+    devices = None
+    if args.devices is not None:
+        if not args.http:
+            raise InputError("--devices applies to --http only (Slicer's local worker runs on one device)")
+        if args.device is not None:
+            raise InputError("give --device (one worker) or --devices (one worker per device), not both")
+        from ..serve.devices import parse_devices
+
+        devices = parse_devices(args.devices)
     threads = args.threads  # None: medvolcore.cpu's rule, decided when the first job arrives
     if not args.feature_cache_mb >= 0:
         raise InputError(f"--feature-cache-mb must be 0 or more, got {args.feature_cache_mb:g}")
@@ -58,7 +67,8 @@ def cmd_serve(args) -> int:
         from ..pacs import load_servers
 
         pacs_servers = load_servers(args.pacs_config, args.allow_pacs)
-    settings = WorkerSettings(preset=args.preset, adapter=args.adapter, device=args.device, cache_size=args.cache_size,
+    settings = WorkerSettings(preset=args.preset, adapter=args.adapter, device=args.device or "auto",
+                              cache_size=args.cache_size,
                               max_request_mb=args.max_request_mb, threads=threads, max_voxels=args.max_voxels,
                               data_dir=args.data_dir, out_dir=args.out_dir, debug=bool(getattr(args, "debug", False)),
                               feature_cache_mb=args.feature_cache_mb, pacs_servers=pacs_servers)
@@ -67,6 +77,10 @@ def cmd_serve(args) -> int:
             raise InputError(f"--port must be 0..65535, got {http.port}")
         check_folders(settings)  # before anything starts: one line and exit 2 when they overlap
     setup_logging(bool(getattr(args, "debug", False)))
+    if devices is not None:
+        from ..serve.router import serve_devices, worker_arguments
+
+        return serve_devices(settings, http, devices, worker_arguments(args))
     if http is not None:
         return serve_http(settings, http)
     return serve_stdio(settings)
@@ -82,7 +96,11 @@ def _add_arguments(sp) -> None:
     sp.add_argument("--preset", default=None, help="model preset to load at start and use by default (default: load "
                                                    "the default preset on the first request)")
     sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for --preset")
-    sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="cpu, cuda or auto (default)")
+    sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default=None, help="cpu, cuda or auto (default)")
+    sp.add_argument("--devices", metavar="LIST", default=None,
+                    help="HTTP only: one worker per device behind this one address, e.g. cuda:0,cuda:1 (or cpu,cpu); "
+                         "requests about one volume go to the worker that holds it, another answers when it is "
+                         "gone (docs/deploy.md)")
     sp.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_REQUEST_MB,
                     help=f"largest request line / JSON body in MB (default {DEFAULT_MAX_REQUEST_MB}); a volume sent "
                          "as the HTTP body is bounded by --max-voxels instead")

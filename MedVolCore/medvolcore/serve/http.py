@@ -175,7 +175,8 @@ class HttpServer:
     is known at once, ``--port 0`` included). :meth:`serve_forever` serves in the calling thread
     until :meth:`shutdown`."""
 
-    def __init__(self, settings: "HttpSettings", worker: Worker, token: Optional[str], debug: bool = False):
+    def __init__(self, settings: "HttpSettings", worker: Worker, token: Optional[str], debug: bool = False,
+                 app=None):
         try:
             import httptools  # noqa: F401 - the parser http_conn builds on
             import starlette  # noqa: F401
@@ -192,13 +193,15 @@ class HttpServer:
         self.token = token
         self.debug = bool(debug)
         self.allowed = allowed_names(settings.host, settings.allowed_hosts)
-        self.sessions = SessionTable(busy=worker.session_busy)
+        own = isinstance(worker, Worker)  # else the front of several workers (:mod:`.router`): they keep the sessions
+        self.sessions = SessionTable(busy=worker.session_busy) if own else None
         self.peak_connections = 0
         self._reaper_stop = threading.Event()
         self._uvicorn = None
         self._stopped = threading.Event()
         self._stopped.set()
-        worker.hello_extra = {"session_idle_s": settings.session_idle_s}
+        if own:
+            worker.hello_extra = {"session_idle_s": settings.session_idle_s}
         host = settings.host.strip("[]") if ":" in settings.host.strip("[]") else settings.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # (asyncio sets TCP_NODELAY)
@@ -212,12 +215,14 @@ class HttpServer:
         self.server_address = self.socket.getsockname()
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
             logging.getLogger(name).setLevel(logging.DEBUG if self.debug else logging.ERROR)
+        self.app = app(self) if app is not None else Transport(self)
         self.config = uvicorn.Config(
-            Transport(self), http=type("MedVolConnection", (Connection,), {"owner": self}), ws="none",
+            self.app, http=type("MedVolConnection", (Connection,), {"owner": self}), ws="none",
             lifespan="off", access_log=False, log_config=None, proxy_headers=False, server_header=False,
             timeout_keep_alive=max(1, int(settings.client_timeout)), timeout_graceful_shutdown=5,
             backlog=LISTEN_BACKLOG, ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key)
-        threading.Thread(target=self._reap_sessions, name="medvol-http-sessions", daemon=True).start()
+        if own:
+            threading.Thread(target=self._reap_sessions, name="medvol-http-sessions", daemon=True).start()
 
     def _reap_sessions(self) -> None:
         """Forget sessions idle for ``session_idle_s`` and cancel their queued requests. A running
