@@ -205,3 +205,13 @@ def test_a_killed_front_takes_its_workers_with_it():
     s.proc.wait(30)
     gone, alive = psutil.wait_procs(kids, timeout=30)
     assert not alive
+
+
+def test_shutdown_stops_the_workers_then_the_front():
+    s = HttpServer("--devices", "cpu,cpu", "--threads", "1")
+    kids = psutil.Process(s.proc.pid).children()
+    st, r = s.request("POST", "/rpc", {"id": "bye", "op": "shutdown"}, session=False)
+    assert st == 200 and r == {"id": "bye", "ok": True, "result": {"stopping": True}}
+    s.proc.wait(60)
+    gone, alive = psutil.wait_procs(kids, timeout=30)
+    assert not alive and s.proc.returncode == 0
