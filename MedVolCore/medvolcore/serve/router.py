@@ -30,6 +30,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 import urllib.parse
 from typing import Optional
 
@@ -46,6 +47,7 @@ __all__ = ["Front", "serve_devices", "worker_arguments"]
 _PASSED_UP = ("accept", SESSION_HEADER.lower())  # request headers a worker reads (besides those set here)
 _PASSED_DOWN = ("content-type", REPLY_HEADER.lower(), SESSION_HEADER.lower(), "retry-after", "connection")
 _SESSIONS_KEPT = 1 << 16
+LIVE_S = 1.0  # how old the workers' queues in ``status`` may be
 _RETRIES_AFTER_SENT = 1  # a request whose worker died while running it is sent once more
 
 
@@ -69,6 +71,7 @@ class Front(Transport):
         self.sessions = collections.OrderedDict()  # session id -> the worker that issued it
         self._httpx = None
         self._token = server.internal_token
+        self._live, self._live_at, self._live_lock = {}, float("-inf"), asyncio.Lock()
 
     def open_session(self, request):
         return None  # the workers issue and keep the sessions
@@ -216,27 +219,35 @@ class Front(Transport):
 
     async def _with_workers(self, body: bytes) -> bytes:
         """``status``'s reply with ``workers``: each worker's device, whether it is up, its restarts
-        and last exit code, and (asked now, 2 s at most) its queue."""
+        and last exit code, and its queue as it answered (2 s at most) within the last second
+        (asked at most once a second, whoever polls)."""
+        async with self._live_lock:
+            if time.monotonic() - self._live_at > LIVE_S:
+                live = {}
+                await asyncio.gather(*(self._ask(m, live) for m in self.pool.members if m.up and m.port))
+                self._live, self._live_at = live, time.monotonic()
         summary = self.pool.summary()
-
-        async def ask(member: Member, entry: dict):
-            try:
-                r = await self._http().post(f"http://127.0.0.1:{member.port}/rpc", timeout=2.0,
-                                            content=b'{"id": null, "op": "status"}',
-                                            headers={"Host": f"127.0.0.1:{member.port}", "Content-Type":
-                                                     "application/json", "Authorization": f"Bearer {self._token}",
-                                                     SESSION_HEADER: self.server.monitor_sessions.get(member.index, "")})
-                sid = r.headers.get(SESSION_HEADER)
-                if sid:
-                    self.server.monitor_sessions[member.index] = sid
-                st = r.json().get("result") or {}
-                entry.update({k: st.get(k) for k in ("busy", "queue_length", "requests_done", "cached_volumes",
-                                                     "uptime_s")})
-            except Exception:  # noqa: BLE001 - a worker that does not answer is shown as such
-                entry["answering"] = False
-
-        await asyncio.gather(*(ask(m, e) for m, e in zip(self.pool.members, summary) if m.up and m.port))
+        for entry, member in zip(summary, self.pool.members):
+            if member.up:
+                entry.update(self._live.get(member.index, {"answering": False}))
         return _add_result(body, workers=summary)
+
+    async def _ask(self, member: Member, live: dict) -> None:
+        """``member``'s own ``status`` (its queue), asked in a session the front keeps for it."""
+        monitor = self.server.monitor_sessions
+        try:
+            r = await self._http().post(f"http://127.0.0.1:{member.port}/rpc", timeout=2.0,
+                                        content=b'{"id": null, "op": "status"}',
+                                        headers={"Host": f"127.0.0.1:{member.port}", "Content-Type": "application/json",
+                                                 "Authorization": f"Bearer {self._token}",
+                                                 SESSION_HEADER: monitor.get(member.index, "")})
+            if r.headers.get(SESSION_HEADER):
+                monitor[member.index] = r.headers[SESSION_HEADER]
+            st = r.json().get("result") or {}
+            live[member.index] = {k: st.get(k) for k in ("busy", "queue_length", "requests_done", "cached_volumes",
+                                                         "uptime_s")}
+        except Exception:  # noqa: BLE001 - a worker that does not answer is shown as such
+            live[member.index] = {"answering": False}
 
 
 async def _file_chunks(path, started):
