@@ -4,12 +4,15 @@ with the interface of :mod:`.client`'s workers.
 A request about a volume carries ``X-MedVol-Volume``, the sha256 of the volume bytes it sends
 (its status polls and its cancel carry the same), so that a load balancer in front of several
 workers sends every request about one volume to the worker that holds its encoded slices
-(``docs/deploy.md``).
+(``docs/deploy.md``). Each volume key has its own session, opened by a ``hello`` that carries the
+key, so the session is that worker's: a worker knows only the sessions it issued, and the job's
+status polls must find the job in its session.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import gzip
 import hashlib
 import json
@@ -26,6 +29,7 @@ from typing import Optional
 from .client import MASK_TYPE, REPLY_HEADER, SESSION_HEADER, UPLOAD_GZIP_LEVEL, Job, WorkerError, _BaseWorker
 
 VOLUME_HEADER = "X-MedVol-Volume"  # the affinity key: the sha256 of the volume bytes sent
+KEY_SESSIONS = 32  # sessions kept, one per recent volume key (each from the worker holding that volume)
 
 
 class RemoteWorker(_BaseWorker):
@@ -60,6 +64,7 @@ class RemoteWorker(_BaseWorker):
         self._session_lock = threading.Lock()
         self._gzip_cache = None  # ((path, size, mtime_ns), the gzip bytes sent, their sha256)
         self._affinity: dict = {}  # job id -> the sha256 of the volume it sent (X-MedVol-Volume)
+        self._key_sessions = collections.OrderedDict()  # volume key -> the session opened for it
         self._gzip_lock = threading.Lock()
 
     @property
@@ -67,28 +72,49 @@ class RemoteWorker(_BaseWorker):
         return True
 
     def _headers(self, content_type: str = "application/json", job: Optional[Job] = None) -> dict:
-        """A request's headers; ``job``'s volume key (``X-MedVol-Volume``) when it has one."""
+        """A request's headers; with ``job``'s volume key (``X-MedVol-Volume``) when it has one,
+        and the session opened for that key."""
         h = {"Content-Type": content_type}
-        affinity = self._affinity.get(job.id) if job is not None else None
-        if affinity:
-            h[VOLUME_HEADER] = affinity
+        key = self._affinity.get(job.id) if job is not None else None
+        if key:
+            h[VOLUME_HEADER] = key
         if self.token:
             h["Authorization"] = f"Bearer {self.token}"
-        if self.session:
-            h[SESSION_HEADER] = self.session
+        sid = self._key_sessions.get(key) if key else self.session
+        if sid:
+            h[SESSION_HEADER] = sid
         return h
 
-    def _ensure_session(self) -> Optional[dict]:
-        """Get a session id before the first request (status polls share it); the hello's reply, if sent now."""
+    def _ensure_session(self, key: Optional[str] = None) -> Optional[dict]:
+        """Get a session id before the first request (status polls share it); the hello's reply,
+        if sent now. With a volume ``key``, the session comes from a hello carrying that key:
+        behind a load balancer it is issued by the worker that will hold the volume, so the job's
+        status polls, its cancel and later rounds on the volume are that worker's session."""
         with self._session_lock:
-            if self.session is None:
+            if key is not None and key not in self._key_sessions:
+                headers = self._headers()
+                headers[VOLUME_HEADER] = key
+                headers.pop(SESSION_HEADER, None)
+                return self._http("POST", "/rpc", json.dumps({"id": "session", "op": "hello"}).encode("utf-8"),
+                                  headers, timeout=30)
+            if key is None and self.session is None:
                 return self._http("POST", "/rpc", json.dumps({"id": "session", "op": "hello"}).encode("utf-8"),
                                   timeout=30)
         return None
 
-    def _keep_session(self, headers) -> None:
+    def _keep_session(self, headers, sent: Optional[dict] = None) -> None:
+        """Keep the session id of a reply: the session of the volume key the request carried, or
+        the client's own."""
         sid = headers.get(SESSION_HEADER) if headers is not None else None
-        if sid:
+        if not sid:
+            return
+        key = (sent or {}).get(VOLUME_HEADER)
+        if key:
+            self._key_sessions[key] = sid
+            self._key_sessions.move_to_end(key)
+            while len(self._key_sessions) > KEY_SESSIONS:
+                self._key_sessions.popitem(last=False)
+        else:
             self.session = sid
 
     def _http(self, method: str, path: str, data=None, headers: Optional[dict] = None,
@@ -97,16 +123,17 @@ class RemoteWorker(_BaseWorker):
         ``Content-Length`` in the headers). ``mask_to``: where a mask sent as the reply body
         (``Content-Type: application/gzip``, the envelope in ``X-MedVol-Reply``) is written; its
         result then has ``mask_path``."""
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or self._headers())
+        headers = headers or self._headers()
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as r:
-                self._keep_session(r.headers)
+                self._keep_session(r.headers, headers)
                 if mask_to is not None and (r.headers.get("Content-Type") or "").startswith(MASK_TYPE):
                     return self._mask_reply(r, mask_to)
                 body = r.read()
         except urllib.error.HTTPError as e:
             body = e.read()
-            self._keep_session(e.headers)
+            self._keep_session(e.headers, headers)
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise WorkerError("connection", f"cannot reach the MedVol worker at {self.url}: {reason}") from None
@@ -199,6 +226,7 @@ class RemoteWorker(_BaseWorker):
                 del req["volume"]
                 upload, digest = self._gzipped(volume)
                 self._affinity[job.id] = digest
+                self._ensure_session(digest)
                 body = open(upload, "rb")
                 headers = self._headers("application/octet-stream", job)
                 headers["Content-Length"] = str(os.fstat(body.fileno()).st_size)  # streamed, never chunked

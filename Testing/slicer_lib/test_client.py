@@ -343,7 +343,45 @@ def test_status_polls_and_the_cancel_of_a_job_carry_its_volume_key(ct_sm_path):
         assert cancelled.is_set() and job.state in ("failed", "cancelled")
         ops = {op: k for op, k in seen}
         assert ops["segment"] == key and ops["status"] == key and ops["cancel"] == key
-        assert ops["hello"] is None
+        # the client's own session, then the one for this volume, from the worker that will hold it
+        assert [k for op, k in seen if op == "hello"] == [None, key]
     finally:
         srv.shutdown()
         w.stop()
+
+
+@pytest.mark.slow  # a front and two worker processes over HTTP, a segment and a correction round
+def test_remote_worker_through_a_front_of_two_workers(ct_sm_path, tmp_path):
+    """``medvol serve --http --devices cpu,cpu``: the Slicer client, unchanged, segments and sends a
+    correction round, which reaches the worker holding the volume (no slice encoded again); its
+    progress comes from status polls that reach that worker too."""
+    proc = subprocess.Popen([sys.executable, "-m", "medvolcore.cli_serve", "--http", "--port", "0", "--threads", "1",
+                             "--devices", "cpu,cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + 120
+        while port is None and time.monotonic() < deadline:
+            m = re.search(r"ready \(protocol 1\) on http://127\.0\.0\.1:(\d+)", proc.stderr.readline())
+            port = int(m.group(1)) if m else None
+        assert port, "the front did not say where it listens"
+        s = Session()
+        opts = Options(preset="tiny", device="cpu", worker="remote", remote_url=f"http://127.0.0.1:{port}")
+        events = []
+        s.progress.connect(lambda job: events.append((job.op, job.stage)))
+        job = s.wait(s.segment(str(ct_sm_path), "the liver", opts), TIMEOUT)
+        assert job.state == "done", job.error
+        assert job.result["slices_encoded"] > 0
+        assert any(op == "segment" and st in ("ground", "propagate") for op, st in events)
+        ct = nib.load(str(ct_sm_path))
+        geo = VolumeGeometry(ct.affine, ct.shape)
+        rois, k = rois_from_anchor(geo, job.result["anchor"])
+        r = rois[0]
+        rois[0] = RoiBox(r.center + r.axes[:, 0] * 3.0, r.size, r.axes)
+        anchor, _ = anchor_from_rois(geo, rois, k, query="the liver")
+        prop = s.wait(s.propagate(str(ct_sm_path), anchor, opts), TIMEOUT)
+        assert prop.state == "done", prop.error
+        assert prop.result["slices_encoded"] == 0  # the worker that holds the volume answered
+        s.shutdown()
+    finally:
+        proc.terminate()
+        proc.wait(60)
