@@ -62,7 +62,7 @@ from .worker import Worker, WorkerSettings, log
 
 __all__ = ["HttpSettings", "HttpServer", "SessionTable", "SessionsFull", "serve_http", "read_token", "is_loopback",
            "allowed_names", "check_folders", "client_key", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_CLIENT_TIMEOUT_S",
-           "DEFAULT_PORT", "DEFAULT_SESSION_IDLE_S"]
+           "DEFAULT_PORT", "DEFAULT_SESSION_IDLE_S", "listening_token", "serve_until_stopped"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -124,6 +124,16 @@ def read_token(path) -> str:
     if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("--token-file %s can be read by other users of this machine (mode %s); run `chmod 600 %s`",
                     p, oct(stat.S_IMODE(mode)), p)
+    return token
+
+
+def listening_token(http: "HttpSettings") -> Optional[str]:
+    """The token of ``--token-file`` (None without one); binding to an address other than a
+    loopback one without a token raises :class:`InputError`."""
+    token = read_token(http.token_file) if http.token_file else None
+    if token is None and not is_loopback(http.host):
+        raise InputError(f"refusing to listen on {http.host} without a token: binding to a non-loopback address "
+                         "needs --token-file FILE (every request must then send 'Authorization: Bearer TOKEN')")
     return token
 
 
@@ -268,10 +278,7 @@ class HttpServer:
 
 def serve_http(settings: WorkerSettings, http: HttpSettings) -> int:
     """Serve HTTP until the worker stops (``shutdown``, SIGINT, SIGTERM); returns the exit code."""
-    token = read_token(http.token_file) if http.token_file else None
-    if token is None and not is_loopback(http.host):
-        raise InputError(f"refusing to listen on {http.host} without a token: binding to a non-loopback address "
-                         "needs --token-file FILE (every request must then send 'Authorization: Bearer TOKEN')")
+    token = listening_token(http)
     check_folders(settings)
     tls = _check_tls(http)
     worker = Worker.from_settings(settings, "http", preload=False)  # the preset loads once the port is ours
@@ -282,30 +289,39 @@ def serve_http(settings: WorkerSettings, http: HttpSettings) -> int:
         raise InputError(f"cannot listen on {http.host}:{http.port}: {e.strerror or e}") from None
     if settings.preset:
         worker.preload(settings.preset, settings.adapter)
-    host, port = server.server_address[:2]
-    shown = f"[{host}]" if ":" in host else host
     old = install_signals()
     how = "shutdown"
-    serving = threading.Thread(target=server.serve_forever, name="medvol-http", daemon=True)
     try:
-        serving.start()
-        say(f"ready (protocol {PROTOCOL}) on {'https' if tls else 'http'}://{shown}:{port}"
-            + (" (token required)" if token else "")
-            + (f"; data folder {worker.data_dir}" if worker.data_dir
-               else "; no server paths (volumes come in requests)")
-            + (f"; output folder {worker.out_dir}" if worker.out_dir else "; masks come back in the replies"))
-        while serving.is_alive():
-            serving.join(0.25)
-    except Stop:
-        how = "SIGTERM"
-    except KeyboardInterrupt:
-        how = "SIGINT"
+        how = serve_until_stopped(server, tls, token, (f"; data folder {worker.data_dir}" if worker.data_dir
+                                                       else "; no server paths (volumes come in requests)")
+                                  + (f"; output folder {worker.out_dir}" if worker.out_dir
+                                     else "; masks come back in the replies"))
     finally:
         done = stop_worker(worker, how, old, before_close=server.server_close)
     if not done:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def serve_until_stopped(server: HttpServer, tls: bool, token: Optional[str], more: str = "") -> str:
+    """Serve in a thread of its own, say the ready line (``more`` appended), and wait until the
+    server stops (``shutdown``) or a signal comes; returns how it stopped: ``shutdown``,
+    ``SIGTERM`` or ``SIGINT``. Call it with :func:`.lifecycle.install_signals` in force."""
+    host, port = server.server_address[:2]
+    shown = f"[{host}]" if ":" in host else host
+    serving = threading.Thread(target=server.serve_forever, name="medvol-http", daemon=True)
+    try:
+        serving.start()
+        say(f"ready (protocol {PROTOCOL}) on {'https' if tls else 'http'}://{shown}:{port}"
+            + (" (token required)" if token else "") + more)
+        while serving.is_alive():
+            serving.join(0.25)
+    except Stop:
+        return "SIGTERM"
+    except KeyboardInterrupt:
+        return "SIGINT"
+    return "shutdown"
 
 
 def _check_tls(http: HttpSettings) -> bool:

@@ -34,12 +34,13 @@ import time
 import urllib.parse
 from typing import Optional
 
-from ..errors import InputError
+from ..errors import DependencyError, InputError
 from .devices import Member, Pool
-from .http import DEFAULT_MAX_CONNECTIONS, HttpServer, HttpSettings, _check_tls, check_folders, is_loopback, read_token
+from .http import (DEFAULT_MAX_CONNECTIONS, HttpServer, HttpSettings, _check_tls, check_folders, listening_token,
+                   serve_until_stopped)
 from .http_app import REPLY_HEADER, SESSION_HEADER, VOLUME_HEADER, VOLUME_KEY, Transport, _Gone
 from .lifecycle import Stop, install_signals, make_tmp_dir, release_tmp_dir, say
-from .protocol import PROTOCOL, encode_line, error_reply
+from .protocol import encode_line, error_reply
 from .worker import WorkerSettings, log
 
 __all__ = ["Front", "serve_devices", "worker_arguments"]
@@ -313,10 +314,11 @@ def worker_arguments(args) -> list:
 def serve_devices(settings: WorkerSettings, http: HttpSettings, devices, worker_args) -> int:
     """Serve HTTP on ``http``'s address with one worker per device until ``shutdown``, SIGINT or
     SIGTERM; returns the exit code."""
-    token = read_token(http.token_file) if http.token_file else None
-    if token is None and not is_loopback(http.host):
-        raise InputError(f"refusing to listen on {http.host} without a token: binding to a non-loopback address "
-                         "needs --token-file FILE (every request must then send 'Authorization: Bearer TOKEN')")
+    try:
+        import httpx  # noqa: F401 - the client that hands requests to the workers
+    except ImportError:
+        raise DependencyError("serving several devices needs httpx: pip install 'medvolcore[http]'") from None
+    token = listening_token(http)
     check_folders(settings)
     tls = _check_tls(http)
     tmp_dir, lock_fd = make_tmp_dir()
@@ -336,16 +338,8 @@ def serve_devices(settings: WorkerSettings, http: HttpSettings, devices, worker_
         except OSError as e:
             raise InputError(f"cannot listen on {http.host}:{http.port}: {e.strerror or e}") from None
         pool.start()
-        host, port = server.server_address[:2]
-        shown = f"[{host}]" if ":" in host else host
-        serving = threading.Thread(target=server.serve_forever, name="medvol-http", daemon=True)
-        serving.start()
-        say(f"ready (protocol {PROTOCOL}) on {'https' if tls else 'http'}://{shown}:{port}"
-            + (" (token required)" if token else "")
-            + f"; {len(devices)} workers: {', '.join(devices)}")
-        while serving.is_alive():
-            serving.join(0.25)
-    except Stop:
+        how = serve_until_stopped(server, tls, token, f"; {len(devices)} workers: {', '.join(devices)}")
+    except Stop:  # while the workers start
         how = "SIGTERM"
     except KeyboardInterrupt:
         how = "SIGINT"
