@@ -217,3 +217,29 @@ def test_shutdown_stops_the_workers_then_the_front():
     s.proc.wait(60)
     gone, alive = psutil.wait_procs(kids, timeout=30)
     assert not alive and s.proc.returncode == 0
+
+
+def test_the_front_asks_for_its_token_and_its_workers_answer_only_the_front(tmp_path):
+    token = "front-token-" + "x" * 20
+    (tmp_path / "token").write_text(token)
+    (tmp_path / "token").chmod(0o600)
+    s = HttpServer("--devices", "cpu,cpu", "--threads", "1", "--token-file", str(tmp_path / "token"))
+    try:
+        st, r = s.request("GET", "/hello", session=False)
+        assert st == 401 and r["error"]["code"] == "unauthorized"
+        st, r = s.request("GET", "/hello", token=token, session=False)
+        assert st == 200 and r["result"]["devices"] == ["cpu", "cpu"]
+        listening = [c for kid in psutil.Process(s.proc.pid).children()
+                     for c in getattr(kid, "net_connections", kid.connections)(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN]
+        ports = [c.laddr.port for c in listening]
+        assert len(ports) == 2 and s.port not in ports
+        assert all(c.laddr.ip == "127.0.0.1" for c in listening)  # loopback only
+        for port in ports:  # and the client's token is not theirs
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/hello", headers={"Authorization": f"Bearer {token}"})
+            resp = conn.getresponse()
+            assert resp.status == 401
+            conn.close()
+    finally:
+        s.stop()

@@ -155,7 +155,7 @@ class Front(Transport):
             body = await self._with_workers(body)
         elif op == "hello":
             body = _add_result(body, devices=[m.device for m in self.pool.members])
-        self._access(request, _op(text) or "-", None, f"{status} from {member.device} ({member.name})")
+        self._access(request, op or "-", _rid(text), f"{status} from {member.device} ({member.name})")
         from starlette.responses import Response
 
         out = {k: v for k, v in headers.items() if k.lower() in _PASSED_DOWN}
@@ -196,12 +196,12 @@ class Front(Transport):
                 gone.cancel()
         if not job.done():
             job.cancel()
-            self._access(request, _op(text) or "-", None, "client disconnected: cancelled")
+            self._access(request, _op(text) or "-", _rid(text), "client disconnected: cancelled")
             raise _Gone()
         return job.result()
 
     def _no_worker(self, request, text: str, tried) -> object:
-        self._access(request, _op(text) or "-", None, "no worker up")
+        self._access(request, _op(text) or "-", _rid(text), "no worker up")
         return self.reply(request, 503, error_reply(_rid(text), "busy", "no worker is up at the moment (they are "
                                                     "starting or restarting); try again in a few seconds"))
 
