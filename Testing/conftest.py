@@ -29,10 +29,6 @@ if str(REPO / "Testing") not in sys.path:
 REAL = Path(os.environ.get("MEDVOL_REAL_DATA", REPO / "Testing" / "data"))
 TS = REAL / "totalsegmentator"
 
-# TotalSegmentator v2 label ids used in the tests (class_map_total_v2.json).
-SPLEEN, KIDNEY_RIGHT, KIDNEY_LEFT, GALLBLADDER, LIVER, STOMACH = 1, 2, 3, 4, 5, 6
-URINARY_BLADDER = 21
-
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_medvol_home(tmp_path_factory):

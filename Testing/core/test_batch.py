@@ -31,7 +31,7 @@ from medvolcore.errors import OutputError
 from medvolcore.geometry import match_grids
 from medvolcore.metrics import overlap
 
-from conftest import LIVER
+from ts_labels import LIVER
 from core.test_geometry import AFFINE, _cli, _labels
 from core.test_pipeline import GREEDY, _canned_samples, ct4, tiny  # noqa: F401  (fixtures)
 

@@ -15,7 +15,7 @@ from medvolcore.cli import main
 from medvolcore.errors import GenerationError
 from medvolcore.pipeline import Pipeline, as_stack
 
-from conftest import KIDNEY_LEFT, KIDNEY_RIGHT, LIVER
+from ts_labels import KIDNEY_LEFT, KIDNEY_RIGHT, LIVER
 from core.probes import one_line
 from core.test_pipeline import ABSENT, GREEDY, QUERIES, SAMPLE, _canned_samples, canned, ct4, tiny  # noqa: F401  (fixtures)
 

@@ -19,7 +19,7 @@ from medvolcore.geometry import gt_on_grid
 from medvolcore.metrics import dice
 from medvolcore.volume import CTVolume, load_label_map
 
-from conftest import LIVER
+from ts_labels import LIVER
 
 
 def _labels() -> np.ndarray:

@@ -21,7 +21,7 @@ from medvolcore.propagation import MedSAM2Propagator
 from medvolcore.stack import AxialStack
 from medvolcore.volume import load_label_map, load_volume
 
-from conftest import LIVER
+from ts_labels import LIVER
 from core.test_pipeline import QUERIES, SAMPLE, canned, pipe, tiny, tiny_dir  # noqa: F401  (fixtures)
 
 BOX = [20, 20, 70, 60]

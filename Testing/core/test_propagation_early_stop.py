@@ -22,7 +22,7 @@ from medvolcore.propagation._sam2_predictor import MedSAM2VideoPredictor
 from medvolcore.stack import AxialStack
 from medvolcore.volume import label_mask, load_label_map, load_volume
 
-from conftest import KIDNEY_RIGHT
+from ts_labels import KIDNEY_RIGHT
 from reference.controlled_masks import controlled_masks
 
 FIRST, LAST, KEY = 11, 20, 15  # the controlled target: the right kidney on stack slices 11..20 only

@@ -6,18 +6,9 @@ and the 30-slice upper-abdomen CT (``example_ct_sm``), so a step takes about a s
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-
-# TotalSegmentator v2 ids (Testing/conftest.py, class_map_total_v2.json)
-SPLEEN, KIDNEY_RIGHT, KIDNEY_LEFT, LIVER = 1, 2, 3, 5
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
+from training_data import SFT_OVERRIDES, write_jsonl
+from ts_labels import KIDNEY_LEFT, KIDNEY_RIGHT, LIVER, SPLEEN
 
 
 @pytest.fixture(scope="session")
@@ -39,8 +30,6 @@ def sm_data(tmp_path_factory, ct_sm_path, seg_sm_path):
     return root / "DATA"
 
 
-SFT_OVERRIDES = ["learning_rate=0.02", "logging_steps=1", "save_steps=2", "dataloader_num_workers=0",
-                 "report_to=tensorboard", "warmup_ratio=0.0"]
 
 
 @pytest.fixture(scope="session")

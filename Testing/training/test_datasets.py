@@ -9,7 +9,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from conftest import write_jsonl  # Testing/training/conftest.py
+from training_data import write_jsonl
 
 from medvoltrain.datasets import read_manifest
 from medvoltrain.prepare import PrepareSettings, load_samples, prepare

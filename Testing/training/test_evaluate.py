@@ -18,7 +18,8 @@ import pytest
 
 from medvoltrain.cli import main
 
-from conftest import LIVER, SPLEEN, write_jsonl  # Testing/training/conftest.py
+from training_data import write_jsonl
+from ts_labels import LIVER, SPLEEN
 
 ORACLE = ["--oracle", "--random-weights", "0", "--preset", "tiny", "--device", "cpu", "--no-progress"]
 PAPER_HEAD = ["Method", "custom DSC", "custom IoU", "Average DSC", "Average IoU", "Hit rate (%)", "Box IoU (%)",

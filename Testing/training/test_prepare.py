@@ -17,7 +17,7 @@ from medvoltrain.cli import main
 from medvoltrain.errors import DataError
 from medvoltrain.prepare import PrepareSettings, load_mask, load_samples, load_slices, prepare
 
-from conftest import write_jsonl  # Testing/training/conftest.py (pytest puts this folder first on sys.path)
+from training_data import write_jsonl
 
 SPLEEN, KIDNEY_RIGHT, KIDNEY_LEFT, LIVER = 1, 2, 3, 5
 

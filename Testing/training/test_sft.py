@@ -14,7 +14,7 @@ from medvoltrain.cli import main
 from medvoltrain.config import SFTSettings, load_settings, parse_overrides
 from medvoltrain.errors import ConfigError
 
-from conftest import SFT_OVERRIDES
+from training_data import SFT_OVERRIDES
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
