@@ -26,7 +26,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import time
 from pathlib import Path
 
