@@ -78,7 +78,8 @@ def render(ports, listen_port: int, cert: Path, key: Path, logs: Path) -> str:
     for old, new in subs:
         assert text.count(old) == 1, f"{SHIPPED.name} no longer holds {old!r} once"
         text = text.replace(old, new)
-    assert "FILL-IN" not in text and "10.0.0." not in text
+    directives = [ln.split("#", 1)[0] for ln in text.splitlines()]
+    assert not any("FILL-IN" in d or "10.0.0." in d for d in directives)  # every value to fill in was filled
     return text
 
 
@@ -269,6 +270,21 @@ def test_tokens_per_client_and_the_workers_rules_through_nginx(stack):
     conn.close()
     status, _, data = call(stack, "GET", "/admin")
     assert status == 404 and json.loads(data)["error"]["code"] == "not_found"
+    # what nginx refuses itself is a protocol error envelope too; a POST without Content-Length
+    # goes on to the worker, which answers its 411
+    for head, code in ((b"GET /hello HTTP/1.1\r\nHost: a\r\nHost: b\r\n", 400),
+                       (b"POST /rpc HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nContent-Length: 2\r\n", 400),
+                       (b"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n", 411)):
+        tls = stack.ctx.wrap_socket(socket.create_connection(("127.0.0.1", stack.port), timeout=30),
+                                    server_hostname="127.0.0.1")
+        tls.sendall(head + f"Authorization: Bearer {CLIENT_TOKEN}\r\nConnection: close\r\n\r\n".encode() + b"{}")
+        got = b""
+        while chunk := tls.recv(65536):
+            got += chunk
+        tls.close()
+        status_line, _, rest = got.partition(b"\r\n")
+        assert status_line.split()[1] == str(code).encode(), got[:300]
+        assert json.loads(rest.partition(b"\r\n\r\n")[2])["ok"] is False, got[:300]
 
 
 def test_the_slicer_client_through_nginx_unchanged(stack, tmp_path, monkeypatch, small_ct):
@@ -374,5 +390,7 @@ def test_a_killed_worker_fails_over_to_the_other_with_the_same_mask(stack, first
     assert again["slices_encoded"] == prop["mask"].shape[2] > 0
     assert np.array_equal(again["mask"], prop["mask"]) and int(again["mask"].sum()) > 0
     assert worker_status(other)["feature_cache"]["volumes"] >= 1
+    failover = [ln for ln in stack.nginx.access_log() if '"POST /rpc' in ln][-1]
+    assert re.search(r"upstream=127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+ upstream_status=502, 200 ", failover), failover
     assert any("upstream" in ln for ln in (stack.nginx.root / "logs" / "error.log").read_text().splitlines())
 
