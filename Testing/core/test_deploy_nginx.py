@@ -313,7 +313,9 @@ def test_a_half_closed_client_is_a_gone_client_behind_nginx(stack, ct_sm_path):
     """nginx (proxy_ignore_client_abort off) takes a half-close for an abort: the client gets no
     reply, and nginx closes the worker's connection, which the worker sees within its probe
     interval (a second) and cancels the request."""
-    volume = ct_sm_path.read_bytes()  # the whole example CT: its job runs for seconds
+    img = nib.load(str(ct_sm_path))  # the example CT four times over (120 slices): its job runs for many seconds
+    tall = np.concatenate([np.asarray(img.dataobj)] * 4, axis=2)
+    volume = gzip.compress(nib.Nifti1Image(tall, img.affine).to_bytes(), compresslevel=1)
     req = json.dumps({"id": "half", "op": "propagate", "anchor": dict(ANCHOR, slice=20), "stop_after_empty": 0})
     head = (f"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {CLIENT_TOKEN}\r\n"
             f"Content-Type: application/octet-stream\r\nX-MedVol-Request: {req}\r\n"
@@ -342,7 +344,7 @@ def test_a_half_closed_client_is_a_gone_client_behind_nginx(stack, ct_sm_path):
     assert len(aborted) == 1 and re.search(r"upstream=127\.0\.0\.1:\d+ ", aborted[0])  # it reached a worker
 
 
-@pytest.mark.xfail(strict=True, reason="a worker keeps encoded slices per session, and a session is one worker's: "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a worker keeps encoded slices per session, and a session is one worker's: "
                    "a client whose requests alternate between workers gets a new session on each, so its earlier "
                    "volumes' slices are not used (docs/deploy.md, 'Sessions behind nginx')")
 def test_a_client_alternating_between_volumes_keeps_their_encoded_slices(stack, tmp_path, monkeypatch, small_ct):
@@ -370,7 +372,8 @@ def test_a_client_alternating_between_volumes_keeps_their_encoded_slices(stack, 
                           if f"volume={key}" in ln and '"POST /rpc' in ln}
             if len(upstreams) == 2:
                 break
-        assert len(upstreams) == 2 and len(sent) >= 2
+        if len(upstreams) < 2:
+            pytest.skip("all eight volumes hashed to one worker")
         again = [w.call("propagate", 300, volume=str(v), anchor=EDITED, stop_after_empty=0)["slices_encoded"]
                  for v in sent]
         assert again == [0] * len(sent)
