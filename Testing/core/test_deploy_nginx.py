@@ -46,7 +46,7 @@ ANCHOR = {"schema": "medvol.anchor/1", "slice": 4, "boxes": [[30, 30, 90, 80]], 
 EDITED = dict(ANCHOR, boxes=[[40, 30, 80, 70]])
 
 pytestmark = [
-    pytest.mark.slow,  # two worker processes and nginx; segments end to end (about 30 s on 2 cores)
+    pytest.mark.slow,  # two worker processes and nginx; segments end to end (about 15 s on 2 cores)
     pytest.mark.skipif(NGINX is None, reason="no nginx binary (Debian's nginx: MedVolCore/bootstrap.py installs it)"),
     pytest.mark.skipif(OPENSSL is None, reason="no openssl binary to make the test certificate"),
 ]
