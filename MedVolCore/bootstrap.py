@@ -2,7 +2,8 @@
 """Create ``.venv`` at the repository root and install everything MedVol needs into it.
 
     python3 MedVolCore/bootstrap.py [--torch auto|cpu|cuda|keep] [--no-dev] [--no-training]
-                                    [--no-slicer-core] [--no-pyqt] [--venv PATH]
+                                    [--no-slicer-core] [--no-pyqt] [--no-dicom-tools] [--no-nginx]
+                                    [--venv PATH]
 
 Steps, each skipped when already satisfied, so running it again is cheap:
 
@@ -30,7 +31,13 @@ Steps, each skipped when already satisfied, so running it again is cheap:
    conformance tests use to check the DICOM-SEGs written independently of highdicom, and ``orthanc``
    with ``orthanc-dicomweb`` (the DICOMweb server the PACS tests run on loopback), unless
    ``--no-dicom-tools`` is given: with ``apt-get`` as root only, and a failure is a warning (those
-   checks then skip and say why).
+   checks then skip and say why);
+9. install Debian's ``nginx`` (the reverse proxy of ``Resources/deploy/nginx/medvol.conf``, which
+   ``Testing/core/test_deploy_nginx.py`` runs in front of two workers on loopback), unless
+   ``--no-nginx`` is given; the same rule (root, a warning). On a machine running systemd, Debian
+   starts its default site on port 80 once installed; the tests never use it (they run their own
+   nginx with a private prefix on free loopback ports), and ``systemctl disable --now nginx``
+   stops it.
 """
 
 from __future__ import annotations
@@ -149,23 +156,40 @@ def install_dicom_tools() -> None:
     if not missing:
         log("dciodvfy, dcmdump and Orthanc with its DICOMweb plugin already installed")
         return
-    skipped = ("the DICOM conformance tests' validator checks and the PACS tests against Orthanc skip when theirs "
-               "is missing")
-    if shutil.which("apt-get") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
-        log(f"warning: {', '.join(missing)} not installed (needs apt-get as root); {skipped}")
+    apt_install(missing, "the DICOM conformance tests' validator checks and the PACS tests against Orthanc skip "
+                         "when theirs is missing")
+
+
+def install_nginx() -> None:
+    """Debian's nginx (the deployment test's reverse proxy), where apt-get can install it (root);
+    never fatal. ``nginx`` itself: Debian's ``nginx-light`` is only ``nginx`` with an extra module."""
+    if shutil.which("nginx") or os.access("/usr/sbin/nginx", os.X_OK):
+        log("nginx already installed")
         return
+    if apt_install(["nginx"], "the nginx deployment test skips"):
+        log("nginx installed; where systemd runs, Debian started its default site on port 80 (the tests do not use "
+            "it; `systemctl disable --now nginx` stops it)")
+
+
+def apt_install(packages: list, skipped: str) -> bool:
+    """``apt-get install`` ``packages`` as root; a failure is a warning that ends with ``skipped``.
+    True when all were installed."""
+    if shutil.which("apt-get") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        log(f"warning: {', '.join(packages)} not installed (needs apt-get as root); {skipped}")
+        return False
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "--no-install-recommends"] + missing
+    install = ["apt-get", "install", "-y", "--no-install-recommends"] + packages
     r = subprocess.run(install, env=env)
     if r.returncode != 0:  # a new machine has no package lists yet: read them, then try once more
         subprocess.run(["apt-get", "update"], env=env)
         r = subprocess.run(install, env=env)
-    if r.returncode != 0 and len(missing) > 1:  # one package that cannot be installed keeps no other out
-        failed = [pkg for pkg in missing if subprocess.run(install[:4] + [pkg], env=env).returncode != 0]
+    if r.returncode != 0 and len(packages) > 1:  # one package that cannot be installed keeps no other out
+        failed = [pkg for pkg in packages if subprocess.run(install[:4] + [pkg], env=env).returncode != 0]
     else:
-        failed = missing if r.returncode != 0 else []
+        failed = packages if r.returncode != 0 else []
     if failed:
         log(f"warning: apt-get could not install {', '.join(failed)}; {skipped}")
+    return not failed
 
 
 def main(argv=None) -> int:
@@ -184,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dicom-tools", action="store_true",
                     help="skip Debian's dicom3tools, dcmtk, orthanc and orthanc-dicomweb (the DICOM conformance "
                          "tests' validators, the PACS tests' server)")
+    ap.add_argument("--no-nginx", action="store_true",
+                    help="skip Debian's nginx (the reverse proxy the deployment test runs in front of two workers)")
     args = ap.parse_args(argv)
 
     venv = Path(args.venv)
@@ -231,6 +257,8 @@ def main(argv=None) -> int:
 
     if not args.no_dicom_tools:
         install_dicom_tools()
+    if not args.no_nginx:
+        install_nginx()
 
     # Smoke check: the engine imports and sam2 builds its config without torchvision.
     run([py, "-c", "import medvolcore, sam2.build_sam; print('medvolcore', medvolcore.__version__, 'ready')"])

@@ -173,7 +173,7 @@ class RemoteWorker(_BaseWorker):
             cached = self._gzip_cache
             if cached is not None and cached[0] == key and cached[1].is_file():
                 return cached[1], cached[2]
-            if cached is not None and cached[1] != src:
+            if cached is not None and str(cached[1].resolve()) != cached[0][0]:  # a copy made here, not the volume
                 cached[1].unlink(missing_ok=True)
             self._gzip_cache = None
             if is_gzip:

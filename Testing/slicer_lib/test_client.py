@@ -289,6 +289,26 @@ def test_remote_worker_uploads_gzip_and_reads_a_binary_mask(tmp_path, ct_sm_path
     assert not w.tmp_dir.exists()
 
 
+def test_sending_another_volume_never_removes_the_one_sent_before(tmp_path, ct_sm_path):
+    """Only the compressed copy of a ``.nii`` is this client's to remove: a ``.nii.gz`` is sent as
+    it is, and sending another volume after it must leave that file alone."""
+    first, second = tmp_path / "a.nii.gz", tmp_path / "b.nii.gz"
+    first.write_bytes(ct_sm_path.read_bytes())
+    second.write_bytes(ct_sm_path.read_bytes() + b"")
+    nii = tmp_path / "c.nii"
+    nib.save(nib.load(str(ct_sm_path)), str(nii))
+    w = RemoteWorker("http://127.0.0.1:9")
+    try:
+        assert w._gzipped(str(first))[0] == first
+        assert w._gzipped(str(second))[0] == second and first.is_file()
+        copy = w._gzipped(str(nii))[0]
+        assert copy.parent == w.tmp_dir and second.is_file()
+        w._gzipped(str(first))
+        assert not copy.exists() and first.is_file() and second.is_file() and nii.is_file()
+    finally:
+        w.stop()
+
+
 def test_status_polls_and_the_cancel_of_a_job_carry_its_volume_key(ct_sm_path):
     """Behind a load balancer that routes on ``X-MedVol-Volume``, a job's status polls and its
     cancel must reach the worker that runs it: each carries the key of the volume the job sent;
