@@ -62,7 +62,7 @@ class RemoteWorker(_BaseWorker):
         self.tmp_dir = Path(tmp_dir or tempfile.mkdtemp(prefix="medvol-remote-"))
         self.session: Optional[str] = None
         self._session_lock = threading.Lock()
-        self._gzip_cache = None  # ((path, size, mtime_ns), the gzip bytes sent, their sha256)
+        self._gzip_cache = None  # ((path, size, mtime_ns), the gzip bytes sent, their sha256, a copy made here)
         self._affinity: dict = {}  # job id -> the sha256 of the volume it sent (X-MedVol-Volume)
         self._key_sessions = collections.OrderedDict()  # volume key -> the session opened for it
         self._gzip_lock = threading.Lock()
@@ -173,7 +173,7 @@ class RemoteWorker(_BaseWorker):
             cached = self._gzip_cache
             if cached is not None and cached[0] == key and cached[1].is_file():
                 return cached[1], cached[2]
-            if cached is not None and str(cached[1].resolve()) != cached[0][0]:  # a copy made here, not the volume
+            if cached is not None and cached[3]:  # a copy made here; never the user's own .nii.gz
                 cached[1].unlink(missing_ok=True)
             self._gzip_cache = None
             if is_gzip:
@@ -181,7 +181,7 @@ class RemoteWorker(_BaseWorker):
                 with open(src, "rb") as f:
                     for chunk in iter(lambda: f.read(1 << 20), b""):
                         digest.update(chunk)
-                self._gzip_cache = (key, src, digest.hexdigest())
+                self._gzip_cache = (key, src, digest.hexdigest(), False)
                 return src, digest.hexdigest()
             fd, name = tempfile.mkstemp(prefix="upload-", suffix=".nii.gz", dir=self.tmp_dir)
             try:
@@ -193,7 +193,7 @@ class RemoteWorker(_BaseWorker):
             except BaseException:
                 Path(name).unlink(missing_ok=True)
                 raise
-            self._gzip_cache = (key, Path(name), hashed.digest.hexdigest())
+            self._gzip_cache = (key, Path(name), hashed.digest.hexdigest(), True)
             return Path(name), self._gzip_cache[2]
 
     def submit(self, op: str, **fields) -> Job:

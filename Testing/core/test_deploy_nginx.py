@@ -353,11 +353,11 @@ def test_a_half_closed_client_is_a_gone_client_behind_nginx(stack, ct_sm_path):
     assert len(aborted) == 1 and re.search(r"upstream=127\.0\.0\.1:\d+ ", aborted[0])  # it reached a worker
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a worker keeps encoded slices per session, and a session is one worker's: a client whose "
-                          "requests alternate between workers gets a new session on each, so its earlier volumes' "
-                          "slices are not used (docs/deploy.md, 'Sessions behind nginx')")
 def test_a_client_alternating_between_volumes_keeps_their_encoded_slices(stack, tmp_path, monkeypatch, small_ct):
+    """A worker keeps encoded slices per session, and a session is one worker's: the Slicer client
+    opens a session per volume key (a hello carrying the key, so the worker that will hold the
+    volume issues it), and a client going back and forth between volumes held by different
+    workers encodes none of them again."""
     monkeypatch.syspath_prepend(str(REPO / "MedVolR1Slicer"))
     from MedVolR1SlicerLib.remoteworker import RemoteWorker
 
