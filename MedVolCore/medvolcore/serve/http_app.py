@@ -132,7 +132,7 @@ class _Reply:
 _NOSNIFF = (b"x-content-type-options", b"nosniff")
 _NO_STORE = (b"cache-control", b"no-store")
 _JSON = (b"content-type", b"application/json")
-_INLINE = {"/status": "status", "/hello": "hello"}  # routes answered at once, by the worker's own thread
+_INLINE = frozenset(("/status", "/hello"))  # the polled routes, answered at once in the serving thread
 
 
 class Transport:
@@ -187,7 +187,7 @@ class Transport:
         headers += ((b"content-length", b"%d" % len(body)), _JSON)
         return _Reply(status, headers, body)
 
-    def refuse(self, request: Request, status: int, code: str, message: str, rid=None) -> Response:
+    def refuse(self, request: Request, status: int, code: str, message: str, rid=None) -> _Reply:
         log.warning("http %s %s %s refused: %s", self._client(request), loggable(request.method, 20),
                     self._log_path(request), loggable(message, 300))
         return self.reply(request, status, error_reply(rid, code, message), close=True)
