@@ -93,6 +93,9 @@ class _Headers(dict):
     def __init__(self, raw):
         super().__init__((k.decode("latin-1"), v.decode("latin-1")) for k, v in reversed(raw))
 
+    def __getitem__(self, key):
+        return dict.__getitem__(self, key.lower())
+
     def get(self, key, default=None):
         return dict.get(self, key.lower(), default)
 
