@@ -4,7 +4,9 @@ and the server's peak memory for a large body.
 Starts ``medvol serve --http --device cpu --preset tiny`` as a child process of the Python that
 runs this script (so ``PYTHONPATH=…/MedVolCore`` picks the code measured) and prints:
 
-- ``status req/s``: ``GET /status`` on one kept-alive connection, one request at a time;
+- ``status req/s``: ``GET /status`` on one kept-alive connection, one request at a time, once the
+  preset has loaded (it loads in the worker's thread after the ready line, and a request answered
+  meanwhile waits for that thread's turn at the interpreter);
 - ``propagate overhead ms``: the median of (round trip − the worker's ``job_s``) of a small
   ``propagate`` (an 8-slice CT sent as the body, the mask back as ``application/gzip``), i.e. what
   the transport adds;
@@ -109,6 +111,13 @@ def main(argv=None) -> int:
     rows = {"code": str(Path(medvolcore.__file__).parent)}
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        deadline = time.monotonic() + 300
+        while True:  # the preset loads in the worker's thread after the ready line: not measured with it
+            conn.request("GET", "/status")
+            st = json.loads(conn.getresponse().read())["result"]
+            if (st["preset"] and not st["busy"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         for _ in range(50):  # warm-up
             conn.request("GET", "/status")
             conn.getresponse().read()

@@ -204,6 +204,44 @@ def test_openapi_description_is_generated_from_the_routes(server):
     assert "X-MedVol-Request" in doc["paths"]["/rpc"]["post"]["description"]
 
 
+def test_every_json_reply_carries_the_same_headers(server):
+    """``GET /status`` and ``GET /hello`` (answered without Starlette's request object), a 404, a
+    ``POST /rpc`` and a refusal: each JSON reply is nosniff, no-store, its exact length, and names
+    the session it was answered in (none for a refusal before a session exists)."""
+    conn = server.connect()
+    got = {}
+    for method, path, body, headers in (("GET", "/status", None, {}), ("GET", "/hello/", None, {}),
+                                        ("GET", "/nope", None, {}),
+                                        ("POST", "/rpc", b'{"id": 1, "op": "status"}',
+                                         {"Content-Type": "application/json"}),
+                                        ("GET", "/status", None, {"Origin": "http://evil.example"})):
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        got[(method, path, "Origin" in headers)] = (resp.status, resp.getheaders(), data)
+    conn.close()
+    for key, (status, head, data) in got.items():
+        h = {k.lower(): v for k, v in head}
+        assert h["x-content-type-options"] == "nosniff" and h["cache-control"] == "no-store", key
+        assert h["content-type"] == "application/json" and int(h["content-length"]) == len(data), key
+        assert data.endswith(b"\n") and json.loads(data)["ok"] is (status == 200), key
+        assert ("x-medvol-session" in h) is (status != 403), key
+    assert [s for s, _, _ in got.values()] == [200, 200, 404, 200, 403]
+
+
+def test_the_polled_routes_read_headers_as_starlette_does():
+    from starlette.datastructures import Headers
+
+    from medvolcore.serve.http_app import _Headers
+
+    raw = [(b"host", b"127.0.0.1:1"), (b"x-medvol-session", b"s\xe9"), (b"x-other", b"1"), (b"x-other", b"2")]
+    mine, theirs = _Headers(raw), Headers(raw=raw)
+    for name in ("Host", "X-MedVol-Session", "x-medvol-session", "X-Other", "Authorization"):
+        assert mine.get(name) == theirs.get(name) and (name in mine) == (name in theirs), name
+        assert mine.get(name, "") == theirs.get(name, ""), name
+    assert mine["X-Other"] == "1" and mine["x-medvol-session"] == "s\xe9"
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_directly(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"

@@ -18,6 +18,7 @@ import json
 import re
 import threading
 import time
+import types
 import urllib.parse
 from typing import Optional
 
@@ -87,6 +88,58 @@ def _split_host(value: str) -> str:
     return v.rsplit(":", 1)[0] if v.count(":") == 1 else v
 
 
+class _Headers(dict):
+    """A request's headers by lower-case name, read as Starlette's ``Headers`` reads them (any
+    case; latin-1; the first of a repeated header), built once from the ASGI scope."""
+
+    def __init__(self, raw):
+        super().__init__((k.decode("latin-1"), v.decode("latin-1")) for k, v in reversed(raw))
+
+    def __getitem__(self, key):
+        return dict.__getitem__(self, key.lower())
+
+    def get(self, key, default=None):
+        return dict.get(self, key.lower(), default)
+
+    def __contains__(self, key) -> bool:
+        return dict.__contains__(self, key.lower())
+
+
+class _Request:
+    """What the checks and the worker call read of a ``GET /status`` or ``GET /hello`` request
+    (no body): the scope, its headers and a state, without Starlette's request object (these
+    two routes are what a client polls, many times a second)."""
+
+    __slots__ = ("scope", "receive", "method", "headers", "state")
+
+    def __init__(self, scope, receive):
+        self.scope = scope
+        self.receive = receive
+        self.method = scope["method"]
+        self.headers = _Headers(scope["headers"])
+        self.state = types.SimpleNamespace()
+
+
+class _Reply:
+    """A JSON reply sent as two ASGI messages (what Starlette's ``Response`` sends, without
+    building one)."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: list, body: bytes):
+        self.status, self.headers, self.body = status, headers, body
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
+_NO_STORE = (b"cache-control", b"no-store")
+_JSON = (b"content-type", b"application/json")
+_INLINE = frozenset(("/status", "/hello"))  # the polled routes, answered at once in the serving thread
+
+
 class Transport:
     """The application of one :class:`~medvolcore.serve.http.HttpServer`."""
 
@@ -103,7 +156,9 @@ class Transport:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
-        request = Request(scope, receive)
+        # the polled routes without Starlette's request object (any other method or path: below)
+        fast = scope["method"] == "GET" and scope["path"].rstrip("/") in _INLINE
+        request = _Request(scope, receive) if fast else Request(scope, receive)
         request.state.t0 = time.monotonic()
         request.state.session = None
         refusal = self.checks(request) or self.open_session(request)
@@ -125,17 +180,19 @@ class Transport:
         await response(scope, receive, send)
 
     # -- replies --
-    def reply(self, request: Request, status: int, obj: dict, close: bool = False) -> Response:
-        headers = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"}
+    def reply(self, request: Request, status: int, obj: dict, close: bool = False) -> _Reply:
+        body = encode_line(obj)
+        headers = [_NOSNIFF, _NO_STORE]
         if request.state.session:
-            headers[SESSION_HEADER] = request.state.session
+            headers.append((b"x-medvol-session", request.state.session.encode("latin-1")))
         if status == 401:
-            headers["WWW-Authenticate"] = 'Bearer realm="medvol"'
+            headers.append((b"www-authenticate", b'Bearer realm="medvol"'))
         if close:
-            headers["Connection"] = "close"
-        return Response(encode_line(obj), status, headers, media_type="application/json")
+            headers.append((b"connection", b"close"))
+        headers += ((b"content-length", b"%d" % len(body)), _JSON)
+        return _Reply(status, headers, body)
 
-    def refuse(self, request: Request, status: int, code: str, message: str, rid=None) -> Response:
+    def refuse(self, request: Request, status: int, code: str, message: str, rid=None) -> _Reply:
         log.warning("http %s %s %s refused: %s", self._client(request), loggable(request.method, 20),
                     self._log_path(request), loggable(message, 300))
         return self.reply(request, status, error_reply(rid, code, message), close=True)
@@ -151,7 +208,8 @@ class Transport:
         return loggable(path, 100) + ("?…" if request.scope.get("query_string") else "")
 
     def _access(self, request: Request, op, rid, outcome) -> None:
-        log.info("http %s %s id=%s -> %s (%.2f s)", self._client(request), op, json.dumps(rid)[:40], outcome,
+        log.info("http %s %s id=%s -> %s (%.2f s)", self._client(request), op,
+                 "null" if rid is None else json.dumps(rid)[:40], outcome,
                  time.monotonic() - request.state.t0)
 
     # -- checks on the headers alone, before any body is read --
@@ -213,7 +271,7 @@ class Transport:
         responses:
           200: {description: "a protocol reply (JSON)"}
         """
-        return await self._call(request, json.dumps({"id": None, "op": "status"}), inline=True)
+        return await self._call(request, {"id": None, "op": "status"}, inline=True)
 
     async def hello(self, request: Request) -> Response:
         """
@@ -221,7 +279,7 @@ class Transport:
         responses:
           200: {description: "a protocol reply (JSON)"}
         """
-        return await self._call(request, json.dumps({"id": None, "op": "hello"}), inline=True)
+        return await self._call(request, {"id": None, "op": "hello"}, inline=True)
 
     async def openapi(self, request: Request) -> Response:
         """
@@ -372,7 +430,8 @@ class Transport:
     async def _call(self, request: Request, raw, upload=None, inline: bool = False) -> Response:
         """Hand ``raw`` to the worker and wait for its final reply, or for the client to go
         (then the request is cancelled). ``inline``: ``status`` and ``hello``, answered at once
-        without a thread; anything a client wrote is parsed and checked in a worker thread."""
+        without a thread, their request already a dict; anything a client wrote is parsed and
+        checked in a worker thread."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         here = threading.get_ident()
@@ -389,8 +448,9 @@ class Transport:
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(obj))
 
         def handle():
-            return worker.handle_line(raw, reply=reply, body=upload, transport="http", session=request.state.session,
-                                      mask_bytes=self._wants_mask_bytes(request))
+            return (worker.handle if inline else worker.handle_line)(
+                raw, reply=reply, body=upload, transport="http", session=request.state.session,
+                mask_bytes=self._wants_mask_bytes(request))
 
         try:
             job = handle() if inline else await loop.run_in_executor(None, handle)

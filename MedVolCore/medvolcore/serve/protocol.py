@@ -54,6 +54,9 @@ class RequestError(MedVolError):
 
 def _jsonable(obj: Any) -> Any:
     """Plain JSON types only: numpy scalars/arrays converted, non-finite floats → null."""
+    t = type(obj)
+    if t is str or t is int or t is bool or obj is None:  # most of a reply: returned at once
+        return obj
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
