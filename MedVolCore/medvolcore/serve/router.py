@@ -120,7 +120,10 @@ class Front(Transport):
     async def _call(self, request, raw, upload=None, inline: bool = False):
         import httpx
 
-        text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+        if isinstance(raw, dict):  # GET /status or /hello: the request as the routes made it
+            text = json.dumps(raw)
+        else:
+            text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
         try:
             if _op(text) == "shutdown":
                 return await self._shutdown(request, text)
