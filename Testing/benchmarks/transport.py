@@ -47,11 +47,12 @@ def _vmhwm(pid: int) -> float:
     return float("nan")
 
 
-def start(log_path: Path) -> tuple:
-    """The server as a child process, its log (one access line per request) going to a file."""
+def start(log_path: Path, args=("--device", "cpu")) -> tuple:
+    """The server (``--preset tiny --threads 1`` and ``args``) as a child process, its log (one
+    access line per request) going to a file; (process, port)."""
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "medvolcore.cli_serve", "--http", "--host", "127.0.0.1", "--port",
-                             "0", "--device", "cpu", "--preset", "tiny", "--threads", "1"],
+                             "0", "--preset", "tiny", "--threads", "1", *args],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
     log.close()
     deadline = time.monotonic() + 120
