@@ -243,3 +243,22 @@ def test_the_front_asks_for_its_token_and_its_workers_answer_only_the_front(tmp_
             conn.close()
     finally:
         s.stop()
+
+
+@pytest.mark.slow
+def test_a_client_that_goes_away_has_its_request_cancelled_on_the_worker(front, small_ct):
+    """The front closes its connection to the worker when its client leaves; the worker then
+    cancels the request (it does not keep a device busy for nobody)."""
+    import socket
+
+    img = nib.load(str(small_ct[0]))
+    long = np.concatenate([np.asanyarray(img.dataobj)] * 40, axis=2)
+    body = gzip.compress(nib.Nifti1Image(long, img.affine).to_bytes(), 1)
+    req = json.dumps({"id": "leaves", "op": "propagate", "anchor": SMALL_ANCHOR, "stop_after_empty": 0})
+    sock = socket.create_connection(("127.0.0.1", front.port), timeout=30)
+    sock.sendall(f"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+                 f"X-MedVol-Request: {req}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert _wait(lambda: any(w.get("busy") for w in _workers(front)), timeout=60, step=0.1)
+    sock.close()
+    assert _wait(lambda: 'id="leaves" -> client disconnected: cancelled' in "".join(front.stderr), timeout=30)
+    assert _wait(lambda: not any(w.get("busy") for w in _workers(front)), timeout=30)

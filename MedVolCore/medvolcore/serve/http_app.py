@@ -459,14 +459,7 @@ class Transport:
                 upload.remove()
             return self.reply(request, 500, internal_reply(None, f"HTTP {request.method} {self._log_path(request)}"),
                               close=True)
-        if not done.done():
-            gone = asyncio.ensure_future(self._disconnected(request))
-            try:
-                await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not gone.done():
-                    gone.cancel()
-        if not done.done():
+        if not await self._done_or_gone(request, done):
             if job is not None:
                 worker.abandon(job)  # its reply, when it comes, removes the upload
                 self._access(request, job.op, job.id, "client disconnected: cancelled")
@@ -481,6 +474,17 @@ class Transport:
         if mask is not None:
             return self._mask_reply(request, r, mask)
         return self.reply(request, 200, r)
+
+    async def _done_or_gone(self, request: Request, fut) -> bool:
+        """Wait until ``fut`` is done or the client has gone; whether ``fut`` is done."""
+        if not fut.done():
+            gone = asyncio.ensure_future(self._disconnected(request))
+            try:
+                await asyncio.wait({fut, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not gone.done():
+                    gone.cancel()
+        return fut.done()
 
     @staticmethod
     async def _disconnected(request: Request) -> None:

@@ -191,14 +191,8 @@ class Front(Transport):
             return r.status_code, r.headers, r.content
 
         job = asyncio.ensure_future(exchange())
-        gone = asyncio.ensure_future(self._disconnected(request))
-        try:
-            await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not gone.done():
-                gone.cancel()
-        if not job.done():
-            job.cancel()
+        if not await self._done_or_gone(request, job):
+            job.cancel()  # closes the worker's connection: the worker cancels the request
             self._access(request, _op(text) or "-", _rid(text), "client disconnected: cancelled")
             raise _Gone()
         return job.result()
