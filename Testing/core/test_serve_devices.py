@@ -262,3 +262,11 @@ def test_a_client_that_goes_away_has_its_request_cancelled_on_the_worker(front, 
     sock.close()
     assert _wait(lambda: 'id="leaves" -> client disconnected: cancelled' in "".join(front.stderr), timeout=30)
     assert _wait(lambda: not any(w.get("busy") for w in _workers(front)), timeout=30)
+
+
+def test_the_front_reads_a_request_as_the_worker_does(front):
+    """A key named twice is refused by the worker; the front does not take the last ``op`` for
+    the one that counts (a ``shutdown`` hidden behind a ``status`` stops nothing)."""
+    st, r = front.request("POST", "/rpc", data=b'{"id": "d", "op": "status", "op": "shutdown"}', session=False)
+    assert st == 200 and r["ok"] is False and r["error"]["code"] == "bad_request" and "twice" in r["error"]["message"]
+    assert front.alive() and all(w["up"] for w in _workers(front))

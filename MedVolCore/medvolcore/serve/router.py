@@ -34,13 +34,13 @@ import time
 import urllib.parse
 from typing import Optional
 
-from ..errors import DependencyError, InputError
+from ..errors import DependencyError, InputError, MedVolError
 from .devices import Member, Pool
 from .http import (DEFAULT_MAX_CONNECTIONS, HttpServer, HttpSettings, _check_tls, check_folders, listening_token,
                    serve_until_stopped)
 from .http_app import REPLY_HEADER, SESSION_HEADER, VOLUME_HEADER, VOLUME_KEY, Transport, _Gone
 from .lifecycle import Stop, install_signals, make_tmp_dir, release_tmp_dir, say
-from .protocol import encode_line, error_reply
+from .protocol import encode_line, error_reply, parse_request, valid_id
 from .worker import WorkerSettings, log
 
 __all__ = ["Front", "serve_devices", "worker_arguments"]
@@ -87,18 +87,13 @@ class Front(Transport):
         return self._httpx
 
     # -- which worker --
-    def _key(self, request, raw, upload) -> Optional[str]:
-        sent = request.headers.get(VOLUME_HEADER)
-        if sent:
-            return sent
+    def _key(self, request, sent: "_Sent", upload) -> Optional[str]:
+        key = request.headers.get(VOLUME_HEADER)
+        if key:
+            return key
         if upload is not None:
             return upload.sha256
-        try:
-            obj = json.loads(raw) if len(raw) < (1 << 16) else None
-        except (ValueError, RecursionError):
-            obj = None
-        volume = obj.get("volume") if isinstance(obj, dict) else None
-        return f"volume:{volume}" if isinstance(volume, str) and volume else None
+        return f"volume:{sent.volume}" if sent.volume else None
 
     def _choose(self, request, key, tried) -> Optional[Member]:
         if key is None:
@@ -120,23 +115,20 @@ class Front(Transport):
     async def _call(self, request, raw, upload=None, inline: bool = False):
         import httpx
 
-        if isinstance(raw, dict):  # GET /status or /hello: the request as the routes made it
-            text = json.dumps(raw)
-        else:
-            text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+        sent = _Sent(raw)
         try:
-            if _op(text) == "shutdown":
-                return await self._shutdown(request, text)
-            key = self._key(request, text, upload)
+            if sent.op == "shutdown":
+                return await self._shutdown(request, sent)
+            key = self._key(request, sent, upload)
             tried, sent_fails = [], 0
             while True:
                 member = self._choose(request, key, tried)
                 if member is None:
-                    return self._no_worker(request, text, tried)
+                    return self._no_worker(request, sent)
                 tried.append(member)
                 started = {"body": False}
                 try:
-                    reply = await self._exchange(request, member, text, upload, key, started)
+                    reply = await self._exchange(request, member, sent, upload, key, started)
                 except (httpx.TransportError, OSError) as e:
                     self.pool.mark_gone(member)
                     after_sent = started["body"] or not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
@@ -145,7 +137,7 @@ class Front(Transport):
                     if after_sent:
                         sent_fails += 1
                         if sent_fails > _RETRIES_AFTER_SENT:
-                            return self._lost(request, text)
+                            return self._lost(request, sent)
                     continue
                 break
         finally:
@@ -153,19 +145,18 @@ class Front(Transport):
                 upload.remove()
         status, headers, body = reply
         self._learn_session(headers, member)
-        op = _op(text)
-        if op == "status" and status == 200:
+        if sent.op == "status" and status == 200:
             body = await self._with_workers(body)
-        elif op == "hello":
+        elif sent.op == "hello":
             body = _add_result(body, devices=[m.device for m in self.pool.members])
-        self._access(request, op or "-", _rid(text), f"{status} from {member.device} ({member.name})")
+        self._access(request, sent.op or "-", sent.rid, f"{status} from {member.device} ({member.name})")
         from starlette.responses import Response
 
         out = {k: v for k, v in headers.items() if k.lower() in _PASSED_DOWN}
         out.update({"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"})
         return Response(body, status, out)
 
-    async def _exchange(self, request, member: Member, text: str, upload, key, started) -> tuple:
+    async def _exchange(self, request, member: Member, sent: "_Sent", upload, key, started) -> tuple:
         """Send the request to ``member`` and wait for its reply (status, headers, body), or for
         the client to go (then the worker's connection is closed, which cancels the request)."""
         headers = {"Host": f"127.0.0.1:{member.port}", "Authorization": f"Bearer {self._token}"}
@@ -177,12 +168,12 @@ class Front(Transport):
             headers[VOLUME_HEADER] = key[:128]
         if upload is not None:
             headers["Content-Type"] = "application/octet-stream"
-            headers["X-MedVol-Request"] = urllib.parse.quote(text, safe=" !\"#$&'()*+,-./:;<=>?@[]^_`{|}~")
+            headers["X-MedVol-Request"] = urllib.parse.quote(sent.text, safe=" !\"#$&'()*+,-./:;<=>?@[]^_`{|}~")
             headers["Content-Length"] = str(upload.size)
             content = _file_chunks(upload.path, started)
         else:
             headers["Content-Type"] = "application/json"
-            content = text.encode("utf-8")
+            content = sent.text.encode("utf-8")
             started["body"] = True
         url = f"http://127.0.0.1:{member.port}/rpc"
 
@@ -193,27 +184,27 @@ class Front(Transport):
         job = asyncio.ensure_future(exchange())
         if not await self._done_or_gone(request, job):
             job.cancel()  # closes the worker's connection: the worker cancels the request
-            self._access(request, _op(text) or "-", _rid(text), "client disconnected: cancelled")
+            self._access(request, sent.op or "-", sent.rid, "client disconnected: cancelled")
             raise _Gone()
         return job.result()
 
-    def _no_worker(self, request, text: str, tried) -> object:
-        self._access(request, _op(text) or "-", _rid(text), "no worker up")
-        return self.reply(request, 503, error_reply(_rid(text), "busy", "no worker is up at the moment (they are "
+    def _no_worker(self, request, sent: "_Sent") -> object:
+        self._access(request, sent.op or "-", sent.rid, "no worker up")
+        return self.reply(request, 503, error_reply(sent.rid, "busy", "no worker is up at the moment (they are "
                                                     "starting or restarting); try again in a few seconds"))
 
-    def _lost(self, request, text: str) -> object:
-        return self.reply(request, 503, error_reply(_rid(text), "worker_lost", "the worker serving this request "
+    def _lost(self, request, sent: "_Sent") -> object:
+        return self.reply(request, 503, error_reply(sent.rid, "worker_lost", "the worker serving this request "
                                                     "stopped while running it, twice; the request may be what stops "
                                                     "them (see the server's log)"))
 
-    async def _shutdown(self, request, text: str):
+    async def _shutdown(self, request, sent: "_Sent"):
         loop = asyncio.get_running_loop()
         say("shutdown requested: stopping the workers")
         await loop.run_in_executor(None, self.pool.stop)
         self.worker.stopped.set()
         loop.call_soon(self.server.stop_serving)
-        return self.reply(request, 200, {"id": _rid(text), "ok": True, "result": {"stopping": True}})
+        return self.reply(request, 200, {"id": sent.rid, "ok": True, "result": {"stopping": True}})
 
     async def _with_workers(self, body: bytes) -> bytes:
         """``status``'s reply with ``workers``: each worker's device, whether it is up, its restarts
@@ -258,22 +249,26 @@ async def _file_chunks(path, started):
             yield chunk
 
 
-def _op(text: str) -> Optional[str]:
-    try:
-        obj = json.loads(text) if len(text) < (1 << 16) else None
-    except (ValueError, RecursionError):
-        return None
-    op = obj.get("op") if isinstance(obj, dict) else None
-    return op if isinstance(op, str) else None
+class _Sent:
+    """The request as the front reads it: its JSON ``text`` (what the worker gets), and its ``op``,
+    ``id`` and named ``volume`` when the protocol's own parser reads it (each key once: a request
+    the worker will refuse is never read otherwise here)."""
 
+    __slots__ = ("text", "op", "rid", "volume")
 
-def _rid(text: str):
-    try:
-        obj = json.loads(text) if len(text) < (1 << 16) else None
-    except (ValueError, RecursionError):
-        return None
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    return rid if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+    def __init__(self, raw):
+        if isinstance(raw, dict):  # GET /status or /hello: the request as the routes made it
+            self.text = json.dumps(raw)
+        else:
+            self.text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+        try:
+            req = raw if isinstance(raw, dict) else parse_request(self.text)
+        except MedVolError:
+            req = {}
+        op, rid, volume = req.get("op"), req.get("id"), req.get("volume")
+        self.op = op if isinstance(op, str) else None
+        self.rid = rid if valid_id(rid) else None
+        self.volume = volume if isinstance(volume, str) and volume else None
 
 
 def _add_result(body: bytes, **fields) -> bytes:
