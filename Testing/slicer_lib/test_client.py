@@ -19,6 +19,7 @@ from MedVolR1SlicerLib.client import StdioWorker, WorkerError, worker_command
 from MedVolR1SlicerLib.remoteworker import RemoteWorker
 from MedVolR1SlicerLib.geometry import RoiBox, VolumeGeometry, anchor_from_rois, rois_from_anchor
 from MedVolR1SlicerLib.session import CANCELLING, IDLE, RUNNING, Options, Session
+from json_standin import send_json
 
 TIMEOUT = 180
 TINY = Options(preset="tiny", device="cpu")
@@ -325,18 +326,9 @@ def test_status_polls_and_the_cancel_of_a_job_carry_its_volume_key(ct_sm_path):
         def log_message(self, *a):
             pass
 
-        def _send(self, obj):
-            out = json.dumps(obj).encode()
-            self.send_response(200)
-            for k, v in {"Content-Type": "application/json", "Content-Length": str(len(out)),
-                         "X-MedVol-Session": "s1"}.items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(out)
-
         def do_GET(self):  # noqa: N802
             seen.append(("status", self.headers.get("X-MedVol-Volume")))
-            self._send({"id": None, "ok": True, "result": {"current": {"id": "none", "stage": "ground"}}})
+            send_json(self, {"id": None, "ok": True, "result": {"current": {"id": "none", "stage": "ground"}}})
 
         def do_POST(self):  # noqa: N802
             body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -346,9 +338,9 @@ def test_status_polls_and_the_cancel_of_a_job_carry_its_volume_key(ct_sm_path):
                 cancelled.set()
             elif req["op"] == "segment":
                 cancelled.wait(20)
-                self._send({"id": req["id"], "ok": False, "error": {"code": "cancelled", "message": "cancelled"}})
+                send_json(self, {"id": req["id"], "ok": False, "error": {"code": "cancelled", "message": "cancelled"}})
                 return
-            self._send({"id": req["id"], "ok": True, "result": {}})
+            send_json(self, {"id": req["id"], "ok": True, "result": {}})
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     threading.Thread(target=srv.serve_forever, daemon=True).start()

@@ -9,6 +9,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
+from json_standin import send_json
 from MedVolR1SlicerLib import remote
 from MedVolR1SlicerLib.remoteworker import RemoteWorker
 from MedVolR1SlicerLib.reloading import reload_order
@@ -58,13 +59,7 @@ def test_a_remote_workers_identity_is_asked_with_one_hello_and_its_token():
         def do_POST(self):  # noqa: N802
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append((req["op"], self.headers.get("Authorization")))
-            out = json.dumps({"id": req["id"], "ok": True, "result": {"protocol": 1, "medvolcore": "9.9"}}).encode()
-            self.send_response(200)
-            for k, v in {"Content-Type": "application/json", "Content-Length": str(len(out)),
-                         "X-MedVol-Session": "s1"}.items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(out)
+            send_json(self, {"id": req["id"], "ok": True, "result": {"protocol": 1, "medvolcore": "9.9"}})
 
     server = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
