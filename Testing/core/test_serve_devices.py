@@ -270,3 +270,60 @@ def test_the_front_reads_a_request_as_the_worker_does(front):
     st, r = front.request("POST", "/rpc", data=b'{"id": "d", "op": "status", "op": "shutdown"}', session=False)
     assert st == 200 and r["ok"] is False and r["error"]["code"] == "bad_request" and "twice" in r["error"]["message"]
     assert front.alive() and all(w["up"] for w in _workers(front))
+
+
+@pytest.mark.slow
+def test_a_data_folder_volume_keeps_its_worker_without_any_header(small_ct, tmp_path):
+    """A JSON request naming a ``--data-dir`` file is routed by that name: its correction round
+    reaches the worker that read it, though the client sends no volume key."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ct.nii.gz").write_bytes(small_ct[0].read_bytes())
+    s = HttpServer("--devices", "cpu,cpu", "--preset", "tiny", "--threads", "1", "--data-dir", str(data))
+    try:
+        encoded = []
+        for anchor in (SMALL_ANCHOR, dict(SMALL_ANCHOR, boxes=[[35, 35, 95, 85]])):
+            st, r = s.request("POST", "/rpc", {"id": "d", "op": "propagate", "volume": "ct.nii.gz", "anchor": anchor})
+            assert st == 200 and r["ok"], r
+            encoded.append(r["result"]["slices_encoded"])
+        assert encoded == [8, 0]
+        for i in range(4):  # without a session too (no session to follow): the name decides, not turns
+            st, r = s.request("POST", "/rpc", {"id": f"n{i}", "op": "propagate", "volume": "ct.nii.gz",
+                                               "anchor": SMALL_ANCHOR}, session=False)
+            assert st == 200 and r["ok"], r
+        time.sleep(0.5)
+        answered = {line.rsplit(" from ", 1)[1].split(")")[0] for line in s.stderr
+                    if 'propagate id="n' in line and " from " in line}
+        assert len(answered) == 1, answered
+    finally:
+        s.stop()
+
+
+def test_the_front_serves_https_itself(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    proc = subprocess.Popen(SERVE + ["--http", "--host", "127.0.0.1", "--port", "0", "--devices", "cpu,cpu",
+                                     "--threads", "1", "--tls-cert", str(cert), "--tls-key", str(key)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for _ in range(200):
+            line = proc.stderr.readline()
+            if "ready (protocol 1) on https://127.0.0.1:" in line:
+                port = int(line.split("https://127.0.0.1:")[1].split(";")[0].split()[0])
+                break
+        assert port, "no https ready line"
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=str(cert))
+        ctx.check_hostname = False
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
+        conn.request("GET", "/hello")
+        resp = conn.getresponse()
+        r = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 200 and r["result"]["devices"] == ["cpu", "cpu"]
+    finally:
+        proc.terminate()
+        proc.wait(60)
