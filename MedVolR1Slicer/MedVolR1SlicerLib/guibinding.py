@@ -95,3 +95,19 @@ class GuiBinding:
         a = getattr(self.node, "parameterNode", self.node)
         b = getattr(node, "parameterNode", node)
         return a is b
+
+
+def show_choices(combo, choices: list, shown: Optional[list], current) -> list:
+    """Fill a combo box with ``choices`` (``(text, value)`` pairs) unless it already shows them
+    (``shown``, what the last call returned), and make ``current(values)`` its current index, its
+    signals blocked meanwhile (a rebuilt list is not a user's choice). Returns ``choices``."""
+    blocked = combo.blockSignals(True)
+    try:
+        if choices != shown:
+            combo.clear()
+            for text, value in choices:
+                combo.addItem(text, value)
+        combo.setCurrentIndex(current([value for _, value in choices]))
+    finally:
+        combo.blockSignals(blocked)
+    return choices

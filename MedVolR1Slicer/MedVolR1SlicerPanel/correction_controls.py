@@ -12,6 +12,7 @@ import vtk
 from slicer import vtkMRMLMarkupsFiducialNode, vtkMRMLMarkupsROINode
 
 from MedVolR1SlicerLib.geometry import GeometryError
+from MedVolR1SlicerLib.guibinding import show_choices
 
 NEGATIVE_KEY = "N"  # toggles the sign of new points while the module is shown
 
@@ -69,17 +70,10 @@ class CorrectionControls:
         rebuilt only when the list changed."""
         p = self._parameterNode
         choices = self.logic.objectChoices(p) if p is not None and p.anchorJson else [("New object", 0)]
-        combo = self.ui.objectComboBox
-        blocked = combo.blockSignals(True)
-        if choices != self._objectChoices:
-            combo.clear()
-            for text, number in choices:
-                combo.addItem(text, number)
-            self._objectChoices = choices
         current = p.correctionObject if p is not None else 0
-        numbers = [n for _, n in choices]
-        combo.setCurrentIndex(numbers.index(current) if current in numbers else len(numbers) - 1)
-        combo.blockSignals(blocked)
+        self._objectChoices = show_choices(
+            self.ui.objectComboBox, choices, self._objectChoices,
+            lambda numbers: numbers.index(current) if current in numbers else len(numbers) - 1)
 
     def _observeBoxes(self, boxes):
         boxes = [b for b in boxes if b is not None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import slicer
 import vtk
 
+from MedVolR1SlicerLib.guibinding import show_choices
 from MedVolR1SlicerLib.session import IDLE
 
 EDITOR_TAG = "SegmentEditor"  # the Segment Editor module's parameter node (a singleton)
@@ -109,15 +110,9 @@ class SegmentSelection:
                 choices.append((name if self.logic.hasEvidence(p, seg, segmentId) else f"{name} (no evidence)",
                                 segmentId))
         combo = self.ui.segmentComboBox
-        blocked = combo.blockSignals(True)
-        if choices != self._segmentChoices:
-            combo.clear()
-            for text, segmentId in choices:
-                combo.addItem(text, segmentId)
-            self._segmentChoices = choices
-        ids = [segmentId for _, segmentId in choices]
-        combo.setCurrentIndex(ids.index(p.segmentId) if p is not None and p.segmentId in ids else -1)
-        combo.blockSignals(blocked)
+        self._segmentChoices = show_choices(
+            combo, choices, self._segmentChoices,
+            lambda ids: ids.index(p.segmentId) if p is not None and p.segmentId in ids else -1)
         combo.enabled = bool(choices) and self.logic.session.state == IDLE
 
     def onSegmentChosen(self, index):

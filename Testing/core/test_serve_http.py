@@ -39,6 +39,37 @@ SESSION = "X-MedVol-Session"
 
 # ---- an in-process server whose jobs are stand-ins ------------------------------------------------
 
+def read_replies(sock, wait: float) -> tuple:
+    """Every final reply (status, JSON body) on ``sock`` until it closes or ``wait`` s pass, interim
+    ``100 Continue`` replies skipped; and whether the server closed the connection (a reset after
+    the reply, our unread body still queued, counts as closed)."""
+    sock.settimeout(wait)
+    got, closed = b"", False
+    deadline = time.monotonic() + wait
+    try:
+        while time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                closed = True
+                break
+            got += chunk
+    except socket.timeout:
+        pass
+    except ConnectionResetError:
+        closed = True
+    out = []
+    while got.startswith(b"HTTP/"):
+        head, _, rest = got.partition(b"\r\n\r\n")
+        status = int(head.split()[1])
+        if 100 <= status < 200:
+            got = rest
+            continue
+        n = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0])
+        out.append((status, json.loads(rest[:n])))
+        got = rest[n:]
+    return out, closed
+
+
 class _InProcess:
     """An HTTP worker in this process on 127.0.0.1 (port 0). Its queued jobs do no work: a
     ``segment`` whose query is ``"block"`` waits for :attr:`gate` (honouring cancel), any other
@@ -72,26 +103,10 @@ class _InProcess:
         closes the connection (or ``wait`` seconds pass: then the last item is ``"open"``)."""
         s = socket.create_connection(("127.0.0.1", self.port), timeout=wait)
         s.sendall(data)
-        got, closed = b"", False
         try:
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    closed = True
-                    break
-                got += chunk
-        except socket.timeout:
-            pass
-        except ConnectionResetError:  # closed with our unread body still queued: a reset after the reply
-            closed = True
+            replies, closed = read_replies(s, wait)
         finally:
             s.close()
-        replies = []
-        while got.startswith(b"HTTP/"):
-            head, _, rest = got.partition(b"\r\n\r\n")
-            n = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0])
-            replies.append((int(head.split()[1]), json.loads(rest[:n])))
-            got = rest[n:]
         return replies + ([] if closed else ["open"])
 
     def close(self):

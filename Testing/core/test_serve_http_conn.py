@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from core.test_serve_http import _InProcess, rpc
+from core.test_serve_http import read_replies as _replies
 
 from medvolcore.serve.http import HttpServer, HttpSettings
 from medvolcore.serve.worker import Worker
@@ -30,36 +31,6 @@ def server():
     s = _InProcess()
     yield s
     s.close()
-
-
-def _replies(sock, wait: float) -> tuple:
-    """Every final reply (status, JSON body) on ``sock`` until it closes or ``wait`` s pass, interim
-    ``100 Continue`` replies skipped; and whether the server closed the connection."""
-    sock.settimeout(wait)
-    got, closed = b"", False
-    deadline = time.monotonic() + wait
-    try:
-        while time.monotonic() < deadline:
-            chunk = sock.recv(65536)
-            if not chunk:
-                closed = True
-                break
-            got += chunk
-    except socket.timeout:
-        pass
-    except ConnectionResetError:
-        closed = True
-    out = []
-    while got.startswith(b"HTTP/"):
-        head, _, rest = got.partition(b"\r\n\r\n")
-        status = int(head.split()[1])
-        if 100 <= status < 200:
-            got = rest
-            continue
-        n = int([h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")][0])
-        out.append((status, json.loads(rest[:n])))
-        got = rest[n:]
-    return out, closed
 
 
 def _nifti_header(shape, dtype=np.int16) -> bytes:
