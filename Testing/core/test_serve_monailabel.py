@@ -150,6 +150,8 @@ def test_other_routes_answer_a_clear_refusal(worker):
     assert status == 404 and "GET /info/" in json.loads(body)["detail"]
     status, body, _ = _post(f"{worker.url}/infer/tiny?image={SERIES}", {"params": "{}"}, {"label": b"\0" * 10})
     assert status == 422 and "file part" in json.loads(body)["detail"]
+    status, body, _ = _post(f"{worker.url}/infer/tiny?image={SERIES}&output=dicom_seg", {"params": '{"query": "x"}'})
+    assert status == 501 and "medvol segment" in json.loads(body)["detail"]
     status, body, _ = _get(f"{worker.url}/train/")
     assert status == 404 and "not supported" in json.loads(body)["detail"]
     status, body, _ = _post(f"{worker.url}/datastore/label?image={SERIES}", {"params": "{}"})

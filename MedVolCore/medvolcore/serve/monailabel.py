@@ -12,8 +12,8 @@ proxy routes for it.
                                           label's name as the query); the series is looked up on NAME
                                           (QIDO-RS) and segmented by the worker's one segment job;
                                           answers the label file (``output=image``), the JSON
-                                          (``json``), both as multipart (``all``, the default), or a
-                                          DICOM-SEG (``dicom_seg``)
+                                          (``json``) or both as multipart (``all``, the default);
+                                          ``dicom_seg`` is refused (501)
 ``GET /datastore/``                       a read-only, empty datastore's status (nothing is stored)
 ``GET /proxy/dicom/{qido,wado}/studies…`` QIDO-RS and WADO-RS of server NAME, GET only, bounded
 ``GET /ohif/…``                           the prebuilt OHIF viewer with MONAI Label's plugin (from the
@@ -221,13 +221,16 @@ class MonaiLabelApp:
                                 "query)")
         if not image:
             raise _Refused(422, "image=SeriesInstanceUID is required")
+        if output == "dicom_seg":  # the job's SEG checks its source files again; a retrieved series' are gone by then
+            raise _Refused(501, "output=dicom_seg is not supported here yet; store a DICOM-SEG into the study with "
+                                "`medvol segment --volume dicomweb://… --out dicomweb://…/studies/STUDY` (docs/pacs.md)")
         loop = asyncio.get_running_loop()
         volume = await loop.run_in_executor(None, self._series, image)
         req = {"id": f"monailabel-{next(self._ids)}", "op": "segment", "volume": volume, "query": query,
-               "empty_mask_on_absent": output != "dicom_seg"}
+               "empty_mask_on_absent": True}
         if params.get("consensus") not in (None, 1):
             req["consensus"] = params["consensus"]
-        reply = await self._run(request, req, ".dcm" if output == "dicom_seg" else True)
+        reply = await self._run(request, req)
         if not reply.get("ok"):
             err = reply.get("error") or {}
             raise _Refused(_STATUS.get(err.get("code"), 500), err.get("message") or "the request failed")
@@ -311,7 +314,7 @@ class MonaiLabelApp:
         except MedVolError as e:
             raise _Refused(_STATUS.get(e.code, 400), str(e)) from None
 
-    async def _run(self, request, req: dict, mask_bytes) -> dict:
+    async def _run(self, request, req: dict) -> dict:
         """The worker's final reply to ``req`` (its one segment job, queue and caches); a client
         that goes away has its request cancelled."""
         loop = asyncio.get_running_loop()
@@ -322,7 +325,7 @@ class MonaiLabelApp:
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(obj))
 
         job = await loop.run_in_executor(None, lambda: self.worker.handle(
-            req, reply=reply, transport="http", session=request.state.session, mask_bytes=mask_bytes))
+            req, reply=reply, transport="http", session=request.state.session, mask_bytes=True))
         if not await self.transport._done_or_gone(request, done):
             if job is not None:
                 self.worker.abandon(job)
@@ -348,11 +351,6 @@ class MonaiLabelApp:
             safe="")[:16000]}
         if output == "json":
             return self._json(summary, headers=head)
-        if output == "dicom_seg":
-            if data is None:
-                raise _Refused(404, f"not found in this CT: {query} (no DICOM-SEG is made for an absent target)")
-            return Response(data, 200, {**head, "Content-Disposition": 'attachment; filename="label.dcm"',
-                                        "X-Content-Type-Options": "nosniff"}, media_type="application/dicom")
         suffix = params.get("result_extension") or ".nii.gz"
         if suffix not in LABEL_SUFFIXES:
             raise _Refused(422, f"result_extension must be one of {', '.join(LABEL_SUFFIXES)}")

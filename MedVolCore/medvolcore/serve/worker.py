@@ -192,8 +192,7 @@ class Worker:
         ``body``: the volume sent beside the request over HTTP, NIfTI bytes or an
         :class:`.upload.Upload` (a private file). ``mask_bytes`` (HTTP): the result carries the
         mask's ``.nii.gz`` bytes under :data:`MASK_BYTES_KEY` for the transport to send as they
-        are, instead of ``mask_b64``; a suffix instead of True (``".dcm"``, for a request without
-        ``out``): the mask is written in that format and those are the bytes.
+        are, instead of ``mask_b64``.
         """
         reply = reply or self.emit
         try:
@@ -239,7 +238,7 @@ class Worker:
                 self.stopped.set()
             else:
                 request = self._check_queued(req, body, transport)
-                job = _Job(req, reply, transport, body, session, mask_bytes=mask_bytes if transport == "http" else False,
+                job = _Job(req, reply, transport, body, session, mask_bytes=mask_bytes and transport == "http",
                            request=request)
                 with self._cv:
                     if self._stopping:
@@ -743,8 +742,7 @@ class Worker:
             return self.output_path(out, job.transport), bool(job.req.get("overwrite", False)), False
         self._counter += 1
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(job.id))[:40] if job.id is not None else "req"
-        suffix = job.mask_bytes if isinstance(job.mask_bytes, str) else ".nii.gz"
-        return self.tmp_dir / f"{job.op}-{self._counter:04d}-{safe}{suffix}", False, True
+        return self.tmp_dir / f"{job.op}-{self._counter:04d}-{safe}.nii.gz", False, True
 
     def _reply_copy(self, job: _Job) -> Optional[Path]:
         """Over HTTP with an ``out`` that is not ``.nii.gz`` (``.nrrd``, ``.mha``, ``.nii``,
