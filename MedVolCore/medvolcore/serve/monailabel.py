@@ -346,9 +346,10 @@ class MonaiLabelApp:
                    "notes": result.get("notes") or [], "model_label": result.get("model_label"),
                    "terminology": result.get("terminology"), "mask_voxels": result.get("mask_voxels"),
                    "research_use": RESEARCH_USE_NOTICE}
-        head = {RESULT_HEADER: urllib.parse.quote(json.dumps({k: summary[k] for k in (
-            "query", "label", "absent", "message", "reasoning", "confidence", "model_label", "research_use")}),
-            safe="")[:16000]}
+        shown = {k: summary[k] for k in ("query", "label", "absent", "message", "reasoning", "confidence",
+                                          "model_label", "research_use")}
+        shown.update(query=query[:300], message=summary["message"][:400], reasoning=(summary["reasoning"] or "")[:500])
+        head = {RESULT_HEADER: urllib.parse.quote(json.dumps(shown), safe="")}  # ASCII, a few kB at most
         if output == "json":
             return self._json(summary, headers=head)
         suffix = params.get("result_extension") or ".nii.gz"
