@@ -68,9 +68,13 @@ def nsd(gt, pred, spacing: Sequence[float], tolerance_mm: float = TOLERANCE_MM) 
         return NAN
     if not g.any() or not p.any():
         return 0.0
+    import warnings
+
     import surface_distance
 
-    d = surface_distance.compute_surface_distances(g, p, tuple(float(s) for s in spacing))
+    with warnings.catch_warnings():  # it imports from scipy.ndimage's deprecated namespaces
+        warnings.simplefilter("ignore", DeprecationWarning)
+        d = surface_distance.compute_surface_distances(g, p, tuple(float(s) for s in spacing))
     return float(surface_distance.compute_surface_dice_at_tolerance(d, tolerance_mm))
 
 
