@@ -182,8 +182,8 @@ def test_each_protocol_on_one_fixed_prediction(fixed_slab):
                                                                             "DSC_all_prompts": 0.4967}
     rex = fm.rexgrounding_summary(s["findings"])
     assert rex["findings"] == 3
-    assert rex["global_dice"] == pytest.approx(0.279284, abs=1e-6)
-    assert rex["mean_dice"] == pytest.approx(0.494523, abs=1e-6)
+    assert rex["global_dice"] == pytest.approx(0.494523, abs=1e-6)  # the mean of the findings' Dice
+    assert rex["pooled_dice"] == pytest.approx(0.279284, abs=1e-6)
     assert rex["hit_rate"] == pytest.approx(2 / 3) and rex["instance_f1"] == pytest.approx(0.8)
     r1 = {p["class_id"]: round(p["dice_empty_is_one"], 4) for p in s["prompts"]}
     assert r1 == {1: 0.7919, 4: 0.6917, 5: 0.0, 21: 0.0, 75: 1.0}

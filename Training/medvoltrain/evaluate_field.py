@@ -292,10 +292,12 @@ def _section(name: str, summary: dict) -> List[str]:
     if name == "rexgrounding":
         r = summary["rexgrounding"]
         return [f"## rexgrounding — {fieldmetrics.PROTOCOL_NOTES['rexgrounding']}", "",
-                "| findings | global Dice | mean Dice | hit rate | inst. precision | inst. recall | inst. F1 |",
-                "|---|---|---|---|---|---|---|",
-                f"| {r['findings']} | {_fmt(r['global_dice'])} | {_fmt(r['mean_dice'])} | {_fmt(r['hit_rate'])} | "
-                f"{_fmt(r['instance_precision'])} | {_fmt(r['instance_recall'])} | {_fmt(r['instance_f1'])} |", ""]
+                "| findings | global Dice | hit rate | inst. precision | inst. recall | inst. F1 |",
+                "|---|---|---|---|---|---|",
+                f"| {r['findings']} | {_fmt(r['global_dice'])} | {_fmt(r['hit_rate'])} | "
+                f"{_fmt(r['instance_precision'])} | {_fmt(r['instance_recall'])} | {_fmt(r['instance_f1'])} |", "",
+                f"Global Dice is the mean Dice of the findings (ReXrank's definition). Beside it, named: the Dice "
+                f"of the voxels pooled over every finding {_fmt(r['pooled_dice'])}.", ""]
     m = summary["medvol-r1"]
     return [f"## medvol-r1 — {fieldmetrics.PROTOCOL_NOTES['medvol-r1']}", "",
             "| Dice (mean of cases) | Dice (mean of prompts) | IoU (mean of prompts) |", "|---|---|---|",

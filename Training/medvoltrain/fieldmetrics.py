@@ -16,12 +16,13 @@ those axes (as the challenge files store it and as the CVPR 2025 script uses it)
   Beside them, named, the textbook choices: every prompt averaged with two empty masks counting as
   Dice 1.0 (``DSC_all_prompts``) and the instance F1 with unmatched ground truth counted when nothing
   was predicted and NaN when there is nothing on either side (``F1_textbook``).
-* **rexgrounding** — ReXGroundingCT's finding-level scores (:func:`rexgrounding_summary`): per
-  finding (one prompt with ground truth), its Dice; **global Dice** pools the voxels of every
-  finding (``2 Σ|P∩G| / Σ(|P|+|G|)``), the mean per-finding Dice is given beside it; the **hit
-  rate** is the share of findings with Dice ≥ 0.1; **instance precision/recall/F1** count the
-  26-connected components of each finding's prediction and ground truth, matched one-to-one at
-  Dice ≥ 0.2, pooled over findings.
+* **rexgrounding** — ReXGroundingCT's finding-level scores as its leaderboard (ReXrank) defines
+  them (:func:`rexgrounding_summary`): per finding (one prompt with ground truth) its Dice; **global
+  Dice** is the mean of the findings' Dice; the **hit rate** is the share of findings with Dice ≥
+  0.1; **instance precision/recall/F1** count the 26-connected components of each finding's
+  prediction and ground truth, matched one-to-one at Dice ≥ 0.2, pooled over findings. Beside them,
+  named, the Dice of the voxels pooled over every finding (``2 Σ|P∩G| / Σ(|P|+|G|)``), what
+  "global Dice" means elsewhere.
 * **medvol-r1** — the MedVol-R1 paper's Table 1 (:func:`medvol_r1_prompt`): Dice and IoU per prompt
   with two empty masks counting as 1.0 (:mod:`medvolcore.metrics`).
 
@@ -204,11 +205,12 @@ def finding_counts(gt_mask, pred_mask) -> Dict[str, float]:
 
 
 def rexgrounding_summary(findings: Sequence[Dict[str, float]]) -> Dict[str, float]:
-    """Global Dice, mean Dice, hit rate (Dice ≥ 0.1) and instance precision/recall/F1 over findings
-    (each from :func:`finding_counts`, ground truth non-empty)."""
+    """Global Dice (the mean of the findings' Dice), hit rate (Dice ≥ 0.1), instance
+    precision/recall/F1 and, beside them, the pooled-voxel Dice, over findings (each from
+    :func:`finding_counts`, ground truth non-empty)."""
     n = len(findings)
     if n == 0:
-        return {"findings": 0, "global_dice": NAN, "mean_dice": NAN, "hit_rate": NAN, "instance_precision": NAN,
+        return {"findings": 0, "global_dice": NAN, "pooled_dice": NAN, "hit_rate": NAN, "instance_precision": NAN,
                 "instance_recall": NAN, "instance_f1": NAN}
     inter = sum(f["intersection"] for f in findings)
     total = sum(f["gt_voxels"] + f["pred_voxels"] for f in findings)
@@ -217,8 +219,8 @@ def rexgrounding_summary(findings: Sequence[Dict[str, float]]) -> Dict[str, floa
     prec = tp / n_p if n_p else 0.0
     rec = tp / n_g if n_g else NAN
     f1 = 2 * prec * rec / (prec + rec) if (prec + rec) > 0 else 0.0
-    return {"findings": n, "global_dice": 2.0 * inter / total if total else NAN,
-            "mean_dice": float(np.mean([f["dice"] for f in findings])),
+    return {"findings": n, "global_dice": float(np.mean([f["dice"] for f in findings])),
+            "pooled_dice": 2.0 * inter / total if total else NAN,
             "hit_rate": float(np.mean([f["dice"] >= REX_HIT_DICE for f in findings])),
             "instance_precision": prec, "instance_recall": rec, "instance_f1": f1}
 
@@ -253,7 +255,7 @@ def absent_summary(rows: Sequence[Dict[str, float]]) -> Dict[str, float]:
 PROTOCOL_NOTES = {
     "cvpr25": "CVPR 2025 text-guided 3-D segmentation (CVPR25_text_eval.py): DSC and NSD (2 mm) over the prompted "
               "classes present in the ground truth, NaN for none; instance cases F1 at IoU ≥ 0.5",
-    "rexgrounding": "ReXGroundingCT: global Dice over findings, hit rate (Dice ≥ 0.1), instance precision/recall/F1 "
-                    "(Dice ≥ 0.2)",
+    "rexgrounding": "ReXGroundingCT (ReXrank): global Dice = mean Dice per finding, hit rate (Dice ≥ 0.1), instance "
+                    "precision/recall/F1 (Dice ≥ 0.2)",
     "medvol-r1": "MedVol-R1 Table 1: Dice and IoU per prompt, two empty masks count as 1.0",
 }
