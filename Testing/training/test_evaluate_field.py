@@ -110,7 +110,8 @@ def _no_model(monkeypatch, seen=None):
     monkeypatch.setattr(evaluate_field.FieldEngine, "load", lambda self: self)
     monkeypatch.setattr(evaluate_field.FieldEngine, "segment",
                         lambda self, image, progress=None: (seen.append(image.name) if seen is not None else None) or (
-                            np.zeros(image.imgs.shape, np.uint8), {}))
+                            np.zeros(image.imgs.shape, np.uint8), {},
+                            {c: np.zeros(image.imgs.shape, bool) for c in image.prompts}))
 
 
 def test_missing_ground_truth_is_one_line(suite, tmp_path, capsys):

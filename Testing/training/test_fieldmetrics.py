@@ -185,7 +185,7 @@ def test_each_protocol_on_one_fixed_prediction(fixed_slab):
     assert rex["global_dice"] == pytest.approx(0.494523, abs=1e-6)  # the mean of the findings' Dice
     assert rex["pooled_dice"] == pytest.approx(0.279284, abs=1e-6)
     assert rex["hit_rate"] == pytest.approx(2 / 3) and rex["instance_f1"] == pytest.approx(0.8)
-    r1 = {p["class_id"]: round(p["dice_empty_is_one"], 4) for p in s["prompts"]}
+    r1 = {p["class_id"]: round(p["r1_dice"], 4) for p in s["prompts"]}
     assert r1 == {1: 0.7919, 4: 0.6917, 5: 0.0, 21: 0.0, 75: 1.0}
     absent = fm.absent_summary(s["absent"])
     assert absent["prompts"] == 2 and absent["refusal_rate"] == 0.5
@@ -193,11 +193,17 @@ def test_each_protocol_on_one_fixed_prediction(fixed_slab):
 
 
 def test_an_absent_target_is_scored_by_its_own_mask(fixed_slab):
-    """Where another prompt's label covers an absent target's voxels in segs, its false positives
-    still count (the answers carry each prompt's own voxel count)."""
+    """Where another prompt's label covers an absent target's voxels in segs (the smaller id keeps an
+    overlapping voxel), its false positives still count: MedVol-R1, ReXGroundingCT and the suite score
+    each prompt's own mask; the CVPR numbers stay those of segs."""
     from medvoltrain.evaluate_field import score_case
 
     image, gts, segs = fixed_slab
-    answers = {"21": {"slice": 3, "voxels": 5000}, "75": {"slice": None, "voxels": 0}}
-    absent = {r["class_id"]: r for r in score_case(image, gts, segs, answers)["prompts"] if r["absent_target"]}
-    assert absent[21]["fp_voxels"] == 5000 and absent[75]["answered_absent"] == 1
+    spleen = gts == 1
+    masks = {1: spleen, 21: spleen.copy(), 75: np.zeros_like(spleen)}  # the bladder prompt drew the spleen
+    s = score_case(image, gts, segs, masks, {"21": {"slice": 3}, "75": {"slice": None}})
+    rows = {r["class_id"]: r for r in s["prompts"]}
+    assert rows[21]["fp_voxels"] == int(spleen.sum()) and rows[21]["r1_dice"] == 0.0
+    assert rows[75]["answered_absent"] == 1 and rows[75]["r1_dice"] == 1.0 and rows[21]["answered_absent"] == 0
+    assert rows[1]["r1_dice"] == 1.0 and rows[1]["cvpr_dice"] == pytest.approx(0.7919, abs=1e-4)
+    assert s["cvpr"]["DSC"] == 0.4945  # segs unchanged

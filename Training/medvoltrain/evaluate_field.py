@@ -9,12 +9,17 @@ class id keeps the voxel. Outputs in ``OUT``::
 
     settings.json           the settings and their fingerprint (an OUT holds one evaluation)
     segs/<case>.npz         the prediction as the challenge wants it (``segs``, uint8, image shape)
+    masks/<case>.npz        each prompt's own mask (bool, key: its class id), before overlaps
     cases/<case>.json       one finished case (the resume marker): seconds, answers, status
     metrics.csv             CVPR 2025's columns: CaseName, RunningTime, DSC, NSD, F1, DSC_TP
-    prompts.csv             one row per prompt: voxels, Dice under both empty-mask conventions, NSD,
-                            whether its structure is absent, refusal and false-positive mL
+    prompts.csv             one row per prompt: voxels, the CVPR Dice and NSD (of segs), MedVol-R1's
+                            Dice and IoU (of its own mask), absent target, refusal, false-positive mL
     report.md, report.json  every protocol's summary and the absent-target suite; the chosen
                             protocol first
+
+The CVPR numbers are those of ``segs`` (what the challenge scores); MedVol-R1's, ReXGroundingCT's
+and the absent-target suite's are those of each prompt's own mask, as a user asking that one
+question gets it (a query is answered alone there).
 
 ``RunningTime`` is this process's inference time for the case (the official script times the whole
 container, loading included). Every protocol scores the same segs; ``--protocol`` chooses which
@@ -54,8 +59,8 @@ CONTROLS = ("none", "blank")
 SCHEMA = "medvol.train.field-evaluation/1"
 FIELD_VERSION = 1  # bump when the segs of the same settings would change
 METRIC_COLUMNS = ["CaseName", "RunningTime", "DSC", "NSD", "F1", "DSC_TP"]
-PROMPT_COLUMNS = ["CaseName", "class_id", "prompt", "gt_voxels", "pred_voxels", "absent_target", "answered_absent",
-                  "dice_nan_convention", "dice_empty_is_one", "iou_empty_is_one", "nsd", "fp_voxels", "fp_ml"]
+PROMPT_COLUMNS = ["CaseName", "class_id", "prompt", "gt_voxels", "mask_voxels", "segs_voxels", "absent_target",
+                  "answered_absent", "cvpr_dice", "cvpr_nsd", "r1_dice", "r1_iou", "fp_voxels", "fp_ml"]
 SMOKE_TEXT = "Smoke model (tiny and/or random MedSAM2): numbers are meaningless"
 
 
@@ -111,9 +116,9 @@ class FieldEngine:
         return self
 
     def segment(self, image: challenge.ChallengeImage, progress=None):
-        """``(segs, answers)``: the uint8 label map of every prompt's mask and, per class id (a string),
-        what the model answered: ``slice`` (the key slice, None for "not present") and ``voxels`` (its
-        own mask's, before overlaps are resolved)."""
+        """``(segs, answers, masks)``: the uint8 label map of every prompt's mask; per class id (a
+        string) what the model answered (``slice``: the key slice, None for "not present"); per class
+        id (an int) the prompt's own mask, before overlaps are resolved."""
         self.load()
         if self.settings.control == "blank":
             image = challenge.ChallengeImage(image.name, np.full(image.imgs.shape, float(np.min(image.imgs)),
@@ -123,13 +128,13 @@ class FieldEngine:
         segs = self.pipeline.segment_queries(challenge.volume_of(image), [image.prompts[i] for i in ids],
                                              constrain=self.settings.constrain, progress=progress)
         out = np.zeros(image.imgs.shape, np.uint8)
-        answers = {}
+        answers, masks = {}, {}
         for cid, seg in zip(ids, segs):
             own = np.asarray(seg.mask) != 0
-            answers[str(cid)] = {"slice": None if seg.anchor.absent else int(seg.anchor.slice),
-                                 "voxels": int(own.sum())}
+            answers[str(cid)] = {"slice": None if seg.anchor.absent else int(seg.anchor.slice)}
+            masks[cid] = own
             out[own & (out == 0)] = cid
-        return out, answers
+        return out, answers, masks
 
 
 class _FieldCase:
@@ -149,16 +154,18 @@ class _FieldCase:
             return None
         rec = read_record(self._record_path(path))
         if (rec is None or rec.get("fingerprint") != self.fingerprint or rec.get("input") != input_state(path)
-                or rec.get("status") != "ok" or not (self.out_dir / "segs" / path.name).is_file()):
+                or rec.get("status") != "ok" or not (self.out_dir / "segs" / path.name).is_file()
+                or not (self.out_dir / "masks" / path.name).is_file()):
             return None
         return rec
 
     def run(self, path: Path, progress) -> dict:
         image = challenge.read_image(path)
         t0 = time.perf_counter()
-        segs, answers = self.engine.segment(image, progress)
+        segs, answers, masks = self.engine.segment(image, progress)
         seconds = time.perf_counter() - t0
         challenge.write_segs(self.out_dir / "segs" / path.name, segs)
+        write_masks(self.out_dir / "masks" / path.name, masks)
         return self._record(path, {"status": "ok", "seconds": seconds, "answers": answers})
 
     def failed(self, path: Path, error: Exception, seconds: float) -> dict:
@@ -176,31 +183,50 @@ class _FieldCase:
 
 # ---- scoring --------------------------------------------------------------------------------------------
 
+def write_masks(path: Path, masks: Dict[int, np.ndarray]) -> Path:
+    """Each prompt's own mask (bool), keyed by its class id, atomically."""
+    from medvolcore.fileio import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path, overwrite=True) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **{str(k): np.asarray(v, bool) for k, v in masks.items()})
+    return path
+
+
+def read_masks(path: Path) -> Dict[int, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {int(k): z[k] for k in z.files}
+
+
 def score_case(image: challenge.ChallengeImage, gts: np.ndarray, segs: np.ndarray,
-               answers: Optional[dict] = None) -> dict:
-    """Every protocol's numbers for one case: the CVPR row, the per-prompt rows, the ReXGroundingCT
-    findings (prompts with ground truth) and the absent-target rows (prompts without). ``answers``
-    (:meth:`FieldEngine.segment`'s): an absent target's false positives are its own mask's voxels,
-    also those another prompt's label covers in ``segs``; without it, its voxels in ``segs``."""
-    answers = answers or {}
+               masks: Optional[Dict[int, np.ndarray]] = None, answers: Optional[dict] = None) -> dict:
+    """Every protocol's numbers for one case: the CVPR row (of ``segs``), the per-prompt rows, the
+    ReXGroundingCT findings (prompts with ground truth) and the absent-target rows (prompts
+    without). ``masks``: each prompt's own mask (MedVol-R1, ReXGroundingCT and the absent targets are
+    scored on it); a prompt without one is scored on its label in ``segs``. ``answers``: the model's
+    (:meth:`FieldEngine.segment`), for the ``answered_absent`` column."""
+    masks, answers = masks or {}, answers or {}
     gt8, seg8 = np.asarray(gts).astype(np.uint8), np.asarray(segs).astype(np.uint8)
     cvpr = fieldmetrics.cvpr25_case(gt8, seg8, image.spacing, image.prompts, image.instance)
     prompts, findings, absent = [], [], []
     for cid in sorted(image.prompts):
-        g, p = gt8 == cid, seg8 == cid
-        r1 = fieldmetrics.medvol_r1_prompt(g, p)
+        g, in_segs = gt8 == cid, seg8 == cid
+        own = np.asarray(masks[cid], bool) if cid in masks else in_segs
+        if own.shape != g.shape:
+            raise DataError(f"{image.name}: the mask of class {cid} is {own.shape}, the image {g.shape}")
+        r1 = fieldmetrics.medvol_r1_prompt(g, own)
+        answer = answers.get(str(cid))
         row = {"CaseName": image.name, "class_id": cid, "prompt": image.prompts[cid], "gt_voxels": int(g.sum()),
-               "pred_voxels": int(p.sum()), "absent_target": int(not g.any()),
-               "answered_absent": "" if str(cid) not in answers else int(answers[str(cid)].get("slice") is None),
-               "dice_nan_convention": fieldmetrics.dice_nan(g, p), "dice_empty_is_one": r1["dice"],
-               "iou_empty_is_one": r1["iou"], "nsd": fieldmetrics.nsd(g, p, image.spacing), "fp_voxels": "",
-               "fp_ml": ""}
+               "mask_voxels": int(own.sum()), "segs_voxels": int(in_segs.sum()), "absent_target": int(not g.any()),
+               "answered_absent": "" if not isinstance(answer, dict) else int(answer.get("slice") is None),
+               "cvpr_dice": fieldmetrics.dice_nan(g, in_segs), "cvpr_nsd": fieldmetrics.nsd(g, in_segs, image.spacing),
+               "r1_dice": r1["dice"], "r1_iou": r1["iou"], "fp_voxels": "", "fp_ml": ""}
         if g.any():
             if not image.instance:
-                findings.append(fieldmetrics.finding_counts(g, p))
+                findings.append(fieldmetrics.finding_counts(g, own))
         else:
-            own = (answers.get(str(cid)) or {}).get("voxels")
-            a = fieldmetrics.absent_prompt(int(p.sum()) if own is None else int(own), image.spacing)
+            a = fieldmetrics.absent_prompt(own, image.spacing)
             absent.append(a)
             row.update(fp_voxels=a["fp_voxels"], fp_ml=a["fp_ml"])
         prompts.append(row)
@@ -245,12 +271,14 @@ def aggregate(data_dir: Path, out_dir: Path, files: List[Path], fingerprint: str
             continue
         image = challenge.read_image(path)
         gts = challenge.read_gts(data_dir / "gts" / path.name, image.imgs.shape)
-        s = score_case(image, gts, challenge.read_segs(out_dir / "segs" / path.name), rec.get("answers"))
+        mask_path = out_dir / "masks" / path.name
+        s = score_case(image, gts, challenge.read_segs(out_dir / "segs" / path.name),
+                       read_masks(mask_path) if mask_path.is_file() else None, rec.get("answers"))
         metric_rows.append({"CaseName": path.name, "RunningTime": round(float(rec["seconds"]), 4), **s["cvpr"]})
         prompt_rows += s["prompts"]
         findings += s["findings"]
         absent += s["absent"]
-        r1_cases.append(_nanmean(r["dice_empty_is_one"] for r in s["prompts"]))
+        r1_cases.append(_nanmean(r["r1_dice"] for r in s["prompts"]))
     semantic = [r for r in metric_rows if math.isfinite(r.get("DSC", float("nan")))]
     summary = {
         "protocol": protocol, "method": method, "smoke": smoke,
@@ -263,8 +291,8 @@ def aggregate(data_dir: Path, out_dir: Path, files: List[Path], fingerprint: str
                    "textbook_F1": _nanmean(r.get("F1_textbook") for r in metric_rows)},
         "rexgrounding": fieldmetrics.rexgrounding_summary(findings),
         "medvol-r1": {"dice_mean_of_cases": _nanmean(r1_cases),
-                      "dice_mean_of_prompts": _nanmean(r["dice_empty_is_one"] for r in prompt_rows),
-                      "iou_mean_of_prompts": _nanmean(r["iou_empty_is_one"] for r in prompt_rows)},
+                      "dice_mean_of_prompts": _nanmean(r["r1_dice"] for r in prompt_rows),
+                      "iou_mean_of_prompts": _nanmean(r["r1_iou"] for r in prompt_rows)},
         "absent_targets": fieldmetrics.absent_summary(absent),
     }
     write_text_atomic(out_dir / "metrics.csv", _csv(metric_rows, METRIC_COLUMNS), overwrite=True)
@@ -452,7 +480,7 @@ def predict_folder(inputs, outputs, *, preset=None, adapter=None, sam_checkpoint
     written, failed = [], {}
     for path in files:
         try:
-            segs, _ = engine.segment(challenge.read_image(path))
+            segs, _, _ = engine.segment(challenge.read_image(path))
             challenge.write_segs(out_dir / path.name, segs)
             written.append(path.name)
         except Exception as e:  # noqa: BLE001 — one case's failure must not stop the others
