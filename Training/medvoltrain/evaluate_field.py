@@ -249,7 +249,8 @@ def _csv(rows: List[dict], columns: List[str]) -> str:
     w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: (("nan" if not math.isfinite(v) else repr(v)) if isinstance(v, float) else v)
+        # NaN as an empty cell, as the official script's pandas writes it
+        w.writerow({k: (("" if not math.isfinite(v) else repr(v)) if isinstance(v, float) else v)
                     for k, v in r.items()})
     return buf.getvalue()
 
@@ -314,9 +315,9 @@ def _section(name: str, summary: dict) -> List[str]:
                 "| DSC | NSD (2 mm) | F1 (IoU ≥ 0.5) | DSC_TP |", "|---|---|---|---|",
                 f"| {_fmt(c['DSC'])} | {_fmt(c['NSD'])} | {_fmt(c['F1'])} | {_fmt(c['DSC_TP'])} |", "",
                 f"Means over cases with a score (the official script gives NaN to a semantic case whose prompted "
-                f"classes are all absent). Textbook choices, named: DSC over every prompt with two empty masks = 1.0 "
+                f"classes are all absent). Textbook choices, named: DSC over every prompt, two empty masks = 1.0: "
                 f"{_fmt(c['textbook_DSC_all_prompts'])}; instance F1 counting missed instances when nothing was "
-                f"predicted, NaN when nothing on either side {_fmt(c['textbook_F1'])}.", ""]
+                f"predicted, NaN when nothing on either side: {_fmt(c['textbook_F1'])}.", ""]
     if name == "rexgrounding":
         r = summary["rexgrounding"]
         return [f"## rexgrounding — {fieldmetrics.PROTOCOL_NOTES['rexgrounding']}", "",

@@ -39,7 +39,7 @@ both empty 0/0 (NaN). Connected components are ``connected-components-3d`` (cc3d
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Sequence
 
 import numpy as np
 
