@@ -165,3 +165,29 @@ def test_predict_cvpr25_writes_segs_and_nothing_else(one_case, tmp_path, capsys)
     capsys.readouterr()
     assert main(args) != 0 and "--overwrite" in capsys.readouterr().err  # no silent clobbering
     assert main(["predict-cvpr25", str(d / "imgs"), str(d / "imgs"), "--preset", "tiny", "--device", "cpu"]) == 2
+
+
+def test_the_blank_control_shows_the_model_no_image(suite):
+    """``--control blank``: every prompt is asked of a constant volume of the image's grid; without it,
+    of the image itself. (The pipeline here records what it is given; the run's models are not needed
+    to check what reaches them.)"""
+    from medvoltrain.evaluate_field import FieldEngine, FieldSettings
+
+    class Recorder:
+        def segment_queries(self, volume, queries, **kw):
+            self.volume, self.queries = volume, queries
+            return []
+
+    image = challenge.read_image(suite / "imgs" / "ts_slab.npz")
+    for control in ("none", "blank"):
+        engine = FieldEngine(FieldSettings(data="x", preset="tiny", control=control), "cpu")
+        engine.pipeline = Recorder()
+        segs, answers, masks = engine.segment(image)
+        seen = engine.pipeline.volume.array
+        assert seen.shape == image.imgs.shape and engine.pipeline.queries == [image.prompts[c] for c in
+                                                                              sorted(image.prompts)]
+        if control == "blank":
+            assert np.unique(seen).size == 1
+        else:
+            assert np.array_equal(seen, image.imgs.astype(np.float32))
+        assert not segs.any() and answers == {} and masks == {}
