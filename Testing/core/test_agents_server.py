@@ -111,7 +111,7 @@ def test_segmented_result_points_at_files_on_the_ct_grid(segmented, place, agent
     out = r.structured_content
     assert out["status"] == "segmented" and out["smoke"] is True and out["research_use"] == RESEARCH_USE_NOTICE
     (t,) = out["targets"]
-    assert t["found"] and t["structure"] == "liver" and t["code"] == "SCT:10200004"
+    assert t["found"] and t["structure"] == "liver" and t["code"] == "SCT:10200004" and t["code_meaning"] == "Liver"
     files = {f["kind"]: f for f in out["files"]}
     assert set(files) >= {"mask", "seg_nrrd", "anchor", "qc"}
     mask = nib.load(files["mask"]["path"])
@@ -179,6 +179,7 @@ def test_not_found_is_an_answer(agent, place, monkeypatch):
     assert out["targets"][0]["key_slice"] is None and out["targets"][0]["boxes"] == []
     assert "mask" not in {f["kind"] for f in out["files"]}  # nothing to segment, no mask written
     assert "not found" in r.content[0].text
+    assert any("NOT evidence" in n for n in out["notes"])  # the smoke model's "absent" proves nothing
     text = refusal(agent, "repropagate", {"job": out["job"]})
     assert "segment_from_query again" in text
 

@@ -14,7 +14,8 @@ from typing import List, Literal, Optional
 
 from pydantic import BaseModel, Field
 
-__all__ = ["Box", "KeySlice", "OutputFile", "Target", "SegmentOutcome", "VolumeInfo", "SeriesList", "JobState"]
+__all__ = ["Box", "KeySlice", "OutputFile", "Target", "SegmentOutcome", "VolumeInfo", "SeriesEntry", "SeriesList",
+           "JobState"]
 
 
 class Box(BaseModel):
@@ -54,6 +55,7 @@ class Target(BaseModel):
                                                        "by the model), e.g. 'liver'")
     code: Optional[str] = Field(None, description="its SNOMED CT code as SCHEME:VALUE (e.g. SCT:10200004); the "
                                                   "generic anatomical-structure code when the words matched none")
+    code_meaning: Optional[str] = Field(None, description="what the code means, e.g. 'Liver'")
     key_slice: Optional[KeySlice] = Field(None, description="the evidence slice; null when not found")
     boxes: List[Box] = Field(default_factory=list, description="the evidence boxes on the key slice")
     volume_ml: Optional[float] = Field(None, description="the mask's volume in millilitres")

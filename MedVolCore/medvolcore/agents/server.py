@@ -14,6 +14,7 @@ sentence saying what to give instead.
 import asyncio
 import base64
 import collections
+import contextlib
 import logging
 import os
 import secrets
@@ -112,9 +113,11 @@ class ToolRefusal(Exception):
 
 class AgentServer:
     """The MCP server over one worker. :attr:`mcp` is the SDK's ``MCPServer``; :meth:`close` stops
-    the worker and removes a temporary output folder."""
+    the worker and removes a temporary output folder. ``preload``: start loading the preset at
+    once; else when the first session starts (over stdio, once the SDK has sent file descriptor 1
+    to stderr, so that nothing a library prints while loading reaches the JSON-RPC stream)."""
 
-    def __init__(self, settings: AgentSettings):
+    def __init__(self, settings: AgentSettings, preload: bool = True):
         import tempfile
 
         self._own_out = settings.out_dir is None
@@ -122,12 +125,22 @@ class AgentServer:
                                              else tempfile.mkdtemp(prefix="medvol-mcp-")))
         ws = settings.worker
         self.worker = Worker.from_settings(
-            WorkerSettings(**{**ws.__dict__, "data_dir": None, "out_dir": self.out_dir}), "http")
+            WorkerSettings(**{**ws.__dict__, "data_dir": None, "out_dir": self.out_dir}), "http", preload=preload)
+        self._preload = None if preload or not ws.preset else (ws.preset, ws.adapter)
         self.places = Places(settings.roots, ws.pacs_servers)
         self.jobs: "collections.OrderedDict[str, _Job]" = collections.OrderedDict()
         self.mcp = MCPServer("medvol", title="MedVol-R1", version=__version__,
-                             instructions=INSTRUCTIONS.replace("{places}", self.places.describe()))
+                             instructions=INSTRUCTIONS.replace("{places}", self.places.describe()),
+                             lifespan=self._lifespan)
         self._register()
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _server):
+        if self._preload is not None:
+            preset, adapter = self._preload
+            self._preload = None
+            self.worker.preload(preset, adapter)
+        yield None
 
     def close(self, worker: bool = True) -> None:
         """Stop the worker (unless a transport did already) and remove a temporary output folder."""
@@ -370,7 +383,8 @@ class AgentServer:
             boxes_ras = ((anchor.get("world") or {}).get("boxes_ras") or [])
             targets.append(Target(
                 label=int(e["label"]), query=anchor.get("query") or stats.get("query") or "", found=found,
-                structure=term.get("structure"), code=f"{code[0]}:{code[1]}" if code else None,
+                structure=term.get("structure") or None, code=f"{code[0]}:{code[1]}" if code else None,
+                code_meaning=code[2] if code and len(code) > 2 else None,
                 key_slice=KeySlice(index=anchor["slice"], s_mm=stats.get("key_slice_s_mm")) if found else None,
                 boxes=[Box(voxels=b, ras_mm=boxes_ras[i] if i < len(boxes_ras) else None)
                        for i, b in enumerate(anchor.get("boxes") or [])],
@@ -381,23 +395,30 @@ class AgentServer:
                 reasoning=e.get("reasoning") or "", notes=list(e.get("notes") or [])))
         found = any(t.found for t in targets)
         timings = res.get("timings") or {}
+        notes = list(res.get("notes") or []) if res.get("targets") else []
+        identity = res.get("identity") or {}
+        if not all(t.found for t in targets) and (res.get("smoke") or identity.get("zero_shot")
+                                                  or not identity.get("trained_for_task", True)):
+            notes.append("a structure reported as not found by " + ("the untrained smoke model" if res.get("smoke")
+                         else "a model not trained for this task") + " is NOT evidence that it is absent")
         outcome = SegmentOutcome(
             job=job.id, status="segmented" if found else "not_found", volume=job.volume,
             model=res.get("model_label") or "", smoke=bool(res.get("smoke")), targets=targets,
             files=self._files(job), slices_encoded=int(res.get("slices_encoded") or 0),
             seconds=float(timings.get("request_s") or 0.0),
-            notes=list(res.get("notes") or []) if res.get("targets") else [], research_use=RESEARCH_USE_NOTICE)
+            notes=notes, research_use=RESEARCH_USE_NOTICE)
         return outcome, anchors
 
     def _reply(self, outcome: SegmentOutcome):
         lines = [f"{outcome.status} (job {outcome.job}; model: {outcome.model})"]
         for t in outcome.targets:
             if t.found:
-                lines.append(f"- {t.query!r}: {t.structure or 'structure'} {t.code or ''}, key slice "
+                lines.append(f"- {t.query!r}: {t.code_meaning or t.structure or 'structure'} ({t.code}), key slice "
                              f"{t.key_slice.index}, {len(t.boxes)} box(es), {t.volume_ml} mL")
             else:
                 lines.append(f"- {t.query!r}: not found in this CT (the model's answer)")
             lines += [f"  note: {n}" for n in t.notes[:6]]
+        lines += [f"note: {n}" for n in outcome.notes]
         lines.append(RESEARCH_USE_NOTICE)
         content = [TextContent(type="text", text="\n".join(lines))]
         for f in outcome.files:

@@ -68,7 +68,7 @@ def cmd_mcp(args) -> int:
         from ..serve.http import listening_token
 
         listening_token(http)  # a non-loopback address without a token: one line, before any model loads
-    agent = AgentServer(AgentSettings(worker=worker, roots=roots, out_dir=out_dir))
+    agent = AgentServer(AgentSettings(worker=worker, roots=roots, out_dir=out_dir), preload=http is not None)
     if http is not None:
         return serve_mcp_http(agent, http, (args.max_body_kb or DEFAULT_MAX_BODY_KB) * 1024)
     import anyio
