@@ -174,8 +174,6 @@ class AgentServer:
                                                                       "much the answers agree (slower)")] = None,
                 window: Annotated[Optional[str], Field(description="CT window: soft_tissue (default), lung, bone, "
                                                                    "liver, brain, … or 'centre,width' in HU")] = None,
-                dicom_seg: Annotated[bool, Field(description="also write a DICOM Segmentation (only for a DICOM "
-                                                             "series)")] = False,
                 ctx: Context = None) -> Annotated[CallToolResult, SegmentOutcome]:
             """Segment structures named in free text in a CT volume.
 
@@ -194,7 +192,7 @@ class AgentServer:
                 req["window"] = window
             root, wire_volume = self._place(volume)
             job = self._new_job(ctx, volume, root, wire_volume, window)
-            return await self._run(ctx, job, req, dicom_seg)
+            return await self._run(ctx, job, req)
 
         @tool(annotations=writes)
         async def repropagate(
@@ -230,7 +228,7 @@ class AgentServer:
             if prev.window is not None:
                 req["window"] = prev.window
             new = self._new_job(ctx, prev.volume, prev.root, prev.wire_volume, prev.window)
-            return await self._run(ctx, new, req, False)
+            return await self._run(ctx, new, req)
 
         @tool(annotations=read_only)
         async def describe_volume(
@@ -264,7 +262,7 @@ class AgentServer:
             found = await anyio.to_thread.run_sync(
                 lambda: find_series(srv.base, modality=modality, study_date=study_date, limit=limit + 1,
                                     token=srv.token))
-            entries = [SeriesEntry(url="dicomweb" + str(u)[str(u).index("://"):], study=u.study, series=u.series)
+            entries = [SeriesEntry(url=str(u), study=u.study, series=u.series)
                        for u in found[:limit]]
             return SeriesList(server=server, series=entries, truncated=len(found) > limit)
 
@@ -306,11 +304,10 @@ class AgentServer:
             raise ToolRefusal(f"no job {job_id!r} in this session; recent jobs: {', '.join(mine) or 'none'}")
         return j
 
-    async def _run(self, ctx, job: _Job, req: dict, dicom_seg: bool):
+    async def _run(self, ctx, job: _Job, req: dict):
         folder = self.out_dir / job.id
         folder.mkdir(mode=0o700)
-        masks = [folder / "mask.seg.nrrd"] + ([folder / "mask.dcm"] if dicom_seg else [])
-        door = Door(data_dir=job.root, masks=tuple(masks), anchor=folder / "mask.anchor.json", qc=folder / "qc.png",
+        door = Door(data_dir=job.root, masks=(folder / "mask.seg.nrrd",), anchor=folder / "mask.anchor.json", qc=folder / "qc.png",
                     events=True)
         req = dict(req, id=job.id, volume=job.wire_volume, out=f"{job.id}/mask.nii.gz")
         loop = asyncio.get_running_loop()
@@ -357,7 +354,7 @@ class AgentServer:
 
     # -- results ---------------------------------------------------------------------------------
     def _files(self, job: _Job) -> List[OutputFile]:
-        kinds = {".nii.gz": "mask", ".seg.nrrd": "seg_nrrd", ".dcm": "dicom_seg", ".anchor.json": "anchor",
+        kinds = {".nii.gz": "mask", ".seg.nrrd": "seg_nrrd", ".anchor.json": "anchor",
                  ".png": "qc", ".labels.json": "labels"}
         out = []
         for f in sorted((self.out_dir / job.id).iterdir()):
