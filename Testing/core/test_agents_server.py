@@ -170,6 +170,19 @@ def test_repropagate_with_corrections_encodes_no_slice(segmented, agent):
     assert anchor["slice"] == z  # the model's evidence stays; only the propagation changed
 
 
+def test_several_queries_are_several_targets_of_one_mask(agent, place):
+    r = call(agent, "segment_from_query", {"volume": str(place[0] / "ct.nii.gz"), "query": ["the liver", "the spleen"]})
+    assert not r.is_error, r.content
+    out = r.structured_content
+    assert [t["label"] for t in out["targets"]] == [1, 2]
+    assert [t["structure"] for t in out["targets"]] == ["liver", "spleen"]
+    per_target = {(f["kind"], f["target"]) for f in out["files"]}
+    assert {("anchor", 1), ("anchor", 2), ("qc", 1), ("qc", 2), ("mask", None), ("labels", None)} <= per_target
+    mask = np.asarray(nib.load(next(f["path"] for f in out["files"] if f["kind"] == "mask")).dataobj)
+    assert set(np.unique(mask)) <= {0, 1, 2}
+    assert len([c for c in r.content if c.type == "image"]) == 2
+
+
 def test_not_found_is_an_answer(agent, place, monkeypatch):
     monkeypatch.setattr(QwenVLGrounder, "_generate_text", lambda self, *a, **k: (ABSENT, {"new_tokens": 12}))
     r = call(agent, "segment_from_query", {"volume": str(place[0] / "ct.nii.gz"), "query": "the kidney cyst"})
@@ -258,6 +271,7 @@ def test_fixable_inputs_are_one_sentence_tool_errors(agent, place, name, args, s
     args = {k: v.format(root=place[0]) if isinstance(v, str) and "{root}" in v else v for k, v in args.items()}
     text = refusal(agent, name, args)
     assert says in text, text
+    assert all(any(d.iterdir()) for d in agent.out_dir.iterdir())  # a refused job leaves no folder behind
 
 
 def test_a_bad_correction_box_is_a_tool_error(segmented, agent):

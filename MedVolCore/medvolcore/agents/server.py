@@ -172,8 +172,9 @@ class AgentServer:
                                                                           "list for several targets at once")],
                 consensus: Annotated[Optional[int], Field(description="ask the model 2..8 times and report how "
                                                                       "much the answers agree (slower)")] = None,
-                window: Annotated[Optional[str], Field(description="CT window: soft_tissue (default), lung, bone, "
-                                                                   "liver, brain, … or 'centre,width' in HU")] = None,
+                window: Annotated[Optional[str], Field(description="CT window: soft_tissue (default), abdomen, "
+                                                                   "liver, mediastinum, lung, bone, brain, or "
+                                                                   "'centre,width' in HU")] = None,
                 ctx: Context = None) -> Annotated[CallToolResult, SegmentOutcome]:
             """Segment structures named in free text in a CT volume.
 
@@ -330,8 +331,10 @@ class AgentServer:
             if wjob is not None:
                 self.worker.abandon(wjob)
             job.state = "cancelled"
+            _remove_empty(folder)
             raise
         if not msg.get("ok"):
+            _remove_empty(folder)  # a failed job wrote nothing (the job writes its outputs as one set)
             err = msg.get("error") or {}
             job.state, job.message = ("cancelled" if err.get("code") == "cancelled" else "failed"), err.get("message", "")
             if err.get("code") in _SERVER_CODES:
@@ -443,6 +446,13 @@ class AgentServer:
                           axial_slices=stack.depth, slice_size=[stack.width, stack.height],
                           hu_range=[float(vol.array.min()), float(vol.array.max())], ct_like=not notes,
                           notes=list(notes) + list(getattr(vol, "notes", None) or []))
+
+
+def _remove_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # not empty (a cancelled job may still be writing) or gone
+        pass
 
 
 def _owner(ctx) -> str:
