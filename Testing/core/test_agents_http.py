@@ -58,7 +58,8 @@ def _headers(token, **extra):
 def _messages(response) -> list:
     """JSON-RPC messages of a reply: a JSON body, or the data lines of an event stream."""
     if response.headers.get("content-type", "").startswith("text/event-stream"):
-        return [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:") and line[5:].strip()]
+        return [json.loads(line[5:]) for line in response.text.splitlines()
+                if line.startswith("data:") and line[5:].strip()]
     return [response.json()]
 
 

@@ -39,8 +39,8 @@ def check_places(roots: Sequence, out_dir: Optional[Path]) -> Tuple[List[Path], 
         out = Path(os.path.realpath(out))
         for root in resolved:
             if os.path.commonpath([str(root), str(out)]) in (str(root), str(out)):
-                raise InputError(f"--out-dir {out_dir} overlaps the allowed folder {root}; give the results a folder of "
-                                 "their own, outside every --allow folder, so that no agent can replace a volume")
+                raise InputError(f"--out-dir {out_dir} overlaps the allowed folder {root}; give the results a "
+                                 "folder of their own, outside every --allow folder, so that no agent can replace a volume")
     return resolved, out
 
 

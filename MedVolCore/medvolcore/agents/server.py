@@ -308,8 +308,8 @@ class AgentServer:
     async def _run(self, ctx, job: _Job, req: dict):
         folder = self.out_dir / job.id
         folder.mkdir(mode=0o700)
-        door = Door(data_dir=job.root, masks=(folder / "mask.seg.nrrd",), anchor=folder / "mask.anchor.json", qc=folder / "qc.png",
-                    events=True)
+        door = Door(data_dir=job.root, masks=(folder / "mask.seg.nrrd",), anchor=folder / "mask.anchor.json",
+                    qc=folder / "qc.png", events=True)
         req = dict(req, id=job.id, volume=job.wire_volume, out=f"{job.id}/mask.nii.gz")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -321,7 +321,8 @@ class AgentServer:
                 msg = await queue.get()
                 if msg.get("event") != "progress":
                     break
-                job.state, job.stage, job.fraction, job.message = "running", msg["stage"], msg["fraction"], msg["message"]
+                job.state, job.stage, job.fraction = "running", msg["stage"], msg["fraction"]
+                job.message = msg["message"]
                 lo, hi = _STAGES.get(msg["stage"], (shown, shown))
                 overall = lo + (hi - lo) * float(msg["fraction"])
                 if overall > shown:  # progress only ever grows
@@ -336,7 +337,8 @@ class AgentServer:
         if not msg.get("ok"):
             _remove_empty(folder)  # a failed job wrote nothing (the job writes its outputs as one set)
             err = msg.get("error") or {}
-            job.state, job.message = ("cancelled" if err.get("code") == "cancelled" else "failed"), err.get("message", "")
+            job.state = "cancelled" if err.get("code") == "cancelled" else "failed"
+            job.message = err.get("message", "")
             if err.get("code") in _SERVER_CODES:
                 raise MCPError(NOT_READY, f"the server cannot segment now: {err.get('message')}",
                                {"code": err.get("code")})

@@ -104,11 +104,13 @@ def add_mcp_command(sub, add):
                     help="HTTP: another name clients may put in the Host header (repeatable)")
     sp.add_argument("--max-body-kb", type=int, default=None,
                     help=f"HTTP: largest request body in KiB (default {DEFAULT_MAX_BODY_KB}); more gets 413")
-    sp.add_argument("--preset", default=None, help="model preset (default: the manifest's default, loaded on first use)")
+    sp.add_argument("--preset", default=None,
+                    help="model preset (default: the manifest's default, loaded on first use)")
     sp.add_argument("--adapter", metavar="PATH", help="LoRA adapter folder for --preset")
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default=None, help="cpu, cuda or auto (default)")
     sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto", help="CPU threads for the models")
-    sp.add_argument("--max-voxels", type=int, default=None, metavar="N", help="largest volume accepted (as medvol serve)")
+    sp.add_argument("--max-voxels", type=int, default=None, metavar="N",
+                    help="largest volume accepted (as medvol serve)")
     sp.add_argument("--feature-cache-mb", type=float, default=None, metavar="MB",
                     help="memory for MedSAM2's encoded slices, so a repropagate encodes none again (as medvol serve)")
     return sp

@@ -715,8 +715,9 @@ class Worker:
             return self.cache.get_path(path, job.cancel, tmp_dir=self.tmp_dir)
         # Over HTTP the client's path is opened once, without following links, and copied into
         # the private temp folder while hashed; the reader reads only that copy, which is removed.
-        with private_copy(job.door.data_dir or self.data_dir, value, self.tmp_dir, job.cancel, "volume", max_bytes=self.cache.max_bytes(),
-                          max_voxels=self.cache.max_voxels, seconds=COPY_SECONDS) as copy:
+        with private_copy(job.door.data_dir or self.data_dir, value, self.tmp_dir, job.cancel, "volume",
+                          max_bytes=self.cache.max_bytes(), max_voxels=self.cache.max_voxels,
+                          seconds=COPY_SECONDS) as copy:
             try:
                 return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job))
             except MedVolError as e:  # name the client's file, not the private copy
