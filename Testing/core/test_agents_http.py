@@ -162,3 +162,13 @@ def _sdk_client(url, token):
 
     http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=120)
     return Client(streamable_http_client(url, http_client=http))
+
+
+def test_models_not_installed_are_a_protocol_error_over_the_wire(served):
+    url, token, root, _ = served  # the default preset, whose weights are not installed here
+    raw = RawClient(url, token)
+    raw.initialize()
+    reply, _ = raw.request("tools/call", {"name": "segment_from_query",
+                                          "arguments": {"volume": str(root / "ct.nii.gz"), "query": "the liver"}})
+    assert "result" not in reply and reply["error"]["code"] == -32002, reply
+    assert "medvol models download" in reply["error"]["message"]
