@@ -129,7 +129,7 @@ class AgentServer:
         self._preload = None if preload or not ws.preset else (ws.preset, ws.adapter)
         self.places = Places(settings.roots, ws.pacs_servers)
         self.jobs: "collections.OrderedDict[str, _Job]" = collections.OrderedDict()
-        self.mcp = MCPServer("medvol", title="MedVol-R1", version=__version__,
+        self.mcp = MCPServer("medvol", title="MedVol-R1", version=__version__, log_level="WARNING",
                              instructions=INSTRUCTIONS.replace("{places}", self.places.describe()),
                              lifespan=self._lifespan)
         self._register()
