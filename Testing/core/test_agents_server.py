@@ -200,10 +200,13 @@ def test_not_found_is_an_answer(agent, place, monkeypatch):
 # ---- cancel ----------------------------------------------------------------------------------------
 
 def test_cancelling_the_call_cancels_the_worker_job(agent, place):
+    seen = {}
+
     async def go():
         started = anyio.Event()
 
         async def progress(p, total, message):
+            seen.setdefault("first", message)
             if message.startswith("ground"):
                 started.set()
 
@@ -215,9 +218,12 @@ def test_cancelling_the_call_cancels_the_worker_job(agent, place):
                 tg.start_soon(run)
                 with anyio.fail_after(120):
                     await started.wait()
+                job = seen["first"].split()[1].rstrip(":")  # "job ID: queued": the call's job id
+                seen["status"] = (await c.call_tool("job_status", {"job": job})).structured_content
                 tg.cancel_scope.cancel()
     done = agent.worker.requests_done
     anyio.run(go)
+    assert seen["status"]["state"] == "running" and seen["status"]["stage"] in ("ground", "propagate")
     import time
 
     deadline = time.monotonic() + 60

@@ -313,10 +313,18 @@ class AgentServer:
         req = dict(req, id=job.id, volume=job.wire_volume, out=f"{job.id}/mask.nii.gz")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        wjob = self.worker.handle(req, lambda obj: loop.call_soon_threadsafe(queue.put_nowait, obj),
-                                  transport="http", session=job.owner, mask_bytes=True, door=door)
+
+        def deliver(obj: dict) -> None:  # from the worker's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, obj)
+            except RuntimeError:  # the call is over (cancelled, its loop closed): nobody waits for this
+                pass
+
+        wjob = self.worker.handle(req, deliver, transport="http", session=job.owner, mask_bytes=True, door=door)
         shown = 0.0
         try:
+            # the job's id first, so that a client can ask job_status about the call it waits for
+            await ctx.report_progress(0.0, 1.0, f"job {job.id}: queued")
             while True:
                 msg = await queue.get()
                 if msg.get("event") != "progress":
