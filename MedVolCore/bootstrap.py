@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     run([py, "-m", "pip", "install", "--quiet", "--upgrade", "pip>=23.1", "setuptools>=64", "wheel"])
     install_torch(py, args.torch)
 
-    extras = "itk,dicom,pacs,http" if args.no_dev else "itk,dicom,pacs,http,dev"
+    extras = "itk,dicom,pacs,http,mcp" if args.no_dev else "itk,dicom,pacs,http,mcp,dev"
     run([py, "-m", "pip", "install", "--quiet", "-e", f"{REPO / 'MedVolCore'}[{extras}]"] + SAM2_RUNTIME)
 
     if has_module(py, "sam2") != SAM2_SPEC.split("==")[1]:

@@ -18,7 +18,7 @@ from import_graph import cycles, import_graph, imported_names, package_modules
 
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"medvolcore": REPO / "MedVolCore", "medvoltrain": REPO / "Training"}
-FRONT_DOORS = ("medvolcore.cli", "medvolcore.serve", "medvolcore.cli_serve", "medvolcore.cli_batch")
+FRONT_DOORS = ("medvolcore.cli", "medvolcore.serve", "medvolcore.agents", "medvolcore.cli_serve", "medvolcore.cli_batch")
 
 
 def _graph(package: str) -> Dict[str, Dict[str, int]]:
@@ -113,6 +113,9 @@ def test_nothing_below_the_front_doors_imports_them():
     assert len(below) > 20 and "medvolcore.jobs" in below and "medvolcore.pipeline" in below
     assert _violations(below, ["medvolcore"], FRONT_DOORS) == []
     assert _violations(g, ["medvolcore.serve"], ["medvolcore.cli", "medvolcore.cli_serve", "medvolcore.cli_batch"]) == []
+    # the MCP server is a door over the worker: the worker knows nothing of it, and it knows nothing of the CLI
+    assert _violations(g, ["medvolcore.serve"], ["medvolcore.agents"]) == []
+    assert _violations(g, ["medvolcore.agents"], ["medvolcore.cli", "medvolcore.cli_serve", "medvolcore.cli_batch"]) == []
 
 
 def test_the_engine_never_imports_training():

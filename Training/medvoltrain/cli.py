@@ -21,6 +21,7 @@ from medvolcore.errors import MedVolError
 
 from . import __version__
 from .distributed import check_launcher, is_main_process, quiet_other_ranks, rank as rank_text
+from .evaluate_field import FIELD_PROTOCOLS
 
 PROG = "medvol-train"
 log = logging.getLogger("medvoltrain")
@@ -131,6 +132,8 @@ def cmd_evaluate(args) -> int:
         raise InputError("--aggregate-only needs --out DIR")
     if not args.aggregate_only:
         _apply_threads(args)
+    if args.protocol in FIELD_PROTOCOLS:
+        return _evaluate_field(args)
     summary = evaluate(args.data, args.out, split=args.split, oracle=args.oracle, preset=args.preset,
                        adapter=args.adapter, sam_checkpoint=args.sam_checkpoint, random_weights=args.random_weights,
                        sam_image_size=args.sam_image_size, device=args.device, shard=args.shard, limit=args.limit,
@@ -143,6 +146,43 @@ def cmd_evaluate(args) -> int:
     else:
         sys.stdout.write(format_result(summary, args.out) + "\n")
     return 0
+
+
+def _evaluate_field(args) -> int:
+    from medvolcore.errors import InputError
+
+    from .evaluate_field import evaluate_field, format_field_result
+
+    if args.aggregate_only or args.oracle or args.split != "test":
+        raise InputError(f"--protocol {args.protocol} reads the challenge layout (DIR/imgs, DIR/gts) and runs the "
+                         "grounder: drop --aggregate-only, --oracle and --split")
+    summary = evaluate_field(args.data, args.out, args.protocol, preset=args.preset, adapter=args.adapter,
+                             sam_checkpoint=args.sam_checkpoint, random_weights=args.random_weights,
+                             sam_image_size=args.sam_image_size, device=args.device, shard=args.shard,
+                             limit=args.limit, constrain=not args.unconstrained, overwrite=args.overwrite,
+                             progress=not args.no_progress, stop_after_empty=args.stop_after_empty,
+                             control=args.control)
+    if args.json:
+        sys.stdout.write(json.dumps(summary, indent=1, default=str) + "\n")
+    else:
+        sys.stdout.write(format_field_result(summary, args.out) + "\n")
+    return 0
+
+
+def cmd_predict_cvpr25(args) -> int:
+    from .evaluate_field import predict_folder
+
+    _apply_threads(args)
+    result = predict_folder(args.inputs, args.outputs, preset=args.preset, adapter=args.adapter,
+                            sam_checkpoint=args.sam_checkpoint, random_weights=args.random_weights,
+                            sam_image_size=args.sam_image_size, device=args.device,
+                            stop_after_empty=args.stop_after_empty, overwrite=args.overwrite)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+    else:
+        sys.stdout.write(f"{len(result['written'])} segmentation(s) written to {args.outputs}"
+                         + (f", {len(result['failed'])} case(s) failed" if result["failed"] else "") + "\n")
+    return 1 if result["failed"] else 0
 
 
 def cmd_bench_vision(args) -> int:
@@ -290,9 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shard", metavar="I/N", help=SHARD_HELP + " (one shard per GPU)")
     sp.add_argument("--limit", type=int, help="only the first N samples of the split")
     sp.add_argument("--unconstrained", action="store_true", help="decode without the answer grammar (still greedy)")
-    sp.add_argument("--protocol", choices=("product", "paper"),
+    sp.add_argument("--protocol", choices=("product", "paper") + FIELD_PROTOCOLS,
                     help="paper: the paper's Table 1 protocol (MedSAM2 over the whole volume, no early stop; test "
-                         "split); product (default): early stop as `medvol segment` does")
+                         "split); product (default): early stop as `medvol segment` does; cvpr25, rexgrounding, "
+                         "medvol-r1: --data in the CVPR 2025 challenge layout (DIR/imgs, DIR/gts), OUT/segs and "
+                         "OUT/metrics.csv as the challenge has them, scored by that protocol (whole volume unless "
+                         "--stop-after-empty)")
+    sp.add_argument("--control", choices=("none", "blank"), default="none",
+                    help="with cvpr25/rexgrounding/medvol-r1: blank replaces every image by a constant volume "
+                         "(the control of a claim that the model reads its images)")
     sp.add_argument("--stop-after-empty", type=int, metavar="K",
                     help="early stop: each direction ends once every mask has been empty on K slices (default: "
                          "medvol's default; 0 = the whole volume, as --protocol paper)")
@@ -305,6 +351,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-masks", action="store_true", help="do not save the predicted masks (DIR/masks/)")
     sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto", help=THREADS_HELP)
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp = add("predict-cvpr25", "What a CVPR 2025 challenge container runs: OUTPUTS/<case>.npz (key segs, the "
+                               "image's shape, labels = prompt ids) for every npz in INPUTS; nothing else is written.",
+             cmd_predict_cvpr25)
+    sp.add_argument("inputs", help="folder of challenge npz files (imgs, spacing, text_prompts)")
+    sp.add_argument("outputs", help="folder for the segs (made if missing)")
+    sp.add_argument("--preset", help="model preset (default: the manifest's default preset; tiny for smoke runs)")
+    sp.add_argument("--adapter", help="LoRA adapter folder for the grounder")
+    w = sp.add_mutually_exclusive_group()
+    w.add_argument("--sam-checkpoint", help="MedSAM2 checkpoint (default: the preset's)")
+    w.add_argument("--random-weights", type=int, metavar="SEED", help="seeded random MedSAM2 weights (smoke runs)")
+    sp.add_argument("--sam-image-size", type=int, help="image size for --random-weights")
+    sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    sp.add_argument("--stop-after-empty", type=int, metavar="K", help="early stop K (default 0: the whole volume)")
+    sp.add_argument("--overwrite", action="store_true", help="replace segs already in OUTPUTS")
+    sp.add_argument("--threads", type=threads_arg, default=None, metavar="N|auto", help=THREADS_HELP)
+
     sp = add("bench-vision", "Vision sanity check on a CPU: synthetic volumes with a bright square, SFT through the "
                              "product's data path, and the model scored on held-out volumes with their own slices, "
                              "another volume's and black ones (DIR/result.json, table.md). A model that does not read "

@@ -7,7 +7,7 @@ Every command has ``--help``. Errors are one line on stderr and a non-zero exit 
 Text printed for people goes through :func:`~.common.terminal_safe`, so user text (queries, file
 names, case ids) cannot drive the terminal. Long work shows a progress bar on stderr; ``--json``
 prints a machine-readable result on stdout. The commands live in one module per group
-(:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`, :mod:`.pacs`), each of which imports only
+(:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`, :mod:`.mcp`, :mod:`.pacs`), each of which imports only
 :mod:`.common` (and :mod:`.pacs`, the DICOMweb options) of this package; heavy libraries are imported
 by the command that needs them.
 """
@@ -28,6 +28,7 @@ from .. import RESEARCH_USE_NOTICE, __version__
 from ..errors import MedVolError
 from .batch import add_batch_command
 from .common import PROG, terminal_safe
+from .mcp import add_mcp_command
 from .models import add_models_command
 from .pacs import add_pacs_command
 from .serve import add_serve_command
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_volume_commands(add)
     add_models_command(sub, add)
     add_serve_command(sub, add)
+    add_mcp_command(sub, add)
     add_batch_command(sub, add)
     add_pacs_command(sub, add)
     add_metrics_command(add)

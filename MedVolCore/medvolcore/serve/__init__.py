@@ -14,9 +14,9 @@ request that needs them.
 from .cache import DEFAULT_CACHE_SIZE, DEFAULT_MAX_VOXELS, StackCache, file_sha256
 from .protocol import (DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, encode_line, error_reply, ok_reply,
                        parse_request)
-from .worker import Worker, WorkerSettings
+from .worker import Door, Worker, WorkerSettings
 
 __all__ = [
-    "DEFAULT_CACHE_SIZE", "DEFAULT_MAX_REQUEST_MB", "DEFAULT_MAX_VOXELS", "OPS", "PROTOCOL", "RequestError",
+    "DEFAULT_CACHE_SIZE", "DEFAULT_MAX_REQUEST_MB", "DEFAULT_MAX_VOXELS", "Door", "OPS", "PROTOCOL", "RequestError",
     "StackCache", "Worker", "WorkerSettings", "encode_line", "error_reply", "file_sha256", "ok_reply", "parse_request",
 ]

@@ -39,7 +39,7 @@ from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestE
 
 log = logging.getLogger("medvolcore.serve")
 
-__all__ = ["Worker", "WorkerSettings", "SHUTDOWN_WAIT_S"]
+__all__ = ["Worker", "WorkerSettings", "Door", "SHUTDOWN_WAIT_S"]
 
 SHUTDOWN_WAIT_S = 15.0
 MASK_BYTES_KEY = "_mask_bytes"  # a result's mask as bytes, for a transport that sends them raw (never JSON)
@@ -80,6 +80,22 @@ class WorkerSettings:
         return int(self.max_request_mb * (1 << 20))
 
 
+@dataclass(frozen=True)
+class Door:
+    """What a front door in this process (``medvol mcp``) sets for one HTTP-like request beyond
+    the wire's fields, after it has checked them itself: ``data_dir``, the allowed folder its
+    ``volume`` path is read in (as ``--data-dir``: opened without following links, from a private
+    copy); ``masks``, more mask files written with ``out`` (inside ``--out-dir``, chosen by the
+    door); ``anchor`` and ``qc``, the anchor file and QC picture to write; ``events``, progress
+    events to the request's ``reply`` as over stdio."""
+
+    data_dir: Optional[Path] = None
+    masks: tuple = ()
+    anchor: Optional[Path] = None
+    qc: Optional[Path] = None
+    events: bool = False
+
+
 def _release_memory() -> None:
     """Give freed memory back to the OS after a failed request (glibc keeps freed heap otherwise)."""
     import ctypes
@@ -96,10 +112,11 @@ def _release_memory() -> None:
 
 class _Job:
     __slots__ = ("id", "op", "req", "reply", "cancel", "stage", "fraction", "message", "started", "transport", "body",
-                 "session", "mask_bytes", "eta", "request", "retrieved")
+                 "session", "mask_bytes", "eta", "request", "retrieved", "door")
 
     def __init__(self, req: dict, reply: Callable[[dict], None], transport: str, body=None,
-                 session: Optional[str] = None, mask_bytes: bool = False, request=None):
+                 session: Optional[str] = None, mask_bytes: bool = False, request=None, door: Optional[Door] = None):
+        self.door = door or Door()
         self.request = request  # the SegmentRequest of a segment/propagate, built and checked on arrival
         self.session = session
         self.mask_bytes = mask_bytes
@@ -207,7 +224,9 @@ class Worker:
 
     def handle(self, req: dict, reply: Optional[Callable[[dict], None]] = None, body=None,
                transport: Optional[str] = None, session: Optional[str] = None,
-               mask_bytes: bool = False) -> Optional[_Job]:
+               mask_bytes: bool = False, door: Optional[Door] = None) -> Optional[_Job]:
+        """Handle one parsed request as :meth:`handle_line` does; ``door``: what an in-process
+        front door sets beyond the wire (:class:`Door`)."""
         reply = reply or self.emit
         transport = transport or self.transport
         rid = req.get("id")
@@ -237,9 +256,9 @@ class Worker:
                 reply(ok_reply(rid, {"stopping": True}))
                 self.stopped.set()
             else:
-                request = self._check_queued(req, body, transport)
+                request = self._check_queued(req, body, transport, door)
                 job = _Job(req, reply, transport, body, session, mask_bytes=mask_bytes and transport == "http",
-                           request=request)
+                           request=request, door=door)
                 with self._cv:
                     if self._stopping:
                         raise RequestError("the worker is shutting down", "shutting_down")
@@ -326,22 +345,24 @@ class Worker:
                 text = text.replace(root + os.sep, "").replace(root, ".")
         return re.sub(r"(?<![\w.~])/(?:[^\s'\":,;()/]+/)+([^\s'\":,;()/]+)", r"\1", text)
 
-    def client_path(self, value: str, transport: str, what: str) -> Path:
+    def client_path(self, value: str, transport: str, what: str, data_dir: Optional[Path] = None) -> Path:
         """A path named by a client. Over stdio: as given (``~`` expanded). Over HTTP: only
         with ``--data-dir``, relative to the data folder, and refused unless inside it: first
         from the text alone (``..`` and absolute paths, before anything is looked up, so the
         refusal tells nothing about which server files exist), then with symbolic links
         resolved. A volume is then read only through :func:`medvolcore.sources.private_copy`,
-        which follows no link at all (see :meth:`_stack_for`)."""
+        which follows no link at all (see :meth:`_stack_for`). ``data_dir``: a front door's
+        allowed folder for this request, in place of ``--data-dir``."""
         if transport != "http":
             return Path(os.path.expanduser(value))
-        if self.data_dir is None:
+        root = Path(data_dir) if data_dir is not None else self.data_dir
+        if root is None:
             raise ForbiddenError(f"'{what}' names a file on the server, which this server does not allow; send the "
                                  "volume in the request (volume_b64 or the request body) and take the mask from the "
                                  "reply (an operator can allow one folder with `medvol serve --data-dir DIR`)")
-        client_parts(self.data_dir, value, what)
-        full = os.path.realpath(os.path.join(self.data_dir, value))
-        if os.path.commonpath([full, str(self.data_dir)]) != str(self.data_dir):
+        client_parts(root, value, what)
+        full = os.path.realpath(os.path.join(root, value))
+        if os.path.commonpath([full, str(root)]) != str(root):
             raise ForbiddenError(f"'{what}' {value!r} is outside the server's data folder")
         return Path(full)
 
@@ -371,7 +392,7 @@ class Worker:
             raise ForbiddenError(f"'{what}' {value!r} is a symbolic link; name a new file in the output folder")
         return Path(full)
 
-    def _check_queued(self, req: dict, body: Optional[bytes], transport: str):
+    def _check_queued(self, req: dict, body: Optional[bytes], transport: str, door: Optional[Door] = None):
         """Cheap checks done at arrival, so a malformed request is answered at once: the worker's
         own fields (models, paths, outputs) here, the request's every field and rule by its
         declaration (:meth:`~medvolcore.request.SegmentRequest.from_wire`). Returns that request
@@ -402,7 +423,8 @@ class Worker:
         if volume is not None and is_dicomweb(volume):  # only a series on a server the operator allowed
             allowed_source(volume, self.pacs_servers)
             volume = None
-        vol_path = self.client_path(volume, transport, "volume") if volume is not None else None
+        vol_path = (self.client_path(volume, transport, "volume", door and door.data_dir) if volume is not None
+                    else None)
         out_path = self.output_path(out, transport) if out is not None else None
         agr_path = self.output_path(agreement, transport, "agreement") if agreement is not None else None
         from ..fileio import MASK_SUFFIXES, check_distinct
@@ -589,7 +611,7 @@ class Worker:
                 raise CancelledError(f"request {job.id!r} cancelled during {stage}")
             elapsed, eta, _ = clock.update(stage, fraction)
             job.eta = eta
-            if job.transport == "stdio":
+            if job.transport == "stdio" or job.door.events:
                 job.reply({"id": job.id, "event": "progress", "stage": stage, "fraction": round(float(fraction), 4),
                            "message": str(message), "elapsed_s": round(elapsed, 2),
                            "eta_s": None if eta is None else round(eta, 1)})
@@ -687,14 +709,15 @@ class Worker:
         value = req["volume"]
         if is_dicomweb(value):
             return self._read_series_url(job, value, progress)
-        path = self.client_path(value, job.transport, "volume")
+        path = self.client_path(value, job.transport, "volume", job.door.data_dir)
         progress("read", 0.0, f"reading {path.name}")
         if job.transport != "http":
             return self.cache.get_path(path, job.cancel, tmp_dir=self.tmp_dir)
         # Over HTTP the client's path is opened once, without following links, and copied into
         # the private temp folder while hashed; the reader reads only that copy, which is removed.
-        with private_copy(self.data_dir, value, self.tmp_dir, job.cancel, "volume", max_bytes=self.cache.max_bytes(),
-                          max_voxels=self.cache.max_voxels, seconds=COPY_SECONDS) as copy:
+        with private_copy(job.door.data_dir or self.data_dir, value, self.tmp_dir, job.cancel, "volume",
+                          max_bytes=self.cache.max_bytes(), max_voxels=self.cache.max_voxels,
+                          seconds=COPY_SECONDS) as copy:
             try:
                 return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job))
             except MedVolError as e:  # name the client's file, not the private copy
@@ -786,7 +809,9 @@ class Worker:
         agreement = req.get("agreement")
         agr_path = self.output_path(agreement, job.transport, "agreement") if agreement else None
         # over HTTP no folder is created for a client
-        outputs = SegmentOutputs([out, reply_copy] if reply_copy else out, overwrite=overwrite,
+        masks = [out, *job.door.masks] + ([reply_copy] if reply_copy else [])
+        outputs = SegmentOutputs(masks if len(masks) > 1 else out, overwrite=overwrite,
+                                 anchor=job.door.anchor, qc=job.door.qc,
                                  create_folders=job.transport != "http",
                                  names=("out", "anchor_out", "qc"),
                                  empty_mask_on_absent=bool(req.get("empty_mask_on_absent", False)),
