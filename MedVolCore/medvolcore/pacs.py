@@ -271,8 +271,12 @@ def retrieve_series(url: DicomWebURL, folder: Path, token: Optional[str] = None,
             raise _failure(e, url, doing) from None
         finally:
             budget.what = ""
-        if (getattr(ds, "SOPInstanceUID", None), getattr(ds, "SeriesInstanceUID", None)) != (uid, url.series):
-            raise PacsError(f"the DICOMweb server {url.host} answered instance {uid} with another instance")
+        got = tuple(str(getattr(ds, k, "") or "").strip() for k in ("SOPInstanceUID", "SeriesInstanceUID",
+                                                                      "StudyInstanceUID"))
+        for have, want, what in zip(got, (uid, url.series, url.study), ("instance", "series", "study")):
+            if have != want:
+                raise PacsError(f"the DICOMweb server {url.host} answered instance {uid} of series {url.series} with "
+                                f"an instance of another {what} ({what} UID {have or 'empty'}); nothing was read")
         if "PixelData" not in ds and "FloatPixelData" not in ds:
             raise PacsError(f"the DICOMweb server {url.host} sent instance {uid} without pixel data")
         tmp = folder / f".{uid}.part"

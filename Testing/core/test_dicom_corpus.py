@@ -146,7 +146,7 @@ def test_several_targets_make_a_smaller_labelmap_seg(tmp_path):
     labels = _box(ct, values=(1, 2, 3))
     segments = [{"name": q, "value": v} for v, q in enumerate(["liver", "spleen", "left kidney"], start=1)]
     out = save_dicom_seg(labels, ct.affine, ct, tmp_path / "organs.dcm", segments, algorithm="MedVol test",
-                         version="0")
+                         version="0", seg_type="labelmap")  # opt-in (--seg-type labelmap)
     seg = hd.seg.segread(str(out))
     assert seg.SegmentationType == "LABELMAP" and seg.file_meta.TransferSyntaxUID == "1.2.840.10008.1.2.5"
     uids = [i.sop_instance_uid for i in ct.dicom.instances]

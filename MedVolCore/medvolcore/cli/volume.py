@@ -16,6 +16,7 @@ from typing import Optional
 
 from ..errors import InputError
 from .common import (PROG, add_compute_options, add_consensus_options, add_ct_options, add_preset_option,
+                     add_seg_type_option,
                      add_stop_option, apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb,
                      propagate_weights, seed_arg, stop_text, terminal_safe)
 from .pacs import add_dicomweb_options
@@ -508,6 +509,7 @@ def _add_segment_options(sp) -> None:
     sp.add_argument("--no-constrain", action="store_true", help="no grammar-constrained decoding (parse and retry instead)")
     sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
     add_ct_options(sp)
+    add_seg_type_option(sp)
     add_stop_option(sp)
     sp.add_argument("--empty-mask-on-absent", action="store_true",
                     help="when the model answers that the target is not in this CT, still write the mask, all zero, "
@@ -566,6 +568,7 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--image-size", type=index_arg, help="model input size for --random-weights (default 512)")
     sp.add_argument("--window", type=index_arg, metavar="W", help="propagate only slices [k-W, k+W] (default: all)")
     add_ct_options(sp)
+    add_seg_type_option(sp)
     sp.add_argument("--largest-component", action="store_true", help="keep each box's largest 3-D connected component")
     add_stop_option(sp)
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="cpu (fp32) or cuda (bfloat16 autocast)")
