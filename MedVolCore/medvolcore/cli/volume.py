@@ -81,7 +81,7 @@ def cmd_propagate(args) -> int:
     kind, weights = propagate_weights(args)  # --preset's, --sam-checkpoint or --random-weights; refused when none
     inputs = [("--anchor", args.anchor), ("--sam-checkpoint", weights if kind == "checkpoint" else None)] + [
         ("--mask-prompt", p["mask_file"]) for p in args.prompts or [] if "mask_file" in p]
-    outputs = SegmentOutputs(args.out, anchor=args.anchor_out, overwrite=args.overwrite)  # checked by the job
+    outputs = SegmentOutputs(args.out, anchor=args.anchor_out, qc=args.qc, overwrite=args.overwrite)  # checked by the job
     loaded = {}
 
     def pipeline():  # MedSAM2 loads once the volume and the anchor are known good
@@ -120,7 +120,7 @@ def cmd_propagate(args) -> int:
         "encoder_calls": t["encoder_calls"], "mask_voxels": res["mask_voxels"],
         "seconds": round(t["propagate_s"], 3), "seconds_per_slice": round(t["propagate_s_per_slice"], 4),
         "model_load_seconds": round(loaded["load_s"], 3), "total_seconds": round(time.perf_counter() - t0, 3),
-        "peak_memory_mb": peak_memory_mb(), **compute,
+        "peak_memory_mb": peak_memory_mb(), "qc": res["qc"], "notes": res["notes"], **compute,
     }
     if loaded["device"].startswith("cuda"):
         import torch
@@ -131,7 +131,8 @@ def cmd_propagate(args) -> int:
     corrections = f" with {n_prompts} correction prompt{'s' if n_prompts != 1 else ''}" if n_prompts else ""
     text = (f"wrote {', '.join(res['outs'])}{corrections}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
             f"({t['slices_encoded']} encoded, {t['propagate_s_per_slice']:.2f} s/slice{stop_text(prop)}), "
-            f"peak memory {out['peak_memory_mb']} MB")
+            f"peak memory {out['peak_memory_mb']} MB" + (f"; QC picture {res['qc']}" if res["qc"] else ""))
+    text = "\n".join([terminal_safe(n, one_line=True) for n in res["notes"]] + [text])  # as --json carries them
     emit(out, args.json, text)
     return 0
 
@@ -360,6 +361,7 @@ def _segment_text(res: dict) -> str:
         return "\n".join(lines)
     lines += [f"key slice {a['slice']}, {len(a['boxes'])} box(es) {a['boxes']}",
               f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)"]
+    lines += [terminal_safe(n, one_line=True) for n in res["notes"] if "smoke" not in n]  # as --json carries them
     sure = _sureness_text(res)
     if sure:
         lines.append(sure)
@@ -574,6 +576,8 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="cpu (fp32) or cuda (bfloat16 autocast)")
     add_compute_options(sp, dtype=False)
     sp.add_argument("--anchor-out", metavar="PATH", help="also write the anchor used, with world coordinates")
+    sp.add_argument("--qc", metavar="PNG", help="also write a QC picture (the key slice with its boxes and the mask): "
+                                               "what to look at after a correction round")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 
