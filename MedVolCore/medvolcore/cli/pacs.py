@@ -94,6 +94,10 @@ def dicomweb_run(args, outs: list):
     if dests and source is not None and dests[0].study != source.study:
         raise InputError(f"--out {dests[0]}: the series belongs to study {source.study}; a DICOM-SEG is stored into "
                          "its source's study")
+    if args.dicomweb_token_file and dests and source is not None and dests[0].base != source.base:
+        raise InputError(f"--dicomweb-token-file is sent to one server, but --volume is on {source.host} and --out "
+                         f"on {dests[0].host}: store into the server the series came from, or write the SEG to a "
+                         "file and store it with that server's own credentials")
     if args.keep_downloads and source is None:
         raise InputError("--keep-downloads goes with a DICOMweb --volume")
     token = pacs.read_token(args.dicomweb_token_file) if args.dicomweb_token_file else None
