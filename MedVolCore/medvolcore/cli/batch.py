@@ -134,9 +134,11 @@ def _text(info: dict) -> str:
     if info.get("notice"):
         lines.append("NOTE: " + info["notice"])
     shard = f" (shard {info['shard']} of {info['manifest_cases']})" if info.get("shard") else ""
+    earlier = (f"; {info['skipped']} of them finished by an earlier run (kept, not run again), {info.get('ran', 0)} "
+               "run now" if info.get("skipped") else "")
     lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info.get('absent', 0)} not found in their CT, "
-                 f"{info['failed']} failed, {info.get('invalid', 0)} invalid (not run), "
-                 f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
+                 f"{info['failed']} failed, {info.get('invalid', 0)} invalid (not run){earlier}; "
+                 f"{info['seconds']:.1f} s")
     if info.get("aggregate"):
         lines.append(_aggregate_text(info["aggregate"]))
     if info.get("confidence"):

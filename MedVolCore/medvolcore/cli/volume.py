@@ -30,6 +30,12 @@ def cmd_info(args) -> int:
     from ..stack import AxialStack, axis_codes
     from ..volume import load_volume
 
+    from ..pacs import is_dicomweb
+
+    if is_dicomweb(args.volume):
+        raise InputError(f"{args.volume}: medvol info describes a local volume (a CT file or a DICOM folder); read a "
+                         "DICOMweb series with medvol segment --keep-downloads DIR, then run medvol info on "
+                         "DIR/SERIES_UID")
     vol = load_volume(args.volume)
     stack = AxialStack(vol)
     res = {
@@ -371,11 +377,31 @@ def _segment_text(res: dict) -> str:
         lines.append(f"volume {st['volume_ml']:.1f} mL, HU mean {st['mean_hu']:.0f} (sd {st['std_hu']:.0f}), key slice "
                      f"{st['key_slice']} at S {st['key_slice_s_mm']} mm")
     lines += [f"wrote {', '.join(res['outs'])} ({res['mask_voxels']} voxels), " + ", ".join(written),
-              "timings: " + ", ".join(f"{k} {v:.2f}" for k, v in res["timings"].items() if isinstance(v, float))]
+              _timings_text(res)]
     if res.get("threads_rule"):
         lines.append(f"compute: {res['threads_rule']}" + (f"; grounder in {res['grounder_dtype']}"
                                                           if res.get("grounder_dtype") else ""))
     return "\n".join(lines)
+
+
+_TIMING_NAMES = {"ground_s": ("ground", "grounder"), "propagate_s": ("propagate", "medsam2"),
+                 "total_s": ("ground + propagate", None), "write_s": ("write", None),
+                 "job_s": ("job (reading the volume, loading the models, running and writing)", None)}
+
+
+def _timings_text(res: dict) -> str:
+    """The ``timings:`` line, each figure named, saying which include loading a model (the models
+    load on first use, inside the step that first needs them)."""
+    loads = res.get("model_load_s") or {}
+    parts = []
+    for key, value in res["timings"].items():
+        if not isinstance(value, float) or key.endswith("per_slice"):
+            continue
+        name, model = _TIMING_NAMES.get(key, (key.removesuffix("_s"), None))
+        load = loads.get(model) if model else None
+        parts.append(f"{name} {value:.2f} s" + (f" (loading {'the language model' if model == 'grounder' else 'MedSAM2'}"
+                                                 f" included: {load:.2f} s)" if load else ""))
+    return "timings: " + ", ".join(parts)
 
 
 def _sureness_text(res: dict) -> str:
@@ -528,7 +554,7 @@ def _add_segment_options(sp) -> None:
 def add_volume_commands(add) -> None:
     """Add ``info``, ``anchor``, ``propagate``, ``segment`` and ``demo`` (``add`` as in :func:`~.app.build_parser`)."""
     sp = add("info", "Describe a volume: grid, spacing, orientation and its canonical axial stack.", cmd_info)
-    sp.add_argument("volume", help=VOLUME_HELP)
+    sp.add_argument("volume", help="CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder (a local volume)")
 
     sp = add("anchor", "Evidence anchor (key slice + boxes) of a label in a label map.", cmd_anchor)
     sp.add_argument("--mask", required=True, help="label map (.nii.gz, …)")
