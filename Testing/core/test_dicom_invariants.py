@@ -105,3 +105,39 @@ def test_seg_type_labelmap_is_an_opt_in(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         _propagate(capsys, tmp_path / "s", tmp_path / "n.dcm", extra=["--seg-type", "bitmap"])
     assert e.value.code == 2 and "--seg-type" in capsys.readouterr().err
+
+
+def test_bidirectional_controls_are_removed_from_seg_text(tmp_path):
+    """A right-to-left override would show 'liver' as another label in a viewer: removed, as a control
+    character is."""
+    import pydicom
+
+    from medvolcore.dicomseg import save_dicom_seg
+    from medvolcore.volume import load_volume
+
+    write_series(_spec(), tmp_path / "s")
+    ct = load_volume(tmp_path / "s")
+    import numpy as np
+
+    labels = np.zeros(ct.shape, np.uint8)
+    labels[8:20, 8:20, 1:4] = 1
+    query = "the \u202eright\u202c kidney\u2066 \x07cyst"
+    out = save_dicom_seg(labels, ct.affine, ct, tmp_path / "m.dcm", [{"name": query, "value": 1}],
+                         algorithm="MedVol \u202etest", version="0")
+    ds = pydicom.dcmread(str(out))
+    seg = ds.SegmentSequence[0]
+    assert seg.SegmentLabel == seg.SegmentDescription == "the right kidney cyst"
+    assert seg.SegmentAlgorithmName == "MedVol test"
+
+
+def test_seg_type_at_every_door():
+    """The worker's wire key and a batch run's option carry the SEG type; anything else is refused by name."""
+    from medvolcore.batch import BatchOptions
+    from medvolcore.request import FieldError
+
+    assert SegmentRequest.from_wire({"op": "segment", "query": "liver", "seg_type": "labelmap"}).seg_type == "labelmap"
+    assert SegmentRequest.from_wire({"op": "segment", "query": "liver"}).seg_type == "binary"
+    with pytest.raises(FieldError, match="'seg_type' must be binary or labelmap"):
+        SegmentRequest.from_wire({"op": "propagate", "anchor": {}, "seg_type": "LABELMAP"})
+    settings = BatchOptions(seg_type="labelmap").request_settings()
+    assert SegmentRequest.from_manifest({"query": "liver"}, **settings).seg_type == "labelmap"

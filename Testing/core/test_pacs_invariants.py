@@ -113,6 +113,7 @@ def test_a_seg_of_two_queries_is_stored_as_binary_and_read_back(capsys, orthanc,
                              tmp_path / "m.nii.gz", "--preset", "tiny", "--device", "cpu", "--json", "--no-progress")
     assert code == 0, err
     res = json.loads(out)
+    assert res["outs"] == [str(tmp_path / "m.nii.gz")]  # the local copy of the SEG, deleted at the end, is not said
     from dicomweb_client.api import DICOMwebClient
 
     client = DICOMwebClient(f"{orthanc.url}/dicom-web")

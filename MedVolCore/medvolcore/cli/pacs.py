@@ -130,6 +130,10 @@ def dicomweb_run(args, outs: list):
                     raise pacs.PacsError("no DICOM-SEG was written, so nothing was stored" + (f" ({notes})" if notes
                                                                                              else ""))
                 res["stored"] = pacs.store_seg(Path(seg), dests[0], token)
+                if Path(seg).parent == work:  # the local copy is deleted when the command ends: not said as written
+                    res["outs"] = [o for o in res.get("outs") or [] if o != str(seg)]
+                    if res.get("out") == str(seg):
+                        res["out"] = res["outs"][0] if res["outs"] else None
             return res
 
         yield volume, local, finish
