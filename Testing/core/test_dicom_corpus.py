@@ -23,7 +23,7 @@ sitk = pytest.importorskip("SimpleITK")
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "dicom"
 sys.path.insert(0, str(DATA))
-from cases import CASES, build  # noqa: E402
+from cases import CASES, HERE, build  # noqa: E402
 
 READ = sorted(n for n, c in CASES.items() if c[3] in ("read", "no-seg"))
 REFUSED = sorted(n for n, c in CASES.items() if c[3] not in ("read", "no-seg"))
@@ -101,6 +101,28 @@ def test_a_case_read_writes_a_seg_that_others_accept(tmp_path, name):
     report = subprocess.run([_tool("dciodvfy"), str(out)], capture_output=True, text=True, errors="replace")
     errors = [ln for ln in (report.stdout + report.stderr).splitlines() if ln.startswith("Error")]
     assert errors == []
+
+
+@pytest.mark.parametrize("name, source", [("ct-empty-charset", None), ("ct-iso2022-japanese", "chrH31.dcm"),
+                                          ("ct-iso2022-korean", "chrI2.dcm"), ("ct-gb18030", "chrX2.dcm")])
+def test_a_source_character_set_keeps_the_patient_name(tmp_path, name, source):
+    """Real character sets (an empty one, ISO 2022 with code extensions, GB18030): the SEG is UTF-8,
+    names the patient as the source does, and dciodvfy finds no error."""
+    from medvolcore.dicomseg import save_dicom_seg
+    from medvolcore.volume import load_volume
+
+    series = build(name, tmp_path / name)
+    written = pydicom.dcmread(str(next(series.iterdir())))
+    assert written.SpecificCharacterSet == (pydicom.dcmread(str(HERE / source)).SpecificCharacterSet if source else "")
+    ct = load_volume(series)
+    out = save_dicom_seg(_box(ct), ct.affine, ct, tmp_path / "m.dcm", [{"name": "the liver", "value": 1}],
+                         algorithm="MedVol test", version="0")
+    seg = pydicom.dcmread(str(out))
+    assert seg.SpecificCharacterSet == "ISO_IR 192" and str(seg.PatientName) == str(written.PatientName)
+    if source:
+        assert str(seg.PatientName) == str(pydicom.dcmread(str(HERE / source)).PatientName)
+    report = subprocess.run([_tool("dciodvfy"), str(out)], capture_output=True, text=True, errors="replace")
+    assert [ln for ln in (report.stdout + report.stderr).splitlines() if ln.startswith("Error")] == []
 
 
 def test_an_enhanced_multiframe_instance_is_placed_by_its_frames(tmp_path):
