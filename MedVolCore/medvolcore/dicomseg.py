@@ -14,6 +14,15 @@ characters, SegmentDescription = the whole query, the segmented property categor
 laterality, and anatomic region) from :mod:`medvolcore.terminology` — the generic *Anatomical
 structure* code when the query names no known structure, said in the notes — its colour, and the
 algorithm identification (name = the model that ran, version, family Artificial Intelligence).
+
+What the source must give is known as soon as the series is read, before any model loads
+(:func:`seg_refusal`): the record's UIDs and geometry, then a trial SEG of its first slice built in
+memory (:func:`trial_refusal`), so whatever highdicom or the standard need of the source is tried
+once. What can be supplied is: the SEG's text is UTF-8 whatever the source's SpecificCharacterSet
+(missing, empty — the default repertoire —, ISO 2022 with code extensions), and a Type 2 patient or
+study attribute the source lacks is written empty (:data:`TYPE2_COPIED`). BINARY by default;
+``seg_type="labelmap"`` opts in to one LABELMAP frame set. Control and bidirectional-control
+characters are removed from every text the SEG carries.
 """
 
 from __future__ import annotations
@@ -247,8 +256,8 @@ def trial_refusal(record) -> Optional[str]:
         why = None  # the writer says which package is missing, in one line
     else:
         h = record.headers[0]
-        frames = np.ones((1, int(h.Rows), int(h.Columns)), np.uint8)
         try:
+            frames = np.ones((1, int(h.Rows), int(h.Columns)), np.uint8)
             _segmentation(record.headers[:1], frames, [{"name": "trial", "value": 1}], algorithm="MedVol",
                           version="0", seg_type="binary")
         except Exception as exc:  # noqa: BLE001 - any reason the source cannot be referenced becomes one line

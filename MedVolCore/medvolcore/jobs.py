@@ -22,7 +22,9 @@ The steps, in this order, so that nothing is loaded or written for a job that ca
    every other output: labels tables, agreement maps, statistics), as one set
    (:func:`~medvolcore.fileio.output_set`): each is written and checked under a temporary name, and
    they are renamed into place only once all are written, so a failure at any of them leaves the
-   previous outputs as they were and no new file. When the grounder answered that the target is
+   previous outputs as they were and no new file. The one exception is a DICOM-SEG (checked when
+   the series is read, so a failure there is a surprise): it is left out with a note and the other
+   outputs are written, unless it was the only mask output. When the grounder answered that the target is
    not in the volume (an *absent* result), no mask file is written unless the outputs ask for an
    all-zero one (``empty_mask_on_absent``); the anchor file (schema ``medvol.anchor/3``) and the QC
    picture are written as usual and say so.
