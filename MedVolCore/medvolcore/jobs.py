@@ -351,7 +351,7 @@ def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: 
     from . import __version__
     from .volume import save_mask
 
-    from .errors import CancelledError, DependencyError
+    from .errors import CancelledError, DependencyError, OutputError, VolumeError
 
     written = []
     for path in outputs.masks:
@@ -361,13 +361,12 @@ def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: 
             try:
                 save_dicom_seg(labels, stack.volume.affine, stack.volume, path, segments, algorithm=algorithm,
                                version=__version__, overwrite=outputs.overwrite, notes=notes, seg_type=seg_type)
-            except (CancelledError, DependencyError):
-                raise
+            except (CancelledError, DependencyError, OutputError, OSError):
+                raise  # a full disk or a cancel fails the whole set: the previous outputs stay as they were
             except Exception as exc:  # noqa: BLE001 - the DICOM-SEG alone is lost, never the other outputs
                 reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-                if len(outputs.masks) == 1:  # the one mask asked for: the job failed, in one line
-                    from .errors import VolumeError
-
+                if len(outputs.masks) == 1 or Path(path).exists():
+                    # the one mask asked for, or a previous SEG that would no longer match the new outputs
                     raise VolumeError(f"{outputs.names[0]} {path} could not be written: {reason}") from None
                 notes.append(f"{outputs.names[0]} {path} was not written: {reason}; the other outputs were")
                 continue
