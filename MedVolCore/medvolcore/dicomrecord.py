@@ -6,6 +6,8 @@ the header with pydicom and checks it:
 
 - the pixel data of an uncompressed file holds at least the bytes its Rows, Columns, samples,
   bits and frames declare (a 12 kB file declaring 8192×8192 pixels is refused, not zero-filled);
+- every slice is of one patient, study, series and frame of reference (:func:`check_one_series`:
+  a disagreement is refused, naming the attribute and two files);
 - every slice has the same Rows, Columns, PixelSpacing and ImageOrientationPatient;
 - the positions along the slice normal step evenly, without a gap or a duplicate; positions that
   drift in-plane (a gantry-tilted or sheared stack) are measured (``DicomRecord.tilt``) and the
@@ -222,6 +224,7 @@ def scan_instances(path, files: Sequence[str]) -> tuple:
         instances.append(Instance(str(Path(f).resolve()), uid, cls_uid,
                                   tuple(ipp.tolist()) if ipp is not None else (), digest, ident))
         del ds
+    check_one_series(headers, [Path(f).name for f in files])
     tilt = check_stack(metas)
     rescales = {m[5] for m in metas}
     float_rescale = len(rescales) > 1 or any(not (s.is_integer() and i.is_integer()) for s, i in rescales)
@@ -233,6 +236,31 @@ def scan_instances(path, files: Sequence[str]) -> tuple:
     if tilt is not None:
         record.notes.append(tilt_note(tilt))
     return record, float_rescale or tilt is not None
+
+
+# what every instance of one series shares: (attribute, what it names, whether its value may be shown in a message)
+SHARED = (("PatientID", "patient", False), ("PatientName", "patient", False), ("StudyInstanceUID", "study", True),
+          ("SeriesInstanceUID", "series", True), ("FrameOfReferenceUID", "frame of reference", True))
+
+
+def check_one_series(headers: Sequence, names: Sequence[str]) -> None:
+    """Refuse (one :class:`VolumeError` naming the attribute and two files) instances that are not
+    of one patient, study, series and frame of reference: PatientID, StudyInstanceUID,
+    SeriesInstanceUID and FrameOfReferenceUID equal on every instance (an empty or missing value is
+    one value), PatientName equal where both instances have one. A faulty anonymiser, two exports
+    in one folder or a server answering wrongly would otherwise make one volume of two patients,
+    and a DICOM-SEG filed under the first that references the images of both."""
+    for attr, what, shown in SHARED:
+        values = [str(h.get(attr, "") or "").strip() for h in headers]
+        for i in range(1, len(values)):
+            a, b = values[0], values[i]
+            if attr == "PatientName" and (not a or not b):
+                continue
+            if a != b:
+                said = f" ({a or 'empty'} and {b or 'empty'})" if shown else ""
+                raise VolumeError(f"the DICOM series is not one {what}'s: {attr} differs between {names[0]} and "
+                                  f"{names[i]}{said}; a faulty anonymiser or two exports in one folder? Refused: "
+                                  "give a folder holding one series of one patient")
 
 
 def _frame_metas(ds, name: str, size) -> list:
@@ -388,5 +416,5 @@ def orthogonal_grid(array: np.ndarray, record: "DicomRecord", spacing, origin, d
     return out, (px[1], px[0], float(abs(step))), tuple(float(v) for v in pos[0]), tuple(float(v) for v in new_dir)
 
 
-__all__ = ["DicomRecord", "Instance", "check_stack", "frame_geometry", "orthogonal_grid", "read_instance", "scan_instances",
+__all__ = ["DicomRecord", "Instance", "SHARED", "check_one_series", "check_stack", "frame_geometry", "orthogonal_grid", "read_instance", "scan_instances",
            "tilt_note"]

@@ -22,7 +22,9 @@ The steps, in this order, so that nothing is loaded or written for a job that ca
    every other output: labels tables, agreement maps, statistics), as one set
    (:func:`~medvolcore.fileio.output_set`): each is written and checked under a temporary name, and
    they are renamed into place only once all are written, so a failure at any of them leaves the
-   previous outputs as they were and no new file. When the grounder answered that the target is
+   previous outputs as they were and no new file. The one exception is a DICOM-SEG (checked when
+   the series is read, so a failure there is a surprise): it is left out with a note and the other
+   outputs are written, unless it was the only mask output. When the grounder answered that the target is
    not in the volume (an *absent* result), no mask file is written unless the outputs ask for an
    all-zero one (``empty_mask_on_absent``); the anchor file (schema ``medvol.anchor/3``) and the QC
    picture are written as usual and say so.
@@ -342,18 +344,32 @@ def _algorithm(seg) -> str:
 
 
 def _write_masks(labels, stack, volume_path, outputs: SegmentOutputs, segments: List[dict], algorithm: str,
-                 notes: list) -> List[str]:
-    """``labels`` written to every mask output (by suffix: label map, ``.seg.nrrd`` or DICOM-SEG)."""
+                 notes: list, seg_type: str = "binary") -> List[str]:
+    """``labels`` written to every mask output (by suffix: label map, ``.seg.nrrd`` or DICOM-SEG of
+    ``seg_type``). A DICOM-SEG that fails to be written (checked up front, so this is a surprise)
+    is left out with a note in ``notes``: the other outputs are written all the same."""
     from . import __version__
     from .volume import save_mask
+
+    from .errors import CancelledError, DependencyError, OutputError, VolumeError
 
     written = []
     for path in outputs.masks:
         if is_dicom_output(path):
             from .dicomseg import save_dicom_seg
 
-            save_dicom_seg(labels, stack.volume.affine, stack.volume, path, segments,
-                           algorithm=algorithm, version=__version__, overwrite=outputs.overwrite, notes=notes)
+            try:
+                save_dicom_seg(labels, stack.volume.affine, stack.volume, path, segments, algorithm=algorithm,
+                               version=__version__, overwrite=outputs.overwrite, notes=notes, seg_type=seg_type)
+            except (CancelledError, DependencyError, OutputError, OSError):
+                raise  # a full disk or a cancel fails the whole set: the previous outputs stay as they were
+            except Exception as exc:  # noqa: BLE001 - the DICOM-SEG alone is lost, never the other outputs
+                reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+                if len(outputs.masks) == 1 or Path(path).exists():
+                    # the one mask asked for, or a previous SEG that would no longer match the new outputs
+                    raise VolumeError(f"{outputs.names[0]} {path} could not be written: {reason}") from None
+                notes.append(f"{outputs.names[0]} {path} was not written: {reason}; the other outputs were")
+                continue
         else:
             save_mask(labels, stack.volume, path, overwrite=outputs.overwrite, segments=segments)
         written.append(str(path))
@@ -407,7 +423,8 @@ def _write_target(seg, stack, volume_path, request: SegmentRequest, outputs: Seg
     # the segment's coded name and colour (terminology.py)
     term = match(named, target=request.target_name) if named or request.target_name else None
     segments = [{"name": named or "Segment_1", "value": 1, "term": term}]
-    outs = _write_masks(seg.mask, stack, volume_path, outputs, segments, _algorithm(seg), seg.notes) if wrote_mask else []
+    outs = _write_masks(seg.mask, stack, volume_path, outputs, segments, _algorithm(seg), seg.notes,
+                        request.seg_type) if wrote_mask else []
     if outputs.agreement:
         save_mask(seg.agreement, stack.volume, outputs.agreement, overwrite=outputs.overwrite)
     stats = _target_stats(seg, seg.mask, stack, named)
@@ -476,7 +493,8 @@ def _write_targets(segs, stack, volume_path, request: SegmentRequest, outputs: S
     terms = [match(q, k) for k, q in enumerate(queries, start=1)]
     segments = [{"name": q, "value": k, "term": t} for k, (q, t) in enumerate(zip(queries, terms), start=1)]
     wrote_mask = any(not s.absent for s in segs) or outputs.empty_mask_on_absent
-    outs = _write_masks(labels, stack, volume_path, outputs, segments, _algorithm(segs[0]), notes) if wrote_mask else []
+    outs = _write_masks(labels, stack, volume_path, outputs, segments, _algorithm(segs[0]), notes,
+                        request.seg_type) if wrote_mask else []
     targets, rows = [], []
     for k, (seg, q, term) in enumerate(zip(segs, queries, terms), start=1):
         mask = labels == k

@@ -7,7 +7,11 @@ or the same with ``http://`` or ``https://``; ``PATH`` is the server's DICOMweb 
 the instance limit before anything is downloaded, then fetches each instance (WADO-RS) into a folder
 of the caller's, each file written under a temporary name and renamed once whole, so a folder that
 is retrieved again resumes: instances already there are not fetched again. Every response is
-bounded while it is read: bytes per instance, bytes in all, and a deadline for the whole series.
+bounded while it is read: bytes per instance, bytes in all, and a deadline for the whole series; a
+search's answer (QIDO-RS) and a store's (STOW-RS) are bounded by bytes as they stream, before
+they are parsed (:func:`search_bytes`, :data:`STORE_REPLY_BYTES`). No redirect is followed: a
+server answering with one is refused, so it cannot send the client, or its token, elsewhere.
+Each retrieved instance must be the one asked for, of the URL's series and study.
 The folder is then read as any local series folder is (:mod:`medvolcore.dicom`: the same checks and
 the same provenance record).
 
@@ -138,12 +142,27 @@ class Limits:
     read_timeout_s: float = 30.0
 
 
+SEARCH_BYTES_BASE = 64 << 10     # a QIDO-RS answer may hold this many bytes, plus
+SEARCH_BYTES_PER_ITEM = 8 << 10  # this many per result asked for (a result is a few hundred bytes of JSON)
+STORE_REPLY_BYTES = 1 << 20      # a STOW-RS answer (one instance's status)
+
+
+def search_bytes(limit: int) -> int:
+    """The bytes a QIDO-RS answer of at most ``limit`` results may hold, counted as it streams,
+    before it is parsed (parsed JSON costs about 20 times its bytes)."""
+    return SEARCH_BYTES_BASE + SEARCH_BYTES_PER_ITEM * max(int(limit), 1)
+
+
 @dataclass
 class _Budget:
+    """What the replies of one client may hold: ``what`` the request under way (``"instance"``: a
+    WADO-RS instance, counted into the series' ``total``; otherwise a reply of at most ``cap`` bytes)."""
+
     limits: Limits
     deadline: float
     total: int = 0
     what: str = ""
+    cap: int = SEARCH_BYTES_BASE
     seen: dict = field(default_factory=dict)
 
     def check_time(self, url) -> None:
@@ -165,10 +184,13 @@ def _client(url: DicomWebURL, token: Optional[str], budget: Optional[_Budget]):
                          "loopback only); use https://")
     session = requests.Session()
     session.trust_env = False  # no proxy or .netrc credentials from the environment
-    if budget is not None:
-        session.hooks["response"].append(lambda r, *a, **k: _bounded(r, url, budget))
+    session.max_redirects = 0  # and no redirect: the hook below refuses one before it could be followed
+    timeouts = _timeouts(budget.limits) if budget else (10.0, 60.0)
+    budget = budget or _Budget(Limits(), float("inf"))
+    session.hooks["response"].append(lambda r, *a, **k: _bounded(r, url, budget))
     client = DICOMwebClient(url.base, session=session, headers={"Authorization": token} if token else None,
-                            timeout=_timeouts(budget.limits) if budget else (10.0, 60.0))
+                            timeout=timeouts)
+    client.medvol_budget = budget  # what each call may read (_Budget.cap)
     client.set_http_retry_params(retry=False)
     return client
 
@@ -178,23 +200,49 @@ def _timeouts(limits: Limits) -> tuple:
     return (min(10.0, limits.timeout_s), min(limits.read_timeout_s, limits.timeout_s))
 
 
+def _refuse_redirect(response, url: DicomWebURL) -> None:
+    """A server that answers with a redirect would send the client (and its token) where the
+    server chooses: refused, naming only the host it pointed to."""
+    if not (300 <= response.status_code < 400 and response.status_code != 304):
+        return
+    target = urlsplit(response.headers.get("Location") or "")
+    where = f" to {target.netloc}" if target.netloc else ""
+    response.close()
+    raise PacsError(f"the DICOMweb server {url.host} answered with a redirect{where} (HTTP {response.status_code}); "
+                    "MedVol follows no redirect: give the server's own DICOMweb URL")
+
+
 def _bounded(response, url: DicomWebURL, budget: _Budget):
-    """Count the bytes of ``response`` as it is read (before ``requests`` reads it): over a bound,
-    or past the deadline, the read stops with an error."""
+    """Refuse a redirect; count the bytes of ``response`` as it is read (before ``requests`` reads
+    it, so before any parsing): over a bound, or past the deadline, the read stops with an error."""
+    _refuse_redirect(response, url)
     limits = budget.limits
+    instance = budget.what == "instance"
     declared = response.headers.get("Content-Length")
-    if declared and declared.isdigit() and budget.what == "instance" and int(declared) > limits.max_instance_bytes + 4096:
+    if declared and declared.isdigit() and instance and int(declared) > limits.max_instance_bytes + 4096:
         response.close()
         raise LimitError(f"{url.host}: an instance of {int(declared) / 2**20:.1f} MB is over the limit of "
                          f"{limits.max_instance_bytes / 2**20:.3g} MB (--dicomweb-max-instance-mb); nothing was kept")
+    cap = budget.cap
+    if declared and declared.isdigit() and not instance and int(declared) > cap:
+        response.close()
+        raise LimitError(f"{url.host}: an answer of {int(declared) / 2**20:.2f} MB is over the {cap / 2**20:.2g} MB "
+                         f"this request may return; nothing was read")
     original = response.iter_content
 
     def counted(chunk_size=1, decode_unicode=False):
         got = 0
         for chunk in original(chunk_size, decode_unicode):
             got += len(chunk)
+            if not instance:
+                if got > cap:
+                    raise LimitError(f"{url.host}: an answer over the {cap / 2**20:.2g} MB this request may return "
+                                     "was cut off before it was parsed; nothing was read")
+                budget.check_time(url)
+                yield chunk
+                continue
             budget.total += len(chunk)
-            if budget.what == "instance" and got > limits.max_instance_bytes + 4096:
+            if got > limits.max_instance_bytes + 4096:
                 raise LimitError(f"{url.host}: an instance is over the limit of {limits.max_instance_bytes / 2**20:.3g} MB "
                                  "(--dicomweb-max-instance-mb); nothing was kept")
             if budget.total > limits.max_bytes:
@@ -246,6 +294,7 @@ def retrieve_series(url: DicomWebURL, folder: Path, token: Optional[str] = None,
     budget = _Budget(limits, t0 + limits.timeout_s)
     client = _client(url, token, budget)
     doing = f"listing series {url.series}"
+    budget.cap = search_bytes(limits.max_instances + 1)
     try:
         found = client.search_for_instances(url.study, url.series, fields=["00080018"],
                                             limit=limits.max_instances + 1)
@@ -277,8 +326,12 @@ def retrieve_series(url: DicomWebURL, folder: Path, token: Optional[str] = None,
             raise _failure(e, url, doing) from None
         finally:
             budget.what = ""
-        if (getattr(ds, "SOPInstanceUID", None), getattr(ds, "SeriesInstanceUID", None)) != (uid, url.series):
-            raise PacsError(f"the DICOMweb server {url.host} answered instance {uid} with another instance")
+        got = tuple(str(getattr(ds, k, "") or "").strip() for k in ("SOPInstanceUID", "SeriesInstanceUID",
+                                                                      "StudyInstanceUID"))
+        for have, want, what in zip(got, (uid, url.series, url.study), ("instance", "series", "study")):
+            if have != want:
+                raise PacsError(f"the DICOMweb server {url.host} answered instance {uid} of series {url.series} with "
+                                f"an instance of another {what} ({what} UID {have or 'empty'}); nothing was read")
         if "PixelData" not in ds and "FloatPixelData" not in ds:
             raise PacsError(f"the DICOMweb server {url.host} sent instance {uid} without pixel data")
         tmp = folder / f".{uid}.part"
@@ -319,6 +372,7 @@ def store_seg(path: Path, url: DicomWebURL, token: Optional[str] = None, timeout
     t0 = time.monotonic()
     client = _client(url, token, None)
     client._timeout = (10.0, timeout_s)
+    client.medvol_budget.cap = STORE_REPLY_BYTES
     try:
         answer = client.store_instances([ds], study_instance_uid=url.study)
     except Exception as e:  # noqa: BLE001
@@ -479,6 +533,7 @@ def find_series(base: str, modality: Optional[str] = None, study_date: Optional[
         raise InputError("--limit must be positive")
     client = _client(root, token, None)
     client._timeout = (min(10.0, timeout_s), timeout_s)
+    client.medvol_budget.cap = search_bytes(limit)  # bounded as it streams, before the JSON is parsed
     try:
         found = client.search_for_series(search_filters=filters, fields=["0020000D", "0020000E"], limit=limit)
     except Exception as e:  # noqa: BLE001
@@ -504,6 +559,7 @@ def series_on(server: PacsServer, series_uid: str, timeout_s: float = 30.0) -> D
     root = DicomWebURL(server.base, "0")
     client = _client(root, server.token, None)
     client._timeout = (min(10.0, timeout_s), timeout_s)
+    client.medvol_budget.cap = search_bytes(2)  # bounded as it streams, before the JSON is parsed
     try:
         found = client.search_for_series(search_filters={"SeriesInstanceUID": series_uid},
                                          fields=["0020000D", "0020000E"], limit=2)

@@ -178,6 +178,10 @@ class SegmentRequest:
     strict_ct: bool = _declare(
         False, doc="refuse a volume that does not look like CT in HU (no air, label-like values) instead of warning",
         cli="--strict-ct", wire="strict_ct", types=bool)
+    seg_type: str = _declare(
+        "binary", doc="a DICOM-SEG output's type: 'binary' (one BINARY frame set per segment, which every PACS, viewer "
+                      "and validator takes) or 'labelmap' (one LABELMAP frame set of every segment: smaller, newer "
+                      "than many readers)", label="the DICOM-SEG type", cli="--seg-type", wire="seg_type", types=str)
     door: str = dataclasses.field(default="api", compare=False, repr=False)  # who built it: one of DOORS
 
     @property
@@ -278,6 +282,8 @@ class SegmentRequest:
         if self.span is not None and (isinstance(self.span, bool) or not isinstance(self.span, int) or self.span < 0):
             raise FieldError(f"{n('span')} must be a whole number of slices ≥ 0, got {self.span!r}")
         get_window(self.hu_window)
+        if self.seg_type not in ("binary", "labelmap"):
+            raise FieldError(f"{n('seg_type')} must be binary or labelmap, got {self.seg_type!r}")
         return self
 
     def _check_queries(self) -> None:

@@ -23,7 +23,7 @@ sitk = pytest.importorskip("SimpleITK")
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "dicom"
 sys.path.insert(0, str(DATA))
-from cases import CASES, build  # noqa: E402
+from cases import CASES, HERE, build  # noqa: E402
 
 READ = sorted(n for n, c in CASES.items() if c[3] in ("read", "no-seg"))
 REFUSED = sorted(n for n, c in CASES.items() if c[3] not in ("read", "no-seg"))
@@ -103,6 +103,28 @@ def test_a_case_read_writes_a_seg_that_others_accept(tmp_path, name):
     assert errors == []
 
 
+@pytest.mark.parametrize("name, source", [("ct-empty-charset", None), ("ct-iso2022-japanese", "chrH31.dcm"),
+                                          ("ct-iso2022-korean", "chrI2.dcm"), ("ct-gb18030", "chrX2.dcm")])
+def test_a_source_character_set_keeps_the_patient_name(tmp_path, name, source):
+    """Real character sets (an empty one, ISO 2022 with code extensions, GB18030): the SEG is UTF-8,
+    names the patient as the source does, and dciodvfy finds no error."""
+    from medvolcore.dicomseg import save_dicom_seg
+    from medvolcore.volume import load_volume
+
+    series = build(name, tmp_path / name)
+    written = pydicom.dcmread(str(next(series.iterdir())))
+    assert written.SpecificCharacterSet == (pydicom.dcmread(str(HERE / source)).SpecificCharacterSet if source else "")
+    ct = load_volume(series)
+    out = save_dicom_seg(_box(ct), ct.affine, ct, tmp_path / "m.dcm", [{"name": "the liver", "value": 1}],
+                         algorithm="MedVol test", version="0")
+    seg = pydicom.dcmread(str(out))
+    assert seg.SpecificCharacterSet == "ISO_IR 192" and str(seg.PatientName) == str(written.PatientName)
+    if source:
+        assert str(seg.PatientName) == str(pydicom.dcmread(str(HERE / source)).PatientName)
+    report = subprocess.run([_tool("dciodvfy"), str(out)], capture_output=True, text=True, errors="replace")
+    assert [ln for ln in (report.stdout + report.stderr).splitlines() if ln.startswith("Error")] == []
+
+
 def test_an_enhanced_multiframe_instance_is_placed_by_its_frames(tmp_path):
     """The slices as one Legacy Converted Enhanced CT instance, frames stored in reverse order:
     each frame lands where its single-frame slice does."""
@@ -146,7 +168,7 @@ def test_several_targets_make_a_smaller_labelmap_seg(tmp_path):
     labels = _box(ct, values=(1, 2, 3))
     segments = [{"name": q, "value": v} for v, q in enumerate(["liver", "spleen", "left kidney"], start=1)]
     out = save_dicom_seg(labels, ct.affine, ct, tmp_path / "organs.dcm", segments, algorithm="MedVol test",
-                         version="0")
+                         version="0", seg_type="labelmap")  # opt-in (--seg-type labelmap)
     seg = hd.seg.segread(str(out))
     assert seg.SegmentationType == "LABELMAP" and seg.file_meta.TransferSyntaxUID == "1.2.840.10008.1.2.5"
     uids = [i.sop_instance_uid for i in ct.dicom.instances]

@@ -99,8 +99,11 @@ def test_several_targets_are_one_segment_each(tmp_path, series):
     out = save_dicom_seg(labels, ct.affine, ct, tmp_path / "organs.dcm", segments, algorithm="MedVol test",
                          version="0")
     seg = hd.seg.segread(str(out))
-    assert seg.SegmentationType == "LABELMAP"  # several targets: one frame set holding every segment's number
-    named = [d for d in seg.SegmentSequence if d.SegmentNumber > 0]  # a label map's segment 0 is its background
+    assert seg.SegmentationType == "BINARY"  # by default: one frame set per segment, which every reader takes
+    from core.test_dicom_generated import dciodvfy_errors
+
+    assert dciodvfy_errors(out) == []
+    named = list(seg.SegmentSequence)
     assert [d.SegmentLabel for d in named] == queries
     assert [d.SegmentedPropertyTypeCodeSequence[0].CodeMeaning for d in named][:2] == ["Liver", "Spleen"]
     uids = [pydicom.dcmread(str(f), stop_before_pixels=True).SOPInstanceUID for f in sorted(series.iterdir())]

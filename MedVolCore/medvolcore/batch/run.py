@@ -43,6 +43,7 @@ class BatchOptions:
     sample: bool = False
     ct_window: Optional[str] = None
     strict_ct: bool = False  # refuse a volume that does not look like CT (default: a warning in the result)
+    seg_type: str = "binary"  # a DICOM-SEG output's type (--seg-type): binary or labelmap
     stop_after_empty: Optional[int] = None  # None: the pipeline's default (DEFAULT_STOP_AFTER_EMPTY)
     consensus: int = 1  # G samples per case (1: off); G ≥ 2 writes agreement.nii.gz and a confidence
     consensus_mask: str = "greedy"
@@ -62,7 +63,8 @@ class BatchOptions:
         """The options every case's segment request takes (:meth:`SegmentRequest.from_manifest`)."""
         return dict(hu_window=hu_window if hu_window is not None else self.ct_window,
                     stop_after_empty=self.stop_after_empty, sample=self.sample, seed=self.seed,
-                    consensus=self.consensus, consensus_mask=self.consensus_mask, strict_ct=self.strict_ct)
+                    consensus=self.consensus, consensus_mask=self.consensus_mask, strict_ct=self.strict_ct,
+                    seg_type=self.seg_type)
 
 
 @dataclass

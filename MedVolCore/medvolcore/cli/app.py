@@ -97,6 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.debug:  # libraries' warnings (deprecations, past_key_values, …) mean nothing to a user
         warnings.filterwarnings("ignore")
         warnings.filterwarnings("default", module=r"medvolcore(\.|$)")
+        # a library's deprecation is attributed to its caller, often a medvolcore module: silenced all the same
+        for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         if "transformers" in sys.modules:
             sys.modules["transformers"].logging.set_verbosity_error()

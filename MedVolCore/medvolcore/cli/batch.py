@@ -17,7 +17,8 @@ import sys
 
 from ..caseruns import SHARD_HELP
 from .pacs import add_dicomweb_options, series_access
-from .common import (add_compute_options, add_consensus_options, add_ct_options, add_preset_option, add_stop_option,
+from .common import (add_compute_options, add_consensus_options, add_ct_options, add_preset_option, add_seg_type_option,
+                     add_stop_option,
                      seed_arg, terminal_safe)
 
 HELP = "Segment every case of a manifest (CSV or JSONL); resumable, shardable, with a summary table and page."
@@ -81,6 +82,7 @@ def add_batch_command(sub, add):
     sp.add_argument("--seed", type=seed_arg, help="random seed for --sample (reproducible sampling)")
     sp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     add_ct_options(sp)
+    add_seg_type_option(sp)
     add_stop_option(sp)
     sp.add_argument("--empty-mask-on-absent", action="store_true",
                     help="for a case the model answers 'not present', still write mask.nii.gz, all zero")
@@ -132,9 +134,11 @@ def _text(info: dict) -> str:
     if info.get("notice"):
         lines.append("NOTE: " + info["notice"])
     shard = f" (shard {info['shard']} of {info['manifest_cases']})" if info.get("shard") else ""
+    earlier = (f"; {info['skipped']} of them finished by an earlier run (kept, not run again), {info.get('ran', 0)} "
+               "run now" if info.get("skipped") else "")
     lines.append(f"{info['cases']} case(s){shard}: {info['done']} done, {info.get('absent', 0)} not found in their CT, "
-                 f"{info['failed']} failed, {info.get('invalid', 0)} invalid (not run), "
-                 f"{info['skipped']} skipped as already finished; {info['seconds']:.1f} s")
+                 f"{info['failed']} failed, {info.get('invalid', 0)} invalid (not run){earlier}; "
+                 f"{info['seconds']:.1f} s")
     if info.get("aggregate"):
         lines.append(_aggregate_text(info["aggregate"]))
     if info.get("confidence"):
@@ -156,7 +160,7 @@ def cmd_batch(args) -> int:
     from ..caseruns import parse_shard
 
     opts = BatchOptions(preset=args.preset, adapter=args.adapter, device=args.device, seed=args.seed,
-                        sample=args.sample, ct_window=args.ct_window, strict_ct=args.strict_ct,
+                        sample=args.sample, ct_window=args.ct_window, strict_ct=args.strict_ct, seg_type=args.seg_type,
                         stop_after_empty=args.stop_after_empty,
                         consensus=args.consensus, consensus_mask=args.consensus_mask, shard=parse_shard(args.shard),
                         resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,

@@ -120,6 +120,14 @@ def add_ct_options(sp) -> None:
                          "values like a label map) instead of warning in the result and the QC picture")
 
 
+def add_seg_type_option(sp) -> None:
+    """``--seg-type``: the type of a DICOM-SEG (``.dcm``) output."""
+    sp.add_argument("--seg-type", choices=["binary", "labelmap"], default="binary",
+                    help="a .dcm output's DICOM-SEG type: binary (default: one BINARY frame set per segment, which "
+                         "every PACS, viewer and validator takes) or labelmap (one LABELMAP frame set of every "
+                         "segment: smaller, but many PACS and viewers do not take it yet)")
+
+
 def propagate_weights(args) -> tuple:
     """``medvol propagate``'s MedSAM2 weights: ``("checkpoint", path)`` from ``--sam-checkpoint`` or
     from ``--preset``'s downloaded weights, or ``("random", (seed, image_size))`` from

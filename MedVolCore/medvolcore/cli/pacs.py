@@ -94,6 +94,10 @@ def dicomweb_run(args, outs: list):
     if dests and source is not None and dests[0].study != source.study:
         raise InputError(f"--out {dests[0]}: the series belongs to study {source.study}; a DICOM-SEG is stored into "
                          "its source's study")
+    if args.dicomweb_token_file and dests and source is not None and dests[0].base != source.base:
+        raise InputError(f"--dicomweb-token-file is sent to one server, but --volume is on {source.host} and --out "
+                         f"on {dests[0].host}: store into the server the series came from, or write the SEG to a "
+                         "file and store it with that server's own credentials")
     if args.keep_downloads and source is None:
         raise InputError("--keep-downloads goes with a DICOMweb --volume")
     token = pacs.read_token(args.dicomweb_token_file) if args.dicomweb_token_file else None
@@ -126,6 +130,10 @@ def dicomweb_run(args, outs: list):
                     raise pacs.PacsError("no DICOM-SEG was written, so nothing was stored" + (f" ({notes})" if notes
                                                                                              else ""))
                 res["stored"] = pacs.store_seg(Path(seg), dests[0], token)
+                if Path(seg).parent == work:  # the local copy is deleted when the command ends: not said as written
+                    res["outs"] = [o for o in res.get("outs") or [] if o != str(seg)]
+                    if res.get("out") == str(seg):
+                        res["out"] = res["outs"][0] if res["outs"] else None
             return res
 
         yield volume, local, finish

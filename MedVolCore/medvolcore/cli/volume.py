@@ -16,6 +16,7 @@ from typing import Optional
 
 from ..errors import InputError
 from .common import (PROG, add_compute_options, add_consensus_options, add_ct_options, add_preset_option,
+                     add_seg_type_option,
                      add_stop_option, apply_compute_options, emit, index_arg, parse_labels, peak_memory_mb,
                      propagate_weights, seed_arg, stop_text, terminal_safe)
 from .pacs import add_dicomweb_options
@@ -29,6 +30,12 @@ def cmd_info(args) -> int:
     from ..stack import AxialStack, axis_codes
     from ..volume import load_volume
 
+    from ..pacs import is_dicomweb
+
+    if is_dicomweb(args.volume):
+        raise InputError(f"{args.volume}: medvol info describes a local volume (a CT file or a DICOM folder); read a "
+                         "DICOMweb series with medvol segment --keep-downloads DIR, then run medvol info on "
+                         "DIR/SERIES_UID")
     vol = load_volume(args.volume)
     stack = AxialStack(vol)
     res = {
@@ -80,7 +87,7 @@ def cmd_propagate(args) -> int:
     kind, weights = propagate_weights(args)  # --preset's, --sam-checkpoint or --random-weights; refused when none
     inputs = [("--anchor", args.anchor), ("--sam-checkpoint", weights if kind == "checkpoint" else None)] + [
         ("--mask-prompt", p["mask_file"]) for p in args.prompts or [] if "mask_file" in p]
-    outputs = SegmentOutputs(args.out, anchor=args.anchor_out, overwrite=args.overwrite)  # checked by the job
+    outputs = SegmentOutputs(args.out, anchor=args.anchor_out, qc=args.qc, overwrite=args.overwrite)  # checked by the job
     loaded = {}
 
     def pipeline():  # MedSAM2 loads once the volume and the anchor are known good
@@ -119,7 +126,7 @@ def cmd_propagate(args) -> int:
         "encoder_calls": t["encoder_calls"], "mask_voxels": res["mask_voxels"],
         "seconds": round(t["propagate_s"], 3), "seconds_per_slice": round(t["propagate_s_per_slice"], 4),
         "model_load_seconds": round(loaded["load_s"], 3), "total_seconds": round(time.perf_counter() - t0, 3),
-        "peak_memory_mb": peak_memory_mb(), **compute,
+        "peak_memory_mb": peak_memory_mb(), "qc": res["qc"], "notes": res["notes"], **compute,
     }
     if loaded["device"].startswith("cuda"):
         import torch
@@ -130,7 +137,8 @@ def cmd_propagate(args) -> int:
     corrections = f" with {n_prompts} correction prompt{'s' if n_prompts != 1 else ''}" if n_prompts else ""
     text = (f"wrote {', '.join(res['outs'])}{corrections}: {res['mask_voxels']} voxels; slices {lo}..{hi} "
             f"({t['slices_encoded']} encoded, {t['propagate_s_per_slice']:.2f} s/slice{stop_text(prop)}), "
-            f"peak memory {out['peak_memory_mb']} MB")
+            f"peak memory {out['peak_memory_mb']} MB" + (f"; QC picture {res['qc']}" if res["qc"] else ""))
+    text = "\n".join([terminal_safe(n, one_line=True) for n in res["notes"]] + [text])  # as --json carries them
     emit(out, args.json, text)
     return 0
 
@@ -359,6 +367,7 @@ def _segment_text(res: dict) -> str:
         return "\n".join(lines)
     lines += [f"key slice {a['slice']}, {len(a['boxes'])} box(es) {a['boxes']}",
               f"reasoning: {res['reasoning']}" if res["reasoning"] else "reasoning: (none)"]
+    lines += [terminal_safe(n, one_line=True) for n in res["notes"] if "smoke" not in n]  # as --json carries them
     sure = _sureness_text(res)
     if sure:
         lines.append(sure)
@@ -368,11 +377,31 @@ def _segment_text(res: dict) -> str:
         lines.append(f"volume {st['volume_ml']:.1f} mL, HU mean {st['mean_hu']:.0f} (sd {st['std_hu']:.0f}), key slice "
                      f"{st['key_slice']} at S {st['key_slice_s_mm']} mm")
     lines += [f"wrote {', '.join(res['outs'])} ({res['mask_voxels']} voxels), " + ", ".join(written),
-              "timings: " + ", ".join(f"{k} {v:.2f}" for k, v in res["timings"].items() if isinstance(v, float))]
+              _timings_text(res)]
     if res.get("threads_rule"):
         lines.append(f"compute: {res['threads_rule']}" + (f"; grounder in {res['grounder_dtype']}"
                                                           if res.get("grounder_dtype") else ""))
     return "\n".join(lines)
+
+
+_TIMING_NAMES = {"ground_s": ("ground", "grounder"), "propagate_s": ("propagate", "medsam2"),
+                 "total_s": ("ground + propagate", None), "write_s": ("write", None),
+                 "job_s": ("job (reading the volume, loading the models, running and writing)", None)}
+
+
+def _timings_text(res: dict) -> str:
+    """The ``timings:`` line, each figure named, saying which include loading a model (the models
+    load on first use, inside the step that first needs them)."""
+    loads = res.get("model_load_s") or {}
+    parts = []
+    for key, value in res["timings"].items():
+        if not isinstance(value, float) or key.endswith("per_slice"):
+            continue
+        name, model = _TIMING_NAMES.get(key, (key.removesuffix("_s"), None))
+        load = loads.get(model) if model else None
+        parts.append(f"{name} {value:.2f} s" + (f" (loading {'the language model' if model == 'grounder' else 'MedSAM2'}"
+                                                 f" included: {load:.2f} s)" if load else ""))
+    return "timings: " + ", ".join(parts)
 
 
 def _sureness_text(res: dict) -> str:
@@ -508,6 +537,7 @@ def _add_segment_options(sp) -> None:
     sp.add_argument("--no-constrain", action="store_true", help="no grammar-constrained decoding (parse and retry instead)")
     sp.add_argument("--low-memory", action="store_true", help="free the language model from the GPU before MedSAM2 runs")
     add_ct_options(sp)
+    add_seg_type_option(sp)
     add_stop_option(sp)
     sp.add_argument("--empty-mask-on-absent", action="store_true",
                     help="when the model answers that the target is not in this CT, still write the mask, all zero, "
@@ -524,7 +554,7 @@ def _add_segment_options(sp) -> None:
 def add_volume_commands(add) -> None:
     """Add ``info``, ``anchor``, ``propagate``, ``segment`` and ``demo`` (``add`` as in :func:`~.app.build_parser`)."""
     sp = add("info", "Describe a volume: grid, spacing, orientation and its canonical axial stack.", cmd_info)
-    sp.add_argument("volume", help=VOLUME_HELP)
+    sp.add_argument("volume", help="CT file (.nii, .nii.gz, .nrrd, .mha) or DICOM folder (a local volume)")
 
     sp = add("anchor", "Evidence anchor (key slice + boxes) of a label in a label map.", cmd_anchor)
     sp.add_argument("--mask", required=True, help="label map (.nii.gz, …)")
@@ -566,11 +596,14 @@ def add_volume_commands(add) -> None:
     sp.add_argument("--image-size", type=index_arg, help="model input size for --random-weights (default 512)")
     sp.add_argument("--window", type=index_arg, metavar="W", help="propagate only slices [k-W, k+W] (default: all)")
     add_ct_options(sp)
+    add_seg_type_option(sp)
     sp.add_argument("--largest-component", action="store_true", help="keep each box's largest 3-D connected component")
     add_stop_option(sp)
     sp.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="cpu (fp32) or cuda (bfloat16 autocast)")
     add_compute_options(sp, dtype=False)
     sp.add_argument("--anchor-out", metavar="PATH", help="also write the anchor used, with world coordinates")
+    sp.add_argument("--qc", metavar="PNG", help="also write a QC picture (the key slice with its boxes and the mask): "
+                                               "what to look at after a correction round")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 

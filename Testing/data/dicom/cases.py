@@ -66,6 +66,25 @@ def _non_ascii(ds, k):
     ds.SeriesDescription = "Abdomen nativ ä"
 
 
+def _charset_of(source: str):
+    """An edit giving the slices the SpecificCharacterSet and patient name of the real file
+    ``source`` (pydicom's character-set test files; written again in that set when saved)."""
+
+    def edit(ds, k):
+        import pydicom
+
+        _pos(ds, k)
+        real = pydicom.dcmread(str(HERE / source))
+        ds.SpecificCharacterSet = real.SpecificCharacterSet
+        if "PatientName" in real:
+            ds.PatientName = real.PatientName
+        if not ds.SpecificCharacterSet:  # the empty set is the default repertoire: ASCII text only
+            ds.PatientName = "Anonymous^GE"
+            ds.SeriesDescription = "Abdomen"
+
+    return edit
+
+
 def _localizer(ds, k):
     _pos(ds, k)
     if k == 4:  # a scout in the same series: another orientation
@@ -118,6 +137,10 @@ CASES = {
     "ct-oblique": ("CT_small.dcm", 4, _oblique, "read"),
     "ct-non-ascii": ("CT_small.dcm", 4, _non_ascii, "read"),
     "ct-blank-sop-uids": ("CT_small.dcm", 4, _blank_sop, "read"),
+    "ct-empty-charset": ("CT_small.dcm", 4, _charset_of("empty_charset_LEI.dcm"), "read"),
+    "ct-iso2022-japanese": ("CT_small.dcm", 4, _charset_of("chrH31.dcm"), "read"),
+    "ct-iso2022-korean": ("CT_small.dcm", 4, _charset_of("chrI2.dcm"), "read"),
+    "ct-gb18030": ("CT_small.dcm", 4, _charset_of("chrX2.dcm"), "read"),
     "ct-no-study-uid": ("CT_small.dcm", 4, _no_study, "no-seg"),
     "ct-no-orientation": ("CT_small.dcm", 4, _no_geometry, "no-seg"),
     "ct-enhanced-multiframe": ("CT_small.dcm", 5, _pos, "no-seg"),  # one multi-frame instance, frames reversed
