@@ -3,6 +3,7 @@
 
     python3 MedVolCore/bootstrap.py [--torch auto|cpu|cuda|keep] [--no-dev] [--no-training]
                                     [--no-slicer-core] [--no-pyqt] [--no-dicom-tools] [--no-nginx]
+                                    [--no-browser]
                                     [--venv PATH]
 
 Steps, each skipped when already satisfied, so running it again is cheap:
@@ -37,7 +38,13 @@ Steps, each skipped when already satisfied, so running it again is cheap:
    ``--no-nginx`` is given; the same rule (root, a warning). On a machine running systemd, Debian
    starts its default site on port 80 once installed; the tests never use it (they run their own
    nginx with a private prefix on free loopback ports), and ``systemctl disable --now nginx``
-   stops it.
+   stops it;
+10. install the web viewer's parts: the ``monailabel`` wheel without its dependencies (MONAI
+   Label's Python client, which the contract tests speak, and the prebuilt OHIF viewer inside it,
+   which ``medvol serve --monailabel`` serves; none of MONAI Label's server is used), and, unless
+   ``--no-browser`` is given, ``playwright`` from PyPI (its driver only: no browser is downloaded)
+   and Debian's ``chromium`` (the same rule as above: root, a warning), which the browser test
+   drives.
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ SAM2_RUNTIME = ["hydra-core>=1.3.2", "iopath>=0.1.10", "pillow>=9.0", "tqdm>=4.6
 SLICER_CORE_SPEC = "slicer-core>=5.11,<6"
 # Qt for the Qt test tier: the 5.15 series, as Slicer 5.10 and 5.12 build on Qt 5.15.
 PYQT_SPEC = "PyQt5>=5.15,<5.16"
+# MONAI Label's wheel, installed without its dependencies: its Python client and its prebuilt OHIF viewer
+MONAILABEL_SPEC = "monailabel==0.8.5"
+# the browser test's driver of Debian's Chromium (playwright's own browser download is never run)
+PLAYWRIGHT_SPEC = "playwright>=1.45"
 
 
 def log(msg: str) -> None:
@@ -171,6 +182,23 @@ def install_nginx() -> None:
             "it; `systemctl disable --now nginx` stops it)")
 
 
+def install_web_viewer(py: Path, browser: bool) -> None:
+    """The monailabel wheel without its dependencies (client and OHIF viewer); with ``browser``,
+    Playwright and Debian's Chromium for the browser test (a failure there is a warning)."""
+    if has_module(py, "monailabel") != MONAILABEL_SPEC.split("==")[1]:
+        run([py, "-m", "pip", "install", "--quiet", "--no-deps", MONAILABEL_SPEC])
+    else:
+        log(f"{MONAILABEL_SPEC} already installed")
+    if not browser:
+        return
+    if not has_module(py, "playwright"):
+        run([py, "-m", "pip", "install", "--quiet", PLAYWRIGHT_SPEC])
+    if Path("/usr/bin/chromium").exists():
+        log("chromium already installed")
+    else:
+        apt_install(["chromium"], "the browser test of the web viewer skips")
+
+
 def apt_install(packages: list, skipped: str) -> bool:
     """``apt-get install`` ``packages`` as root; a failure is a warning that ends with ``skipped``.
     True when all were installed."""
@@ -210,6 +238,8 @@ def main(argv=None) -> int:
                          "tests' validators, the PACS tests' server)")
     ap.add_argument("--no-nginx", action="store_true",
                     help="skip Debian's nginx (the reverse proxy the deployment test runs in front of two workers)")
+    ap.add_argument("--no-browser", action="store_true",
+                    help="skip Debian's chromium and Playwright (only the browser test of the web viewer needs them)")
     args = ap.parse_args(argv)
 
     venv = Path(args.venv)
@@ -259,6 +289,7 @@ def main(argv=None) -> int:
         install_dicom_tools()
     if not args.no_nginx:
         install_nginx()
+    install_web_viewer(py, browser=not args.no_browser)
 
     # Smoke check: the engine imports and sam2 builds its config without torchvision.
     run([py, "-c", "import medvolcore, sam2.build_sam; print('medvolcore', medvolcore.__version__, 'ready')"])

@@ -50,6 +50,12 @@ class PacsError(MedVolError):
     code = "pacs_error"
 
 
+class SeriesNotFound(PacsError):
+    """The server has no series of that UID (a client named one by its UID alone)."""
+
+    code = "not_found"
+
+
 @dataclass(frozen=True)
 class DicomWebURL:
     """A DICOMweb location: ``base`` (the service root, ``http(s)://host:port/path``), ``study``
@@ -540,3 +546,32 @@ def find_series(base: str, modality: Optional[str] = None, study_date: Optional[
             raise PacsError(f"the DICOMweb server {root.host} listed a series without valid study and series UIDs")
         out.append(DicomWebURL(root.base, uids[0], uids[1]))
     return out[:limit]
+
+
+def series_on(server: PacsServer, series_uid: str, timeout_s: float = 30.0) -> DicomWebURL:
+    """The URL of series ``series_uid`` on ``server`` (QIDO-RS: its study is looked up), for a
+    client that names a series by its UID alone (MONAI Label's ``image``). Raises
+    :class:`InputError` for a malformed UID, :class:`PacsError` when the server has no such series
+    (or lists it in several studies)."""
+    if not isinstance(series_uid, str) or len(series_uid) > 64 or not _UID.match(series_uid):
+        raise InputError("'image' must be a Series Instance UID (digits and dots, at most 64 characters) or a "
+                         "series URL")
+    root = DicomWebURL(server.base, "0")
+    client = _client(root, server.token, None)
+    client._timeout = (min(10.0, timeout_s), timeout_s)
+    client.medvol_budget.cap = search_bytes(2)  # bounded as it streams, before the JSON is parsed
+    try:
+        found = client.search_for_series(search_filters={"SeriesInstanceUID": series_uid},
+                                         fields=["0020000D", "0020000E"], limit=2)
+    except Exception as e:  # noqa: BLE001
+        raise _failure(e, root, f"looking up series {series_uid}") from None
+    studies = set()
+    for item in found if isinstance(found, list) else []:
+        uids = [((item.get(tag) or {}).get("Value") or [None])[0] if isinstance(item, dict) else None
+                for tag in ("0020000D", "0020000E")]
+        if uids[1] == series_uid and isinstance(uids[0], str) and _UID.match(uids[0]) and len(uids[0]) <= 64:
+            studies.add(uids[0])
+    if len(studies) != 1:
+        raise SeriesNotFound(f"series {series_uid} is not on the DICOMweb server {server.name}" if not studies
+                             else f"series {series_uid} is listed in {len(studies)} studies on {server.name}")
+    return DicomWebURL(server.base, studies.pop(), series_uid)

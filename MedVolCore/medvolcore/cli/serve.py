@@ -5,6 +5,8 @@ The worker and its transports are :mod:`medvolcore.serve`; the protocol is ``doc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..cpu import threads_arg
 from ..errors import InputError
 from ..serve.cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS
@@ -24,10 +26,11 @@ def cmd_serve(args) -> int:
     http_only = (args.token_file or args.port is not None or args.host is not None or args.data_dir is not None
                  or args.out_dir is not None or args.allowed_host or args.max_connections is not None
                  or args.client_timeout is not None or args.session_idle_s is not None or args.tls_cert is not None
-                 or args.tls_key is not None)
+                 or args.tls_key is not None or args.monailabel is not None or args.ohif_dir is not None)
     if not args.http and http_only:
         raise InputError("--host, --port, --token-file, --data-dir, --out-dir, --allowed-host, --max-connections, "
-                         "--client-timeout, --session-idle-s, --tls-cert and --tls-key apply to --http only")
+                         "--client-timeout, --session-idle-s, --tls-cert, --tls-key, --monailabel and --ohif-dir apply to --http "
+                         "only")
     http = None
     if args.http:
         http = HttpSettings(host=args.host or DEFAULT_HOST, port=DEFAULT_PORT if args.port is None else args.port,
@@ -37,15 +40,25 @@ def cmd_serve(args) -> int:
                             client_timeout=DEFAULT_CLIENT_TIMEOUT_S if args.client_timeout is None
                             else args.client_timeout,
                             session_idle_s=DEFAULT_SESSION_IDLE_S if args.session_idle_s is None
-                            else args.session_idle_s, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                            else args.session_idle_s, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                            monailabel=args.monailabel, ohif_dir=args.ohif_dir)
         if http.max_connections < 1:
             raise InputError(f"--max-connections must be at least 1, got {http.max_connections}")
         if not http.client_timeout > 0:
             raise InputError(f"--client-timeout must be positive, got {http.client_timeout:g}")
         if not http.session_idle_s > 0:
             raise InputError(f"--session-idle-s must be positive, got {http.session_idle_s:g}")
+    if args.monailabel is not None and args.monailabel not in (args.allow_pacs or ()):
+        raise InputError(f"--monailabel {args.monailabel}: name a server of --allow-pacs (the series MONAI Label's "
+                         "clients name by UID are looked up there)")
+    if args.ohif_dir is not None and args.monailabel is None:
+        raise InputError("--ohif-dir goes with --monailabel NAME (the viewer is served with MONAI Label's routes)")
+    if args.ohif_dir is not None and not (Path(args.ohif_dir) / "index.html").is_file():
+        raise InputError(f"--ohif-dir {args.ohif_dir}: no index.html there (the viewer's folder)")
     devices = None
     if args.devices is not None:
+        if args.monailabel is not None:
+            raise InputError("--monailabel serves one worker; it does not go with --devices")
         if not args.http:
             raise InputError("--devices applies to --http only (Slicer's local worker runs on one device)")
         if args.device is not None:
@@ -132,6 +145,13 @@ def _add_arguments(sp) -> None:
     sp.add_argument("--allow-pacs", action="append", metavar="NAME",
                     help="let requests name a series on server NAME of --pacs-config as 'volume' "
                          "(dicomweb://…/studies/S/series/SE); repeatable; no other URL is ever fetched")
+    sp.add_argument("--monailabel", metavar="NAME", default=None,
+                    help="HTTP only: also answer MONAI Label's REST contract (GET /info/, POST /infer/MODEL?image="
+                         "SERIES_UID) for series of the --allow-pacs server NAME, and serve the OHIF viewer at /ohif/ "
+                         "(docs/web.md)")
+    sp.add_argument("--ohif-dir", metavar="DIR", default=None,
+                    help="with --monailabel: the prebuilt OHIF viewer's folder (default: where bootstrap.py put it, "
+                         "or $MEDVOL_OHIF_DIR)")
     sp.add_argument("--allowed-host", action="append", metavar="NAME",
                     help="HTTP only: another name clients may use in the Host header (e.g. the machine's DNS name "
                          "behind a proxy); repeatable")

@@ -38,7 +38,8 @@ this transport adds (``docs/architecture.md``, "Worker trust boundary"):
 
 :class:`HttpServer` and :class:`Handler` are the transport; :func:`serve_http` runs it with a
 worker until it stops. ``--port 0`` picks a free port, shown in the ready line
-``medvol serve: ready (protocol 1) on http://HOST:PORT``.
+``medvol serve: ready (protocol 1) on http://HOST:PORT``. With ``--monailabel NAME`` the same
+server also answers MONAI Label's REST contract and serves the OHIF viewer (:mod:`.monailabel`).
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class HttpSettings:
     session_idle_s: float = DEFAULT_SESSION_IDLE_S
     tls_cert: Optional[str] = None
     tls_key: Optional[str] = None
+    monailabel: Optional[str] = None  # answer MONAI Label's contract for series of this --allow-pacs server
+    ohif_dir: Optional[str] = None  # the OHIF viewer served at /ohif/ (default: where bootstrap.py put it)
 
 
 def is_loopback(host: str) -> bool:
@@ -226,6 +229,11 @@ class HttpServer:
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
             logging.getLogger(name).setLevel(logging.DEBUG if self.debug else logging.ERROR)
         self.app = app(self) if app is not None else Transport(self)
+        if settings.monailabel and own:
+            from .monailabel import MonaiLabelApp, default_ohif_dir
+
+            ohif = Path(settings.ohif_dir) if settings.ohif_dir else default_ohif_dir()
+            self.app.extra = MonaiLabelApp(self.app, worker.pacs_servers[settings.monailabel], ohif)
         self.config = uvicorn.Config(
             self.app, http=type("MedVolConnection", (Connection,), {"owner": self}), ws="none",
             lifespan="off", access_log=False, log_config=None, proxy_headers=False, server_header=False,

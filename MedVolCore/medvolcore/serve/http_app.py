@@ -152,6 +152,7 @@ class Transport:
                                                                      "version": f"protocol {PROTOCOL}"}})
         self.routes = routes  # the one declaration: dispatched on below, described at /openapi.json
         self._by_path = {route.path: route for route in routes}
+        self.extra = None  # more routes mounted beside these (:mod:`.monailabel`): ``handles(path)``, then called
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -167,7 +168,9 @@ class Transport:
             return
         route = self._by_path.get(scope["path"].rstrip("/"))
         try:
-            if route is None:
+            if route is None and self.extra is not None and self.extra.handles(scope["path"]):
+                response = await self.extra(request)
+            elif route is None:
                 response = self.reply(request, 404, error_reply(None, "not_found", "no such path; use POST /rpc, "
                                                                 "GET /status or GET /hello"), close=request.method != "GET")
             elif request.method not in route.methods:
