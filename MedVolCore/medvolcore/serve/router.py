@@ -38,8 +38,8 @@ from ..errors import DependencyError, InputError, MedVolError
 from .devices import Member, Pool
 from .http import (DEFAULT_MAX_CONNECTIONS, HttpServer, HttpSettings, _check_tls, check_folders, listening_token,
                    serve_until_stopped)
-from .http_app import REPLY_HEADER, SESSION_HEADER, VOLUME_HEADER, VOLUME_KEY, Transport, _Gone
-from .lifecycle import Stop, install_signals, make_tmp_dir, release_tmp_dir, say
+from .http_app import CLIENT_HEADER, REPLY_HEADER, SESSION_HEADER, VOLUME_HEADER, VOLUME_KEY, Transport, _Gone
+from .lifecycle import EXIT_CODES, Stop, install_signals, make_tmp_dir, release_tmp_dir, say
 from .protocol import encode_line, error_reply, parse_request, valid_id
 from .worker import WorkerSettings, log
 
@@ -115,7 +115,8 @@ class Front(Transport):
     async def _call(self, request, raw, upload=None, inline: bool = False):
         import httpx
 
-        sent = _Sent(raw)
+        # the request read off the event loop: its parse (bounded by serve.limits) never stalls other clients
+        sent = _Sent(raw) if isinstance(raw, dict) else await asyncio.get_running_loop().run_in_executor(None, _Sent, raw)
         try:
             if sent.op == "shutdown":
                 return await self._shutdown(request, sent)
@@ -159,7 +160,8 @@ class Front(Transport):
     async def _exchange(self, request, member: Member, sent: "_Sent", upload, key, started) -> tuple:
         """Send the request to ``member`` and wait for its reply (status, headers, body), or for
         the client to go (then the worker's connection is closed, which cancels the request)."""
-        headers = {"Host": f"127.0.0.1:{member.port}", "Authorization": f"Bearer {self._token}"}
+        headers = {"Host": f"127.0.0.1:{member.port}", "Authorization": f"Bearer {self._token}",
+                   CLIENT_HEADER: self._client(request)}  # whose sessions: a client's header of this name never passes
         for name in _PASSED_UP:
             value = request.headers.get(name)
             if value is not None:
@@ -346,7 +348,7 @@ def serve_devices(settings: WorkerSettings, http: HttpSettings, devices, worker_
             signal.signal(sig, handler)
     say(f"stopped ({how})")
     sys.stderr.flush()
-    return 0
+    return EXIT_CODES.get(how, 0)
 
 
 def _front_with(pool: Pool, internal: str):
