@@ -393,6 +393,7 @@ def test_a_client_alternating_between_volumes_keeps_their_encoded_slices(stack, 
         w.stop()
 
 
+@pytest.mark.probe("55.7", "through nginx: a volume body refused from its header")
 def test_a_refused_body_goes_to_one_worker_only(stack):
     """A volume body whose header declares more voxels than a worker allows: that worker refuses
     it from its first bytes and closes the connection without reading the rest; nginx answers

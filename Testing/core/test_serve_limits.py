@@ -214,6 +214,7 @@ def _values_body(values: int) -> bytes:
     return ('{"id":1,"op":"hello","x":[' + ",".join("0" * (values - 6)) + "]}").encode()
 
 
+@pytest.mark.probe("55.10", "JSON of more keys than the bound: refused as it arrives, before it is parsed")
 def test_json_keys_at_and_past_the_bound(srv):
     n = L.limit("json_keys").default
     assert check_json_cost(_keys_body(n))[0] == n
@@ -272,7 +273,9 @@ def test_a_refused_body_does_not_keep_its_slot(record_property):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     cap = L.limit("refused_body_drain").default
     try:
-        for n, most in ((cap, 0.5 + cap / (256 << 10) + 1.5), (cap + 1, 1.5)):
+        from medvolcore.serve.http_conn import DRAIN_MAX_S
+
+        for n, most in ((cap, DRAIN_MAX_S + 1.5), (cap + 1, 1.5)):
             s = socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=30)
             s.sendall((f"POST /rpc HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        f"Content-Length: {n}\r\n\r\n").encode())
@@ -354,6 +357,7 @@ def test_session_table_total_at_and_past_the_bound():
     assert len(table) == 8 and table.session(first[0], "10.0.0.0") != first[0]  # the oldest went
 
 
+@pytest.mark.probe("55.8", "a 10,000-character --data-dir path, and a 256-byte name")
 def test_path_chars_at_and_past_the_bound(tmp_path):
     (tmp_path / "d").mkdir()
     s = _InProcess(data_dir=tmp_path / "d")
@@ -387,3 +391,16 @@ def test_an_upload_leaving_too_little_disk_is_refused(tmp_path, monkeypatch):
     upload.check_space(tmp_path, 1000)
     with pytest.raises(LimitError):
         upload.check_space(tmp_path, 1001)
+
+
+@pytest.mark.probe("55.9", "SIGTERM to medvol serve --http")
+def test_sigterm_exits_143_after_a_clean_stop():
+    import signal
+
+    from core.worker_clients import HttpServer as ServeProcess
+
+    s = ServeProcess("--device", "cpu")
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 143
+    time.sleep(0.2)
+    assert "stopped (SIGTERM)" in "".join(s.stderr)

@@ -14,9 +14,10 @@ the transport's connection rules added (``docs/architecture.md``, "Worker trust 
   431 (:mod:`.limits`; nginx's ``large_client_header_buffers 4 64k``), as a JSON error, and the
   connection is closed: counted on the bytes as they arrive, before the parser keeps them, so
   a client without a token never makes the server hold more than ``header_bytes`` of it;
-- a refused request whose body is still coming has at most ``refused_body_drain`` bytes of it
-  read and dropped after the reply, at the minimum body rate and within a few seconds, so that
-  its client sees the reply; then the connection is closed (it never keeps its slot longer);
+- a refused request whose body is still coming has its rest read and dropped after the reply
+  when that rest is at most ``refused_body_drain`` bytes, at the minimum body rate and within
+  ``DRAIN_MAX_S`` seconds, so that its client sees the reply; then the connection is closed (a
+  larger rest is not read at all): a refused body never keeps its slot longer;
 - a client that half-closes its side after its request (``shutdown(SHUT_WR)``) still gets its
   reply: the end of its stream only stops reading. While the reply is pending, the server then
   sends ``100 Continue`` once a second (an interim reply every HTTP/1.1 client skips); a client
@@ -47,7 +48,8 @@ MAX_HEADER_LINE = int(limit("header_line").default)
 MAX_HEADER_BYTES = int(limit("header_bytes").default)
 MAX_HEADERS = int(limit("header_count").default)
 DRAIN_MAX = int(limit("refused_body_drain").default)
-DRAIN_GRACE_S = 0.5  # a refused body's rest must then arrive at BODY_MIN_RATE
+DRAIN_GRACE_S = 0.5  # a refused body's rest must then arrive at BODY_MIN_RATE …
+DRAIN_MAX_S = 5.0  # … and within this, whatever its size
 _PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 PROBE_INTERVAL_S = 1.0
 
@@ -227,7 +229,7 @@ class Connection(HttpToolsProtocol):
             return
         self._drain_left = budget
         self._disarm()
-        self._timer = self.loop.call_later(DRAIN_GRACE_S + budget / BODY_MIN_RATE, self._raw.close)
+        self._timer = self.loop.call_later(min(DRAIN_MAX_S, DRAIN_GRACE_S + budget / BODY_MIN_RATE), self._raw.close)
         self._raw.resume_reading()
 
     def connection_lost(self, exc) -> None:

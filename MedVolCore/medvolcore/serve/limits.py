@@ -84,8 +84,9 @@ LIMITS: Tuple[Limit, ...] = (
           "--client-timeout", None, "-", "connection closed",
           ("core/test_serve_limits.py::test_headers_within_and_past_the_client_timeout",)),
     Limit("refused_body_drain", "bytes of a refused body read (and dropped) so its client sees the reply",
-          1 * _MB, "bytes", None, None, "-",
-          "after the reply; at the minimum body rate, within 4 s; then the connection is closed",
+          16 * _MB, "bytes", None, None, "-",
+          "after the reply, only when the rest is at most this; at the minimum body rate and within 5 s; then "
+          "the connection is closed",
           ("core/test_serve_limits.py::test_a_refused_body_does_not_keep_its_slot",)),
     Limit("connections", "connections served at once", 32, "connections", "--max-connections", 503, "busy",
           "reply at once, connection closed, nothing read",
