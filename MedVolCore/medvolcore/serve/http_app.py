@@ -30,7 +30,7 @@ from starlette.schemas import SchemaGenerator
 from ..errors import LimitError, MedVolError
 from .lifecycle import loggable
 from .http_conn import BODY_MIN_RATE, DRAIN_MAX
-from .protocol import PROTOCOL, RequestError, _jsonable, check_json_cost, encode_line, error_reply, internal_reply
+from .protocol import PROTOCOL, CountedJSON, RequestError, _jsonable, check_json_cost, encode_line, error_reply, internal_reply
 from .upload import WHAT as UPLOAD_WHAT
 from .sessions import SessionsFull, client_key
 from .upload import BodyWriter, body_bound, check_space, read_header, upload_ceiling
@@ -371,7 +371,7 @@ class Transport:
                     request.state.drain = n - len(data) - len(chunk)
                 return self.refuse(request, 413, e.code, str(e))
             data += chunk
-        return await self._call(request, bytes(data))
+        return await self._call(request, CountedJSON(data))
 
     async def _refuse_body(self, request, chunks, status, code, message, unread, rid=None) -> Response:
         """Refuse a volume body of which ``unread`` bytes were not read: the reply goes first, then

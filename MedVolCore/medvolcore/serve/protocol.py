@@ -133,7 +133,8 @@ def parse_request(raw) -> dict:
     ``too_large``, counted without parsing; nesting deeper than ``json_depth`` is ``bad_request``.
     """
     if isinstance(raw, (bytes, bytearray)):
-        check_json_cost(raw)
+        if not isinstance(raw, CountedJSON):
+            check_json_cost(raw)
         try:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as e:
@@ -161,6 +162,11 @@ def parse_request(raw) -> dict:
 MAX_JSON_KEYS = int(limit("json_keys").default)
 MAX_JSON_VALUES = int(limit("json_values").default)
 MAX_JSON_DEPTH = int(limit("json_depth").default)
+
+
+class CountedJSON(bytes):
+    """A request body whose JSON cost a transport already checked as it arrived
+    (:func:`check_json_cost`): :func:`parse_request` does not count it again."""
 
 
 def check_json_cost(data: bytes, keys: int = 0, values: int = 0) -> tuple:

@@ -175,7 +175,7 @@ class Front(Transport):
             content = _file_chunks(upload.path, started)
         else:
             headers["Content-Type"] = "application/json"
-            content = sent.text.encode("utf-8")
+            content = sent.body if sent.body is not None else sent.text.encode("utf-8")
             started["body"] = True
         url = f"http://127.0.0.1:{member.port}/rpc"
 
@@ -252,19 +252,25 @@ async def _file_chunks(path, started):
 
 
 class _Sent:
-    """The request as the front reads it: its JSON ``text`` (what the worker gets), and its ``op``,
-    ``id`` and named ``volume`` when the protocol's own parser reads it (each key once: a request
-    the worker will refuse is never read otherwise here)."""
+    """The request as the front reads it: its JSON ``body`` as the client sent it (what the worker
+    gets) or, beside a volume, its ``text`` (the X-MedVol-Request header), and its ``op``, ``id``
+    and named ``volume`` when the protocol's own parser reads it (each key once: a request the
+    worker will refuse is never read otherwise here). Made off the event loop: the parse of a
+    large body takes a while."""
 
-    __slots__ = ("text", "op", "rid", "volume")
+    __slots__ = ("text", "body", "op", "rid", "volume")
 
     def __init__(self, raw):
         if isinstance(raw, dict):  # GET /status or /hello: the request as the routes made it
             self.text = json.dumps(raw)
+            self.body = self.text.encode("utf-8")
+        elif isinstance(raw, (bytes, bytearray)):
+            self.text, self.body = None, bytes(raw) if not isinstance(raw, bytes) else raw
         else:
-            self.text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+            self.text = str(raw)
+            self.body = None
         try:
-            req = raw if isinstance(raw, dict) else parse_request(self.text)
+            req = raw if isinstance(raw, dict) else parse_request(raw)
         except MedVolError:
             req = {}
         op, rid, volume = req.get("op"), req.get("id"), req.get("volume")
