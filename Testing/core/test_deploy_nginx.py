@@ -137,7 +137,12 @@ def stack(tmp_path_factory, small_ct):
     workers = [HttpServer("--device", "cpu", "--preset", "tiny", "--threads", "1", "--token-file", str(root / "token"),
                           "--allowed-host", PUBLIC_NAME) for _ in range(2)]
     port = _free_port()
-    nginx = Nginx(root / "prefix", render([w.port for w in workers], port, cert, key, root / "prefix" / "logs"))
+    try:
+        nginx = Nginx(root / "prefix", render([w.port for w in workers], port, cert, key, root / "prefix" / "logs"))
+    except BaseException:  # a config nginx refuses: the workers must not outlive the test
+        for w in workers:
+            w.stop()
+        raise
     ctx = ssl.create_default_context(cafile=str(cert))
     deadline = time.monotonic() + 20
     while True:

@@ -23,13 +23,18 @@ this transport adds (``docs/architecture.md``, "Worker trust boundary"):
 - framing is strict, so that no proxy in front can read a request differently: a body has
   exactly one ``Content-Length`` of ASCII digits; ``Transfer-Encoding`` (any), a repeated
   ``Content-Length`` or a body on GET get a 400 JSON error and the connection is closed;
+- every bound is :mod:`.limits`' (one declaration, shown in ``docs/security.md``): a request
+  target, header line, header count or head over its bound gets 414/431 and the connection is
+  closed before the token is read (:mod:`.http_conn`); a JSON body's keys and values are counted
+  as it arrives and it is parsed in a worker thread;
 - a reply's headers and body leave in one write (and ``TCP_NODELAY``): two small writes on a
   keep-alive connection would wait for the client's delayed ACK, about 40 ms a reply;
 - sessions are counted per client address (an IPv6 /64 counts as one) and, once a client sends
   its session id back, per session: at most ``MAX_SESSIONS_PER_CLIENT`` new sessions and as
   many known ones per address, and a session with a request in flight is never pushed out, so
   session-less requests from one address (one address is every client behind a proxy) never
-  cost another client its session (:class:`SessionTable`);
+  cost another client its session (:class:`SessionTable`); a worker of ``--devices``
+  (``behind_front``) counts them under the client its front names in ``X-MedVol-Client``;
   a session idle for ``session_idle_s`` is forgotten and its queued requests are cancelled
   (its running request, if any, finishes and is answered);
 - one access-log line per request goes to stderr (client address, op, id, outcome, seconds;

@@ -120,13 +120,16 @@ def limit(name: str) -> Limit:
     return _BY_NAME[name]
 
 
+_NOT_MARKS = bytes(b for b in range(256) if b not in b":{,[")
+
+
 def json_cost(data: bytes) -> Tuple[int, int]:
     """``(keys, values)`` of a JSON text, counted from its structural bytes without parsing it
     (an upper bound: a comma or colon inside a string counts too): keys are ``:`` and ``{``,
-    values are those plus ``,`` and ``[``. About 2 ms a MB; the parse of a text within
+    values are those plus ``,`` and ``[``. One pass over the bytes (a few ms a MB); the parse of a text within
     :data:`LIMITS`' ``json_keys`` and ``json_values`` is then bounded (about 50 ms)."""
-    keys = data.count(b":") + data.count(b"{")
-    return keys, keys + len(data) - len(data.translate(None, b",["))
+    marks = data.translate(None, _NOT_MARKS)  # one pass; short for any JSON a client means
+    return marks.count(b":") + marks.count(b"{"), len(marks)
 
 
 def _shown(lim: Limit) -> str:
