@@ -404,3 +404,21 @@ def test_sigterm_exits_143_after_a_clean_stop():
     assert s.proc.wait(60) == 143
     time.sleep(0.2)
     assert "stopped (SIGTERM)" in "".join(s.stderr)
+
+
+def test_a_client_cannot_pass_for_another_with_the_fronts_header(srv):
+    """X-MedVol-Client is the front's: a worker not started by a front ignores it, so a client
+    naming another's address in it pushes out only its own sessions."""
+    n = L.limit("sessions_per_client").default
+    bob = srv.connect("127.0.0.2")
+    _, _, sid = rpc(bob, {"id": "b", "op": "hello"})
+    assert rpc(bob, {"id": "b", "op": "hello"}, session=sid)[2] == sid  # known
+    bob.close()
+    mallory = srv.connect("127.0.0.1")
+    for i in range(n + 2):
+        _, _, own = rpc(mallory, {"id": i, "op": "hello"}, headers={"X-MedVol-Client": "127.0.0.2"})
+        rpc(mallory, {"id": i, "op": "hello"}, session=own, headers={"X-MedVol-Client": "127.0.0.2"})
+    mallory.close()
+    bob = srv.connect("127.0.0.2")
+    assert rpc(bob, {"id": "b", "op": "hello"}, session=sid)[2] == sid
+    bob.close()
