@@ -151,10 +151,11 @@ def test_the_node_combo_box_lists_the_scene_and_follows_removals(slicer_qt):
     combo = slicer.qMRMLNodeComboBox()
     combo.nodeTypes = ["vtkMRMLScalarVolumeNode"]
     combo.showChildNodeTypes = False
+    combo.noneEnabled = True
     combo.setMRMLScene(slicer.mrmlScene)
     ct = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLScalarVolumeNode", "CT")
     slicer.mrmlScene.AddNewNodeByClass("vtkMRMLLabelMapVolumeNode", "labels")
-    assert combo.nodeCount() == 1 and combo.currentNode() is None  # not picked on its own (not modelled)
+    assert combo.nodeCount() == 1 and combo.currentNode() is None  # "None" stays selected
     seen = []
     combo.connect("currentNodeChanged(vtkMRMLNode*)", lambda node: seen.append(node))
     combo.setCurrentNode(ct)
@@ -178,3 +179,68 @@ def test_a_modal_dialog_is_answered_as_planned_or_fails_the_test(qt, dialogs):
     (where, error), = pythonqt.slot_errors
     assert "nobody answers" in str(error)
     pythonqt.slot_errors.clear()  # expected here
+
+
+def test_the_node_combo_box_moves_to_a_neighbour_when_its_node_is_removed(slicer_qt):
+    """qMRMLNodeComboBox.cxx:719-741 at v5.12.3 (``emitCurrentNodeChanged``: a current row that
+    is no node becomes the last node) over QComboBox's removal (the row that took its place is
+    current): deleting the current segmentation selects the next one, else the last one."""
+    import slicer
+
+    slicer.mrmlScene.Clear(0)
+    combo = slicer.qMRMLNodeComboBox()
+    combo.nodeTypes = ["vtkMRMLSegmentationNode"]
+    combo.noneEnabled = True
+    combo.setMRMLScene(slicer.mrmlScene)
+    a, b, c = (slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", n) for n in "abc")
+    seen = []
+    combo.connect("currentNodeChanged(vtkMRMLNode*)", lambda node: seen.append(node))
+    combo.setCurrentNode(b)
+    combo.removeCurrentNode()  # "Delete current segmentation" (:784-787)
+    assert combo.currentNode() is c
+    slicer.mrmlScene.RemoveNode(c)  # the last one: the one before it
+    assert combo.currentNode() is a
+    slicer.mrmlScene.RemoveNode(a)
+    assert seen == [b, c, a, None] and combo.currentNode() is None
+    slicer.mrmlScene.Clear(0)
+
+
+def test_the_node_combo_box_selects_what_create_new_makes_and_a_first_node_without_none(slicer_qt):
+    """"Create new …" adds a node and selects it (qMRMLNodeComboBox.cxx:416-450, 589-622 at v5.12.3,
+    ``selectNodeUponCreation`` on by default); without "None", the first node added to the empty
+    combo box becomes current (QComboBox makes the first row of an empty model current, and
+    :719-741 emits it)."""
+    import slicer
+
+    slicer.mrmlScene.Clear(0)
+    combo = slicer.qMRMLNodeComboBox()
+    combo.nodeTypes = ["vtkMRMLSegmentationNode"]
+    combo.noneEnabled = True
+    combo.setMRMLScene(slicer.mrmlScene)
+    slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", "old")
+    assert combo.currentNode() is None  # "None" stays selected
+    made = combo.addNode()
+    assert made is not None and combo.currentNode() is made and made.IsA("vtkMRMLSegmentationNode")
+
+    strict = slicer.qMRMLNodeComboBox()
+    strict.nodeTypes = ["vtkMRMLScalarVolumeNode"]
+    strict.noneEnabled = False
+    strict.setMRMLScene(slicer.mrmlScene)
+    assert strict.currentNode() is None
+    ct = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLScalarVolumeNode", "CT")
+    assert strict.currentNode() is ct
+    slicer.mrmlScene.AddNewNodeByClass("vtkMRMLScalarVolumeNode", "CT2")
+    assert strict.currentNode() is ct
+    slicer.mrmlScene.Clear(0)
+
+
+def test_every_top_level_python_file_of_the_module_folder_is_a_module_to_slicer(slicer_qt):
+    """Slicer's factory loads every ``*.py`` at the top of a scripted module's folder as a module
+    and needs a class of the file's name in it (qSlicerAbstractModuleFactoryManager.cxx:275-282,
+    qSlicerScriptedLoadableModuleFactory.cxx:182-200, qSlicerScriptedLoadableModule.cxx:120-170 at
+    v5.12.3): the headless batch script lives in ``Scripts/``, where the factory does not look."""
+    from slicer_standins import application, scripted_module
+
+    found = scripted_module.load_module_folder(application.MODULE_DIR)
+    assert list(found) == ["MedVolR1Slicer"]
+    assert (application.SCRIPTS_DIR / "batch.py").is_file()
