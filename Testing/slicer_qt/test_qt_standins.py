@@ -244,3 +244,28 @@ def test_every_top_level_python_file_of_the_module_folder_is_a_module_to_slicer(
     found = scripted_module.load_module_folder(application.MODULE_DIR)
     assert list(found) == ["MedVolR1Slicer"]
     assert (application.SCRIPTS_DIR / "batch.py").is_file()
+
+
+def test_the_segment_editor_answers_from_its_combo_box_and_a_new_segmentation_ends_the_effect(slicer_qt):
+    """qMRMLSegmentEditorWidget.cxx at v5.12.3: ``segmentationNode()`` is its combo box's node
+    (:1332-1336); ``setSegmentationNode`` of another one deactivates the active effect
+    (:1319-1329); the combo box (no "None", .ui:76-85) moves by itself when its node is removed and
+    the editor follows it (:337, :1393-1401)."""
+    import slicer
+
+    slicer.mrmlScene.Clear(0)
+    editor = slicer.qMRMLSegmentEditorWidget()
+    editor.setMRMLScene(slicer.mrmlScene)
+    node = slicer.mrmlScene.AddNode(slicer.vtkMRMLSegmentEditorNode())
+    a, b = (slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", n) for n in "ab")
+    editor.setMRMLSegmentEditorNode(node)
+    editor.setSegmentationNode(b)
+    assert editor.segmentationNode() is b and node.GetSegmentationNode() is b
+    editor.setActiveEffectByName("Paint")
+    editor.setSegmentationNode(b)  # the same one: the effect stays
+    assert editor.activeEffect() == "Paint"
+    editor.setSegmentationNode(a)
+    assert editor.activeEffect() is None and editor.segmentationNode() is a
+    slicer.mrmlScene.RemoveNode(a)  # the combo box moves to b, and the editor with it
+    assert editor.segmentationNode() is b and node.GetSegmentationNode() is b
+    slicer.mrmlScene.Clear(0)

@@ -399,22 +399,86 @@ class qMRMLNodeComboBox(QtWidgets.QWidget):
 
 class qMRMLSegmentEditorWidget(qMRMLWidget):
     """qMRMLSegmentEditorWidget.h: what it edits is its ``vtkMRMLSegmentEditorNode`` (the
-    segmentation, the source volume, the selected segment); ``saveStateForUndo`` is counted."""
+    segmentation, the source volume, the selected segment); ``saveStateForUndo`` is counted.
+
+    As in Slicer (qMRMLSegmentEditorWidget.cxx at v5.12.3): ``segmentationNode()`` answers from
+    its segmentation combo box (:1332-1336), a ``qMRMLNodeComboBox`` without "None" (its .ui:
+    76-85), which shows the editor node's segmentation (:855-866) and, when it moves by itself (its
+    node removed, a first one added), sets it (:337, :1393-1401); ``setSegmentationNode`` of
+    another segmentation deactivates the active effect (:1319-1329, :1007-1021)."""
 
     _editorNode = None
+    _editorTag = None
+    _combo = None
     undoStatesSaved = 0  # test instrumentation: how often saveStateForUndo() was called
+
+    def _segmentationCombo(self):
+        if self._combo is None:
+            self._combo = qMRMLNodeComboBox(self)
+            self._combo.setNodeTypes(["vtkMRMLSegmentationNode"])
+            self._combo.setNoneEnabled(False)
+            self._combo.setRenameEnabled(True)
+            self._combo.currentNodeChanged[object].connect(self._onSegmentationNodeChanged)
+        return self._combo
+
+    def setMRMLScene(self, scene):
+        super().setMRMLScene(scene)
+        self._segmentationCombo().setMRMLScene(scene)
+
+    def _gone(self):
+        """The widget was deleted (its panel closed): stop watching its editor node."""
+        if not sip.isdeleted(self):
+            return False
+        if self._editorNode is not None and self._editorTag is not None:
+            self._editorNode.RemoveObserver(self._editorTag)
+            self._editorTag = None
+        return True
+
+    def _onSegmentationNodeChanged(self, node):  # :1393-1401
+        if self._gone() or self._scene is None or self._scene.IsBatchProcessing():
+            return
+        self.setSegmentationNode(node)
+
+    def _updateWidgetFromMRML(self, caller=None, event=None):  # :855-866
+        if self._gone():
+            return
+        combo = self._segmentationCombo()
+        node = self._editorNode.GetSegmentationNode() if self._editorNode is not None else None
+        if node is not combo.currentNode():
+            blocked = combo.blockSignals(True)
+            combo.setCurrentNode(node)
+            combo.blockSignals(blocked)
 
     def mrmlSegmentEditorNode(self):
         return self._editorNode
 
     def setMRMLSegmentEditorNode(self, node):
-        self._editorNode = node
+        if self._editorNode is not None and self._editorTag is not None:
+            self._editorNode.RemoveObserver(self._editorTag)
+        self._editorNode, self._editorTag = node, None
+        if node is not None:
+            self._editorTag = node.AddObserver(vtk.vtkCommand.ModifiedEvent, self._updateWidgetFromMRML)
+        self._updateWidgetFromMRML()
 
     def segmentationNode(self):
-        return self._editorNode.GetSegmentationNode() if self._editorNode is not None else None
+        return self._segmentationCombo().currentNode()
 
     def setSegmentationNode(self, node):
+        if self._editorNode is None or self._editorNode.GetSegmentationNode() is node:
+            return
         self._editorNode.SetAndObserveSegmentationNode(node)
+        self.setActiveEffect(None)  # "deactivate current effect when we switch to a different segmentation"
+
+    def activeEffect(self):
+        return self._editorNode.GetActiveEffectName() or None if self._editorNode is not None else None
+
+    def setActiveEffectByName(self, name):
+        if self._editorNode is not None:
+            self._editorNode.SetActiveEffectName(name)
+
+    def setActiveEffect(self, effect):
+        if self._editorNode is not None:
+            self._editorNode.SetActiveEffectName(effect or "")
 
     def sourceVolumeNode(self):
         return self._editorNode.GetSourceVolumeNode() if self._editorNode is not None else None
