@@ -269,3 +269,33 @@ def test_the_segment_editor_answers_from_its_combo_box_and_a_new_segmentation_en
     slicer.mrmlScene.RemoveNode(a)  # the combo box moves to b, and the editor with it
     assert editor.segmentationNode() is b and node.GetSegmentationNode() is b
     slicer.mrmlScene.Clear(0)
+
+
+def test_a_dialog_closed_with_esc_or_the_title_bar_gives_its_escape_button_or_none(qt, dialogs):
+    """A user may leave a dialog with Esc or ×: Qt then gives the message box's escape button (what
+    ``slicer.util.confirmYesNoDisplay`` reads as "no", util.py:3276-3287, 3366-3379 at v5.12.3) and
+    no clicked button at all to a box without one."""
+    import pythonqt
+    import slicer_app
+
+    for how in (slicer_app.ESC, slicer_app.CLOSE):
+        box = qt.QMessageBox(qt.QMessageBox.Question, "MedVol-R1", "Replace?", qt.QMessageBox.NoButton)
+        keep = box.addButton("Keep both", qt.QMessageBox.AcceptRole)
+        cancel = box.addButton(qt.QMessageBox.Cancel)
+        dialogs.plan(how)
+        assert box.exec_() == qt.QMessageBox.Cancel and box.clickedButton() is cancel and box.clickedButton() is not keep
+        yes_no = qt.QMessageBox(qt.QMessageBox.Question, "MedVol-R1", "Undo anyway?",
+                                qt.QMessageBox.Yes | qt.QMessageBox.No)
+        dialogs.plan(how)
+        assert yes_no.exec_() == qt.QMessageBox.No
+        dialogs.plan(how)
+        assert qt.QDialog().exec_() == qt.QDialog.Rejected
+    box = qt.QMessageBox(qt.QMessageBox.Question, "MedVol-R1", "Go on?", qt.QMessageBox.NoButton)
+    box.addButton("Go on", qt.QMessageBox.AcceptRole)
+    box.addButton("Stop here", qt.QMessageBox.AcceptRole)
+    dialogs.plan(slicer_app.CLOSE)  # no escape button: × is ignored, the user is stuck
+    box.exec_()
+    assert box.clickedButton() is None
+    (where, error), = pythonqt.slot_errors
+    assert "cannot leave it" in str(error)
+    pythonqt.slot_errors.clear()  # expected here
