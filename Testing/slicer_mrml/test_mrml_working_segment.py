@@ -368,7 +368,8 @@ def make_machine(env, small_ct, tmp_path):
 
     phases = list(Phase) if SHRINK else [Phase.explicit, Phase.reuse, Phase.generate]
     WorkingSegment.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-                                                derandomize=True, phases=phases, suppress_health_check=list(HealthCheck),
+                                                derandomize=True, database=None, phases=phases,
+                                                suppress_health_check=list(HealthCheck),
                                                 print_blob=False)
     return WorkingSegment
 

@@ -286,6 +286,8 @@ class ModalDialogs:
         from PyQt5 import QtTest
 
         dialog.show()  # a message box finds its escape button when shown
+        QtWidgets.QApplication.setActiveWindow(dialog)  # exec_() gives a dialog the keyboard focus
+        QtTest.QTest.qWaitForWindowActive(dialog, 1000)
         if how == ESC:
             QtTest.QTest.keyClick(dialog, QtCore.Qt.Key_Escape)
         else:
