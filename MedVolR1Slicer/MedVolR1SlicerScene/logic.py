@@ -46,6 +46,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     worker command, a recording client).
     """
 
+    # > 0 while a logic is changing the selection in several writes (followed once it is done);
+    # shared, because every logic of the module (the panel's, the self-test's, a script's) watches
+    # the same parameter node
+    _quiet = 0
+
     def __init__(self, session: Optional[Session] = None):
         ScriptedLoadableModuleLogic.__init__(self)
         self.session = session if session is not None else self.defaultSession()
@@ -58,7 +63,6 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         self.beforeChange = None
         # called with the line that says why the evidence shown changed or went (the panel's status)
         self.selectionChanged = None
-        self._quiet = 0  # > 0: the logic itself is changing the selection; it is followed once done
         self._watched = []  # [(node, tag)]: the parameter node and the Output segmentation's segments
         scene = slicer.mrmlScene
         self._sceneObservers = [(scene, scene.AddObserver(scene.StartCloseEvent, self._onSceneStartClose))]
@@ -165,14 +169,14 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         nothing changed), also given to :attr:`selectionChanged`. The logic calls it whenever the
         parameter node changes or a segment of the Output segmentation is removed."""
         scene = slicer.mrmlScene
-        if self._quiet or scene.IsClosing() or scene.IsImporting():
+        if MedVolR1SlicerLogic._quiet or scene.IsClosing() or scene.IsImporting():
             return ""
         p = p if p is not None else self._shown()
-        self._quiet += 1
+        MedVolR1SlicerLogic._quiet += 1
         try:
             note = evidence.follow_selection(p)
         finally:
-            self._quiet -= 1
+            MedVolR1SlicerLogic._quiet -= 1
         self._watch(p)
         if note and announce and self.selectionChanged is not None:
             self.selectionChanged(note)
@@ -181,11 +185,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     @contextlib.contextmanager
     def _changingSelection(self, p):
         """The logic changes the selection in several writes: follow it once, when done."""
-        self._quiet += 1
+        MedVolR1SlicerLogic._quiet += 1
         try:
             yield
         finally:
-            self._quiet -= 1
+            MedVolR1SlicerLogic._quiet -= 1
         self.followSelection(p)
 
     def cleanup(self):

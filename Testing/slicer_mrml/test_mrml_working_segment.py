@@ -381,3 +381,33 @@ def test_generated_sequences_keep_one_answer_to_which_segment_is_worked_on(slice
         run_state_machine_as_test(machine, settings=machine.TestCase.settings)
     finally:
         print(f"\n{len(RUNS)} generated sequences of at most {STEPS} steps")
+
+
+def test_a_second_logic_on_the_scene_does_not_undo_what_the_first_shows(slicer_env, small_ct, tmp_path):
+    """Every logic of the module (the panel's, the self-test's, one a script made) follows the same
+    parameter node: none may act on the half-written selection another one is writing."""
+    import nibabel as nib
+
+    from MedVolR1SlicerLib.session import Options, Session
+
+    slicer.mrmlScene.Clear(0)
+    client = ManualClient()
+    first = slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: client))
+    second = slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: ManualClient()))
+    try:
+        ct_path, seg_path = small_ct
+        labels = np.asarray(nib.load(str(seg_path)).dataobj).astype(np.uint8)
+        volume = slicer.modules.volumes.logic().AddArchetypeVolume(str(ct_path), "CT", SINGLE_FILE)
+        p = first.getParameterNode()
+        second.getParameterNode()
+        p.inputVolume, p.query = volume, "the liver"
+        job = first.startSegment(p, Options(preset="tiny", device="cpu"))
+        result, _, _ = worker_result(first, volume, labels, QUERIES["the liver"], tmp_path)
+        client.answer(job, result)
+        assert job.state == "done", job.error
+        assert p.segmentId and p.outputSegmentation.GetSegmentation().GetSegment(p.segmentId) is not None
+        assert json.loads(p.anchorJson)["query"] == "the liver" and len(p.boxes) == 1
+    finally:
+        second.cleanup()
+        first.cleanup()
+        slicer.mrmlScene.Clear(0)
