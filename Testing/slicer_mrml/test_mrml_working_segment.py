@@ -41,6 +41,7 @@ from test_mrml_clinician_day import ManualClient, SINGLE_FILE  # noqa: E402
 from test_mrml_logic import worker_result  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MEDVOL_STATEFUL_EXAMPLES", "12"))
+SAVE = os.environ.get("MEDVOL_STATEFUL_SAVE", "1") != "0"  # 0: no save-and-reopen steps (faster)
 SHRINK = os.environ.get("MEDVOL_STATEFUL_SHRINK", "1") != "0"  # 0: report the first failing sequence as found
 STEPS = int(os.environ.get("MEDVOL_STATEFUL_STEPS", "14"))
 QUERIES = {"the liver": [5], "the spleen": [1], "the right kidney": [2], "the stomach": [6]}
@@ -324,6 +325,33 @@ def make_machine(env, small_ct, tmp_path):
         @rule()
         def redo(self):
             self._undo_or_redo(False)
+
+        @rule(which=st.integers(0, 5))
+        def rename_output(self, which):
+            """A segmentation renamed (Data module): nothing of the selection changes."""
+            segs = segmentations()
+            if segs:
+                shown = (self.p.segmentId, self.p.anchorJson)
+                segs[which % len(segs)].SetName(f"renamed {next(counter)}")
+                assert (self.p.segmentId, self.p.anchorJson) == shown
+
+        @precondition(lambda self: SAVE)
+        @rule()
+        def save_and_reopen(self):
+            """The scene saved as a data bundle and opened again (File > Load scene)."""
+            folder = tmp_path / f"bundle{next(counter)}"
+            folder.mkdir()
+            logic = slicer.modules.volumes.logic().GetApplicationLogic()
+            assert logic.SaveSceneToSlicerDataBundleDirectory(str(folder), None)
+            (mrml,) = folder.glob("*.mrml")
+            ids = {n.GetID(): n.GetName() for n in segmentations() + self.volumes}
+            slicer.mrmlScene.Clear(0)
+            slicer.mrmlScene.SetURL(str(mrml))
+            assert slicer.mrmlScene.Import()
+            assert {n.GetID(): n.GetName() for n in segmentations()} == \
+                {i: name for i, name in ids.items() if i.startswith("vtkMRMLSegmentationNode")}
+            self.volumes = [slicer.mrmlScene.GetNodeByID(v.GetID()) for v in self.volumes]
+            self.undos, self.redos = {}, {}  # the session's Undo ends with the scene
 
         @rule(query=st.sampled_from(sorted(QUERIES)))
         def close_scene_mid_run(self, query):
