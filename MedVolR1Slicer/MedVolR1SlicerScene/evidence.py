@@ -226,8 +226,8 @@ def follow_selection(p) -> str:
                 "Re-propagate is off until a segment with a result's evidence is selected.")
     chosen = segmentId if find(seg, segmentId) is not None and segment_of(seg, segmentId) is not None else ""
     if not chosen:
-        chosen = next((n.GetParameter("segmentId") for n in evidence_nodes(seg)
-                       if n.GetParameter("anchorJson") and segment_of(seg, n.GetParameter("segmentId")) is not None), "")
+        kept = [n.GetParameter("segmentId") for n in evidence_nodes(seg) if n.GetParameter("anchorJson")]
+        chosen = next((sid for sid in kept if segment_of(seg, sid) is not None), "")
     select_segment(p, seg, chosen)
     if p.anchorJson:
         return f"Output segmentation {seg.GetName()}: showing the evidence of “{_segment_name(seg, chosen)}”."

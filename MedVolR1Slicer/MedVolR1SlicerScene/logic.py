@@ -322,8 +322,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         if target.segmentation is not None and not nodes.in_scene(target.segmentation):
             return "the output segmentation was removed while the worker ran; nothing was added"
         if target.keepSegment and evidence.segment_of(target.segmentation, target.replaceSegmentId) is None:
-            return (f"“{target.keepSegment}” was removed from {target.segmentation.GetName()} while the worker ran; "
-                    "nothing was written")
+            return (f"“{target.keepSegment}” was removed from {target.segmentation.GetName()} while the worker "
+                    "ran; nothing was written")
         return ""
 
     def _finish(self, p, target: Target, job, notes, onFinished):

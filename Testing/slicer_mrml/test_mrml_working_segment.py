@@ -439,3 +439,44 @@ def test_a_second_logic_on_the_scene_does_not_undo_what_the_first_shows(slicer_e
         second.cleanup()
         first.cleanup()
         slicer.mrmlScene.Clear(0)
+
+
+def test_repropagate_writes_nothing_when_its_segment_is_removed_while_the_worker_runs(slicer_env, small_ct, tmp_path):
+    """The segment whose evidence was sent is deleted (Segment Editor) before the answer comes:
+    one line, nothing written anywhere, and no evidence left on screen for it."""
+    import nibabel as nib
+
+    from MedVolR1SlicerLib.session import Options, Session
+
+    slicer.mrmlScene.Clear(0)
+    client = ManualClient()
+    logic = slicer_env.MedVolR1SlicerLogic(session=Session(client_factory=lambda options: client))
+    try:
+        ct_path, seg_path = small_ct
+        labels = np.asarray(nib.load(str(seg_path)).dataobj).astype(np.uint8)
+        volume = slicer.modules.volumes.logic().AddArchetypeVolume(str(ct_path), "CT", SINGLE_FILE)
+        p = logic.getParameterNode()
+        p.inputVolume, p.query = volume, "the liver"
+        tiny = Options(preset="tiny", device="cpu")
+        job = logic.startSegment(p, tiny)
+        client.answer(job, worker_result(logic, volume, labels, QUERIES["the liver"], tmp_path, name="a.nii.gz")[0])
+        p.query = "the spleen"
+        job = logic.startSegment(p, tiny)
+        client.answer(job, worker_result(logic, volume, labels, QUERIES["the spleen"], tmp_path, name="b.nii.gz",
+                                         query="the spleen")[0])
+        seg, spleen = p.outputSegmentation, p.segmentId
+        p.boxesEdited = True
+        job, _ = logic.startRepropagate(p, tiny)
+        before = masks_of(volume)
+        seg.GetSegmentation().RemoveSegment(spleen)
+        assert p.anchorJson == "" and p.segmentId == ""  # followed at once: nothing shown for a segment gone
+        client.answer(job, worker_result(logic, volume, labels, QUERIES["the liver"], tmp_path, name="c.nii.gz")[0])
+        assert job.state == "cancelled" and "was removed" in job.error.message and "nothing was written" in job.error.message
+        after = masks_of(volume)
+        assert set(after) == set(before) - {(seg.GetID(), spleen)}
+        assert all(np.array_equal(after[k], before[k]) for k in after)
+        with pytest.raises(ValueError, match="segment first"):  # and nothing to send now
+            logic.startRepropagate(p, tiny)
+    finally:
+        logic.cleanup()
+        slicer.mrmlScene.Clear(0)
