@@ -7,6 +7,7 @@ The graph is read from the source, function-local imports included (``Testing/im
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ ROOTS = {"medvolcore": REPO / "MedVolCore", "medvoltrain": REPO / "Training"}
 FRONT_DOORS = ("medvolcore.cli", "medvolcore.serve", "medvolcore.agents", "medvolcore.cli_serve", "medvolcore.cli_batch")
 
 
+@functools.lru_cache(maxsize=None)  # read once per session; the rules only read it
 def _graph(package: str) -> Dict[str, Dict[str, int]]:
     return import_graph(package_modules(ROOTS[package], package))
 
