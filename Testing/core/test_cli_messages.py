@@ -26,9 +26,9 @@ def test_json_errors_are_json_on_stdout(capsys, tmp_path):
 
 
 def test_library_warnings_are_silenced_unless_debug(capsys, small_ct, monkeypatch):
-    import medvolcore.cli.volume as volume_cli
+    import medvolcore.cli.steps as steps_cli
 
-    real = volume_cli.cmd_info
+    real = steps_cli.cmd_info
 
     def noisy(args):  # as transformers does on every generate()
         warnings.warn_explicit("`past_key_values` as a tuple is deprecated", FutureWarning,
@@ -36,7 +36,7 @@ def test_library_warnings_are_silenced_unless_debug(capsys, small_ct, monkeypatc
         warnings.warn_explicit("our own warning", UserWarning, "medvolcore/x.py", 1, module="medvolcore.x")
         return real(args)
 
-    monkeypatch.setattr(volume_cli, "cmd_info", noisy)
+    monkeypatch.setattr(steps_cli, "cmd_info", noisy)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert main(["info", str(small_ct[0])]) == 0

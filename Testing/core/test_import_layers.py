@@ -7,6 +7,7 @@ The graph is read from the source, function-local imports included (``Testing/im
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ ROOTS = {"medvolcore": REPO / "MedVolCore", "medvoltrain": REPO / "Training"}
 FRONT_DOORS = ("medvolcore.cli", "medvolcore.serve", "medvolcore.agents", "medvolcore.cli_serve", "medvolcore.cli_batch")
 
 
+@functools.lru_cache(maxsize=None)  # read once per session; the rules only read it
 def _graph(package: str) -> Dict[str, Dict[str, int]]:
     return import_graph(package_modules(ROOTS[package], package))
 
@@ -97,6 +99,72 @@ def test_importing_the_grounder_modules_loads_no_heavy_library_and_predicting_lo
         assert r.returncode == 0, r.stderr
         want = [GROUNDER_BUILD] if module == GROUNDER_BUILD else []
         assert r.stdout.strip().splitlines()[-1] == str(want), module
+
+
+# The layers of medvolcore, lowest first (docs/architecture.md, "Layers"): a module of one layer imports
+# nothing of a layer above it, function-local imports included. Modules named in no layer are held
+# by the other rules only.
+LAYERS = (
+    ("medvolcore.errors", "medvolcore.resources", "medvolcore.fileio", "medvolcore.devices", "medvolcore.cpu",
+     "medvolcore.strictjson"),  # one job each, no model
+    ("medvolcore.volume", "medvolcore.stack", "medvolcore.windowing"),  # volumes and the axial stack
+    ("medvolcore.anchor", "medvolcore.answer", "medvolcore.metrics", "medvolcore.qc"),  # anchors, answers, scores
+    ("medvolcore.models", "medvolcore.grounder", "medvolcore.propagation"),  # the models
+    ("medvolcore.pipeline",),
+    ("medvolcore.request", "medvolcore.result", "medvolcore.jobs"),  # the one segment job
+    FRONT_DOORS,
+)
+
+
+def _layer_violations(graph, layers) -> List[str]:
+    def layer_of(module):
+        return next((i for i, names in enumerate(layers) if _in(module, *names)), None)
+
+    return [f"{m} imports {t} (line {line}), a layer above it" for m, deps in sorted(graph.items())
+            if layer_of(m) is not None for t, line in deps.items()
+            if layer_of(t) is not None and layer_of(t) > layer_of(m)]
+
+
+def test_the_layer_checker_finds_a_function_local_import_upwards(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("import os\n\ndef f():\n    from .high import g\n")
+    (pkg / "mid.py").write_text("from .low import f\n")
+    (pkg / "high.py").write_text("from . import mid\n")
+    graph = import_graph(package_modules(tmp_path, "pkg"))
+    assert _layer_violations(graph, (("pkg.low",), ("pkg.mid",), ("pkg.high",))) == [
+        "pkg.low imports pkg.high (line 4), a layer above it"]
+    assert _layer_violations(graph, (("pkg.low",), ("pkg.mid", "pkg.high"))) == [
+        "pkg.low imports pkg.high (line 4), a layer above it"]
+    assert _layer_violations(graph, (("pkg.low", "pkg.high"), ("pkg.mid",))) == [
+        "pkg.high imports pkg.mid (line 1), a layer above it"]
+
+
+def test_each_layer_imports_nothing_above_it():
+    g = _graph("medvolcore")
+    named = [p for layer in LAYERS for p in layer]
+    assert [p for p in named if not any(_in(m, p) for m in g)] == []  # each name is a module or package
+    assert _layer_violations(g, LAYERS) == []
+
+
+CLI_SHARED = ("medvolcore.cli.common", "medvolcore.cli.pacs")  # shared options: common's, and DICOMweb's
+
+
+def test_each_command_module_imports_only_the_shared_cli_modules():
+    """Inside ``cli/``: ``app.py`` assembles the command modules; each of them imports, of ``cli/``,
+    only ``common.py`` and ``pacs.py`` (the DICOMweb options of segment and batch); ``common.py``
+    imports none."""
+    modules = package_modules(ROOTS["medvolcore"], "medvolcore")
+    cli = sorted(m for m in modules if _in(m, "medvolcore.cli") and m != "medvolcore.cli")
+    commands = [m for m in cli if m not in ("medvolcore.cli.app", "medvolcore.cli.__main__", "medvolcore.cli.common")]
+    assert {"medvolcore.cli.steps", "medvolcore.cli.volume", "medvolcore.cli.batch"} <= set(commands)
+    g = _graph("medvolcore")
+    bad = [f"{m} imports {t} (line {line})" for m in commands for t, line in g[m].items()
+           if _in(t, "medvolcore.cli") and t not in CLI_SHARED and t != m]
+    assert bad == []
+    assert [t for t in g["medvolcore.cli.common"] if _in(t, "medvolcore.cli")] == []
+    assert set(commands) <= set(g["medvolcore.cli.app"])  # app.py registers every command module
 
 
 def test_volumes_know_nothing_of_anchors_models_or_front_doors():

@@ -7,7 +7,7 @@ Every command has ``--help``. Errors are one line on stderr and a non-zero exit 
 Text printed for people goes through :func:`~.common.terminal_safe`, so user text (queries, file
 names, case ids) cannot drive the terminal. Long work shows a progress bar on stderr; ``--json``
 prints a machine-readable result on stdout. The commands live in one module per group
-(:mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`, :mod:`.mcp`, :mod:`.pacs`), each of which imports only
+(:mod:`.steps`, :mod:`.volume`, :mod:`.batch`, :mod:`.models`, :mod:`.serve`, :mod:`.mcp`, :mod:`.pacs`), each of which imports only
 :mod:`.common` (and :mod:`.pacs`, the DICOMweb options) of this package; heavy libraries are imported
 by the command that needs them.
 """
@@ -32,7 +32,8 @@ from .mcp import add_mcp_command
 from .models import add_models_command
 from .pacs import add_pacs_command
 from .serve import add_serve_command
-from .volume import add_metrics_command, add_volume_commands
+from .steps import add_metrics_command, add_step_commands
+from .volume import add_volume_commands
 
 __all__ = ["PROG", "Terminated", "build_parser", "main", "main_command"]
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
         return sp
 
+    add_step_commands(add)
     add_volume_commands(add)
     add_models_command(sub, add)
     add_serve_command(sub, add)

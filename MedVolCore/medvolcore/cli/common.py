@@ -1,4 +1,5 @@
-"""What every ``medvol`` command shares: output, the shared options, memory figures, label ids."""
+"""What every ``medvol`` command shares: output, the shared options, memory figures, label ids, and the
+progress bar on stderr of the commands that run a job."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import List, Optional
 from ..errors import InputError
 
 PROG = "medvol"
+VOLUME_HELP = "CT file (.nii, .nii.gz, .nrrd, .mha), DICOM folder, or (segment) a DICOMweb series URL"
 
 
 # What a terminal may act on in printed text: C0 controls (ESC, CR, BS, BEL, …), DEL, C1 controls
@@ -205,3 +207,65 @@ def stop_text(propagation: Optional[dict]) -> str:
              if v.get("stopped_early")]
     return (f"; stopped early (every mask empty on {propagation['stop_after_empty']} slices): " + ", ".join(parts)
             if parts else "")
+
+
+# ---- progress on stderr -----------------------------------------------------------------
+
+BAR_FORMAT = "{desc}{percentage:3.0f}%|{bar}| {elapsed} < {remaining}  {message}"
+_STAGE_WIDTH = 10  # the stage names (read, load, ground, propagate, write) in one column
+
+
+def bar_line(stage: str, fraction: float, elapsed_s: float, message: str, ncols: int = 100) -> str:
+    """The bar's text for one moment of a stage, e.g.
+    ``ground     12%|██   | 00:07 < 00:49  decoding 31/256 tokens`` (tqdm draws the bar and
+    estimates the time left from the stage's average pace)."""
+    from tqdm import tqdm
+
+    return tqdm.format_meter(100 * float(fraction), 100, elapsed_s, ncols=ncols, prefix=stage.ljust(_STAGE_WIDTH),
+                             bar_format=BAR_FORMAT, message=terminal_safe(message, one_line=True))
+
+
+def _bar(desc: str):
+    """A progress bar on stderr: the stage, its percent, elapsed time and time left in the stage, and
+    its message (none when stderr is not a terminal: :func:`_progress` then writes a line per stage)."""
+    from tqdm import tqdm
+
+    class StageBar(tqdm):
+        message = ""
+
+        @property
+        def format_dict(self):
+            return dict(super().format_dict, message=self.message)
+
+    return StageBar(total=100, desc=desc.ljust(_STAGE_WIDTH), file=sys.stderr, disable=None, leave=False,
+                    smoothing=0, bar_format=BAR_FORMAT)
+
+
+def _progress(bar, line_every_s: float = 30.0):
+    """The job's ``progress(stage, fraction, message)`` drawn on ``bar`` (None: nothing). Each stage
+    restarts the bar's clock, so elapsed and time left are the stage's. When stderr is not a
+    terminal (the bar is disabled), one line per stage and one at most every ``line_every_s``."""
+    from ..progress import StageClock, clock_text
+
+    clock = StageClock()
+    last_line = [0.0]
+
+    def progress(stage, fraction, message):
+        if bar is None:
+            return
+        elapsed, eta, new = clock.update(stage, fraction)
+        message = terminal_safe(message, one_line=True)
+        if not bar.disable:
+            if new:
+                bar.reset(total=100)
+                bar.set_description_str(stage.ljust(_STAGE_WIDTH), refresh=False)
+            bar.n = 100 * float(fraction)
+            bar.message = message
+            bar.refresh()
+        elif new or elapsed - last_line[0] >= line_every_s:
+            last_line[0] = 0.0 if new else elapsed
+            timing = "" if new else f" ({clock_text(elapsed)} elapsed, about {clock_text(eta)} left)"
+            sys.stderr.write(f"{PROG} {stage}: {int(100 * fraction)}%{timing} {message}\n")
+            sys.stderr.flush()
+
+    return progress
