@@ -413,8 +413,9 @@ def _sparse_nifti(path: Path, shape, size: int) -> Path:
 
 @pytest.fixture
 def copies(monkeypatch):
-    """The bytes the worker copied from the data folder (every copy goes through ``_copy_fd``)."""
-    import medvolcore.sources as sources
+    """The bytes the worker copied from the data folder (every copy goes through ``_copy_fd``, in the
+    module that calls it)."""
+    import medvolcore.sources.private as sources
 
     seen = []
     real = sources._copy_fd
