@@ -719,7 +719,8 @@ class Worker:
                           max_bytes=self.cache.max_bytes(), max_voxels=self.cache.max_voxels,
                           seconds=COPY_SECONDS) as copy:
             try:
-                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job))
+                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job),
+                                           owned=True)
             except MedVolError as e:  # name the client's file, not the private copy
                 text = str(e).replace(str(copy.path), repr(value))
                 if copy.path.is_file():  # a folder's copy has the client's folder name already
@@ -741,7 +742,8 @@ class Worker:
             got = retrieve_series(url, folder / "series", server.token, server.limits)
             job.retrieved = {"pacs": server.name, "instances": got["instances"], "bytes": got["bytes"],
                              "seconds": got["seconds"]}
-            return self.cache.get_path(folder / "series", job.cancel, tmp_dir=self.tmp_dir, scope=self._scope(job))
+            return self.cache.get_path(folder / "series", job.cancel, tmp_dir=self.tmp_dir, scope=self._scope(job),
+                                       owned=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
