@@ -429,9 +429,10 @@ class Worker:
         agr_path = self.output_path(agreement, transport, "agreement") if agreement is not None else None
         from ..fileio import MASK_SUFFIXES, check_distinct
 
-        for what, path in (("out", out_path), ("agreement", agr_path)):
-            if path is not None and not path.name.lower().endswith(MASK_SUFFIXES):
-                raise RequestError(f"{op}: '{what}' must end in {', '.join(MASK_SUFFIXES)}", "bad_output")
+        # 'out' may also be a DICOM-SEG (.dcm) of a DICOM series volume (checked by the job, before any model)
+        for what, path, ok in (("out", out_path, MASK_SUFFIXES + (".dcm",)), ("agreement", agr_path, MASK_SUFFIXES)):
+            if path is not None and not path.name.lower().endswith(ok):
+                raise RequestError(f"{op}: '{what}' must end in {', '.join(ok)}", "bad_output")
         check_distinct([("out", out_path), ("agreement", agr_path)], [("volume", vol_path)])
         return request
 
