@@ -100,3 +100,34 @@ def test_http_out_dcm_on_a_data_dir_series(tmp_path):
     finally:
         s.stop()
     assert np.all([f.is_file() for f in (data / "a").iterdir()])
+
+
+@pytest.mark.slow
+def test_mcp_writes_the_seg_of_an_allowed_dicom_folder(tmp_path):
+    """``segment_from_query`` on a DICOM folder under an allowed folder: the DICOM-SEG is written by
+    default, among the job's files; ``dicom_seg: false`` leaves it out."""
+    anyio = pytest.importorskip("anyio")
+    pytest.importorskip("mcp")
+    from mcp import Client
+
+    from medvolcore.agents.server import AgentServer, AgentSettings
+    from medvolcore.serve.worker import WorkerSettings
+
+    make_series(tmp_path / "allowed" / "series", n=8)
+    server = AgentServer(AgentSettings(worker=WorkerSettings(preset="tiny", device="cpu", threads=1),
+                                       roots=[tmp_path / "allowed"]))
+
+    async def go():
+        async with Client(server.mcp) as c:
+            args = {"volume": str(tmp_path / "allowed" / "series"), "query": "the liver"}
+            return [await c.call_tool("segment_from_query", args),
+                    await c.call_tool("segment_from_query", dict(args, dicom_seg=False))]
+    try:
+        with_seg, without = anyio.run(go)
+        assert not with_seg.is_error, with_seg.content
+        files = {f["kind"]: f["path"] for f in with_seg.structured_content["files"]}
+        assert "dicom_seg" in files
+        assert _uids(files["dicom_seg"]) == ("Doe^Jane", {f"{UID}.1.{k}" for k in range(1, 9)})
+        assert "dicom_seg" not in {f["kind"] for f in without.structured_content["files"]}
+    finally:
+        server.close()

@@ -199,8 +199,7 @@ class AgentServer:
             structure is not in this CT: an answer, not an error). Each target gives its key slice and
             boxes (the evidence), volume in mL, HU statistics, notes, and the files written (mask, 3D
             Slicer .seg.nrrd, DICOM-SEG of a DICOM series, anchor JSON, QC picture) as paths and resource
-            URIs; the QC picture also
-            comes as an image. Progress is reported while it runs; cancelling the call stops the job.
+            URIs; the QC picture also comes as an image. Progress is reported while it runs; cancelling the call stops the job.
             Research use only: not a diagnosis."""
             queries = [query] if isinstance(query, str) else list(query)
             req = {"op": "segment", "query": queries[0]} if len(queries) == 1 else {"op": "segment",
