@@ -131,3 +131,28 @@ def test_mcp_writes_the_seg_of_an_allowed_dicom_folder(tmp_path):
         assert "dicom_seg" not in {f["kind"] for f in without.structured_content["files"]}
     finally:
         server.close()
+
+
+def test_monailabel_says_why_a_seg_was_dropped(tmp_path):
+    """A series no SEG can reference (its .dcm dropped with a note by the job): a 422 naming the
+    reason, never a 500 or another file's bytes."""
+    pytest.importorskip("starlette")
+    from medvolcore.serve.monailabel import MonaiLabelApp, _Refused
+
+    seg = tmp_path / "label.dcm"
+    note = (f"out {seg} was not written: the source series is gantry-tilted (12.0°) and was resampled onto an "
+            "orthogonal grid, so a DICOM Segmentation's frames cannot lie on its slices; the other outputs were")
+    with pytest.raises(_Refused) as e:
+        MonaiLabelApp._seg_answer(None, {"notes": [note]}, "liver", seg)
+    assert e.value.status == 422 and "gantry-tilted" in str(e.value) and str(tmp_path) not in str(e.value)
+
+
+def test_an_empty_mask_gives_a_seg(tmp_path):
+    """MONAI Label asks an empty mask for a structure the model did not find: its SEG is written."""
+    from medvolcore.dicomseg import save_dicom_seg
+    from medvolcore.volume import load_volume
+
+    ct = load_volume(make_series(tmp_path / "s"))
+    out = save_dicom_seg(np.zeros(ct.shape, np.uint8), ct.affine, ct, tmp_path / "empty.dcm",
+                         [{"name": "liver", "value": 1}], algorithm="MedVol test", version="0")
+    assert pydicom.dcmread(str(out)).SegmentSequence[0].SegmentLabel == "liver"

@@ -346,6 +346,10 @@ class MonaiLabelApp:
 
     def _seg_answer(self, result: dict, query: str, seg: Path) -> Response:
         """``output=dicom_seg``: the DICOM-SEG file itself is the label, as MONAI Label answers it."""
+        if not seg.is_file():  # dropped with a note (a series a SEG cannot reference): the reason, in one line
+            why = next((n for n in result.get("notes") or () if str(seg) in n), "the DICOM-SEG could not be written")
+            why = why.replace(f"out {seg} was not written: ", "").replace(str(seg), "label.dcm")
+            raise _Refused(422, f"output=dicom_seg: {why.split('; the other outputs were')[0]}; ask output=image")
         shown = {"query": query[:300], "absent": bool(result.get("absent")), "model_label": result.get("model_label"),
                  "research_use": RESEARCH_USE_NOTICE}
         return Response(seg.read_bytes(), 200, {RESULT_HEADER: urllib.parse.quote(json.dumps(shown), safe=""),
