@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--venv", default=str(REPO / ".venv"), help="virtual environment folder (default: .venv)")
     ap.add_argument("--torch", choices=["auto", "cpu", "cuda", "keep"], default="auto",
                     help="which PyTorch build to install (default: auto)")
-    ap.add_argument("--no-dev", action="store_true", help="skip the test tools (pytest, psutil)")
+    ap.add_argument("--no-dev", action="store_true", help="skip the test tools (pytest, psutil, hypothesis)")
     ap.add_argument("--no-training", action="store_true",
                     help="skip the training package (medvoltrain: TRL, accelerate, datasets, TensorBoard)")
     ap.add_argument("--no-slicer-core", action="store_true",

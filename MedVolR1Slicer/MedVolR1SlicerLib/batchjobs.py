@@ -1,8 +1,8 @@
 """Arguments, manifests and the summary of the headless Slicer batch script (``batch.py``).
 
-    Slicer --no-main-window --python-script MedVolR1Slicer/batch.py \\
+    Slicer --no-main-window --python-script MedVolR1Slicer/Scripts/batch.py \\
         --input CT.nii.gz --query "the organ that secretes bile" --output liver.seg.nrrd
-    Slicer --no-main-window --python-script MedVolR1Slicer/batch.py --manifest jobs.csv --output-dir out/
+    Slicer --no-main-window --python-script MedVolR1Slicer/Scripts/batch.py --manifest jobs.csv --output-dir out/
 
 A manifest is CSV (header ``input,query[,output]``) or JSON Lines (``{"input", "query",
 "output"?}``); relative paths are relative to the manifest. Inputs are volume files (NIfTI,
@@ -53,7 +53,7 @@ class BatchJob:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="Slicer --no-main-window --python-script MedVolR1Slicer/batch.py",
+        prog="Slicer --no-main-window --python-script MedVolR1Slicer/Scripts/batch.py",
         description="Segment CTs from free-form queries with MedVol-R1, headless in Slicer.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", help="a CT volume file (NIfTI, NRRD, MHA) or a folder holding one DICOM series")

@@ -112,6 +112,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
         """The panel's non-Qt half: the logic, the scene observers and the parameter node."""
         self.logic = logic
         self.logic.beforeChange = self._saveEditorUndoState
+        self.logic.selectionChanged = self._onSelectionChanged  # why the evidence shown changed or went
         self.logic.session.state_changed.connect(self._onStateChanged)
         self.logic.session.progress.connect(self._onProgress)
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.StartCloseEvent, self.onSceneStartClose)
@@ -140,6 +141,7 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             self._timer.stop()
         if self.logic is not None:
             self.logic.beforeChange = None
+            self.logic.selectionChanged = None
             self.logic.session.state_changed.disconnect(self._onStateChanged)
             self.logic.session.progress.disconnect(self._onProgress)
             self.logic.cleanup()
@@ -212,6 +214,9 @@ class MedVolR1SlicerWidget(ScriptedLoadableModuleWidget, VTKObservationMixin, Co
             self._observeSegmentation(None)
             self._updateSegmentChoices()
             self._updateButtons()  # Show 3D: no result, no surface
+
+    def _onSelectionChanged(self, note: str) -> None:
+        self.ui.statusLabel.text = note
 
     def _onParameterNodeModified(self, caller=None, event=None):
         self._updateGuiFromParameterNode()

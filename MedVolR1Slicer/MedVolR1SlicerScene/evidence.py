@@ -12,6 +12,12 @@ parameter node holds that segment's evidence (it is what the panel edits) and
 :func:`select_segment` writes it back to its evidence node before it loads another's. Another
 kind of evidence (a painted slice used as a prompt, say) is one more entry in these tables.
 
+The parameter node says whose evidence it holds (``evidenceSegmentation``/``segmentId``), so the
+selection has one answer: whatever changed the Output segmentation (the user, Qt's selector
+when a node is removed or created, a script, a scene closed or imported) or removed the segment,
+:func:`follow_selection` makes the evidence shown that of the selected segment again, or shows
+none, and says why. An evidence node is made only for a segment that exists.
+
 A *snapshot* (:func:`snapshot`) is a segment's evidence as plain data, what Undo and Redo put
 back with :func:`restore`. MRML only, no Qt."""
 
@@ -77,9 +83,21 @@ def find(segNode, segmentId: str):
     return None
 
 
+def shows(p, segNode, segmentId: str) -> bool:
+    """Whether ``p`` holds the evidence of segment ``segmentId`` of ``segNode``."""
+    return _same(p.evidenceSegmentation, segNode) and p.segmentId == segmentId
+
+
+def segment_of(segNode, segmentId: str):
+    """The segment ``segmentId`` of ``segNode`` (None when either is gone)."""
+    if not in_scene(segNode) or not segmentId:
+        return None
+    return segNode.GetSegmentation().GetSegment(segmentId)
+
+
 def has_evidence(p, segNode, segmentId: str) -> bool:
     """Whether the segment has a result's evidence (shown in ``p`` or kept in its evidence node)."""
-    if _same(p.outputSegmentation, segNode) and p.segmentId == segmentId and segmentId:
+    if shows(p, segNode, segmentId) and segmentId:
         return bool(p.anchorJson)
     node = find(segNode, segmentId)
     return node is not None and bool(node.GetParameter("anchorJson"))
@@ -98,13 +116,15 @@ def shown_markups(p) -> list:
 
 
 def store(p) -> None:
-    """Write the evidence ``p`` shows into the evidence node of its segment (made when missing);
-    nothing when ``p`` shows no segment's evidence."""
-    segNode, segmentId = p.outputSegmentation, p.segmentId
+    """Write the evidence ``p`` shows into the evidence node of its segment (made when missing,
+    and only for a segment that exists); nothing when ``p`` shows no segment's evidence."""
+    segNode, segmentId = p.evidenceSegmentation, p.segmentId
     if not in_scene(segNode) or not segmentId or not p.anchorJson:
         return
     node = find(segNode, segmentId)
     if node is None:
+        if segment_of(segNode, segmentId) is None:  # never an evidence node for a segment that is not there
+            return
         node = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLScriptedModuleNode", "MedVol evidence")
         node.SetHideFromEditors(True)
         node.SetAttribute(EVIDENCE_ATTR, "1")
@@ -150,18 +170,21 @@ def _show(nodes, visible: bool) -> None:
 
 
 def select_segment(p, segNode, segmentId: str) -> None:
-    """Show the evidence of segment ``segmentId`` of ``segNode`` in ``p`` (none when it has none):
-    the evidence ``p`` showed goes back to its evidence node first, the markups of the other
-    segments of ``segNode`` are hidden and the selected segment's are shown."""
-    same = _same(p.outputSegmentation, segNode) and p.segmentId == segmentId
-    if not same:
+    """Show the evidence of segment ``segmentId`` of ``segNode`` in ``p`` (none when it has none,
+    or when there is no such segment): the evidence ``p`` showed goes back to its evidence node
+    first, the markups of the other segments of ``segNode`` are hidden and the selected
+    segment's are shown. ``segNode`` becomes the Output segmentation (None: no segment shown)."""
+    if segment_of(segNode, segmentId) is None:
+        segmentId = ""
+    if not (shows(p, segNode, segmentId) and _same(p.outputSegmentation, segNode)):
         store(p)
         previous = shown_markups(p)
         node = find(segNode, segmentId)
-        if segNode is not None and not _same(p.outputSegmentation, segNode):
-            p.outputSegmentation = segNode
         p.segmentId = segmentId or ""
         load(p, node)
+        p.evidenceSegmentation = segNode
+        if segNode is not None and not _same(p.outputSegmentation, segNode):
+            p.outputSegmentation = segNode
         _show([n for n in previous if n not in shown_markups(p)], False)
     if segNode is not None:
         for other in evidence_nodes(segNode):
@@ -175,6 +198,51 @@ def forget_shown(p) -> None:
     store(p)
     p.segmentId = ""
     load(p, None)
+    p.evidenceSegmentation = p.outputSegmentation
+
+
+def _segment_name(segNode, segmentId: str) -> str:
+    segment = segment_of(segNode, segmentId)
+    return segment.GetName() if segment is not None else segmentId
+
+
+def follow_selection(p) -> str:
+    """Make the evidence ``p`` shows that of its selection again, after anything changed the
+    Output segmentation or removed the segment shown; returns the line that says what is shown
+    now and why ('' when nothing changed). On another segmentation the segment of the same ID
+    is shown only when that segmentation has its own evidence for it (a clone has none), else
+    its first segment with evidence, else none."""
+    seg, segmentId = p.outputSegmentation, p.segmentId
+    if seg is None:
+        if p.evidenceSegmentation is None and not segmentId and not p.anchorJson:
+            return ""
+        select_segment(p, None, "")
+        return "No output segmentation is selected: no evidence is shown, and Re-propagate is off."
+    if _same(p.evidenceSegmentation, seg):
+        if segment_of(seg, segmentId) is not None or not (segmentId or p.anchorJson):
+            return ""
+        select_segment(p, seg, "")  # the segment shown was removed
+        return (f"The segment whose evidence was shown is no longer in {seg.GetName()}: no evidence is shown, and "
+                "Re-propagate is off until a segment with a result's evidence is selected.")
+    chosen = segmentId if find(seg, segmentId) is not None and segment_of(seg, segmentId) is not None else ""
+    if not chosen:
+        kept = [n.GetParameter("segmentId") for n in evidence_nodes(seg) if n.GetParameter("anchorJson")]
+        chosen = next((sid for sid in kept if segment_of(seg, sid) is not None), "")
+    select_segment(p, seg, chosen)
+    if p.anchorJson:
+        return f"Output segmentation {seg.GetName()}: showing the evidence of “{_segment_name(seg, chosen)}”."
+    return (f"Output segmentation {seg.GetName()} has no result's evidence: Re-propagate is off until you click "
+            "Segment or select a segment a result made.")
+
+
+def prune() -> None:
+    """Remove the evidence nodes (and their markups) of segmentations that are gone."""
+    for node in slicer.util.getNodesByClass("vtkMRMLScriptedModuleNode"):
+        if node.GetAttribute(EVIDENCE_ATTR) is not None and not in_scene(node.GetNodeReference(SEGMENTATION_ROLE)):
+            for n in _markups(node):
+                if n.GetScene() is not None:
+                    slicer.mrmlScene.RemoveNode(n)
+            slicer.mrmlScene.RemoveNode(node)
 
 
 # ---- snapshots (Undo, Redo) -------------------------------------------------------------------
@@ -187,7 +255,7 @@ def _roi_record(n) -> dict:
 
 def snapshot(p, segNode, segmentId: str) -> Optional[dict]:
     """The segment's evidence as plain data (None when it has none): what :func:`restore` puts back."""
-    if _same(p.outputSegmentation, segNode) and p.segmentId == segmentId:
+    if shows(p, segNode, segmentId):
         store(p)
     node = find(segNode, segmentId)
     if node is None or not node.GetParameter("anchorJson"):
@@ -234,7 +302,7 @@ def restore(p, segNode, segmentId: str, snap: Optional[dict]) -> None:
     """Put the segment's evidence back as ``snap`` (None: no evidence): its current evidence node
     and markups are removed, new ones made from ``snap``. ``p`` shows it when the segment is the
     selected one."""
-    selected = _same(p.outputSegmentation, segNode) and p.segmentId == segmentId
+    selected = shows(p, segNode, segmentId)
     if selected:
         load(p, None)  # nothing of p refers to the nodes removed next
     remove(segNode, segmentId)

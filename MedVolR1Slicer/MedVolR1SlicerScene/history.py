@@ -173,7 +173,7 @@ class Step:
         if target:
             evidence.select_segment(p, self.segmentation, target)
         else:
-            if evidence._same(p.outputSegmentation, self.segmentation):
+            if evidence._same(p.evidenceSegmentation, self.segmentation):
                 evidence.forget_shown(p)
 
 

@@ -12,12 +12,14 @@ MRML and ``slicer.util``, so ``Testing/slicer_mrml`` runs it on ``slicer-core``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
 from typing import List, Optional, Tuple
 
 import slicer
+import vtk
 from slicer.ScriptedLoadableModule import ScriptedLoadableModuleLogic
 
 from MedVolR1SlicerLib import install
@@ -44,6 +46,11 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     worker command, a recording client).
     """
 
+    # > 0 while a logic is changing the selection in several writes (followed once it is done);
+    # shared, because every logic of the module (the panel's, the self-test's, a script's) watches
+    # the same parameter node
+    _quiet = 0
+
     def __init__(self, session: Optional[Session] = None):
         ScriptedLoadableModuleLogic.__init__(self)
         self.session = session if session is not None else self.defaultSession()
@@ -54,8 +61,14 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         # called with a segmentation node just before a result or Undo changes it (the panel saves
         # the Segment Editor's undo state there, so Ctrl+Z in the editor takes a result back too)
         self.beforeChange = None
+        # called with the line that says why the evidence shown changed or went (the panel's status)
+        self.selectionChanged = None
+        self._watched = []  # [(node, tag)]: the parameter node and the Output segmentation's segments
         scene = slicer.mrmlScene
         self._sceneObservers = [(scene, scene.AddObserver(scene.StartCloseEvent, self._onSceneStartClose))]
+        for event in (scene.EndCloseEvent, scene.EndImportEvent):
+            self._sceneObservers.append((scene, scene.AddObserver(event, self._onSceneChanged)))
+        self._sceneObservers.append((scene, scene.AddObserver(scene.NodeRemovedEvent, self._onNodeRemoved)))
         # the evidence the panel shows goes back to its segment's evidence node before the scene
         # is saved (it is then in the file) or another scene is imported (which replaces the
         # module's parameter node with its own)
@@ -77,7 +90,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         version carries are removed from it first, never used (:meth:`takeIgnoredWorkerSettings`)."""
         node = super().getParameterNode()
         self._ignoredWorkerSettings.update(drop_worker_settings(node))
-        return MedVolR1SlicerParameterNode(node)
+        p = MedVolR1SlicerParameterNode(node)
+        self._watch(p)
+        return p
 
     def takeIgnoredWorkerSettings(self) -> dict:
         """The worker settings (``{"worker": …, "remoteUrl": …}``) that a scene of an older version
@@ -119,12 +134,70 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
     def _onStoreEvidence(self, caller=None, event=None):
         evidence.store(self._shown())
 
+    def _onSceneChanged(self, caller=None, event=None):
+        """A scene closed or imported: the parameter node may be another one, or lost its nodes."""
+        self.followSelection(announce=event != "EndCloseEvent")
+
+    def _onNodeRemoved(self, caller=None, event=None):
+        scene = slicer.mrmlScene
+        if not (scene.IsClosing() or scene.IsImporting()):
+            evidence.prune()  # the evidence of a segmentation that is gone goes with it
+
+    # which segment is worked on: one answer (evidence.follow_selection)
+
+    def _watch(self, p) -> None:
+        """Follow the selection whenever the parameter node changes or a segment of the Output
+        segmentation is removed, whoever did it (the panel, Qt's selector, a script)."""
+        wanted = [p.parameterNode, p.outputSegmentation]
+        if [n for n, _ in self._watched] == [n for n in wanted if n is not None]:
+            return
+        for node, tag in self._watched:
+            node.RemoveObserver(tag)
+        self._watched = [(p.parameterNode, p.parameterNode.AddObserver(vtk.vtkCommand.ModifiedEvent,
+                                                                       self._onSelectionMaybeChanged))]
+        if p.outputSegmentation is not None:
+            seg = p.outputSegmentation
+            self._watched.append((seg, seg.AddObserver(slicer.vtkSegmentation.SegmentRemoved,
+                                                       self._onSelectionMaybeChanged)))
+
+    def _onSelectionMaybeChanged(self, caller=None, event=None):
+        self.followSelection()
+
+    def followSelection(self, p=None, announce: bool = True) -> str:
+        """Make the evidence shown that of the selected segment of the Output segmentation again,
+        or show none (:func:`.evidence.follow_selection`); returns the line that says why ('' when
+        nothing changed), also given to :attr:`selectionChanged`. The logic calls it whenever the
+        parameter node changes or a segment of the Output segmentation is removed."""
+        scene = slicer.mrmlScene
+        if MedVolR1SlicerLogic._quiet or scene.IsClosing() or scene.IsImporting():
+            return ""
+        p = p if p is not None else self._shown()
+        MedVolR1SlicerLogic._quiet += 1
+        try:
+            note = evidence.follow_selection(p)
+        finally:
+            MedVolR1SlicerLogic._quiet -= 1
+        self._watch(p)
+        if note and announce and self.selectionChanged is not None:
+            self.selectionChanged(note)
+        return note
+
+    @contextlib.contextmanager
+    def _changingSelection(self, p):
+        """The logic changes the selection in several writes: follow it once, when done."""
+        MedVolR1SlicerLogic._quiet += 1
+        try:
+            yield
+        finally:
+            MedVolR1SlicerLogic._quiet -= 1
+        self.followSelection(p)
+
     def cleanup(self):
         """Stop the worker, stop watching the scene and remove the temporary folder (the module
         is unloaded or Slicer exits)."""
-        for scene, tag in self._sceneObservers:
-            scene.RemoveObserver(tag)
-        self._sceneObservers = []
+        for node, tag in self._sceneObservers + self._watched:
+            node.RemoveObserver(tag)
+        self._sceneObservers, self._watched = [], []
         self.shutdown()
         self._files.remove()
 
@@ -161,19 +234,31 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         """Why the boxes in ``p`` cannot be edited or re-propagated (:func:`.nodes.result_problem`)."""
         return nodes.result_problem(p)
 
+    def repropagateProblem(self, p) -> str:
+        """Why Re-propagate cannot run now ('' when it can): no segment with a result's evidence
+        is selected, or what :meth:`resultProblem` says."""
+        if not p.anchorJson or evidence.segment_of(p.evidenceSegmentation, p.segmentId) is None:
+            return ("segment first: no segment with a result's evidence is selected (click Segment, or select a "
+                    "segment a result made); nothing was re-propagated")
+        return nodes.result_problem(p)
+
     def _live(self, nodeList) -> list:
         return nodes.live(nodeList)
 
     # requests
 
-    def _target(self, p, volume, replaceSegmentId: str = "") -> Target:
+    def _target(self, p, volume, replaceSegmentId: str = "", repropagate: bool = False) -> Target:
         """Where the result of a request started now goes, fixed now: edits of the panel while
-        the worker runs (query, output, Replace/Keep both) do not move it."""
+        the worker runs (query, output, Replace/Keep both) do not move it. Re-propagate's goes
+        into the segment whose evidence it sends, in the segmentation that holds it, or nowhere."""
         notes = []
-        segmentation = p.outputSegmentation
+        segmentation = p.evidenceSegmentation if repropagate else p.outputSegmentation
         if segmentation is not None:
             ref = nodes.reference_volume(segmentation)
             if ref is not None and ref is not volume and nodes.in_scene(ref):
+                if repropagate:
+                    raise ValueError(f"{segmentation.GetName()} belongs to {ref.GetName()}, not to "
+                                     f"{volume.GetName()}; nothing was re-propagated")
                 notes.append(f"{segmentation.GetName()} belongs to {ref.GetName()}; the result went into a new "
                              "segmentation")
                 segmentation, replaceSegmentId = None, ""
@@ -181,8 +266,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             queries = query_lines(p.query)
         except WorkerError:  # no query: a re-propagation needs none, a Segment is refused on sending
             queries = []
+        keep = evidence.segment_of(segmentation, replaceSegmentId) if repropagate else None
         return Target(volume, segmentation, replaceSegmentId, p.query, self._generation, notes,
-                      queries if len(queries) > 1 else None)
+                      queries if len(queries) > 1 else None, keepSegment=keep.GetName() if keep is not None else "")
 
     def startSegment(self, p, options: Options, onFinished=None, replaceExisting: bool = False):
         volume = p.inputVolume
@@ -204,11 +290,17 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         """Re-run MedSAM2 on the edited boxes and the corrections (:meth:`anchorFromBoxes`:
         ``medvol.anchor/2`` only when there are prompts or a slice range; ``/4`` with the slices
         of the segment painted since the result, :mod:`.painted`). Returns ``(job,
-        notes)``: notes say which boxes had to be put back on their slice or cut to the image."""
+        notes)``: notes say which boxes had to be put back on their slice or cut to the image.
+        The result replaces the segment whose evidence is sent, in its segmentation, and nothing
+        else; raises ``ValueError`` (one line, nothing sent) when no segment's evidence is selected."""
+        self.followSelection(p)
+        problem = self.repropagateProblem(p)
+        if problem:
+            raise ValueError(problem)
         anchor, notes = self.anchorFromBoxes(p)
         anchor = painted.add_mask_prompts(p, anchor)  # slices repainted since the result (medvol.anchor/4)
         volume = p.resultVolume
-        target = self._target(p, volume, p.segmentId)
+        target = self._target(p, volume, p.segmentId, repropagate=True)
         job = self.session.propagate(self.exportVolume(volume), anchor, options)
         job.finished.connect(lambda j: self._finish(p, target, j, notes, onFinished))
         return job, notes
@@ -229,6 +321,9 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
             return "the volume was removed while the worker ran; nothing was added"
         if target.segmentation is not None and not nodes.in_scene(target.segmentation):
             return "the output segmentation was removed while the worker ran; nothing was added"
+        if target.keepSegment and evidence.segment_of(target.segmentation, target.replaceSegmentId) is None:
+            return (f"“{target.keepSegment}” was removed from {target.segmentation.GetName()} while the worker "
+                    "ran; nothing was written")
         return ""
 
     def _finish(self, p, target: Target, job, notes, onFinished):
@@ -258,7 +353,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         if target is None:
             target = Target(volumeNode, p.outputSegmentation, p.segmentId if replaceSegment else "", p.query,
                             self._generation, [])
-        notes, step = apply_result(p, volumeNode, result, target, beforeChange=self.beforeChange)
+        with self._changingSelection(p):
+            notes, step = apply_result(p, volumeNode, result, target, beforeChange=self.beforeChange)
         if step is not None:
             self._history.push(step)
             for change in step.changes:  # what a slice painted later is compared with (Redo puts it back)
@@ -305,7 +401,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         step = self._step(p, undo)
         if step is None:
             return False
-        step.apply(p, undo, discardEdits, self.beforeChange)  # raises before changing anything
+        with self._changingSelection(p):
+            step.apply(p, undo, discardEdits, self.beforeChange)  # raises before changing anything
         self._history.move(step.segmentation, undo)
         return True
 
@@ -330,7 +427,8 @@ class MedVolR1SlicerLogic(ScriptedLoadableModuleLogic):
         """Show the evidence of segment ``segmentId`` of ``segmentationNode`` (the panel's
         segment list, the Segment Editor's selection); Re-propagate, Add box here and points act
         on it from now on. Returns whether it has a result's evidence."""
-        evidence.select_segment(p, segmentationNode, segmentId)
+        with self._changingSelection(p):
+            evidence.select_segment(p, segmentationNode, segmentId)
         return bool(p.anchorJson)
 
     def hasEvidence(self, p, segmentationNode, segmentId: str) -> bool:

@@ -30,6 +30,9 @@ class MedVolR1SlicerParameterNode:
     window: str = params.DEFAULTS["window"]
     outputSegmentation: vtkMRMLSegmentationNode
     segmentId: str = ""
+    # the segmentation whose segment ``segmentId`` the evidence below belongs to (evidence.follow_selection
+    # makes it the Output segmentation again whenever that changes)
+    evidenceSegmentation: vtkMRMLSegmentationNode
     resultVolume: vtkMRMLScalarVolumeNode  # the volume the shown segment's result and its boxes belong to
     boxes: list[vtkMRMLMarkupsROINode]  # the key-slice boxes: the anchor's objects 1..N
     keySlice: int = -1  # stack z of the anchor (shown to the user)

@@ -44,6 +44,7 @@ class Target:
     generation: int  # the logic's scene count: a closed scene's result is dropped
     notes: List[str] = field(default_factory=list)
     queries: Optional[List[str]] = None  # several queries in one request (one segment each)
+    keepSegment: str = ""  # Re-propagate: the name of the segment replaced, which must still be there
 
 
 def _remove_agreement_file(result: dict) -> None:

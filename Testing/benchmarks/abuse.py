@@ -4,7 +4,8 @@
 
 Runs every test of ``Testing/core`` (and of the ``Testing/training`` files holding one) marked ``@pytest.mark.probe(item, text)`` (each is one probe,
 tagged with its hardening item: "1" … "13" for the first review's, "II.1" … "II.11" for the
-second's, "43.1" … "43.6" for the third's; ``test_serve_probes.py``, ``test_volume_probes.py``, ``test_dicom.py``, ``test_fileio.py``, …)
+second's, "43.1" … "43.6" for the third's, "55.1" … "55.10" for the fourth's (headers, refused
+bodies, random requests, sessions behind the front, the GPU check, prepare, nginx, paths, SIGTERM); ``test_serve_probes.py``, ``test_volume_probes.py``, ``test_dicom.py``, ``test_fileio.py``, …)
 including the heavy probes the test suite skips (200 slow
 clients; a decompression bomb under the default ``--max-voxels``, cancelled), and prints one row
 per probe: item, what was sent, outcome (refused/handled as required = PASS), seconds of the

@@ -114,10 +114,22 @@ def test_a_foreign_host_gets_421_and_a_foreign_origin_403(served):
     assert r.status_code == 403
 
 
-def test_a_body_past_the_limit_gets_413(served):
+def _sized(n: int) -> str:
+    """A tools/list request padded to exactly ``n`` bytes."""
+    head = '{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_pad": "'
+    return head + "a" * (n - len(head) - 3) + '"}}'
+
+
+def test_a_body_at_and_past_the_limit(served):
     url, token, _, _ = served
-    big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"x": "a" * MAX_BODY}})
-    r = httpx.post(url, content=big, headers=_headers(token))
+    client = RawClient(url, token)
+    client.initialize()
+    at, past = _sized(MAX_BODY), _sized(MAX_BODY + 1)
+    assert len(at.encode()) == MAX_BODY and json.loads(at)["method"] == "tools/list"
+    r = client.post(json.loads(at))  # RawClient sends json.dumps(body): the same bytes
+    assert r.status_code == 200, (r.status_code, r.text[:200])
+    assert any(m.get("result", {}).get("tools") for m in _messages(r))
+    r = httpx.post(url, content=past, headers=_headers(token))
     assert r.status_code == 413
 
 

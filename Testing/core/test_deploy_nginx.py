@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import secrets
 import signal
 import socket
 import ssl
@@ -39,8 +40,9 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "Resources" / "deploy" / "nginx" / "medvol.conf"
 NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
 OPENSSL = shutil.which("openssl")
-WORKER_TOKEN = "w" * 32
-CLIENT_TOKEN = "alice-" + "a" * 26
+# tokens made as the README says (43 characters): the shipped map must hold them
+WORKER_TOKEN = secrets.token_urlsafe(32)
+CLIENT_TOKEN = secrets.token_urlsafe(32)
 PUBLIC_NAME = "medvol.example.org"
 ANCHOR = {"schema": "medvol.anchor/1", "slice": 4, "boxes": [[30, 30, 90, 80]], "source": "user"}
 EDITED = dict(ANCHOR, boxes=[[40, 30, 80, 70]])
@@ -72,7 +74,7 @@ def render(ports, listen_port: int, cert: Path, key: Path, logs: Path) -> str:
         ("/var/log/nginx/medvol-access.log", str(logs / "access.log")),
         ("/var/log/nginx/medvol-error.log", str(logs / "error.log")),
         ("FILL-IN-alice-token-aaaaaaaaaaaaaaaaaaaa", CLIENT_TOKEN),
-        ("FILL-IN-bob-token-bbbbbbbbbbbbbbbbbbbbbbbb", "bob-" + "b" * 28),
+        ("FILL-IN-bob-token-bbbbbbbbbbbbbbbbbbbbbbbb", secrets.token_urlsafe(32)),
         ("FILL-IN-worker-token-wwwwwwwwwwwwwwwwwwww", WORKER_TOKEN),
     ]
     for old, new in subs:
@@ -135,7 +137,12 @@ def stack(tmp_path_factory, small_ct):
     workers = [HttpServer("--device", "cpu", "--preset", "tiny", "--threads", "1", "--token-file", str(root / "token"),
                           "--allowed-host", PUBLIC_NAME) for _ in range(2)]
     port = _free_port()
-    nginx = Nginx(root / "prefix", render([w.port for w in workers], port, cert, key, root / "prefix" / "logs"))
+    try:
+        nginx = Nginx(root / "prefix", render([w.port for w in workers], port, cert, key, root / "prefix" / "logs"))
+    except BaseException:  # a config nginx refuses: the workers must not outlive the test
+        for w in workers:
+            w.stop()
+        raise
     ctx = ssl.create_default_context(cafile=str(cert))
     deadline = time.monotonic() + 20
     while True:
@@ -389,6 +396,26 @@ def test_a_client_alternating_between_volumes_keeps_their_encoded_slices(stack, 
         assert again == [0] * len(sent)
     finally:
         w.stop()
+
+
+@pytest.mark.probe("55.7", "through nginx: a volume body refused from its header")
+def test_a_refused_body_goes_to_one_worker_only(stack):
+    """A volume body whose header declares more voxels than a worker allows: that worker refuses
+    it from its first bytes and closes the connection without reading the rest; nginx answers
+    the refusal and never sends the body to the second worker."""
+    import nibabel as nib
+
+    hdr = nib.Nifti1Header()
+    hdr.set_data_shape((2048, 2048, 1000))
+    hdr.set_data_dtype(np.int16)
+    hdr["vox_offset"] = 352
+    body = hdr.binaryblock + b"\0" * 4 + b"\0" * (8 << 20)
+    status, _, _ = call(stack, "POST", "/rpc", body=body,
+                     headers={"Content-Type": "application/octet-stream", "X-MedVol-Volume": "refused-" + "r" * 20,
+                              "X-MedVol-Request": json.dumps({"id": "big", "op": "propagate", "anchor": ANCHOR})})
+    assert status in (413, 502), status
+    lines = stack.nginx.access_log('"POST /rpc', "volume=refused-" + "r" * 20)
+    assert len(lines) == 1 and re.search(r"upstream=127\.0\.0\.1:\d+ upstream_status=\d+ ", lines[0]), lines
 
 
 def test_a_killed_worker_fails_over_to_the_other_with_the_same_mask(stack, first_round):

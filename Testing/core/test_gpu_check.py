@@ -6,6 +6,7 @@ are one line and exit 2; without the project's virtual environment it says how t
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -117,3 +118,33 @@ def test_wheels_check_finds_a_missing_dependency_and_a_version_clash(tmp_path):
     (tmp_path / "sam2-1.0-py3-none-any.whl").unlink()
     r = _bash(WHEELS, "--check", env={"WHEELS_DIR": str(tmp_path)})
     assert "sam2: imported by device.sh, neither a wheel nor on the machine" in r.stdout
+
+
+@pytest.mark.probe("55.5", "the GPU check's child crashes after an earlier run left a PASS behind")
+def test_a_crashed_check_is_fail_and_out_holds_only_this_run(tmp_path):
+    """A check whose process dies is FAIL, even where an earlier run's result lies in a folder the
+    check used before; ``$OUT`` holds only this run's report and log."""
+    import os
+    import sys
+
+    for old in (Path("/tmp/medvol-device-check"), tmp_path / "out" / "work"):  # where earlier versions worked
+        old.mkdir(parents=True, exist_ok=True)
+        (old / "cuda.json").write_text('{"status": "PASS", "detail": "an earlier run"}')
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    (crash / "sitecustomize.py").write_text("import os, sys\nif '--child' in sys.argv:\n    os._exit(3)\n")
+    out = tmp_path / "out"
+    (out / "stale.log").write_text("")  # not the check's: left alone
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=f"{crash}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, str(REPO / "Testing" / "gpu" / "device.py"), "--only", "cuda", "--device",
+                        "cpu", "--budget", "60"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    report = json.loads((out / "report.json").read_text())
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert report["checks"]["cuda"]["status"] == "FAIL" and "exit 3" in report["checks"]["cuda"]["detail"]
+    assert sorted(p.name for p in out.iterdir() if p.name != "work") == ["cuda.log", "report.json", "stale.log"]
+
+
+def test_device_sh_makes_its_folder_with_mktemp():
+    text = DEVICE.read_text()
+    assert "mktemp -d" in text and "rm -rf \"$site\"" in text.replace("'", "\"")
+    assert "/tmp/medvol-device-site\"" not in text  # no fixed, shared name

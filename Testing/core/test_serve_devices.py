@@ -193,7 +193,7 @@ def test_stopping_the_front_stops_its_workers():
     s.proc.send_signal(signal.SIGTERM)
     s.proc.wait(60)
     gone, alive = psutil.wait_procs(kids, timeout=30)
-    assert not alive and s.proc.returncode == 0
+    assert not alive and s.proc.returncode == 143  # as a shell reports SIGTERM
     assert not os.path.exists(os.path.join(__import__("tempfile").gettempdir(), tmp[0]))
     assert "stopped (SIGTERM)" in "".join(s.stderr)
 
@@ -327,3 +327,25 @@ def test_the_front_serves_https_itself(tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def _hello(port, source, sid=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=(source, 0))
+    conn.request("GET", "/hello", headers={"X-MedVol-Session": sid} if sid else {})
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.getheader("X-MedVol-Session")
+
+
+@pytest.mark.probe("55.4", "behind --devices, one client's 140 sessions push out no other client's")
+def test_front_keeps_sessions_per_client(front):
+    """The workers count sessions under the client the front names (X-MedVol-Client), not under
+    the front's own address: a client opening and using many sessions forgets only its own."""
+    bob = _hello(front.port, "127.0.0.2")
+    assert _hello(front.port, "127.0.0.2", bob) == bob  # sent back: a known session
+    for _ in range(140):  # about 70 known sessions on each worker, more than 64 a client keeps
+        sid = _hello(front.port, "127.0.0.1")
+        assert _hello(front.port, "127.0.0.1", sid) == sid
+    assert _hello(front.port, "127.0.0.2", bob) == bob
+

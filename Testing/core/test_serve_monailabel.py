@@ -199,6 +199,18 @@ def test_the_dicomweb_proxy_reaches_only_the_allowed_server_read_only(worker, or
     assert status == 405
 
 
+def test_the_proxy_query_at_and_past_its_bound(worker):
+    from medvolcore.serve.limits import limit
+
+    bound = int(limit("viewer_proxy_query").default)
+    head = f"StudyInstanceUID={STUDY}&x="
+    at = head + "a" * (bound - len(head))
+    status, body, _ = _get(f"{worker.url}/proxy/dicom/qido/studies?{at}", {"Accept": "application/dicom+json"})
+    assert status == 200 and json.loads(body)[0]["0020000D"]["Value"] == [STUDY]
+    status, body, _ = _get(f"{worker.url}/proxy/dicom/qido/studies?{at}a", {"Accept": "application/dicom+json"})
+    assert status == 414 and "too long" in json.loads(body)["detail"]
+
+
 def test_the_viewer_is_served_with_its_dicomweb_through_the_worker(worker):
     status, body, headers = _get(f"{worker.url}/ohif/")
     assert status == 200 and b"/ohif/medvol-panel.js" in body and headers["Content-Type"].startswith("text/html")

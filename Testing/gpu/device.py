@@ -26,8 +26,10 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -301,8 +303,18 @@ def main(argv=None) -> int:
             print(f"  {c:<10} {plan[c]}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    work = args.out / "work" if not os.environ.get("OUT") else Path("/tmp/medvol-device-check")
-    work.mkdir(parents=True, exist_ok=True)
+    for c in RUNNERS:  # what an earlier run left here is never reported as this run's
+        (args.out / f"{c}.log").unlink(missing_ok=True)
+    (args.out / "report.json").unlink(missing_ok=True)
+    # a fresh folder per run, outside $OUT (which then holds only this run's report and logs)
+    work = Path(tempfile.mkdtemp(prefix="medvol-device-check-"))
+    try:
+        return _run(args, plan, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args, plan: dict, work: Path) -> int:
     start = time.perf_counter()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": args.device,
               "budget_s": args.budget, "small": args.small, "checks": {}}
@@ -319,8 +331,13 @@ def main(argv=None) -> int:
             p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
             try:
                 p.wait(timeout=left)
-                res = json.loads((work / f"{c}.json").read_text()) if (work / f"{c}.json").is_file() else \
-                    {"status": "FAIL", "detail": f"exit {p.returncode}, no result (see {c}.log)"}
+                found = (work / f"{c}.json").is_file()
+                if p.returncode == 0 and found:
+                    res = json.loads((work / f"{c}.json").read_text())
+                else:  # a crashed check is FAIL, whatever it wrote before it died
+                    res = {"status": "FAIL", "detail": f"exit {p.returncode}, "
+                                                       f"{'a result written before it' if found else 'no result'} "
+                                                       f"(see {c}.log)"}
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
                 p.wait()

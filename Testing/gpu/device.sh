@@ -14,15 +14,18 @@ for a in "$@"; do
   fi
 done
 wheels="${WHEELS_DIR:-$repo/.gpu-wheels}"
-site="${DEVICE_SITE:-/tmp/medvol-device-site}"
+site="${DEVICE_SITE:-}"
 if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
   echo "device check: no wheels in $wheels: run bash Testing/gpu/wheels.sh first (where the registry is)" >&2
   exit 2
 fi
 t0=$(date +%s)
-rm -rf "$site"
+if [ -z "$site" ]; then  # a new private folder per run (never a fixed name another user could have made)
+  site="$(mktemp -d "${TMPDIR:-/tmp}/medvol-device-site.XXXXXX")"
+  trap 'rm -rf "$site"' EXIT
+fi
 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MEDVOL_HOME="${MEDVOL_HOME:-/tmp/medvol-home}"
 echo "device check: wheels installed in $site in $(( $(date +%s) - t0 )) s"
 cd "$repo"
-exec "$py" "$here/device.py" "$@"
+"$py" "$here/device.py" "$@"

@@ -63,8 +63,9 @@ PARTS = ("MedVolR1SlicerLib", "MedVolR1SlicerScene", "MedVolR1SlicerPanel")
 
 
 def _module_name(path: Path) -> str:
-    """The import name of a file of the module folder (``MedVolR1SlicerScene.logic``, ``batch``)."""
-    rel = path.relative_to(MODULE).with_suffix("")
+    """The import name of a file of the module folder (``MedVolR1SlicerScene.logic``, ``batch``: a
+    script of ``Scripts/`` is imported from there)."""
+    rel = path.relative_to(MODULE if path.parent.name != "Scripts" else path.parent).with_suffix("")
     parts = [p for p in rel.parts if p != "__init__"]
     return ".".join(parts)
 
@@ -326,7 +327,7 @@ def test_logic_and_batch_do_io_through_storage_nodes_not_the_qt_io_manager():
     manager: the logic and the batch script use MRML storage nodes and module logics instead."""
     qt_io = {"exportNode", "saveNode", "loadVolume", "loadLabelVolume", "loadNodeFromFile", "loadSegmentation"}
     scene = [ast.parse(f.read_text(encoding="utf-8")) for f in sorted((MODULE / "MedVolR1SlicerScene").glob("*.py"))]
-    batch = ast.parse((MODULE / "batch.py").read_text(encoding="utf-8"))
+    batch = ast.parse((MODULE / "Scripts" / "batch.py").read_text(encoding="utf-8"))
     for tree in scene + [batch]:
         used = {name.split(".")[-1] for name, _ in _calls(tree)}
         assert not used & qt_io, used & qt_io

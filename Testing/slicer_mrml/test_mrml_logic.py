@@ -107,6 +107,13 @@ def worker_result(logic, volume_node, labels_ijk, label_ids, tmp_path, name="mas
     return {"anchor": anchor.to_dict(), "mask_path": str(path), "notes": [], "smoke": False}, mask, stack
 
 
+def shown_segment(logic, p):
+    """Select an empty segment of a new segmentation: the evidence written into ``p`` next is its
+    (evidence is always a segment's)."""
+    seg = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode")
+    logic.selectSegment(p, seg, seg.GetSegmentation().AddEmptySegment("", "the target"))
+
+
 def segment_array(p, volume_node):
     return slicer.util.arrayFromSegmentBinaryLabelmap(p.outputSegmentation, p.segmentId, volume_node)
 
@@ -306,6 +313,7 @@ def test_roi_nodes_round_trip_to_the_same_anchor_on_medvolcores_stack(logic, var
     result, _, stack = worker_result(logic, node, labels, [KIDNEY_RIGHT, KIDNEY_LEFT], tmp_path, query="the kidneys")
     original = result["anchor"]
     assert len(original["boxes"]) == 2
+    shown_segment(logic, p)
     rois = logic.placeBoxes(p, node, original)
     p.anchorJson = json.dumps(original)
     assert [r.GetName() for r in rois] == ["MedVol box 1", "MedVol box 2"]
@@ -331,6 +339,7 @@ def test_a_box_dragged_off_the_slice_and_past_the_edge_is_clamped_and_put_back(l
     p = logic.getParameterNode()
     p.inputVolume, p.query = node, "the liver"
     result, _, stack = worker_result(logic, node, labels, [LIVER], tmp_path)
+    shown_segment(logic, p)
     (roi_node,) = logic.placeBoxes(p, node, result["anchor"])
     p.anchorJson = json.dumps(result["anchor"])
     geo = logic.geometry(node)

@@ -242,10 +242,21 @@ class ScriptedLoadableModuleWidget:
         raise NotImplementedError("reloading a scripted module needs Slicer's module manager (not in the tests)")
 
 
+ESC, CLOSE = "Esc", "×"  # planned answers: close a dialog with the Esc key or the title bar's ×
+
+
 class ModalDialogs:
     """``exec_()`` of a dialog would wait for a user: instead the dialog's button named by the next
     planned answer is clicked (``plan("Keep both")``), and a dialog nobody planned for fails the
-    test with its text (it would block the panel, and the test, for ever)."""
+    test with its text (it would block the panel, and the test, for ever).
+
+    The planned answers :data:`ESC` and :data:`CLOSE` close the dialog as a user does without a
+    button, through Qt itself (the dialog shown, then the Esc key or the title bar's ×): a message
+    box then gives its escape button (Cancel, No, the one button that rejects) as the clicked one
+    and ``exec_()`` its code, which is how ``slicer.util.confirmYesNoDisplay`` answers "no"
+    (Base/Python/slicer/util.py:3276-3287, 3366-3379 at v5.12.3), and ``clickedButton()`` is None
+    for one without (× is then ignored, and the test fails: the user could not close it); another
+    dialog is rejected."""
 
     def __init__(self, errors):
         self.errors = errors
@@ -263,10 +274,33 @@ class ModalDialogs:
             self.errors.append(("a modal dialog", AssertionError(f"a modal dialog nobody answers: {text!r} {sorted(buttons)}")))
             return QtWidgets.QDialog.Rejected
         answer = self.answers.pop(0)
+        if answer in (ESC, CLOSE):
+            return self._closeWithout(dialog, answer, text)
         if answer not in buttons:
             self.errors.append(("a modal dialog", AssertionError(f"no button {answer!r} in {text!r} {sorted(buttons)}")))
             return QtWidgets.QDialog.Rejected
         buttons[answer].click()
+        return dialog.result()
+
+    def _closeWithout(self, dialog, how, text):
+        from PyQt5 import QtTest
+
+        dialog.show()  # a message box finds its escape button when shown
+        QtWidgets.QApplication.setActiveWindow(dialog)  # exec_() gives a dialog the keyboard focus
+        QtTest.QTest.qWaitForWindowActive(dialog, 1000)
+        if how == ESC:
+            QtTest.QTest.keyClick(dialog, QtCore.Qt.Key_Escape)
+        else:
+            dialog.close()
+        for _ in range(100):  # Esc clicks the escape button with an animated click
+            if not dialog.isVisible():
+                break
+            QtTest.QTest.qWait(10)
+        if dialog.isVisible():
+            dialog.hide()
+            self.errors.append(("a modal dialog", AssertionError(f"{how} does not close {text!r}: the user cannot "
+                                                                 "leave it without a button")))
+            return QtWidgets.QDialog.Rejected
         return dialog.result()
 
     def install(self):

@@ -120,7 +120,9 @@ def test_a_node_selector_binds_a_node_field_and_takes_its_node_type(env):
     assert p.volume is b
     p.volume = a
     assert combo.currentNode() is a
-    scene.RemoveNode(a)  # the selection leaves with the node, and so does the field
+    scene.RemoveNode(a)  # the selection moves to the neighbour (qMRMLNodeComboBox.cxx:719-741), and so does the field
+    assert combo.currentNode() is b and p.volume is b
+    scene.RemoveNode(b)  # none left
     assert combo.currentNode() is None and p.volume is None
 
 

@@ -151,10 +151,11 @@ def test_the_node_combo_box_lists_the_scene_and_follows_removals(slicer_qt):
     combo = slicer.qMRMLNodeComboBox()
     combo.nodeTypes = ["vtkMRMLScalarVolumeNode"]
     combo.showChildNodeTypes = False
+    combo.noneEnabled = True
     combo.setMRMLScene(slicer.mrmlScene)
     ct = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLScalarVolumeNode", "CT")
     slicer.mrmlScene.AddNewNodeByClass("vtkMRMLLabelMapVolumeNode", "labels")
-    assert combo.nodeCount() == 1 and combo.currentNode() is None  # not picked on its own (not modelled)
+    assert combo.nodeCount() == 1 and combo.currentNode() is None  # "None" stays selected
     seen = []
     combo.connect("currentNodeChanged(vtkMRMLNode*)", lambda node: seen.append(node))
     combo.setCurrentNode(ct)
@@ -177,4 +178,124 @@ def test_a_modal_dialog_is_answered_as_planned_or_fails_the_test(qt, dialogs):
     assert qt.QDialog().exec_() == qt.QDialog.Rejected
     (where, error), = pythonqt.slot_errors
     assert "nobody answers" in str(error)
+    pythonqt.slot_errors.clear()  # expected here
+
+
+def test_the_node_combo_box_moves_to_a_neighbour_when_its_node_is_removed(slicer_qt):
+    """qMRMLNodeComboBox.cxx:719-741 at v5.12.3 (``emitCurrentNodeChanged``: a current row that
+    is no node becomes the last node) over QComboBox's removal (the row that took its place is
+    current): deleting the current segmentation selects the next one, else the last one."""
+    import slicer
+
+    slicer.mrmlScene.Clear(0)
+    combo = slicer.qMRMLNodeComboBox()
+    combo.nodeTypes = ["vtkMRMLSegmentationNode"]
+    combo.noneEnabled = True
+    combo.setMRMLScene(slicer.mrmlScene)
+    a, b, c = (slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", n) for n in "abc")
+    seen = []
+    combo.connect("currentNodeChanged(vtkMRMLNode*)", lambda node: seen.append(node))
+    combo.setCurrentNode(b)
+    combo.removeCurrentNode()  # "Delete current segmentation" (:784-787)
+    assert combo.currentNode() is c
+    slicer.mrmlScene.RemoveNode(c)  # the last one: the one before it
+    assert combo.currentNode() is a
+    slicer.mrmlScene.RemoveNode(a)
+    assert seen == [b, c, a, None] and combo.currentNode() is None
+    slicer.mrmlScene.Clear(0)
+
+
+def test_the_node_combo_box_selects_what_create_new_makes_and_a_first_node_without_none(slicer_qt):
+    """"Create new …" adds a node and selects it (qMRMLNodeComboBox.cxx:416-450, 589-622 at v5.12.3,
+    ``selectNodeUponCreation`` on by default); without "None", the first node added to the empty
+    combo box becomes current (QComboBox makes the first row of an empty model current, and
+    :719-741 emits it)."""
+    import slicer
+
+    slicer.mrmlScene.Clear(0)
+    combo = slicer.qMRMLNodeComboBox()
+    combo.nodeTypes = ["vtkMRMLSegmentationNode"]
+    combo.noneEnabled = True
+    combo.setMRMLScene(slicer.mrmlScene)
+    slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", "old")
+    assert combo.currentNode() is None  # "None" stays selected
+    made = combo.addNode()
+    assert made is not None and combo.currentNode() is made and made.IsA("vtkMRMLSegmentationNode")
+
+    strict = slicer.qMRMLNodeComboBox()
+    strict.nodeTypes = ["vtkMRMLScalarVolumeNode"]
+    strict.noneEnabled = False
+    strict.setMRMLScene(slicer.mrmlScene)
+    assert strict.currentNode() is None
+    ct = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLScalarVolumeNode", "CT")
+    assert strict.currentNode() is ct
+    slicer.mrmlScene.AddNewNodeByClass("vtkMRMLScalarVolumeNode", "CT2")
+    assert strict.currentNode() is ct
+    slicer.mrmlScene.Clear(0)
+
+
+def test_every_top_level_python_file_of_the_module_folder_is_a_module_to_slicer(slicer_qt):
+    """Slicer's factory loads every ``*.py`` at the top of a scripted module's folder as a module
+    and needs a class of the file's name in it (qSlicerAbstractModuleFactoryManager.cxx:275-282,
+    qSlicerScriptedLoadableModuleFactory.cxx:182-200, qSlicerScriptedLoadableModule.cxx:120-170 at
+    v5.12.3): the headless batch script lives in ``Scripts/``, where the factory does not look."""
+    from slicer_standins import application, scripted_module
+
+    found = scripted_module.load_module_folder(application.MODULE_DIR)
+    assert list(found) == ["MedVolR1Slicer"]
+    assert (application.SCRIPTS_DIR / "batch.py").is_file()
+
+
+def test_the_segment_editor_answers_from_its_combo_box_and_a_new_segmentation_ends_the_effect(slicer_qt):
+    """qMRMLSegmentEditorWidget.cxx at v5.12.3: ``segmentationNode()`` is its combo box's node
+    (:1332-1336); ``setSegmentationNode`` of another one deactivates the active effect
+    (:1319-1329); the combo box (no "None", .ui:76-85) moves by itself when its node is removed and
+    the editor follows it (:337, :1393-1401)."""
+    import slicer
+
+    slicer.mrmlScene.Clear(0)
+    editor = slicer.qMRMLSegmentEditorWidget()
+    editor.setMRMLScene(slicer.mrmlScene)
+    node = slicer.mrmlScene.AddNode(slicer.vtkMRMLSegmentEditorNode())
+    a, b = (slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", n) for n in "ab")
+    editor.setMRMLSegmentEditorNode(node)
+    editor.setSegmentationNode(b)
+    assert editor.segmentationNode() is b and node.GetSegmentationNode() is b
+    editor.setActiveEffectByName("Paint")
+    editor.setSegmentationNode(b)  # the same one: the effect stays
+    assert editor.activeEffect() == "Paint"
+    editor.setSegmentationNode(a)
+    assert editor.activeEffect() is None and editor.segmentationNode() is a
+    slicer.mrmlScene.RemoveNode(a)  # the combo box moves to b, and the editor with it
+    assert editor.segmentationNode() is b and node.GetSegmentationNode() is b
+    slicer.mrmlScene.Clear(0)
+
+
+def test_a_dialog_closed_with_esc_or_the_title_bar_gives_its_escape_button_or_none(qt, dialogs):
+    """A user may leave a dialog with Esc or ×: Qt then gives the message box's escape button (what
+    ``slicer.util.confirmYesNoDisplay`` reads as "no", util.py:3276-3287, 3366-3379 at v5.12.3) and
+    no clicked button at all to a box without one."""
+    import pythonqt
+    import slicer_app
+
+    for how in (slicer_app.ESC, slicer_app.CLOSE):
+        box = qt.QMessageBox(qt.QMessageBox.Question, "MedVol-R1", "Replace?", qt.QMessageBox.NoButton)
+        keep = box.addButton("Keep both", qt.QMessageBox.AcceptRole)
+        cancel = box.addButton(qt.QMessageBox.Cancel)
+        dialogs.plan(how)
+        assert box.exec_() == qt.QMessageBox.Cancel and box.clickedButton() is cancel and box.clickedButton() is not keep
+        yes_no = qt.QMessageBox(qt.QMessageBox.Question, "MedVol-R1", "Undo anyway?",
+                                qt.QMessageBox.Yes | qt.QMessageBox.No)
+        dialogs.plan(how)
+        assert yes_no.exec_() == qt.QMessageBox.No
+        dialogs.plan(how)
+        assert qt.QDialog().exec_() == qt.QDialog.Rejected
+    box = qt.QMessageBox(qt.QMessageBox.Question, "MedVol-R1", "Go on?", qt.QMessageBox.NoButton)
+    box.addButton("Go on", qt.QMessageBox.AcceptRole)
+    box.addButton("Stop here", qt.QMessageBox.AcceptRole)
+    dialogs.plan(slicer_app.CLOSE)  # no escape button: × is ignored, the user is stuck
+    box.exec_()
+    assert box.clickedButton() is None
+    (where, error), = pythonqt.slot_errors
+    assert "cannot leave it" in str(error)
     pythonqt.slot_errors.clear()  # expected here

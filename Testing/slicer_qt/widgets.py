@@ -180,7 +180,16 @@ class qMRMLNodeComboBox(QtWidgets.QWidget):
     ``showChildNodeTypes``), "None" first when ``noneEnabled`` (shown as ``noneDisplay``);
     ``currentNodeChanged(vtkMRMLNode*)``, ``currentNodeChanged(bool)`` and
     ``currentNodeIDChanged(QString)`` when the selection changes (qMRMLNodeComboBox.cxx
-    ``emitCurrentNodeChanged``), also when the current node leaves the scene."""
+    ``emitCurrentNodeChanged``), also when the current node leaves the scene.
+
+    As in Slicer (v5.12.3), the selection changes without a pick: when the current node is
+    removed, QComboBox makes the row that took its place current, and ``emitCurrentNodeChanged``
+    (qMRMLNodeComboBox.cxx:719-741) turns a row that is no node (an extra item such as "Create
+    new") into the last node, so the next node, else the last one, is selected (None when none
+    is left); the first node added to an empty combo box without "None" becomes current
+    (QComboBox selects the first row inserted into an empty model); "Create new" adds a node and
+    selects it (``addNode``, :589-622, ``selectNodeUponCreation`` true by default) and "Delete
+    current" removes the current node (``removeCurrentNode``, :784-787)."""
 
     currentNodeChanged = pyqtSignal([object], [bool])
     currentNodeIDChanged = pyqtSignal(str)
@@ -256,9 +265,15 @@ class qMRMLNodeComboBox(QtWidgets.QWidget):
                 node = self._scene.GetNthNode(i)
                 if node is not leaving and self._wanted(node):
                     nodes.append(node)
-        self._nodes = tuple(nodes)
+        old, self._nodes = self._nodes, tuple(nodes)
         if self._current is not None and self._current not in self._nodes:
-            self._current = None
+            row = old.index(self._current) if self._current in old else len(old)
+            kept = [n for n in old[row + 1:] if n in self._nodes]  # the row that took its place, else the last
+            self._current = kept[0] if kept else (self._nodes[-1] if self._nodes else None)
+            self._updateItems()
+            self._emitCurrent()
+        elif self._current is None and not self._noneEnabled and not old and self._nodes:
+            self._current = self._nodes[0]  # QComboBox: the first row inserted into an empty model is current
             self._updateItems()
             self._emitCurrent()
         else:
@@ -307,6 +322,20 @@ class qMRMLNodeComboBox(QtWidgets.QWidget):
 
     def nodeCount(self):
         return len(self._nodes)
+
+    # -- the menu's actions (qMRMLNodeComboBox.cxx:416-488) --
+    def addNode(self, nodeType=None):
+        """"Create new …": a new node of ``nodeType`` (the first of ``nodeTypes``), selected (:589-622)."""
+        nodeType = nodeType or (self._nodeTypes[0] if self._nodeTypes else None)
+        if nodeType is None or nodeType not in self._nodeTypes:
+            return None
+        node = self._scene.AddNewNodeByClass(nodeType)
+        self.setCurrentNode(node)
+        return node
+
+    def removeCurrentNode(self):
+        """"Delete current …" (:784-787): the selection then moves as on any removal."""
+        self._scene.RemoveNode(self._current)
 
     def nodeFromIndex(self, index):
         return self._nodes[index] if 0 <= index < len(self._nodes) else None
@@ -370,22 +399,86 @@ class qMRMLNodeComboBox(QtWidgets.QWidget):
 
 class qMRMLSegmentEditorWidget(qMRMLWidget):
     """qMRMLSegmentEditorWidget.h: what it edits is its ``vtkMRMLSegmentEditorNode`` (the
-    segmentation, the source volume, the selected segment); ``saveStateForUndo`` is counted."""
+    segmentation, the source volume, the selected segment); ``saveStateForUndo`` is counted.
+
+    As in Slicer (qMRMLSegmentEditorWidget.cxx at v5.12.3): ``segmentationNode()`` answers from
+    its segmentation combo box (:1332-1336), a ``qMRMLNodeComboBox`` without "None" (its .ui:
+    76-85), which shows the editor node's segmentation (:855-866) and, when it moves by itself (its
+    node removed, a first one added), sets it (:337, :1393-1401); ``setSegmentationNode`` of
+    another segmentation deactivates the active effect (:1319-1329, :1007-1021)."""
 
     _editorNode = None
+    _editorTag = None
+    _combo = None
     undoStatesSaved = 0  # test instrumentation: how often saveStateForUndo() was called
+
+    def _segmentationCombo(self):
+        if self._combo is None:
+            self._combo = qMRMLNodeComboBox(self)
+            self._combo.setNodeTypes(["vtkMRMLSegmentationNode"])
+            self._combo.setNoneEnabled(False)
+            self._combo.setRenameEnabled(True)
+            self._combo.currentNodeChanged[object].connect(self._onSegmentationNodeChanged)
+        return self._combo
+
+    def setMRMLScene(self, scene):
+        super().setMRMLScene(scene)
+        self._segmentationCombo().setMRMLScene(scene)
+
+    def _gone(self):
+        """The widget was deleted (its panel closed): stop watching its editor node."""
+        if not sip.isdeleted(self):
+            return False
+        if self._editorNode is not None and self._editorTag is not None:
+            self._editorNode.RemoveObserver(self._editorTag)
+            self._editorTag = None
+        return True
+
+    def _onSegmentationNodeChanged(self, node):  # :1393-1401
+        if self._gone() or self._scene is None or self._scene.IsBatchProcessing():
+            return
+        self.setSegmentationNode(node)
+
+    def _updateWidgetFromMRML(self, caller=None, event=None):  # :855-866
+        if self._gone():
+            return
+        combo = self._segmentationCombo()
+        node = self._editorNode.GetSegmentationNode() if self._editorNode is not None else None
+        if node is not combo.currentNode():
+            blocked = combo.blockSignals(True)
+            combo.setCurrentNode(node)
+            combo.blockSignals(blocked)
 
     def mrmlSegmentEditorNode(self):
         return self._editorNode
 
     def setMRMLSegmentEditorNode(self, node):
-        self._editorNode = node
+        if self._editorNode is not None and self._editorTag is not None:
+            self._editorNode.RemoveObserver(self._editorTag)
+        self._editorNode, self._editorTag = node, None
+        if node is not None:
+            self._editorTag = node.AddObserver(vtk.vtkCommand.ModifiedEvent, self._updateWidgetFromMRML)
+        self._updateWidgetFromMRML()
 
     def segmentationNode(self):
-        return self._editorNode.GetSegmentationNode() if self._editorNode is not None else None
+        return self._segmentationCombo().currentNode()
 
     def setSegmentationNode(self, node):
+        if self._editorNode is None or self._editorNode.GetSegmentationNode() is node:
+            return
         self._editorNode.SetAndObserveSegmentationNode(node)
+        self.setActiveEffect(None)  # "deactivate current effect when we switch to a different segmentation"
+
+    def activeEffect(self):
+        return self._editorNode.GetActiveEffectName() or None if self._editorNode is not None else None
+
+    def setActiveEffectByName(self, name):
+        if self._editorNode is not None:
+            self._editorNode.SetActiveEffectName(name)
+
+    def setActiveEffect(self, effect):
+        if self._editorNode is not None:
+            self._editorNode.SetActiveEffectName(effect or "")
 
     def sourceVolumeNode(self):
         return self._editorNode.GetSourceVolumeNode() if self._editorNode is not None else None

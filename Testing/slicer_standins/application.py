@@ -10,6 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE_DIR = REPO / "MedVolR1Slicer"
+SCRIPTS_DIR = MODULE_DIR / "Scripts"  # scripts run with --python-script, apart from the module's files
 
 MODULE_LOGICS = {  # Slicer module name → logic class in slicer-core
     "Colors": "vtkSlicerColorLogic",
@@ -80,3 +81,5 @@ def put_module_on_path() -> None:
     """As Slicer does: the module's folder is on ``sys.path``."""
     if str(MODULE_DIR) not in sys.path:
         sys.path.insert(0, str(MODULE_DIR))
+    if str(SCRIPTS_DIR) not in sys.path:  # the headless batch script (``import batch``)
+        sys.path.insert(0, str(SCRIPTS_DIR))

@@ -80,6 +80,35 @@ class ScriptedLoadableModuleTest(unittest.TestCase):
         logging.info(message)
 
 
+def load_module_folder(folder) -> dict:
+    """What Slicer's scripted-module factory does with a module folder at start-up (v5.12.3):
+    every file at its top (not below: ``qSlicerAbstractModuleFactoryManager.cxx:275-282``,
+    ``entryInfoList(QDir::Files)``) whose suffix is ``py`` (``qSlicerScriptedLoadableModuleFactory.cxx:182-200``)
+    is a module named after the file: loaded as a Python module of that name, unless
+    ``sys.modules`` has it with the class, and its class of the same name instantiated; a file
+    without that class fails with "class … was not found in file …"
+    (``qSlicerScriptedLoadableModule.cxx:120-170``). Returns ``{name: class}``; raises
+    ``RuntimeError`` with Slicer's message for the first file that is no module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    found = {}
+    for path in sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix.lower() == ".py"):
+        name = path.stem
+        module = sys.modules.get(name)
+        if module is None or not hasattr(module, name):
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        if not hasattr(module, name):
+            raise RuntimeError("qSlicerScriptedLoadableModule::setPythonSource - Failed to load scripted loadable "
+                               f"module: class {name} was not found in file {path}")
+        found[name] = getattr(module, name)
+    return found
+
+
 def make_module(widget_base=ScriptedLoadableModuleWidget) -> types.ModuleType:
     """A ``slicer.ScriptedLoadableModule`` module object with ``widget_base`` as its widget class."""
     mod = types.ModuleType("slicer.ScriptedLoadableModule")

@@ -311,3 +311,19 @@ def test_a_bad_absent_name_or_fraction_is_one_clear_line(tmp_path, ct_sm_path, s
     assert main(["prepare", "--manifest", str(manifest), "--out", str(tmp_path / "E"), "--negative-fraction", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--negative-fraction must be a number in [0, 1)" in err[0]
+
+
+@pytest.mark.probe("55.6", "medvol-train prepare --manifest D/samples.jsonl --out D")
+def test_prepare_refuses_to_replace_its_own_manifest_without_overwrite(prepared, tmp_path, capsys):
+    manifest, _ = prepared
+    out = tmp_path / "D"
+    out.mkdir()
+    for name in ("samples.jsonl", "summary.json"):
+        inside = out / name
+        inside.write_bytes(Path(manifest).read_bytes())
+        before = inside.read_bytes()
+        code = main(["prepare", "--manifest", str(inside), "--out", str(out), "--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 2 and "--overwrite" in err and "Traceback" not in err, err
+        assert inside.read_bytes() == before
+        inside.unlink()

@@ -46,7 +46,8 @@ def cmd_prepare(args) -> int:
     settings = PrepareSettings(seed=args.seed, top_k=args.top_k, query_kind=args.query_kind,
                                test_fraction=args.test_fraction, relational=not args.no_relational,
                                prompt_window=args.prompt_window, **extra)
-    summary = prepare(args.manifest, args.out, settings, workers=args.workers, progress=not args.no_progress)
+    summary = prepare(args.manifest, args.out, settings, workers=args.workers, progress=not args.no_progress,
+                      overwrite=args.overwrite)
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     else:
@@ -272,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "not in that volume, answered <answer>[]</answer> (default 0.10; 0 = none, as in the "
                          "MedVol-R1 paper: set 0 for paper-faithful runs)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="let the output replace --manifest when it is one of the files written into --out")
 
     sp = add("sft", "Cold-start SFT with LoRA (TRL SFTTrainer); writes RUN/adapter/.", cmd_sft)
     sp.add_argument("--data", required=True, help="a folder made by `medvol-train prepare`")

@@ -67,6 +67,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -366,8 +367,11 @@ def _run_one(args):
 
 
 def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), workers: int = 1,
-            progress: bool = True) -> dict:
+            progress: bool = True, overwrite: bool = False) -> dict:
     """Prepare every case of ``manifest`` into ``out_dir``; returns the summary.
+
+    A ``manifest`` that is one of the files this writes (``out_dir``'s samples or summary) is
+    refused unless ``overwrite``: it would be replaced by what is made from it.
 
     Raises :class:`DataError` when no sample at all could be prepared (the CLI then exits
     non-zero); otherwise bad rows and targets are listed in the summary and the rest goes on.
@@ -378,6 +382,10 @@ def prepare(manifest, out_dir, settings: PrepareSettings = PrepareSettings(), wo
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"{out_dir} exists and is not a folder")
+    written = {os.path.realpath(out_dir / name) for name in (INDEX, SUMMARY)}
+    if not overwrite and os.path.realpath(manifest) in written:
+        raise DataError(f"the manifest {manifest} is a file prepare writes into --out {out_dir}; it would be replaced: "
+                        "give another --out, or --overwrite to replace it")
     if settings.query_kind not in ("implicit", "explicit"):
         raise DataError(f"query kind must be implicit or explicit, got {settings.query_kind!r}")
     if isinstance(settings.top_k, bool) or not isinstance(settings.top_k, int) or settings.top_k < 1:

@@ -8,10 +8,11 @@ Over stdio (the default, as agent hosts start it) stdout carries only JSON-RPC.
 from __future__ import annotations
 
 from ..errors import DependencyError, InputError
+from ..serve.limits import limit
 
 MCP_HELP = ("Serve the engine to AI agents over the Model Context Protocol (stdio by default, or streamable "
             "HTTP); they read only the folders --allow names and the DICOMweb servers --allow-pacs names.")
-DEFAULT_MAX_BODY_KB = 1024
+DEFAULT_MAX_BODY_KB = int(limit("mcp_body").default) >> 10
 
 
 def _host_port(text: str):

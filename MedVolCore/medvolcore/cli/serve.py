@@ -5,6 +5,7 @@ The worker and its transports are :mod:`medvolcore.serve`; the protocol is ``doc
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from ..cpu import threads_arg
@@ -41,7 +42,10 @@ def cmd_serve(args) -> int:
                             else args.client_timeout,
                             session_idle_s=DEFAULT_SESSION_IDLE_S if args.session_idle_s is None
                             else args.session_idle_s, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                            monailabel=args.monailabel, ohif_dir=args.ohif_dir)
+                            monailabel=args.monailabel, ohif_dir=args.ohif_dir,
+                            behind_front=bool(getattr(args, "behind_front", False)))
+        if http.behind_front and not (args.token_file and http.host == "127.0.0.1"):
+            raise InputError("--behind-front is for the workers of --devices (127.0.0.1, the front's token file)")
         if http.max_connections < 1:
             raise InputError(f"--max-connections must be at least 1, got {http.max_connections}")
         if not http.client_timeout > 0:
@@ -133,8 +137,9 @@ def _add_arguments(sp) -> None:
                          "reads and segments in about 7.3 GiB; several targets or a consensus get a "
                          "proportionally smaller volume)")
     sp.add_argument("--data-dir", metavar="DIR", default=None,
-                    help="HTTP only: the one folder whose files clients may name as 'volume' (paths resolved "
-                         "inside it, symbolic links followed); default: no server paths at all")
+                    help="HTTP only: the one folder whose files clients may name as 'volume' (paths relative to "
+                         "it; a path that leaves it or passes through a symbolic link is refused); default: no "
+                         "server paths at all")
     sp.add_argument("--out-dir", metavar="DIR", default=None,
                     help="HTTP only: the one folder clients may write masks to ('out', relative to it; no "
                          "symbolic link out of it is followed); it may not overlap --data-dir; default: none, "
@@ -167,6 +172,9 @@ def _add_arguments(sp) -> None:
     sp.add_argument("--tls-cert", metavar="PEM", default=None,
                     help="HTTP only: serve HTTPS with this certificate (chain) file; needs --tls-key")
     sp.add_argument("--tls-key", metavar="PEM", default=None, help="HTTP only: the private key of --tls-cert")
+    # a worker of --devices: its one token is the front's private one, and X-MedVol-Client (set by
+    # the front alone) names the client its sessions are counted under
+    sp.add_argument("--behind-front", action="store_true", help=argparse.SUPPRESS)
 
 
 SERVE_HELP = "Run a persistent worker that keeps the models loaded (protocol 1 over --stdio or --http)."

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..errors import MedVolError, VolumeError
+from .limits import limit
 from ..sources import HashMemo, hashed_copy, known_sha256, sources_sha256, store_bytes, volume_sources
 
 __all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_FEATURE_CACHE_MB", "DEFAULT_MAX_VOXELS", "StackCache", "file_sha256",
@@ -43,7 +44,7 @@ DEFAULT_FEATURE_CACHE_MB = 2048
 # A 1024×1024 CT of 1000 slices (4 GB as float32; 512×512 CTs of up to 4000 slices). A one-target
 # request peaks at about REQUEST_BYTES_PER_VOXEL bytes a voxel (Testing/benchmarks/memory.py,
 # docs/benchmarks.md), so the largest volume it allows costs at most about 7.3 GiB.
-DEFAULT_MAX_VOXELS = 1024 * 1024 * 1000
+DEFAULT_MAX_VOXELS = int(limit("voxels").default)
 # What a request holds per voxel, measured (docs/benchmarks.md, "Memory per voxel"): the volume as
 # float32, then per target its masks (source grid and stack, the label map), then per extra
 # consensus sample its mask and share of the agreement map.

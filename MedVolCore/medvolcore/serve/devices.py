@@ -145,7 +145,7 @@ class Pool:
         for i, device in enumerate(devices):
             env = dict(os.environ)
             args = [sys.executable, "-m", "medvolcore.cli_serve", "--http", "--host", "127.0.0.1", "--port", "0",
-                    "--token-file", token_file, *worker_args]
+                    "--token-file", token_file, "--behind-front", *worker_args]
             if device == "cpu":
                 args += ["--device", "cpu", "--threads", str(threads or max(1, cpus // max(1, n_cpu)))]
             else:

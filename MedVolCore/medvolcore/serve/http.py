@@ -23,13 +23,18 @@ this transport adds (``docs/architecture.md``, "Worker trust boundary"):
 - framing is strict, so that no proxy in front can read a request differently: a body has
   exactly one ``Content-Length`` of ASCII digits; ``Transfer-Encoding`` (any), a repeated
   ``Content-Length`` or a body on GET get a 400 JSON error and the connection is closed;
+- every bound is :mod:`.limits`' (one declaration, shown in ``docs/security.md``): a request
+  target, header line, header count or head over its bound gets 414/431 and the connection is
+  closed before the token is read (:mod:`.http_conn`); a JSON body's keys and values are counted
+  as it arrives and it is parsed in a worker thread;
 - a reply's headers and body leave in one write (and ``TCP_NODELAY``): two small writes on a
   keep-alive connection would wait for the client's delayed ACK, about 40 ms a reply;
 - sessions are counted per client address (an IPv6 /64 counts as one) and, once a client sends
   its session id back, per session: at most ``MAX_SESSIONS_PER_CLIENT`` new sessions and as
   many known ones per address, and a session with a request in flight is never pushed out, so
   session-less requests from one address (one address is every client behind a proxy) never
-  cost another client its session (:class:`SessionTable`);
+  cost another client its session (:class:`SessionTable`); a worker of ``--devices``
+  (``behind_front``) counts them under the client its front names in ``X-MedVol-Client``;
   a session idle for ``session_idle_s`` is forgotten and its queued requests are cancelled
   (its running request, if any, finishes and is answered);
 - one access-log line per request goes to stderr (client address, op, id, outcome, seconds;
@@ -56,7 +61,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import DependencyError, InputError
-from .lifecycle import Stop, install_signals, say, stop_worker
+from .limits import limit
+from .lifecycle import EXIT_CODES, Stop, install_signals, restore_signals, say, stop_worker
 from .protocol import PROTOCOL
 from .sessions import MAX_SESSIONS, MAX_SESSIONS_PER_CLIENT, SessionsFull, SessionTable, client_key
 from .worker import Worker, WorkerSettings, log
@@ -67,10 +73,10 @@ __all__ = ["HttpSettings", "HttpServer", "SessionTable", "SessionsFull", "serve_
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
-DEFAULT_MAX_CONNECTIONS = 32
-DEFAULT_CLIENT_TIMEOUT_S = 20.0
+DEFAULT_MAX_CONNECTIONS = int(limit("connections").default)
+DEFAULT_CLIENT_TIMEOUT_S = float(limit("client_timeout").default)
 LISTEN_BACKLOG = 128
-DEFAULT_SESSION_IDLE_S = 3600.0
+DEFAULT_SESSION_IDLE_S = float(limit("session_idle").default)
 
 
 @dataclass
@@ -83,6 +89,8 @@ class HttpSettings:
     ``session_idle_s``: a session without a request for this long is forgotten and its queued
     requests are cancelled.
     ``tls_cert``/``tls_key``: PEM files; with them the server speaks HTTPS.
+    ``behind_front``: a worker of ``--devices`` (on 127.0.0.1, with the front's private token):
+    its sessions are counted under the client the front names in ``X-MedVol-Client``.
     """
 
     host: str = DEFAULT_HOST
@@ -96,6 +104,7 @@ class HttpSettings:
     tls_key: Optional[str] = None
     monailabel: Optional[str] = None  # answer MONAI Label's contract for series of this --allow-pacs server
     ohif_dir: Optional[str] = None  # the OHIF viewer served at /ohif/ (default: where bootstrap.py put it)
+    behind_front: bool = False
 
 
 def is_loopback(host: str) -> bool:
@@ -289,27 +298,36 @@ def serve_http(settings: WorkerSettings, http: HttpSettings) -> int:
     token = listening_token(http)
     check_folders(settings)
     tls = _check_tls(http)
-    worker = Worker.from_settings(settings, "http", preload=False)  # the preset loads once the port is ours
-    try:
-        server = HttpServer(http, worker, token, debug=settings.debug)
-    except OSError as e:
-        worker.close(0)
-        raise InputError(f"cannot listen on {http.host}:{http.port}: {e.strerror or e}") from None
-    if settings.preset:
-        worker.preload(settings.preset, settings.adapter)
-    old = install_signals()
+    old = install_signals()  # from here on, SIGTERM stops it cleanly, whenever it comes
+    worker = server = None
     how = "shutdown"
     try:
+        worker = Worker.from_settings(settings, "http", preload=False)  # the preset loads once the port is ours
+        try:
+            server = HttpServer(http, worker, token, debug=settings.debug)
+        except OSError as e:
+            raise InputError(f"cannot listen on {http.host}:{http.port}: {e.strerror or e}") from None
+        if settings.preset:
+            worker.preload(settings.preset, settings.adapter)
         how = serve_until_stopped(server, tls, token, (f"; data folder {worker.data_dir}" if worker.data_dir
                                                        else "; no server paths (volumes come in requests)")
                                   + (f"; output folder {worker.out_dir}" if worker.out_dir
                                      else "; masks come back in the replies"))
+    except Stop:
+        how = "SIGTERM"
+    except KeyboardInterrupt:
+        how = "SIGINT"
     finally:
-        done = stop_worker(worker, how, old, before_close=server.server_close)
+        done = True
+        if worker is not None:
+            done = stop_worker(worker, how, old, before_close=server.server_close if server is not None else None)
+        else:
+            restore_signals(old)
+    code = EXIT_CODES.get(how, 0)
     if not done:
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 def serve_until_stopped(server: HttpServer, tls: bool, token: Optional[str], more: str = "") -> str:

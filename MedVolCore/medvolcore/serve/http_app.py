@@ -29,8 +29,8 @@ from starlette.schemas import SchemaGenerator
 
 from ..errors import LimitError, MedVolError
 from .lifecycle import loggable
-from .http_conn import BODY_MIN_RATE
-from .protocol import PROTOCOL, _jsonable, encode_line, error_reply, internal_reply
+from .http_conn import BODY_MIN_RATE, DRAIN_MAX
+from .protocol import PROTOCOL, CountedJSON, RequestError, _jsonable, check_json_cost, encode_line, error_reply, internal_reply
 from .upload import WHAT as UPLOAD_WHAT
 from .sessions import SessionsFull, client_key
 from .upload import BodyWriter, body_bound, check_space, read_header, upload_ceiling
@@ -42,10 +42,10 @@ SESSION_HEADER = "X-MedVol-Session"
 VOLUME_HEADER = "X-MedVol-Volume"  # the affinity key a load balancer routes on (docs/deploy.md)
 VOLUME_KEY = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 REQUEST_HEADER = "X-MedVol-Request"
+CLIENT_HEADER = "X-MedVol-Client"  # the client's address, from the front of --devices to its workers only
 MASK_TYPE = "application/gzip"  # ``Accept`` this: the mask comes back as the body, the reply in a header
 REPLY_HEADER = "X-MedVol-Reply"
 MAX_REPLY_HEADER = 32 << 10  # a longer reply goes back as JSON with ``mask_b64`` (clients cap header lines)
-_DRAIN_MAX = 16 << 20  # the most of a refused volume body read (and dropped) so its client sees the reply
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")
 
 
@@ -261,8 +261,11 @@ class Transport:
         """The request's session (the one it names, when this server issued it, else a new one),
         in ``request.state.session``; a refusal when its client may hold no more."""
         sid = (request.headers.get(SESSION_HEADER) or "").strip()[:64]
+        client = self._client(request)
+        if self.server.settings.behind_front:  # the front's own header (its token was checked above)
+            client = (request.headers.get(CLIENT_HEADER) or client)[:64]
         try:
-            request.state.session = self.server.sessions.session(sid, client_key(self._client(request)))
+            request.state.session = self.server.sessions.session(sid, client_key(client))
         except SessionsFull as e:
             return self.refuse(request, 429, "busy", str(e))
         return None
@@ -357,21 +360,27 @@ class Transport:
         limit = self.worker.max_request_bytes
         chunks = self._chunks(request, n)
         if n > limit:
-            if n <= 4 * limit + (16 << 20):  # read (and drop) a moderately oversized body after the reply
+            if n <= DRAIN_MAX:  # read and dropped after the reply, so that its client sees it (http_conn)
                 request.state.drain = n
             return self.reply(request, 413, error_reply(None, "too_large", f"request body of {n} bytes is over "
                                                                            f"--max-request-mb {limit / (1 << 20):g} MB"),
                               close=True)
-        data = bytearray()
+        data, keys, values = bytearray(), 0, 0
         async for chunk in chunks:
+            try:  # the parse's cost, bounded as the body arrives (a few ms a MB), before it is parsed
+                keys, values = check_json_cost(chunk, keys, values)
+            except RequestError as e:
+                if n - len(data) - len(chunk) <= DRAIN_MAX:
+                    request.state.drain = n - len(data) - len(chunk)
+                return self.refuse(request, 413, e.code, str(e))
             data += chunk
-        return await self._call(request, bytes(data))
+        return await self._call(request, CountedJSON(data))
 
     async def _refuse_body(self, request, chunks, status, code, message, unread, rid=None) -> Response:
         """Refuse a volume body of which ``unread`` bytes were not read: the reply goes first, then
-        up to 16 MB of the rest are read and dropped (:meth:`.http_conn.Connection.close_or_drain`)
+        up to ``refused_body_drain`` bytes of the rest are read and dropped (:meth:`.http_conn.Connection.close_or_drain`)
         and the connection is closed; a bigger rest is never read."""
-        if 0 < unread <= _DRAIN_MAX:
+        if 0 < unread <= DRAIN_MAX:
             request.state.drain = unread
         return self.refuse(request, status, code, message, rid)
 

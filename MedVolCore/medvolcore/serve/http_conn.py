@@ -9,6 +9,15 @@ the transport's connection rules added (``docs/architecture.md``, "Worker trust 
   (two ``Content-Length``, digits that are not ASCII, ``Transfer-Encoding`` beside
   ``Content-Length``, a malformed line), is answered 400 as a JSON error and the connection
   closed;
+- a request target (path and query) over ``request_line`` bytes gets 414, a header line over ``header_line``, more
+  than ``header_count`` headers, or a request line and headers over ``header_bytes`` in all get
+  431 (:mod:`.limits`; nginx's ``large_client_header_buffers 4 64k``), as a JSON error, and the
+  connection is closed: counted on the bytes as they arrive, before the parser keeps them, so
+  a client without a token never makes the server hold more than ``header_bytes`` of it;
+- a refused request whose body is still coming has its rest read and dropped after the reply
+  when that rest is at most ``refused_body_drain`` bytes, at the minimum body rate and within
+  ``DRAIN_MAX_S`` seconds, so that its client sees the reply; then the connection is closed (a
+  larger rest is not read at all): a refused body never keeps its slot longer;
 - a client that half-closes its side after its request (``shutdown(SHUT_WR)``) still gets its
   reply: the end of its stream only stops reading. While the reply is pending, the server then
   sends ``100 Continue`` once a second (an interim reply every HTTP/1.1 client skips); a client
@@ -22,6 +31,7 @@ import socket
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .limits import limit
 from .lifecycle import loggable
 from .protocol import encode_line, error_reply
 from .worker import log
@@ -31,8 +41,15 @@ __all__ = ["Connection", "SINGLE_HEADERS", "BODY_MIN_RATE"]
 # headers the protocol reads one value of: a request carrying one of them twice is refused
 SINGLE_HEADERS = frozenset((b"content-length", b"transfer-encoding", b"host", b"origin", b"content-type", b"accept",
                             b"authorization", b"x-medvol-request", b"x-medvol-session",
-                            b"x-medvol-volume"))
-BODY_MIN_RATE = 256 << 10  # bytes/s a client must at least sustain while sending a body
+                            b"x-medvol-volume", b"x-medvol-client"))
+BODY_MIN_RATE = int(limit("body_rate").default)  # bytes/s a client must at least sustain while sending a body
+MAX_REQUEST_LINE = int(limit("request_line").default)
+MAX_HEADER_LINE = int(limit("header_line").default)
+MAX_HEADER_BYTES = int(limit("header_bytes").default)
+MAX_HEADERS = int(limit("header_count").default)
+DRAIN_MAX = int(limit("refused_body_drain").default)
+DRAIN_GRACE_S = 0.5  # a refused body's rest must then arrive at BODY_MIN_RATE …
+DRAIN_MAX_S = 5.0  # … and within this, whatever its size
 _PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 PROBE_INTERVAL_S = 1.0
 
@@ -96,9 +113,12 @@ class Connection(HttpToolsProtocol):
         self._eof = False
         self._why = None
         self._raw = None
+        self._status = None
         self._drain_left = None
         self._seen = set()
         self.url = b""
+        self._head = 0  # bytes of the current request's line and headers received so far (None: all in)
+        self._headers = 0
 
     # -- the connection cap and the deadline for a request's line and headers --
     def connection_made(self, transport) -> None:
@@ -127,8 +147,24 @@ class Connection(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._seen = set()
+        self._headers = 0
+        if self._head is None:  # a next request on this connection
+            self._head = 0
+
+    def on_url(self, url: bytes) -> None:
+        if len(self.url) + len(url) > MAX_REQUEST_LINE:
+            self._why = f"the request target is too long (over {MAX_REQUEST_LINE >> 10} kB)"
+            self._status = 414
+            raise ValueError(self._why)
+        super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers += 1
+        if len(name) + len(value) > MAX_HEADER_LINE or self._headers > MAX_HEADERS:
+            self._why = (f"a header line is too long (over {MAX_HEADER_LINE >> 10} kB)" if self._headers <= MAX_HEADERS
+                         else f"too many headers (over {MAX_HEADERS})")
+            self._status = 431
+            raise ValueError(self._why)
         lower = name.lower()
         if lower in SINGLE_HEADERS:
             if lower in self._seen:
@@ -138,6 +174,7 @@ class Connection(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._head = None
         self._disarm()
         super().on_headers_complete()
 
@@ -147,11 +184,25 @@ class Connection(HttpToolsProtocol):
             if self._drain_left <= 0:
                 self._raw.close()
             return
-        if self._refused:
+        if self._refused or self._raw.is_closing():
             return
         self._unset_keepalive_if_required()
+        rest = b""
+        if self._head is not None:  # the request line and headers: bounded before the parser keeps them
+            room = MAX_HEADER_BYTES - self._head
+            if len(data) > room:
+                data, rest = data[:room], data[room:]
+            self._head += len(data)
         try:
-            self.parser.feed_data(data)
+            if data:
+                self.parser.feed_data(data)
+            if rest and self._head is not None:  # still in the headers, and over the bound
+                self._why = f"the request line and headers are too large (over {MAX_HEADER_BYTES >> 10} kB)"
+                self._status = 431
+                self.send_400_response(self._why)
+                return
+            if rest:
+                self.parser.feed_data(rest)
         except httptools.HttpParserUpgrade:
             self._why = "protocol upgrades are not supported"
             self.send_400_response(self._why)
@@ -172,14 +223,13 @@ class Connection(HttpToolsProtocol):
         budget = 0
         if cycle is not None and cycle.response_complete and self._drain_left is None:
             # what the application did not read, less what arrived but it left in the buffer
-            budget = int((cycle.scope.get("state") or {}).get("drain") or 0) - len(cycle.body)
+            budget = min(int((cycle.scope.get("state") or {}).get("drain") or 0), DRAIN_MAX) - len(cycle.body)
         if budget <= 0 or not cycle.more_body or self._raw.is_closing():
             self._raw.close()
             return
         self._drain_left = budget
         self._disarm()
-        self._timer = self.loop.call_later(self.owner.settings.client_timeout + budget / BODY_MIN_RATE,
-                                           self._raw.close)
+        self._timer = self.loop.call_later(min(DRAIN_MAX_S, DRAIN_GRACE_S + budget / BODY_MIN_RATE), self._raw.close)
         self._raw.resume_reading()
 
     def connection_lost(self, exc) -> None:
@@ -225,10 +275,10 @@ class Connection(HttpToolsProtocol):
         path = (loggable(target.split("?", 1)[0], 100) + ("?…" if "?" in target else "")) if target else "-"
         client = self.client[0] if self.client else "-"
         log.warning("http %s %s %s refused: %s", client, method, path, loggable(why, 300))
-        too_large = "too large" in why or "too long" in why
-        reply = error_reply(None, "too_large" if too_large else "bad_request", why[:300])
-        self.transport.write(_raw_reply(431 if too_large else 400, "Request Header Fields Too Large" if too_large
-                                        else "Bad Request", reply))
+        status = self._status or (431 if "too large" in why or "too long" in why else 400)
+        reply = error_reply(None, "too_large" if status != 400 else "bad_request", why[:300])
+        reason = {400: "Bad Request", 414: "URI Too Long", 431: "Request Header Fields Too Large"}[status]
+        self.transport.write(_raw_reply(status, reason, reply))
         self.transport.close()
 
     # -- a half-closed client still gets its reply --

@@ -93,6 +93,14 @@ def install_signals() -> dict:
     return old
 
 
+EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}  # an HTTP server stopped by a signal exits as a shell reports it
+
+
+def restore_signals(old: dict) -> None:
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+
+
 def _quiet_signals() -> None:
     """During the clean-up a second signal must not interrupt it."""
     if threading.current_thread() is threading.main_thread():

@@ -51,6 +51,7 @@ from starlette.responses import Response
 from .. import RESEARCH_USE_NOTICE
 from ..errors import ForbiddenError, MedVolError
 from ..strictjson import DuplicateKeyError, unique_keys
+from .limits import limit
 from .worker import MASK_BYTES_KEY, Door, log
 
 __all__ = ["MonaiLabelApp", "default_ohif_dir", "OHIF_ENV"]
@@ -66,7 +67,7 @@ _HOUSEKEEPING = {"client_id", "result_extension", "result_dtype", "result_compre
 _READ = {"query", "label", "consensus"}
 _PROMPTS = {"foreground", "background", "points", "point_labels", "roi", "largest_cc"}
 _PROXY_SEGMENT = re.compile(r"[A-Za-z0-9.,_-]{1,64}")
-_MAX_PROXY_QUERY = 2048
+_MAX_PROXY_QUERY = int(limit("viewer_proxy_query").default)
 _STATIC_TYPES = {".js": "application/javascript", ".wasm": "application/wasm", ".css": "text/css",
                  ".html": "text/html", ".json": "application/json", ".svg": "image/svg+xml", ".png": "image/png",
                  ".ico": "image/x-icon", ".txt": "text/plain", ".map": "application/json", ".woff2": "font/woff2"}

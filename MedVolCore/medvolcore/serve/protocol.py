@@ -23,6 +23,7 @@ from ..errors import MedVolError
 from ..request import MAX_WIRE_INT, is_unicode
 from ..request import wire_value as field
 from ..strictjson import DuplicateKeyError, unique_keys
+from .limits import json_cost, limit
 
 log = logging.getLogger("medvolcore.serve")
 
@@ -34,7 +35,7 @@ PROTOCOL = 1
 OPS = ("hello", "load", "segment", "propagate", "cancel", "status", "shutdown")
 IMMEDIATE_OPS = ("hello", "status", "cancel", "shutdown")
 QUEUED_OPS = ("load", "segment", "propagate")
-DEFAULT_MAX_REQUEST_MB = 64
+DEFAULT_MAX_REQUEST_MB = int(limit("json_body").default) >> 20
 MAX_ID_CHARS = 256
 MAX_ID_INT = MAX_WIRE_INT  # request ids are echoed back: keep them small and printable
 
@@ -127,13 +128,19 @@ def _describe_bad_id(value) -> str:
 def parse_request(raw) -> dict:
     """bytes/str → request dict (``id`` checked); raises RequestError with the right code.
 
-    An object that names a key twice, at any depth, is refused (``bad_request``, naming it).
+    An object that names a key twice, at any depth, is refused (``bad_request``, naming it). The
+    parse's cost is bounded first: more keys or values than :mod:`.limits` allows is
+    ``too_large``, counted without parsing; nesting deeper than ``json_depth`` is ``bad_request``.
     """
     if isinstance(raw, (bytes, bytearray)):
+        if not isinstance(raw, CountedJSON):
+            check_json_cost(raw)
         try:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as e:
             raise RequestError(f"request is not UTF-8 text: {e}", "bad_json") from None
+    else:
+        check_json_cost(str(raw).encode("utf-8", "surrogatepass"))
     try:
         req = json.loads(raw, object_pairs_hook=unique_keys)
     except DuplicateKeyError as e:
@@ -142,11 +149,49 @@ def parse_request(raw) -> dict:
         raise RequestError(f"the request names the key {shown} twice; send each key once") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, or an integer over Python's digit limit
         raise RequestError(f"request is not valid JSON: {str(e)[:200]}", "bad_json") from None
+    depth = json_depth(req, MAX_JSON_DEPTH)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(f"the request nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(req, dict):
         raise RequestError(f"a request must be a JSON object {{\"id\": …, \"op\": …}}, got {type(req).__name__}")
     if not valid_id(req.get("id")):
         raise RequestError(_describe_bad_id(req.get("id")))
     return req
+
+
+MAX_JSON_KEYS = int(limit("json_keys").default)
+MAX_JSON_VALUES = int(limit("json_values").default)
+MAX_JSON_DEPTH = int(limit("json_depth").default)
+
+
+class CountedJSON(bytes):
+    """A request body whose JSON cost a transport already checked as it arrived
+    (:func:`check_json_cost`): :func:`parse_request` does not count it again."""
+
+
+def check_json_cost(data: bytes, keys: int = 0, values: int = 0) -> tuple:
+    """Raise ``too_large`` when ``data`` (plus ``keys``/``values`` already counted before it)
+    holds more JSON keys or values than allowed; returns the new counts. Counted without
+    parsing, so a transport can call it on each chunk as a body arrives."""
+    k, v = json_cost(data)
+    keys, values = keys + k, values + v
+    if keys > MAX_JSON_KEYS:
+        raise RequestError(f"the request holds more than {MAX_JSON_KEYS:,} JSON keys and objects", "too_large")
+    if values > MAX_JSON_VALUES:
+        raise RequestError(f"the request holds more than {MAX_JSON_VALUES:,} JSON values", "too_large")
+    return keys, values
+
+
+def json_depth(obj, stop: int) -> int:
+    """How deeply ``obj`` nests lists and dicts (a scalar: 0), counted up to ``stop + 1``."""
+    depth, level = 0, [obj]
+    while depth <= stop:
+        containers = [o for o in level if isinstance(o, (list, dict))]
+        if not containers:
+            break
+        depth += 1
+        level = [v for o in containers for v in (o.values() if isinstance(o, dict) else o)]
+    return depth
 
 
 _MISSING = object()  # a key the request does not have (the worker's ``cancel`` tells it from null)

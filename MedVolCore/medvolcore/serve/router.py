@@ -38,8 +38,8 @@ from ..errors import DependencyError, InputError, MedVolError
 from .devices import Member, Pool
 from .http import (DEFAULT_MAX_CONNECTIONS, HttpServer, HttpSettings, _check_tls, check_folders, listening_token,
                    serve_until_stopped)
-from .http_app import REPLY_HEADER, SESSION_HEADER, VOLUME_HEADER, VOLUME_KEY, Transport, _Gone
-from .lifecycle import Stop, install_signals, make_tmp_dir, release_tmp_dir, say
+from .http_app import CLIENT_HEADER, REPLY_HEADER, SESSION_HEADER, VOLUME_HEADER, VOLUME_KEY, Transport, _Gone
+from .lifecycle import EXIT_CODES, Stop, install_signals, make_tmp_dir, release_tmp_dir, say
 from .protocol import encode_line, error_reply, parse_request, valid_id
 from .worker import WorkerSettings, log
 
@@ -115,7 +115,8 @@ class Front(Transport):
     async def _call(self, request, raw, upload=None, inline: bool = False):
         import httpx
 
-        sent = _Sent(raw)
+        # the request read off the event loop: its parse (bounded by serve.limits) never stalls other clients
+        sent = _Sent(raw) if isinstance(raw, dict) else await asyncio.get_running_loop().run_in_executor(None, _Sent, raw)
         try:
             if sent.op == "shutdown":
                 return await self._shutdown(request, sent)
@@ -159,7 +160,8 @@ class Front(Transport):
     async def _exchange(self, request, member: Member, sent: "_Sent", upload, key, started) -> tuple:
         """Send the request to ``member`` and wait for its reply (status, headers, body), or for
         the client to go (then the worker's connection is closed, which cancels the request)."""
-        headers = {"Host": f"127.0.0.1:{member.port}", "Authorization": f"Bearer {self._token}"}
+        headers = {"Host": f"127.0.0.1:{member.port}", "Authorization": f"Bearer {self._token}",
+                   CLIENT_HEADER: self._client(request)}  # whose sessions: a client's header of this name never passes
         for name in _PASSED_UP:
             value = request.headers.get(name)
             if value is not None:
@@ -173,7 +175,7 @@ class Front(Transport):
             content = _file_chunks(upload.path, started)
         else:
             headers["Content-Type"] = "application/json"
-            content = sent.text.encode("utf-8")
+            content = sent.body if sent.body is not None else sent.text.encode("utf-8")
             started["body"] = True
         url = f"http://127.0.0.1:{member.port}/rpc"
 
@@ -250,19 +252,25 @@ async def _file_chunks(path, started):
 
 
 class _Sent:
-    """The request as the front reads it: its JSON ``text`` (what the worker gets), and its ``op``,
-    ``id`` and named ``volume`` when the protocol's own parser reads it (each key once: a request
-    the worker will refuse is never read otherwise here)."""
+    """The request as the front reads it: its JSON ``body`` as the client sent it (what the worker
+    gets) or, beside a volume, its ``text`` (the X-MedVol-Request header), and its ``op``, ``id``
+    and named ``volume`` when the protocol's own parser reads it (each key once: a request the
+    worker will refuse is never read otherwise here). Made off the event loop: the parse of a
+    large body takes a while."""
 
-    __slots__ = ("text", "op", "rid", "volume")
+    __slots__ = ("text", "body", "op", "rid", "volume")
 
     def __init__(self, raw):
         if isinstance(raw, dict):  # GET /status or /hello: the request as the routes made it
             self.text = json.dumps(raw)
+            self.body = self.text.encode("utf-8")
+        elif isinstance(raw, (bytes, bytearray)):
+            self.text, self.body = None, bytes(raw) if not isinstance(raw, bytes) else raw
         else:
-            self.text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+            self.text = str(raw)
+            self.body = None
         try:
-            req = raw if isinstance(raw, dict) else parse_request(self.text)
+            req = raw if isinstance(raw, dict) else parse_request(raw)
         except MedVolError:
             req = {}
         op, rid, volume = req.get("op"), req.get("id"), req.get("volume")
@@ -346,7 +354,7 @@ def serve_devices(settings: WorkerSettings, http: HttpSettings, devices, worker_
             signal.signal(sig, handler)
     say(f"stopped ({how})")
     sys.stderr.flush()
-    return 0
+    return EXIT_CODES.get(how, 0)
 
 
 def _front_with(pool: Pool, internal: str):

@@ -13,8 +13,10 @@ from typing import Callable, Optional
 
 __all__ = ["SessionTable", "SessionsFull", "client_key", "MAX_SESSIONS_PER_CLIENT", "MAX_SESSIONS"]
 
-MAX_SESSIONS_PER_CLIENT = 64  # one client address (an IPv6 /64) forgets its own oldest session beyond this
-MAX_SESSIONS = 1 << 16  # all clients together: a bound on memory only
+from .limits import limit
+
+MAX_SESSIONS_PER_CLIENT = int(limit("sessions_per_client").default)  # a client forgets its own oldest beyond this
+MAX_SESSIONS = int(limit("sessions").default)  # all clients together: a bound on memory only
 
 
 @functools.lru_cache(maxsize=4096)

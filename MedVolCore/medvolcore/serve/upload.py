@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..errors import LimitError, VolumeError
+from .limits import limit
 
 __all__ = ["Upload", "HeaderInfo", "BodyWriter", "store_body", "check_space", "upload_ceiling", "body_bound", "read_header", "HEADER_PREFIX_MAX",
            "CHUNK", "WHAT"]
@@ -38,7 +39,7 @@ CHUNK = 1 << 20
 # a gzip member may carry a name, comment and extra field before its data: look this far for the header
 HEADER_PREFIX_MAX = 1 << 20
 _SLACK = 1 << 20
-_FREE_MARGIN = 64 << 20  # left free on the temporary folder's disk after an upload
+_FREE_MARGIN = int(limit("tmp_free").default)  # left free on the temporary folder's disk after an upload
 
 
 def upload_ceiling(max_voxels: Optional[int]) -> Optional[int]:

@@ -27,13 +27,14 @@ from typing import Callable, Optional
 
 from .. import RESEARCH_USE_NOTICE, __version__
 from ..cpu import apply_threads, check_threads
-from ..errors import CancelledError, ForbiddenError, MedVolError
+from ..errors import CancelledError, ForbiddenError, MedVolError, OutputError, VolumeError
 from ..pacs import allowed_source, is_dicomweb
 from ..sources import COPY_SECONDS, client_parts, private_copy
 from .upload import Upload
 from .cache import (DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache,
                     check_request_memory, scoped)
 from .lifecycle import make_tmp_dir, release_tmp_dir
+from .limits import limit
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
                        ok_reply, parse_request, valid_id)
 
@@ -42,6 +43,7 @@ log = logging.getLogger("medvolcore.serve")
 __all__ = ["Worker", "WorkerSettings", "Door", "SHUTDOWN_WAIT_S"]
 
 SHUTDOWN_WAIT_S = 15.0
+MAX_PATH_CHARS = int(limit("path_chars").default)
 MASK_BYTES_KEY = "_mask_bytes"  # a result's mask as bytes, for a transport that sends them raw (never JSON)
 
 
@@ -360,6 +362,11 @@ class Worker:
             raise ForbiddenError(f"'{what}' names a file on the server, which this server does not allow; send the "
                                  "volume in the request (volume_b64 or the request body) and take the mask from the "
                                  "reply (an operator can allow one folder with `medvol serve --data-dir DIR`)")
+        if len(value) > MAX_PATH_CHARS or any(len(os.fsencode(p)) > 255 for p in value.split("/")):
+            # before the system would fail on it (ENAMETOOLONG)
+            raise (VolumeError if what == "volume" else OutputError)(
+                f"'{what}' is a path of {len(value):,} characters; a path is at most {MAX_PATH_CHARS:,} characters, "
+                "255 bytes a name")
         client_parts(root, value, what)
         full = os.path.realpath(os.path.join(root, value))
         if os.path.commonpath([full, str(root)]) != str(root):

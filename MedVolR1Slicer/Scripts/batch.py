@@ -1,8 +1,8 @@
 """Headless MedVol-R1 in Slicer: segment one CT or a manifest of CTs without a window.
 
-    Slicer --no-main-window --python-script MedVolR1Slicer/batch.py \\
+    Slicer --no-main-window --python-script MedVolR1Slicer/Scripts/batch.py \\
         --input CT.nii.gz --query "the organ that secretes bile" --output liver.seg.nrrd [--preset tiny]
-    Slicer --no-main-window --python-script MedVolR1Slicer/batch.py --manifest jobs.csv --output-dir out/
+    Slicer --no-main-window --python-script MedVolR1Slicer/Scripts/batch.py --manifest jobs.csv --output-dir out/
 
 Exits 0 when every case was segmented, 1 when one failed (or something unexpected went wrong),
 2 on bad arguments; it always exits, whatever happens. Arguments, manifests and the summary live
@@ -19,9 +19,11 @@ import shutil
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+# the module's folder (its parts are imported from there); this script lives in Scripts/ because
+# Slicer loads every .py file at the top of a scripted module's folder as a module, at every start
+MODULE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if MODULE_DIR not in sys.path:
+    sys.path.insert(0, MODULE_DIR)
 
 import slicer  # noqa: E402
 
