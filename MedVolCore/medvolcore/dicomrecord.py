@@ -66,6 +66,10 @@ class DicomRecord:
     notes: List[str] = field(default_factory=list)
     tilt: Optional[dict] = None  # positions drifting in-plane: see check_stack; the volume is resampled
     frames: Optional[list] = None  # an enhanced (multi-frame) instance: each frame's position, as stored
+    # read from a private copy the worker owns (content-addressed: its cache key is the sha256 of the bytes
+    # read), removed once read: nothing else can change it, so there is nothing to check again. Never
+    # serialised: a record read back from JSON is checked against its files.
+    private: bool = False
 
     def to_json(self) -> dict:
         return {"folder": self.folder, "notes": self.notes, "tilt": self.tilt, "frames": self.frames,
@@ -107,8 +111,24 @@ class DicomRecord:
                     "Segmentation cannot reference it")
         return None
 
+    def describes(self, folder) -> bool:
+        """Whether ``folder`` (a copy of the series' folder) holds exactly the bytes this record was
+        read from: each instance's file, at its place relative to the record's folder, has its sha256."""
+        for inst in self.instances:
+            try:
+                rel = Path(inst.file).relative_to(self.folder)
+                digest = hashlib.sha256((Path(folder) / rel).read_bytes()).hexdigest()
+            except (OSError, ValueError):
+                return False
+            if digest != inst.sha256:
+                return False
+        return True
+
     def check_unchanged(self) -> None:
-        """Refuse (one :class:`VolumeError`) when a file read is gone, replaced or rewritten since."""
+        """Refuse (one :class:`VolumeError`) when a file read is gone, replaced or rewritten since
+        (nothing to check for a :attr:`private` copy: what was read is what is referenced)."""
+        if self.private:
+            return
         for inst in self.instances:
             try:
                 st = os.stat(inst.file)

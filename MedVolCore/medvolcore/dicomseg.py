@@ -42,9 +42,14 @@ def is_dicom_output(path) -> bool:
     return str(path).lower().endswith(".dcm")
 
 
-def check_dicom_source(volume_path, what: str = "--out") -> None:
+def check_dicom_source(volume_path, what: str = "--out", record=None) -> None:
     """A ``.dcm`` (DICOM-SEG) output needs a DICOM series folder as the volume: one clear error
-    otherwise (a NIfTI, NRRD or MetaImage CT has no series to reference)."""
+    otherwise (a NIfTI, NRRD or MetaImage CT has no series to reference). ``record``: the
+    volume's :class:`~medvolcore.dicomrecord.DicomRecord` when it is read already; one read from
+    a private copy the worker owns (a retrieved series, a ``--data-dir`` folder's copy, removed
+    since) stands for the folder."""
+    if record is not None and getattr(record, "private", False):
+        return
     if volume_path is None or not Path(str(volume_path)).is_dir():
         raise InputError(f"{what}: a DICOM Segmentation (.dcm) references the DICOM series it segments, so the volume "
                          "must be a DICOM series folder; for a NIfTI/NRRD/MetaImage CT write .seg.nrrd or .nii.gz")

@@ -155,17 +155,18 @@ def planned_files(outputs: SegmentOutputs, targets: int = 1) -> List[Tuple[str, 
 
 
 def check_outputs(outputs: SegmentOutputs, inputs: Sequence[Tuple[str, Optional[PathLike]]] = (),
-                  targets: int = 1) -> None:
+                  targets: int = 1, dicom=None) -> None:
     """Refuse, before any work, outputs that clash with each other or with an input, that exist
     (without ``overwrite``), that cannot be written, or whose suffix is not of their kind (every
-    file of :func:`planned_files` for ``targets`` targets)."""
+    file of :func:`planned_files` for ``targets`` targets). ``dicom``: the volume's DICOM record
+    when it is read already (see :func:`~medvolcore.dicomseg.check_dicom_source`)."""
     files = planned_files(outputs, targets)
     _check_labels_tables(files)
     check_distinct([(name, path) for _, name, path in files], list(inputs))
     create, overwrite = outputs.create_folders, outputs.overwrite
     for kind, name, path in files:
         if kind == "mask" and is_dicom_output(path):  # a DICOM-SEG references the series it segments
-            check_dicom_source(inputs[0][1] if inputs else None, name)
+            check_dicom_source(inputs[0][1] if inputs else None, name, dicom)
             check_output(path, overwrite, suffixes=(".dcm",), what="DICOM segmentation", create_folder=create)
         elif kind in ("mask", "agreement"):
             check_output(path, overwrite, suffixes=MASK_SUFFIXES, what="mask" if kind == "mask" else "agreement map",
@@ -265,7 +266,8 @@ def run_segment_job(pipeline, volume, request: SegmentRequest, outputs: SegmentO
     query, window, targets = request.query, get_window(request.hu_window), request.targets
     # an in-memory volume still names the file it was read from: no output may replace it
     volume_path = volume if isinstance(volume, (str, Path)) else getattr(getattr(volume, "volume", volume), "path", None)
-    check_outputs(outputs, [("--volume", volume_path)] + list(inputs), targets)
+    check_outputs(outputs, [("--volume", volume_path)] + list(inputs), targets,
+                  getattr(getattr(volume, "volume", volume), "dicom", None))
 
     stack = as_stack(volume)
     warnings = _plausibility(stack, request)

@@ -35,8 +35,15 @@ def _calls(agent, *calls):
     return anyio.run(go)
 
 
+def _reads(agent, *uris):
+    async def go():
+        async with Client(agent.mcp) as c:
+            return [await c.read_resource(u) for u in uris]
+    return anyio.run(go)
+
+
 @pytest.mark.slow
-def test_list_series_then_segment_one_by_its_url(agent, orthanc):
+def test_list_series_then_segment_one_by_its_url(agent, orthanc, source_series):  # noqa: F811
     listed, too_early, bad_date = _calls(agent, ("list_series", {"server": "orthanc"}),
                                          ("list_series", {"server": "orthanc", "study_date": "-19000101"}),
                                          ("list_series", {"server": "orthanc", "study_date": "yesterday"}))
@@ -50,5 +57,16 @@ def test_list_series_then_segment_one_by_its_url(agent, orthanc):
     assert not seg.is_error, seg.content
     out = seg.structured_content
     assert out["status"] == "segmented" and out["volume"] == url
-    assert {"mask", "seg_nrrd", "anchor", "qc"} <= {f["kind"] for f in out["files"]}
+    assert {"mask", "seg_nrrd", "dicom_seg", "anchor", "qc"} <= {f["kind"] for f in out["files"]}
+    # the DICOM-SEG of the retrieved series (read from the worker's private copy, gone since): its frames
+    # are the mask's, and it is among the job's resources
+    from core.test_dicom_generated import dciodvfy_errors, seg_equals_mask
+
+    files = {f["kind"]: f for f in out["files"]}
+    seg_equals_mask(files["dicom_seg"]["path"], source_series, files["mask"]["path"])
+    assert dciodvfy_errors(files["dicom_seg"]["path"]) == []
+    import base64
+
+    (read,) = _reads(agent, files["dicom_seg"]["uri"])
+    assert base64.b64decode(read.contents[0].blob) == open(files["dicom_seg"]["path"], "rb").read()
     assert missing.is_error and "\n" not in missing.content[0].text

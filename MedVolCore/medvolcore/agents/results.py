@@ -36,9 +36,9 @@ class KeySlice(BaseModel):
 class OutputFile(BaseModel):
     """A file the server wrote; read it by its path (same machine) or as an MCP resource (its uri)."""
 
-    kind: Literal["mask", "seg_nrrd", "anchor", "qc", "labels"] = Field(
+    kind: Literal["mask", "seg_nrrd", "dicom_seg", "anchor", "qc", "labels"] = Field(
         description="mask: uint8 label map (.nii.gz) on the CT's own grid; seg_nrrd: the same voxels as a 3D Slicer "
-                    "segmentation; anchor: the evidence anchor (JSON); qc: the QC picture (PNG); labels: the label "
+                    "segmentation; dicom_seg: the same as a DICOM Segmentation referencing the source series; anchor: the evidence anchor (JSON); qc: the QC picture (PNG); labels: the label "
                     "table of several targets")
     path: str = Field(description="absolute path on the server's machine")
     uri: str = Field(description="MCP resource URI serving the same bytes")

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import secrets
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, List, Optional, Union
@@ -105,6 +106,18 @@ class _Job:
     message: str = ""
     result: Optional[SegmentOutcome] = None
     anchors: dict = field(default_factory=dict)  # target label -> its anchor (for repropagate)
+    dicom_seg: bool = False          # also write a DICOM-SEG (mask.dcm) of the series
+
+
+def _is_series(root: Optional[Path], wire_volume: str) -> bool:
+    """Whether a placed volume is a DICOM series: a series URL (no root), or a folder (not
+    followed through a link; the worker refuses one anyway)."""
+    if root is None:
+        return True
+    try:
+        return stat.S_ISDIR(os.lstat(os.path.join(str(root), wire_volume)).st_mode)
+    except OSError:
+        return False
 
 
 class ToolRefusal(Exception):
@@ -175,14 +188,18 @@ class AgentServer:
                 window: Annotated[Optional[str], Field(description="CT window: soft_tissue (default), abdomen, "
                                                                    "liver, mediastinum, lung, bone, brain, or "
                                                                    "'centre,width' in HU")] = None,
+                dicom_seg: Annotated[Optional[bool], Field(description="also write a DICOM Segmentation (mask.dcm) "
+                                                                       "referencing the series; default: when the "
+                                                                       "volume is a DICOM series (a series URL or "
+                                                                       "a DICOM folder)")] = None,
                 ctx: Context = None) -> Annotated[CallToolResult, SegmentOutcome]:
             """Segment structures named in free text in a CT volume.
 
             Returns status "segmented" (a mask was made) or "not_found" (the model answered that the
             structure is not in this CT: an answer, not an error). Each target gives its key slice and
             boxes (the evidence), volume in mL, HU statistics, notes, and the files written (mask, 3D
-            Slicer .seg.nrrd, anchor JSON, QC picture) as paths and resource URIs; the QC picture also
-            comes as an image. Progress is reported while it runs; cancelling the call stops the job.
+            Slicer .seg.nrrd, DICOM-SEG of a DICOM series, anchor JSON, QC picture) as paths and resource
+            URIs; the QC picture also comes as an image. Progress is reported while it runs; cancelling the call stops the job.
             Research use only: not a diagnosis."""
             queries = [query] if isinstance(query, str) else list(query)
             req = {"op": "segment", "query": queries[0]} if len(queries) == 1 else {"op": "segment",
@@ -193,6 +210,7 @@ class AgentServer:
                 req["window"] = window
             root, wire_volume = self._place(volume)
             job = self._new_job(ctx, volume, root, wire_volume, window)
+            job.dicom_seg = _is_series(root, wire_volume) if dicom_seg is None else bool(dicom_seg)
             return await self._run(ctx, job, req)
 
         @tool(annotations=writes)
@@ -229,6 +247,7 @@ class AgentServer:
             if prev.window is not None:
                 req["window"] = prev.window
             new = self._new_job(ctx, prev.volume, prev.root, prev.wire_volume, prev.window)
+            new.dicom_seg = prev.dicom_seg
             return await self._run(ctx, new, req)
 
         @tool(annotations=read_only)
@@ -308,7 +327,8 @@ class AgentServer:
     async def _run(self, ctx, job: _Job, req: dict):
         folder = self.out_dir / job.id
         folder.mkdir(mode=0o700)
-        door = Door(data_dir=job.root, masks=(folder / "mask.seg.nrrd",), anchor=folder / "mask.anchor.json",
+        masks = (folder / "mask.seg.nrrd",) + ((folder / "mask.dcm",) if job.dicom_seg else ())
+        door = Door(data_dir=job.root, masks=masks, anchor=folder / "mask.anchor.json",
                     qc=folder / "qc.png", events=True)
         req = dict(req, id=job.id, volume=job.wire_volume, out=f"{job.id}/mask.nii.gz")
         loop = asyncio.get_running_loop()
@@ -367,7 +387,7 @@ class AgentServer:
 
     # -- results ---------------------------------------------------------------------------------
     def _files(self, job: _Job) -> List[OutputFile]:
-        kinds = {".nii.gz": "mask", ".seg.nrrd": "seg_nrrd", ".anchor.json": "anchor",
+        kinds = {".nii.gz": "mask", ".seg.nrrd": "seg_nrrd", ".dcm": "dicom_seg", ".anchor.json": "anchor",
                  ".png": "qc", ".labels.json": "labels"}
         out = []
         for f in sorted((self.out_dir / job.id).iterdir()):

@@ -159,12 +159,20 @@ class StackCache:
         self.misses = 0
         self.mismatches = 0  # cached volumes not served because the file's header disagreed
 
-    def _cached(self, digest: str, path: Path):
+    def _cached(self, digest: str, path: Path, owned: bool = False):
         """The stack cached under ``digest``, if its shape and affine are those ``path``'s header
-        declares (else None: the volume is read again and replaces it)."""
+        declares and, for a DICOM series, its record is of the same kind (``owned``: read from a
+        private copy) and describes exactly the instances of ``path``'s bytes (else None: the
+        volume is read again and replaces it)."""
         with self._lock:
             stack = self._items.get(digest)
         if stack is None:
+            return None
+        record = getattr(stack.volume, "dicom", None)
+        if record is not None and (record.private != owned or (owned and not record.describes(path))):
+            self.mismatches += 1
+            log.warning("cached volume %s… is a DICOM series whose record does not describe the files asked for; "
+                        "reading them again", digest[:12])
             return None
         try:
             shape, affine = header_geometry(path)
@@ -190,7 +198,8 @@ class StackCache:
             return None
         return int(self.max_voxels) * 8 + MAX_NIFTI_EXTENSIONS + (64 << 20)
 
-    def get_path(self, path, cancel=None, digest: Optional[str] = None, tmp_dir=None, scope: str = "") -> tuple:
+    def get_path(self, path, cancel=None, digest: Optional[str] = None, tmp_dir=None, scope: str = "",
+                 owned: bool = False) -> tuple:
         """``(stack, sha256, cached)`` for a volume path (not added to the cache: see :meth:`put`).
 
         ``digest``: the path's content key when the caller already has it, for a private file
@@ -203,36 +212,43 @@ class StackCache:
         A cached volume is served without a copy when every file is one already hashed, as it
         is now (same path, device, inode, size, mtime and ctime). ``scope``: whose cache entries
         these are (the worker's HTTP client identity, :func:`scoped`; "" over stdio): an entry
-        is served only in the scope that put it.
+        is served only in the scope that put it. ``owned``: ``path`` is a private copy the worker
+        made and removes once read (a retrieved series, a ``--data-dir`` folder's copy): a DICOM
+        series' record is marked :attr:`~medvolcore.dicomrecord.DicomRecord.private`, so a
+        DICOM-SEG can reference it after the copy is gone; a user's folder (``owned`` false)
+        keeps its check that the files read are unchanged.
         """
         path = Path(path)
         if digest is not None:
-            return self._get_private(path, digest, cancel, scope)
+            return self._get_private(path, digest, cancel, scope, owned)
         sources = volume_sources(path)
         known = known_sha256(sources, self._memo)
         if known is not None:
-            stack = self._cached(scoped(scope, known), path)
+            stack = self._cached(scoped(scope, known), path, owned)
             if stack is not None:
                 return stack, known, True
         with hashed_copy(path, tmp_dir if tmp_dir is not None else tempfile.gettempdir(), cancel, self._memo,
                          self.max_bytes()) as copy:
             try:
-                stack, digest, cached = self._get_private(copy.path, copy.sha256, cancel, scope)
+                stack, digest, cached = self._get_private(copy.path, copy.sha256, cancel, scope, owned)
             except MedVolError as e:  # name the caller's file, not the private copy
                 raise type(e)(str(e).replace(str(copy.path), str(path))) from None
         if not cached:
             stack.volume.path = str(path)
         return stack, digest, cached
 
-    def _get_private(self, path: Path, digest: str, cancel, scope: str = "") -> tuple:
+    def _get_private(self, path: Path, digest: str, cancel, scope: str = "", owned: bool = False) -> tuple:
         from ..stack import AxialStack
         from ..volume import load_volume
 
-        stack = self._cached(scoped(scope, digest), path)
+        stack = self._cached(scoped(scope, digest), path, owned)
         if stack is not None:
             return stack, digest, True
         self.misses += 1
-        return AxialStack(load_volume(path, max_voxels=self.max_voxels, cancel=cancel)), digest, False
+        volume = load_volume(path, max_voxels=self.max_voxels, cancel=cancel)
+        if owned and getattr(volume, "dicom", None) is not None:
+            volume.dicom.private = True
+        return AxialStack(volume), digest, False
 
     def get_bytes(self, data: bytes, tmp_dir: Path, cancel=None, scope: str = "") -> tuple:
         """``(stack, sha256, cached)`` for uploaded NIfTI bytes, written to a private file in

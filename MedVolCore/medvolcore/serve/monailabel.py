@@ -13,7 +13,7 @@ proxy routes for it.
                                           (QIDO-RS) and segmented by the worker's one segment job;
                                           answers the label file (``output=image``), the JSON
                                           (``json``) or both as multipart (``all``, the default);
-                                          ``dicom_seg`` is refused (501)
+                                          ``dicom_seg``: a DICOM-SEG (BINARY) of the series
 ``GET /datastore/``                       a read-only, empty datastore's status (nothing is stored)
 ``GET /proxy/dicom/{qido,wado}/studies…`` QIDO-RS and WADO-RS of server NAME, GET only, bounded
 ``GET /ohif/…``                           the prebuilt OHIF viewer with MONAI Label's plugin (from the
@@ -39,6 +39,7 @@ import json
 import mimetypes
 import os
 import re
+import shutil
 import tempfile
 import threading
 import urllib.parse
@@ -51,7 +52,7 @@ from .. import RESEARCH_USE_NOTICE
 from ..errors import ForbiddenError, MedVolError
 from ..strictjson import DuplicateKeyError, unique_keys
 from .limits import limit
-from .worker import MASK_BYTES_KEY, log
+from .worker import MASK_BYTES_KEY, Door, log
 
 __all__ = ["MonaiLabelApp", "default_ohif_dir", "OHIF_ENV"]
 
@@ -222,20 +223,27 @@ class MonaiLabelApp:
                                 "query)")
         if not image:
             raise _Refused(422, "image=SeriesInstanceUID is required")
-        if output == "dicom_seg":  # the job's SEG checks its source files again; a retrieved series' are gone by then
-            raise _Refused(501, "output=dicom_seg is not supported here yet; store a DICOM-SEG into the study with "
-                                "`medvol segment --volume dicomweb://… --out dicomweb://…/studies/STUDY` (docs/pacs.md)")
         loop = asyncio.get_running_loop()
         volume = await loop.run_in_executor(None, self._series, image)
         req = {"id": f"monailabel-{next(self._ids)}", "op": "segment", "volume": volume, "query": query,
                "empty_mask_on_absent": True}
         if params.get("consensus") not in (None, 1):
             req["consensus"] = params["consensus"]
-        reply = await self._run(request, req)
-        if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise _Refused(_STATUS.get(err.get("code"), 500), err.get("message") or "the request failed")
-        return await loop.run_in_executor(None, self._answer, reply["result"], query, output, params)
+        # output=dicom_seg: the job also writes a DICOM-SEG of the retrieved series (its record, read from
+        # the worker's private copy) to a private file, whose bytes are the answer
+        seg = Path(tempfile.mkdtemp(prefix="monailabel-", dir=self.worker.tmp_dir)) / "label.dcm" \
+            if output == "dicom_seg" else None
+        try:
+            reply = await self._run(request, req, seg)
+            if not reply.get("ok"):
+                err = reply.get("error") or {}
+                raise _Refused(_STATUS.get(err.get("code"), 500), err.get("message") or "the request failed")
+            if seg is not None:
+                return await loop.run_in_executor(None, self._seg_answer, reply["result"], query, seg)
+            return await loop.run_in_executor(None, self._answer, reply["result"], query, output, params)
+        finally:
+            if seg is not None:
+                shutil.rmtree(seg.parent, ignore_errors=True)
 
     async def _form(self, request) -> dict:
         """The multipart (or url-encoded) form's fields, the body bounded by ``--max-request-mb``;
@@ -315,9 +323,9 @@ class MonaiLabelApp:
         except MedVolError as e:
             raise _Refused(_STATUS.get(e.code, 400), str(e)) from None
 
-    async def _run(self, request, req: dict) -> dict:
+    async def _run(self, request, req: dict, seg: Optional[Path] = None) -> dict:
         """The worker's final reply to ``req`` (its one segment job, queue and caches); a client
-        that goes away has its request cancelled."""
+        that goes away has its request cancelled. ``seg``: a DICOM-SEG the job also writes."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -326,7 +334,8 @@ class MonaiLabelApp:
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(obj))
 
         job = await loop.run_in_executor(None, lambda: self.worker.handle(
-            req, reply=reply, transport="http", session=request.state.session, mask_bytes=True))
+            req, reply=reply, transport="http", session=request.state.session, mask_bytes=True,
+            door=Door(masks=(seg,)) if seg is not None else None))
         if not await self.transport._done_or_gone(request, done):
             if job is not None:
                 self.worker.abandon(job)
@@ -335,6 +344,19 @@ class MonaiLabelApp:
             raise _Gone()
         self.transport.server.sessions.touch(request.state.session)
         return done.result()
+
+    def _seg_answer(self, result: dict, query: str, seg: Path) -> Response:
+        """``output=dicom_seg``: the DICOM-SEG file itself is the label, as MONAI Label answers it."""
+        if not seg.is_file():  # dropped with a note (a series a SEG cannot reference): the reason, in one line
+            why = next((n for n in result.get("notes") or () if str(seg) in n), "the DICOM-SEG could not be written")
+            why = why.replace(f"out {seg} was not written: ", "").replace(str(seg), "label.dcm")
+            raise _Refused(422, f"output=dicom_seg: {why.split('; the other outputs were')[0]}; ask output=image")
+        shown = {"query": query[:300], "absent": bool(result.get("absent")), "model_label": result.get("model_label"),
+                 "research_use": RESEARCH_USE_NOTICE}
+        return Response(seg.read_bytes(), 200, {RESULT_HEADER: urllib.parse.quote(json.dumps(shown), safe=""),
+                                                "Content-Disposition": 'attachment; filename="label.dcm"',
+                                                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"},
+                        media_type="application/dicom")
 
     def _answer(self, result: dict, query: str, output: str, params: dict) -> Response:
         data = result.pop(MASK_BYTES_KEY, None)

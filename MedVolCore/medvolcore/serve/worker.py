@@ -436,9 +436,10 @@ class Worker:
         agr_path = self.output_path(agreement, transport, "agreement") if agreement is not None else None
         from ..fileio import MASK_SUFFIXES, check_distinct
 
-        for what, path in (("out", out_path), ("agreement", agr_path)):
-            if path is not None and not path.name.lower().endswith(MASK_SUFFIXES):
-                raise RequestError(f"{op}: '{what}' must end in {', '.join(MASK_SUFFIXES)}", "bad_output")
+        # 'out' may also be a DICOM-SEG (.dcm) of a DICOM series volume (checked by the job, before any model)
+        for what, path, ok in (("out", out_path, MASK_SUFFIXES + (".dcm",)), ("agreement", agr_path, MASK_SUFFIXES)):
+            if path is not None and not path.name.lower().endswith(ok):
+                raise RequestError(f"{op}: '{what}' must end in {', '.join(ok)}", "bad_output")
         check_distinct([("out", out_path), ("agreement", agr_path)], [("volume", vol_path)])
         return request
 
@@ -726,7 +727,8 @@ class Worker:
                           max_bytes=self.cache.max_bytes(), max_voxels=self.cache.max_voxels,
                           seconds=COPY_SECONDS) as copy:
             try:
-                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job))
+                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job),
+                                           owned=True)
             except MedVolError as e:  # name the client's file, not the private copy
                 text = str(e).replace(str(copy.path), repr(value))
                 if copy.path.is_file():  # a folder's copy has the client's folder name already
@@ -748,7 +750,8 @@ class Worker:
             got = retrieve_series(url, folder / "series", server.token, server.limits)
             job.retrieved = {"pacs": server.name, "instances": got["instances"], "bytes": got["bytes"],
                              "seconds": got["seconds"]}
-            return self.cache.get_path(folder / "series", job.cancel, tmp_dir=self.tmp_dir, scope=self._scope(job))
+            return self.cache.get_path(folder / "series", job.cancel, tmp_dir=self.tmp_dir, scope=self._scope(job),
+                                       owned=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
