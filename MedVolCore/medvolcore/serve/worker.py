@@ -9,16 +9,17 @@ a client never replaces an input), replies over HTTP without server paths or exc
 ``hello`` is the capability handshake: versions, ops, the models served (sources and licences,
 no server path) and the limits a client must respect. Transports
 (:mod:`.stdio`, :mod:`.http`) hand it raw request lines and deliver its replies.
+
+This module is the queue, its thread, the handshake and the lifecycle; the worker's work is in
+two mixins of :class:`Worker`: :class:`.ops.VolumeOps` (models, reading a volume, the
+segment/propagate job) and :class:`.paths.ClientPaths` (the paths and messages a client names and sees).
 """
 
 from __future__ import annotations
 
-import base64
 import collections
 import logging
-import math
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -27,14 +28,12 @@ from typing import Callable, Optional
 
 from .. import RESEARCH_USE_NOTICE, __version__
 from ..cpu import apply_threads, check_threads
-from ..errors import CancelledError, ForbiddenError, MedVolError, OutputError, VolumeError
+from ..errors import CancelledError, ForbiddenError, MedVolError
 from ..pacs import allowed_source, is_dicomweb
-from ..sources import COPY_SECONDS, client_parts, private_copy
-from .upload import Upload
-from .cache import (DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache,
-                    check_request_memory, scoped)
+from .cache import DEFAULT_CACHE_SIZE, DEFAULT_FEATURE_CACHE_MB, DEFAULT_MAX_VOXELS, StackCache
 from .lifecycle import make_tmp_dir, release_tmp_dir
-from .limits import limit
+from .ops import MASK_BYTES_KEY, VolumeOps  # noqa: F401 - MASK_BYTES_KEY: the transports import it from here
+from .paths import MAX_PATH_CHARS, ClientPaths  # noqa: F401 - MAX_PATH_CHARS: importable from here, as before
 from .protocol import (_MISSING, DEFAULT_MAX_REQUEST_MB, OPS, PROTOCOL, RequestError, error_reply, field, internal_reply,
                        ok_reply, parse_request, valid_id)
 
@@ -43,8 +42,6 @@ log = logging.getLogger("medvolcore.serve")
 __all__ = ["Worker", "WorkerSettings", "Door", "SHUTDOWN_WAIT_S"]
 
 SHUTDOWN_WAIT_S = 15.0
-MAX_PATH_CHARS = int(limit("path_chars").default)
-MASK_BYTES_KEY = "_mask_bytes"  # a result's mask as bytes, for a transport that sends them raw (never JSON)
 
 
 @dataclass
@@ -135,7 +132,7 @@ class _Job:
         self.retrieved = None  # what a series URL's retrieval fetched (medvolcore.pacs)
 
 
-class Worker:
+class Worker(ClientPaths, VolumeOps):
     """The engine behind ``medvol serve``: a request queue served by one thread.
 
     ``emit(obj)`` sends a message (reply or event) for requests submitted without their own
@@ -330,74 +327,6 @@ class Worker:
     @staticmethod
     def _internal_reply(rid, what: str) -> dict:
         return internal_reply(rid, what)
-
-    def public_message(self, text: str, transport: Optional[str] = None) -> str:
-        """An error message fit for the client: over HTTP, no absolute server path.
-
-        Paths inside ``--data-dir`` or ``--out-dir`` become relative to it, the upload temporary file becomes
-        "the uploaded volume", and any other absolute path is cut to its last component.
-        """
-        if (transport or self.transport) != "http":
-            return text
-        tmp = re.escape(str(self.tmp_dir))
-        text = re.sub(tmp + r"[^\s'\":,;()]*", "the uploaded volume", text)
-        for folder in (self.data_dir, self.out_dir):
-            if folder is not None:
-                root = str(folder)
-                text = text.replace(root + os.sep, "").replace(root, ".")
-        return re.sub(r"(?<![\w.~])/(?:[^\s'\":,;()/]+/)+([^\s'\":,;()/]+)", r"\1", text)
-
-    def client_path(self, value: str, transport: str, what: str, data_dir: Optional[Path] = None) -> Path:
-        """A path named by a client. Over stdio: as given (``~`` expanded). Over HTTP: only
-        with ``--data-dir``, relative to the data folder, and refused unless inside it: first
-        from the text alone (``..`` and absolute paths, before anything is looked up, so the
-        refusal tells nothing about which server files exist), then with symbolic links
-        resolved. A volume is then read only through :func:`medvolcore.sources.private_copy`,
-        which follows no link at all (see :meth:`_stack_for`). ``data_dir``: a front door's
-        allowed folder for this request, in place of ``--data-dir``."""
-        if transport != "http":
-            return Path(os.path.expanduser(value))
-        root = Path(data_dir) if data_dir is not None else self.data_dir
-        if root is None:
-            raise ForbiddenError(f"'{what}' names a file on the server, which this server does not allow; send the "
-                                 "volume in the request (volume_b64 or the request body) and take the mask from the "
-                                 "reply (an operator can allow one folder with `medvol serve --data-dir DIR`)")
-        if len(value) > MAX_PATH_CHARS or any(len(os.fsencode(p)) > 255 for p in value.split("/")):
-            # before the system would fail on it (ENAMETOOLONG)
-            raise (VolumeError if what == "volume" else OutputError)(
-                f"'{what}' is a path of {len(value):,} characters; a path is at most {MAX_PATH_CHARS:,} characters, "
-                "255 bytes a name")
-        client_parts(root, value, what)
-        full = os.path.realpath(os.path.join(root, value))
-        if os.path.commonpath([full, str(root)]) != str(root):
-            raise ForbiddenError(f"'{what}' {value!r} is outside the server's data folder")
-        return Path(full)
-
-    def output_path(self, value: str, transport: str, what: str = "out") -> Path:
-        """Where a client's ``out`` goes. Over stdio: as given (``~`` expanded). Over HTTP: only
-        with ``--out-dir``, relative to it, and refused unless its folder resolves inside it (a
-        symbolic link out of the folder is not followed) and its last component is not a
-        symbolic link (an atomic rename would replace the link, but the existence check before
-        it would look at the target). ``--out-dir`` never overlaps ``--data-dir``, so an
-        output never replaces a volume the data folder serves. Refusals happen before anything
-        is written and do not depend on which files exist, except the link check."""
-        if transport != "http":
-            return Path(os.path.expanduser(value))
-        if self.out_dir is None:
-            back = "the mask comes back in the reply ('mask_b64')" if what == "out" else "leave it out"
-            raise ForbiddenError(f"'{what}' names a file on the server, which this server does not allow: {back}; an "
-                                 "operator can allow one output folder with `medvol serve --out-dir DIR`")
-        if not value or "\0" in value:
-            raise ForbiddenError(f"'{what}' is not a usable path")
-        root = str(self.out_dir)
-        joined = os.path.normpath(os.path.join(root, value))
-        parent = os.path.realpath(os.path.dirname(joined))
-        if parent != root and os.path.commonpath([parent, root]) != root:
-            raise ForbiddenError(f"'{what}' {value!r} is outside the server's output folder")
-        full = os.path.join(parent, os.path.basename(joined))
-        if os.path.islink(full):
-            raise ForbiddenError(f"'{what}' {value!r} is a symbolic link; name a new file in the output folder")
-        return Path(full)
 
     def _check_queued(self, req: dict, body: Optional[bytes], transport: str, door: Optional[Door] = None):
         """Cheap checks done at arrival, so a malformed request is answered at once: the worker's
@@ -640,258 +569,3 @@ class Worker:
                     "load_s": round(time.perf_counter() - t, 4),
                     "load_detail_s": dict(self.pipeline.load_seconds)}
         return self._run_volume_job(job, progress)
-
-    def _ensure_pipeline(self, preset, adapter, device, progress, explicit=False) -> bool:
-        """Make sure a pipeline is loaded for ``preset``; True when models were (re)loaded now."""
-        from ..pipeline import Pipeline
-
-        if preset is None and not explicit and self.pipeline is not None:
-            return False
-        preset = preset or (self.pipeline.preset if self.pipeline is not None else None) or self.default_preset
-        if preset is None:
-            from ..models import default_preset
-
-            preset = default_preset()
-        if not explicit and self.pipeline is not None and preset == self.pipeline.preset:
-            return False
-        key = (preset, str(adapter) if adapter else None, device or self.device)
-        if self.pipeline is not None and key == self._pipe_key and self.pipeline.load_seconds.keys() >= {"grounder", "medsam2"}:
-            return False
-        progress("load", 0.0, f"loading preset {preset}")
-        pipe = Pipeline(preset, adapter=adapter, device=device or self.device)
-        old, self.pipeline = self.pipeline, None
-        del old
-        self.features.clear()  # features of the old MedSAM2 are of no use to the new one
-        self._pipe_generation += 1
-        self._free_device_memory()
-        pipe.load()
-        self.pipeline, self._pipe_key = pipe, key
-        progress("load", 1.0, f"preset {pipe.preset} loaded on {pipe.device}")
-        return True
-
-    @staticmethod
-    def _free_device_memory() -> None:
-        import gc
-        import sys
-
-        gc.collect()
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def _stack_for(self, job: _Job, progress) -> tuple:
-        """``(stack, sha256, cached)`` for the request's volume (see :class:`.cache.StackCache`).
-
-        A cached volume that its file's header contradicted was read again; the encoded slices
-        kept under its key were made from the wrong voxels, so they are dropped too."""
-        mismatches = self.cache.mismatches
-        stack, digest, cached = self._read_stack(job, progress)
-        if self.cache.mismatches != mismatches:
-            self.features.discard_prefix(scoped(self._scope(job), digest))
-        return stack, digest, cached
-
-    @staticmethod
-    def _scope(job: _Job) -> str:
-        """Whose cached volumes and encoded slices a request may use: over HTTP its session's
-        only (a session is a client's identity: one address is every client behind a proxy, and
-        the server's token is shared), so no reply tells a client that another one sent the same
-        CT; over stdio the one client's ("")."""
-        return f"session:{job.session or ''}" if job.transport == "http" else ""
-
-    def _read_stack(self, job: _Job, progress) -> tuple:
-        req = job.req
-        b64 = req.get("volume_b64")
-        if b64 is not None:
-            try:
-                data = base64.b64decode(b64, validate=True)
-            except (ValueError, TypeError) as e:
-                raise RequestError(f"{job.op}: 'volume_b64' is not valid base64: {e}") from None
-            progress("read", 0.0, f"reading the uploaded volume ({len(data)} bytes)")
-            return self.cache.get_bytes(data, self.tmp_dir, job.cancel, self._scope(job))
-        if req.get("volume") is None and isinstance(job.body, Upload):  # streamed to a private file
-            progress("read", 0.0, f"reading the uploaded volume ({job.body.size} bytes)")
-            return self.cache.get_path(job.body.path, job.cancel, digest=job.body.sha256, scope=self._scope(job))
-        if req.get("volume") is None and job.body is not None:
-            progress("read", 0.0, f"reading the uploaded volume ({len(job.body)} bytes)")
-            return self.cache.get_bytes(job.body, self.tmp_dir, job.cancel, self._scope(job))
-        value = req["volume"]
-        if is_dicomweb(value):
-            return self._read_series_url(job, value, progress)
-        path = self.client_path(value, job.transport, "volume", job.door.data_dir)
-        progress("read", 0.0, f"reading {path.name}")
-        if job.transport != "http":
-            return self.cache.get_path(path, job.cancel, tmp_dir=self.tmp_dir)
-        # Over HTTP the client's path is opened once, without following links, and copied into
-        # the private temp folder while hashed; the reader reads only that copy, which is removed.
-        with private_copy(job.door.data_dir or self.data_dir, value, self.tmp_dir, job.cancel, "volume",
-                          max_bytes=self.cache.max_bytes(), max_voxels=self.cache.max_voxels,
-                          seconds=COPY_SECONDS) as copy:
-            try:
-                return self.cache.get_path(copy.path, job.cancel, digest=copy.sha256, scope=self._scope(job),
-                                           owned=True)
-            except MedVolError as e:  # name the client's file, not the private copy
-                text = str(e).replace(str(copy.path), repr(value))
-                if copy.path.is_file():  # a folder's copy has the client's folder name already
-                    text = text.replace(copy.path.name, os.path.basename(os.path.normpath(value)))
-                raise type(e)(text) from None
-
-    def _read_series_url(self, job: _Job, value: str, progress) -> tuple:
-        """A series on an allowed DICOMweb server, retrieved into a private folder in the worker's
-        temporary folder, read from there, and removed whatever the outcome."""
-        import shutil
-        import tempfile
-
-        from ..pacs import retrieve_series
-
-        server, url = allowed_source(value, self.pacs_servers)
-        progress("read", 0.0, f"retrieving series {url.series} from {server.name}")
-        folder = Path(tempfile.mkdtemp(prefix="dicomweb-", dir=self.tmp_dir))
-        try:
-            got = retrieve_series(url, folder / "series", server.token, server.limits)
-            job.retrieved = {"pacs": server.name, "instances": got["instances"], "bytes": got["bytes"],
-                             "seconds": got["seconds"]}
-            return self.cache.get_path(folder / "series", job.cancel, tmp_dir=self.tmp_dir, scope=self._scope(job),
-                                       owned=True)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    def _entry_files(self, entry: dict, transport: str) -> None:
-        """A several-target entry's files as the client may see them: its agreement map (numbered,
-        as :func:`medvolcore.jobs.numbered` wrote it) as ``agreement_path`` (and over HTTP its bytes
-        as ``agreement_b64``); over HTTP every path relative to ``--out-dir``, never absolute."""
-        written = entry.get("agreement_out")
-        if written is not None:
-            if transport == "http":
-                entry["agreement_b64"] = base64.b64encode(Path(written).read_bytes()).decode("ascii")
-            entry["agreement_path"] = written
-        if transport == "http":
-            for key in ("agreement_out", "agreement_path", "anchor_out", "qc"):
-                if entry.get(key) is not None:
-                    entry[key] = os.path.relpath(entry[key], self.out_dir)
-
-    def _out_path(self, job: _Job) -> tuple:
-        out = job.req.get("out")
-        if out:
-            return self.output_path(out, job.transport), bool(job.req.get("overwrite", False)), False
-        self._counter += 1
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(job.id))[:40] if job.id is not None else "req"
-        return self.tmp_dir / f"{job.op}-{self._counter:04d}-{safe}.nii.gz", False, True
-
-    def _reply_copy(self, job: _Job) -> Optional[Path]:
-        """Over HTTP with an ``out`` that is not ``.nii.gz`` (``.nrrd``, ``.mha``, ``.nii``,
-        ``.seg.nrrd``, ``.dcm``): a private ``.nii.gz`` the job also writes, whose bytes the reply
-        carries (``mask_b64`` and the ``application/gzip`` body are ``.nii.gz``, whatever ``out``
-        is); None otherwise."""
-        from ..fileio import full_suffix
-
-        out = job.req.get("out")
-        if job.transport != "http" or not out or full_suffix(str(out)).lower() == ".nii.gz":
-            return None
-        self._counter += 1
-        return self.tmp_dir / f"{job.op}-{self._counter:04d}-reply.nii.gz"
-
-    def _run_volume_job(self, job: _Job, progress) -> dict:
-        """A ``segment`` or ``propagate`` request: :func:`~medvolcore.jobs.run_segment_job` on the
-        cached volume, with the models loaded only once the inputs are known good."""
-        from ..jobs import labels_path
-
-        reply_copy = self._reply_copy(job)
-        try:
-            return self._volume_job(job, progress, reply_copy)
-        finally:
-            if reply_copy is not None:
-                for f in (reply_copy, Path(labels_path(reply_copy))):
-                    f.unlink(missing_ok=True)
-
-    def _volume_job(self, job: _Job, progress, reply_copy: Optional[Path]) -> dict:
-        from ..jobs import SegmentOutputs, run_segment_job
-        from ..request import SegmentRequest
-
-        req = job.req
-        request = job.request or SegmentRequest.from_wire(req)
-        t0 = time.perf_counter()
-        stack, digest, cached = self._stack_for(job, progress)
-        read_s = time.perf_counter() - t0
-        progress("read", 1.0, "volume from cache" if cached else "volume read")
-        check_request_memory(math.prod(stack.volume.shape), len(request.queries or ()) or 1,
-                             int(request.consensus or 1), self.cache.max_voxels)
-        out, overwrite, is_temp = self._out_path(job)
-        agreement = req.get("agreement")
-        agr_path = self.output_path(agreement, job.transport, "agreement") if agreement else None
-        # over HTTP no folder is created for a client
-        masks = [out, *job.door.masks] + ([reply_copy] if reply_copy else [])
-        outputs = SegmentOutputs(masks if len(masks) > 1 else out, overwrite=overwrite,
-                                 anchor=job.door.anchor, qc=job.door.qc,
-                                 create_folders=job.transport != "http",
-                                 names=("out", "anchor_out", "qc"),
-                                 empty_mask_on_absent=bool(req.get("empty_mask_on_absent", False)),
-                                 agreement=agr_path, agreement_name="agreement")
-        load = {"reloaded": False, "load_s": 0.0}
-
-        def pipeline():
-            t = time.perf_counter()
-            load["reloaded"] = self._ensure_pipeline(req.get("preset"), None, None, progress)
-            load["load_s"] = time.perf_counter() - t if load["reloaded"] else 0.0
-            return self.pipeline
-
-        keys = []
-
-        def features(pipe, window):
-            # features depend on the volume's content, the HU window and the loaded MedSAM2
-            keys.append((scoped(self._scope(job), digest), window.center, window.width, self._pipe_generation))
-            return self.features.store(keys[-1])
-
-        try:
-            res = run_segment_job(pipeline, stack, request, outputs, progress=progress, cancel=job.cancel,
-                                  features=features)
-        except BaseException:
-            if not cached:  # a volume from a failed request leaves nothing behind, features included
-                for key in keys:
-                    self.features.discard(key)
-            raise
-        if not cached:
-            self.cache.put(digest, stack, self._scope(job))  # only now: a failed or cancelled request keeps nothing
-        result = res.to_wire(job.op)  # the result's fields this op replies with; then what only the worker knows
-        for labels_file in res.labels_out or ():  # several queries: the table is the reply's 'targets'
-            if reply_copy is not None and Path(labels_file).parent == reply_copy.parent:
-                continue  # the reply copy's table: removed with it
-            if is_temp:
-                Path(labels_file).unlink(missing_ok=True)
-            else:
-                result["labels_path"] = os.path.relpath(labels_file, self.out_dir) if job.transport == "http" \
-                    else labels_file
-        result.update(model_label=(res.identity or {}).get("label"), volume_sha256=digest)
-        if job.retrieved is not None:
-            result["retrieved"] = job.retrieved
-        if res.targets is not None:  # several targets: each entry names its own files, as written
-            for entry in result.get("targets") or ():
-                self._entry_files(entry, job.transport)
-            if agr_path is not None:
-                result["agreement_path"] = None  # one map per target (numbered): in each entry of 'targets'
-        elif agr_path is not None:
-            if job.transport == "http":
-                result["agreement_b64"] = base64.b64encode(agr_path.read_bytes()).decode("ascii")
-                result["agreement_path"] = os.path.relpath(agr_path, self.out_dir)
-            else:
-                result["agreement_path"] = str(agr_path)
-        if res.out is None:  # the model answered "not present" and no empty mask was asked for
-            result["mask_b64" if job.transport == "http" else "mask_path"] = None
-        elif job.transport == "http":
-            sent = reply_copy or out  # always .nii.gz bytes, as the protocol says
-            if job.mask_bytes:  # the transport sends them as the reply body
-                result[MASK_BYTES_KEY] = sent.read_bytes()
-            else:
-                result["mask_b64"] = base64.b64encode(sent.read_bytes()).decode("ascii")
-            if is_temp:
-                out.unlink()
-            else:
-                result["mask_path"] = os.path.relpath(out, self.out_dir)  # relative to --out-dir, never absolute
-        else:
-            result["mask_path"] = str(out)
-        if job.transport != "http":  # no 'out' given: the mask is in the worker's temporary folder, gone at exit
-            result["mask_temporary"] = bool(is_temp and res.out is not None)
-        timings = dict(res.timings)
-        timings.update(load_s=round(load["load_s"], 4), models_reloaded=load["reloaded"], volume_cached=cached,
-                       volume_read_s=round(read_s, 4), request_s=round(time.perf_counter() - t0, 4))
-        result["timings"] = timings
-        return result
