@@ -16,7 +16,8 @@ was downloaded into ``models/medvol-r1/``, and ``qwen3-vl-4b`` still finds it th
 A preset counts as present only when its registration exists and every file it names is still
 there (:func:`_missing_parts`). A registered adapter belongs to the preset the registration names
 (``"preset"``): a zero-shot preset reading the same folder never picks it up. The functions here
-take a :class:`~medvolcore.models.manifest.Preset`; nothing here reads the preset table.
+take a :class:`~medvolcore.models.manifest.Preset` (``p``, ``preset``); nothing here reads the
+preset table.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ def _registration_in(folder: Path) -> Optional[dict]:
     return reg if isinstance(reg, dict) and reg.get("schema") == REGISTRATION_SCHEMA else None
 
 
-def _weights_folder(p: Preset) -> Path:
-    """See :func:`weights_dir`. An older folder counts only when its registration is of the same
-    grounder (a downloaded one names its repo id; an imported one names none and is taken)."""
+def _weights_folder(p) -> Path:
+    """The folder of preset ``p``'s weights: its own (``models/<name>``, or the ``same_weights_as``
+    preset's), unless that holds no registration and one of its ``weights_also_in`` folders does.
+    An older folder counts only when its registration is of the same grounder (a downloaded one
+    names its repo id; an imported one names none and is taken)."""
     own = models_dir(p.weights_folder_name)
     if _registration_in(own) is not None:
         return own
@@ -78,7 +81,7 @@ def _registered_path(folder: Path, entry: Optional[dict]) -> Optional[Path]:
     return p if p.is_absolute() else Path(folder) / p
 
 
-def _registered_adapter(preset: Preset, reg: Optional[dict]) -> Optional[dict]:
+def _registered_adapter(preset, reg: Optional[dict]) -> Optional[dict]:
     """The registration's adapter entry when it belongs to ``preset`` (the registration names it):
     a folder shared with a zero-shot preset never lends that preset its adapter."""
     if not reg or reg.get("preset", preset.name) != preset.name:
@@ -86,7 +89,7 @@ def _registered_adapter(preset: Preset, reg: Optional[dict]) -> Optional[dict]:
     return reg.get("adapter") or None
 
 
-def _missing_parts(preset: Preset, reg: Optional[dict], folder: Path) -> List[str]:
+def _missing_parts(preset, reg: Optional[dict], folder: Path) -> List[str]:
     """What a hub preset lacks locally in ``folder`` (empty: present)."""
     missing = []
     if reg is None:
