@@ -27,6 +27,7 @@ from .identity import describe, identity
 from .manifest import COMMIT_RE, OVERRIDE_ENV, SCHEMA, Preset, check_revision, default_preset, get_preset, list_presets
 from .registration import (REGISTRATION, REGISTRATION_SCHEMA, _missing_parts, _registered_adapter, _registered_path,
                            _registration_in, _weights_folder, medvol_home, models_dir)
+from .registration import log  # noqa: F401  (the models' logger, importable from here as before)
 
 __all__ = [
     "COMMIT_RE", "OVERRIDE_ENV", "REGISTRATION", "REGISTRATION_SCHEMA", "SCHEMA", "Preset", "ResolvedModels",

@@ -34,7 +34,7 @@ from ..windowing import WindowLike, get_window
 from ..progress import cancel_checker
 from ..maskprompt import runs_to_mask
 from ..prompts import plan_objects
-from .build import check_image_size, checkpoint_predictor, random_predictor
+from .build import PREDICTOR_TARGET, check_image_size, checkpoint_predictor, random_predictor  # noqa: F401
 from .frames import DEFAULT_IMAGE_SIZE, FeatureStore, MedSAM2Frames
 from .inputs import (DEFAULT_STOP_AFTER_EMPTY, MAX_STOP_AFTER_EMPTY, _check_boxes, _check_key_slice, _check_stack,
                      _check_window_span, check_stop_after_empty)
