@@ -52,6 +52,7 @@ def weights_dir(name: str) -> Path:
     and one of its ``weights_also_in`` folders holds the same weights (see :mod:`.registration`)."""
     return _weights_folder(get_preset(name))
 
+
 # ---- resolved models ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
