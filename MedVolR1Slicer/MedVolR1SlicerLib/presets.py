@@ -12,9 +12,9 @@ The manifest is looked for here, the first one found and readable wins:
    (``MedVolR1Slicer/CMakeLists.txt`` puts it there, in the build tree and at install).
 
 ``$MEDVOL_MODELS_JSON``, when set, names a file of the same shape laid over that manifest, as
-the worker does (``medvolcore.models._load_table``): its presets are added to the manifest's, or
-replace those of the same name (which keep their place), and its ``default``, when it has one,
-wins.
+the worker does (``medvolcore.models.manifest._load_table``): its presets are added to the
+manifest's, or replace those of the same name (which keep their place), and its ``default``, when
+it has one, wins.
 
 When no manifest is found, or the one found cannot be read, the panel still loads, with the
 built-in fallback :data:`FALLBACK`: default ``qwen3-vl-4b``, presets ``qwen3-vl-4b``,

@@ -1,7 +1,11 @@
 """Model presets and their weights (``medvol models``).
 
-- :mod:`.presets` — the preset table (``Resources/models.json``, ``$MEDVOL_MODELS_JSON``), where a
-  preset's weights live, whether they are present, and :func:`resolve` to local paths;
+- :mod:`.manifest` — the preset table (``Resources/models.json``, ``$MEDVOL_MODELS_JSON``), read
+  and checked: :class:`Preset`, :func:`get_preset`, :func:`list_presets`, :func:`default_preset`;
+- :mod:`.registration` — where a preset's weights live and what their registration says is there;
+- :mod:`.checks` — checking a Qwen3-VL model folder, a LoRA adapter, and an adapter's base model;
+- :mod:`.presets` — a preset resolved: :func:`resolve` to local paths, whether its weights are
+  present (:func:`preset_status`), the listing (:func:`list_status`); it re-exports the names above;
 - :mod:`.fetch` — getting weights onto the machine: :func:`download` from the Hugging Face Hub,
   :func:`import_weights` from a folder copied by hand;
 - :mod:`.identity` — what made a result, said honestly (:func:`identity`: zero-shot base model,

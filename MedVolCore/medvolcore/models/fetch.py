@@ -24,8 +24,10 @@ from typing import Optional, Tuple
 from .. import __version__
 from ..errors import InputError, MedVolError, ModelError, ModelNotFoundError
 from ..fileio import write_text_atomic
-from .presets import (REGISTRATION, REGISTRATION_SCHEMA, Preset, _check_not_lfs_pointer, _weights_folder,
-                      check_adapter_dir, check_grounder_dir, get_preset, log, path)
+from .checks import _check_not_lfs_pointer, check_adapter_dir, check_grounder_dir
+from .manifest import Preset, check_revision, get_preset
+from .presets import path
+from .registration import REGISTRATION, REGISTRATION_SCHEMA, _weights_folder, log
 
 # ---- hashing -----------------------------------------------------------------------------
 
@@ -335,8 +337,6 @@ def download(name: str, progress: bool = True, revision: Optional[str] = None) -
     Returns what :func:`path` returns plus ``registration`` (for a ``requires_adapter`` preset
     without one: its base weights).
     """
-    from .presets import check_revision
-
     p = get_preset(name)
     revision = check_revision(revision)
     if not p.needs_download:

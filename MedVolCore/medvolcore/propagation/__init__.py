@@ -2,10 +2,13 @@
 
 - :mod:`.frames` — MedSAM2's preprocessing of an axial HU slice, served lazily from memory, and
   the stores that keep a volume's encoded slices for later propagations;
-- :mod:`.propagator` — :class:`MedSAM2Propagator` (build from a checkpoint or seeded random
-  weights, propagate forward and backward, early stop) and :class:`PropagationResult`;
+- :mod:`.build` — building the predictor: sam2's config with MedSAM2's overrides, seeded random
+  weights or a checkpoint loaded strictly;
+- :mod:`.inputs` — the inputs of a propagation checked (stack, key slice, boxes, window, early stop);
+- :mod:`.propagator` — :class:`MedSAM2Propagator` (``from_checkpoint``/``from_random`` through
+  :mod:`.build`; propagate forward and backward, early stop) and :class:`PropagationResult`;
 - :mod:`._sam2_predictor` — the subclass of sam2's video predictor that hydra builds (imports
-  torch and sam2; only predictor builders import it).
+  torch and sam2; only :mod:`.build` imports it, inside the function that builds).
 
 Importing this package is cheap: torch and sam2 are imported by the functions that use them.
 """

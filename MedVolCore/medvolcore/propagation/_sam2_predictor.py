@@ -2,7 +2,7 @@
 
 Hydra builds it from sam2's packaged config with ``model._target_`` naming
 ``medvolcore.propagation._sam2_predictor.MedSAM2VideoPredictor`` (see
-:func:`medvolcore.propagation.propagator.build_predictor`), so only code that builds a predictor
+:mod:`medvolcore.propagation.build`), so only code that builds a predictor
 imports this module: importing :mod:`medvolcore.propagation` loads neither torch nor sam2.
 
 What it adds to ``SAM2VideoPredictor`` (sam2 1.1.0):

@@ -13,30 +13,31 @@ predictor (``docs/architecture.md``, "MedSAM2 frames" and "Propagation"):
   most recent frame's features are shared by all objects (:mod:`._sam2_predictor`);
 * early stop (``stop_after_empty``) and batched tracking of several objects.
 
+The predictor is built in :mod:`.build` (seeded random weights or a checkpoint); the inputs are
+checked in :mod:`.inputs`; this module is the propagation itself.
+
 Importing this module is cheap: torch and sam2 are imported by the functions that use them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..devices import resolve_device
-from ..errors import CancelledError, CheckpointError, DependencyError, InputError
-from ..resources import resource_path
+from ..errors import CancelledError, InputError
 from ..windowing import WindowLike, get_window
 from ..progress import cancel_checker
 from ..maskprompt import runs_to_mask
 from ..prompts import plan_objects
+from .build import PREDICTOR_TARGET, check_image_size, checkpoint_predictor, random_predictor  # noqa: F401
 from .frames import DEFAULT_IMAGE_SIZE, FeatureStore, MedSAM2Frames
+from .inputs import (DEFAULT_STOP_AFTER_EMPTY, MAX_STOP_AFTER_EMPTY, _check_boxes, _check_key_slice, _check_stack,
+                     _check_window_span, check_stop_after_empty)
 
 __all__ = [
     "DEFAULT_STOP_AFTER_EMPTY",
@@ -49,44 +50,13 @@ __all__ = [
     "quiet_sam2_progress",
 ]
 
-# Early stop: each direction ends once every object's mask has been empty on this many
-# consecutive slices (0 = never: the MedVol-R1 paper's whole-volume propagation). Why 2: see
-# docs/benchmarks.md, "Early stop" (no interior gap in any reference label at 3 mm; a mask
-# that vanishes on one slice and comes back is still followed; each extra slice costs ~2
-# slices of work per target).
-DEFAULT_STOP_AFTER_EMPTY = 2
-MAX_STOP_AFTER_EMPTY = 10000
-# Hiera's windowed positional embedding needs (image_size / 4) to be a multiple of 8.
-_IMAGE_SIZE_MULTIPLE = 32
-_IMAGE_SIZE_MIN, _IMAGE_SIZE_MAX = 32, 2048
-
-# what hydra instantiates (a module-level class in a module only predictor builders import)
-PREDICTOR_TARGET = "medvolcore.propagation._sam2_predictor.MedSAM2VideoPredictor"
-
-_SAM2_HINT = (
-    "run `python3 MedVolCore/bootstrap.py`, or install it with "
-    "`SAM2_BUILD_CUDA=0 pip install --no-deps --no-build-isolation sam2==1.1.0` "
-    "(plus hydra-core, iopath, pillow and tqdm)"
-)
-
 ProgressFn = Callable[[int, int, str], None]
 CancelLike = Union[threading.Event, Callable[[], bool], None]
 
 
 # --------------------------------------------------------------------------------------------
-# sam2 glue (imported lazily)
+# sam2's progress bar (sam2 imported lazily)
 # --------------------------------------------------------------------------------------------
-
-
-def _require_sam2():
-    try:
-        import torch  # noqa: F401
-        import sam2  # noqa: F401  (initialises hydra with sam2's config module)
-        from sam2.sam2_video_predictor import SAM2VideoPredictor  # noqa: F401
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise DependencyError(f"MedSAM2 propagation needs torch and sam2 ({e}); {_SAM2_HINT}") from e
-
-
 
 _TQDM_LOCK = threading.Lock()
 _TQDM_DEPTH = 0
@@ -116,60 +86,6 @@ def quiet_sam2_progress():
             if _TQDM_DEPTH == 0:
                 vp.tqdm = _TQDM_SAVED
                 _TQDM_SAVED = None
-
-
-def check_image_size(image_size) -> int:
-    """``image_size`` as a model input size sam2's Hiera accepts; :class:`InputError` otherwise."""
-    if isinstance(image_size, bool) or not isinstance(image_size, numbers.Integral):
-        raise InputError(f"image_size must be an integer, got {image_size!r}")
-    s = int(image_size)
-    if s % _IMAGE_SIZE_MULTIPLE or not _IMAGE_SIZE_MIN <= s <= _IMAGE_SIZE_MAX:
-        raise InputError(
-            f"image_size {s} is not supported: use a multiple of {_IMAGE_SIZE_MULTIPLE} between "
-            f"{_IMAGE_SIZE_MIN} and {_IMAGE_SIZE_MAX} (MedSAM2 itself is 512; 64 or 128 for quick tests)"
-        )
-    return s
-
-
-def _hydra_overrides(image_size: int) -> Tuple[list, str]:
-    from omegaconf import OmegaConf
-
-    spec = OmegaConf.load(resource_path("medsam2", "medsam2_512.yaml"))
-    fmt = {"image_size": image_size, "feat_size": image_size // 16}
-    return [str(o).format(**fmt) for o in spec.overrides], str(spec.base_config)
-
-
-def _build_predictor(image_size: int):
-    """A randomly initialised predictor on the CPU, in eval mode (uses the global torch RNG)."""
-    _require_sam2()
-    from sam2.build_sam import build_sam2_video_predictor
-
-    overrides, base_config = _hydra_overrides(image_size)
-    overrides = [f"++model._target_={PREDICTOR_TARGET}"] + overrides
-    # sam2's builder adds its postprocessing defaults after ours (dynamic multimask,
-    # binarised click masks for memory, fill_hole_area=8); hole filling needs sam2's CUDA
-    # extension and makes CPU and GPU disagree, so it is switched off again below.
-    try:
-        model = build_sam2_video_predictor(
-            base_config, ckpt_path=None, device="cpu", mode="eval", hydra_overrides_extra=overrides
-        )
-    except Exception as e:
-        raise DependencyError(
-            f"could not build MedSAM2 from sam2's packaged config {base_config} "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); is sam2 1.1.0 installed? {_SAM2_HINT}"
-        ) from e
-    model.fill_hole_area = 0
-    from ._sam2_predictor import MedSAM2VideoPredictor
-
-    if not isinstance(model, MedSAM2VideoPredictor):  # pragma: no cover - defensive
-        raise DependencyError(f"sam2 built {type(model).__name__}, not MedVol's predictor; {_SAM2_HINT}")
-    return model
-
-
-def _summarise(names, limit: int = 4) -> str:
-    names = list(names)
-    shown = ", ".join(names[:limit])
-    return shown + (", …" if len(names) > limit else "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,83 +148,6 @@ def keep_largest_component(mask: np.ndarray) -> np.ndarray:
     return labels == int(np.argmax(sizes))
 
 
-def _check_stack(stack_hu) -> np.ndarray:
-    a = np.asarray(stack_hu)
-    if a.ndim != 3 or min(a.shape) < 1:
-        raise InputError(f"the stack must be a 3-D (D, H, W) array with every side ≥ 1, got shape {a.shape}")
-    if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool) or np.issubdtype(a.dtype, np.complexfloating):
-        raise InputError(f"the stack must hold real numbers (HU), got dtype {a.dtype}")
-    if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
-        raise InputError("the stack holds NaN or infinite values; replace them (e.g. with -1024 HU) first")
-    return a
-
-
-def _as_index(v, what: str) -> int:
-    if isinstance(v, (bool, np.bool_)):
-        raise InputError(f"{what} must be an integer pixel index, got {v!r}")
-    if isinstance(v, numbers.Integral):
-        return int(v)
-    if isinstance(v, numbers.Real) and math.isfinite(float(v)) and float(v).is_integer():
-        return int(v)
-    raise InputError(f"{what} must be an integer pixel index, got {v!r}")
-
-
-def _check_key_slice(key_slice, depth: int) -> int:
-    try:
-        k = _as_index(key_slice, "key_slice")
-    except InputError:
-        raise InputError(f"key_slice must be an integer slice index in 0..{depth - 1}, got {key_slice!r}") from None
-    if not 0 <= k < depth:
-        raise InputError(f"key slice {k} is outside the stack: it has {depth} slices (0..{depth - 1})")
-    return k
-
-
-def _check_boxes(boxes, width: int, height: int) -> list:
-    if boxes is None:
-        raise InputError("at least one box [x0, y0, x1, y1] is needed on the key slice")
-    try:
-        items = list(boxes)
-    except TypeError:
-        raise InputError(f"boxes must be a list of [x0, y0, x1, y1] pixel boxes, got {boxes!r}") from None
-    if not items:
-        raise InputError("at least one box [x0, y0, x1, y1] is needed on the key slice")
-    if len(items) == 4 and all(isinstance(v, numbers.Real) for v in items):
-        raise InputError(f"boxes must be a list of boxes; wrap a single box in a list: [{list(items)}]")
-    out = []
-    for i, b in enumerate(items):
-        try:
-            vals = list(np.asarray(b).ravel().tolist()) if not isinstance(b, (list, tuple)) else list(b)
-        except Exception:
-            vals = None
-        if vals is None or len(vals) != 4:
-            raise InputError(f"box {i} must be [x0, y0, x1, y1], got {b!r}")
-        x0, y0, x1, y1 = (_as_index(v, f"box {i} coordinate") for v in vals)
-        if not (0 <= x0 <= x1 < width and 0 <= y0 <= y1 < height):
-            raise InputError(
-                f"box {i} [{x0}, {y0}, {x1}, {y1}] is not an inclusive pixel box on a {width}×{height} slice: "
-                f"need 0 ≤ x0 ≤ x1 < {width} and 0 ≤ y0 ≤ y1 < {height}"
-            )
-        out.append((x0, y0, x1, y1))
-    return out
-
-
-def check_stop_after_empty(value, what: str = "stop_after_empty") -> int:
-    """``value`` as an integer K ≥ 0 (0: never stop early); :class:`InputError` otherwise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or int(value) < 0:
-        raise InputError(f"{what} must be an integer number of slices ≥ 0 (0 = never stop early), got {value!r}")
-    if int(value) > MAX_STOP_AFTER_EMPTY:
-        raise InputError(f"{what} {int(value)} is too large: use 0 (never stop) or at most {MAX_STOP_AFTER_EMPTY}")
-    return int(value)
-
-
-def _check_window_span(window) -> Optional[int]:
-    if window is None:
-        return None
-    if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral) or int(window) < 0:
-        raise InputError(f"window must be None (whole stack) or an integer number of slices ≥ 0, got {window!r}")
-    return int(window)
-
-
 # --------------------------------------------------------------------------------------------
 # The propagator
 # --------------------------------------------------------------------------------------------
@@ -344,69 +183,14 @@ class MedSAM2Propagator:
     @classmethod
     def from_random(cls, seed: int, image_size: int = DEFAULT_IMAGE_SIZE, device="cpu") -> "MedSAM2Propagator":
         """Seeded random weights: the same seed gives the same weights; the caller's RNG is untouched."""
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise InputError(f"seed must be an integer, got {seed!r}")
-        size = check_image_size(image_size)
-        _require_sam2()
-        import torch
-
-        dev = resolve_device(device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(seed))
-            model = _build_predictor(size)
-        model = model.to(dev)
-        return cls(model, image_size=size, device=dev, source=f"random weights (seed {int(seed)}, image size {size})")
+        model, size, dev, source = random_predictor(seed, image_size, device)
+        return cls(model, image_size=size, device=dev, source=source)
 
     @classmethod
     def from_checkpoint(cls, path, device="cpu", image_size: int = DEFAULT_IMAGE_SIZE) -> "MedSAM2Propagator":
         """MedSAM2 weights from a sam2-style checkpoint: ``torch.load(path)["model"]``, loaded strictly."""
-        size = check_image_size(image_size)
-        _require_sam2()
-        import torch
-
-        dev = resolve_device(device)
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise CheckpointError(f"MedSAM2 checkpoint {p} does not exist (or is not a file)")
-        try:
-            ckpt = torch.load(str(p), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CheckpointError(
-                f"{p} is not a loadable MedSAM2 checkpoint ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                "expected a torch.save file holding {'model': state_dict}"
-            ) from e
-        if not isinstance(ckpt, dict) or "model" not in ckpt or not isinstance(ckpt["model"], dict):
-            what = f"a dict with keys {_summarise(map(str, ckpt))}" if isinstance(ckpt, dict) else type(ckpt).__name__
-            raise CheckpointError(f"{p} is not a MedSAM2 checkpoint: expected a dict with a 'model' state dict, found {what}")
-        sd = ckpt["model"]
-        with torch.random.fork_rng(devices=[]):
-            model = _build_predictor(size)
-        expected = model.state_dict()
-        missing = [k for k in expected if k not in sd]
-        unexpected = [k for k in sd if k not in expected]
-        wrong = [
-            f"{k}: {tuple(getattr(sd[k], 'shape', ()))} vs {tuple(v.shape)}"
-            for k, v in expected.items()
-            if k in sd and (not isinstance(sd[k], torch.Tensor) or tuple(sd[k].shape) != tuple(v.shape))
-        ]
-        if missing or unexpected or wrong:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} missing keys ({_summarise(missing)})")
-            if unexpected:
-                parts.append(f"{len(unexpected)} unexpected keys ({_summarise(unexpected)})")
-            if wrong:
-                parts.append(f"{len(wrong)} tensors with the wrong shape (checkpoint vs model: {_summarise(wrong, 3)})")
-            raise CheckpointError(
-                f"{p} is not a MedSAM2 checkpoint: " + ", ".join(parts)
-                + f"; expected SAM2.1 Hiera-T weights (MedSAM2_latest.pt) for image size {size}"
-            )
-        try:
-            model.load_state_dict(sd, strict=True)
-        except RuntimeError as e:  # pragma: no cover - the checks above should catch everything
-            raise CheckpointError(f"{p} is not a MedSAM2 checkpoint: {str(e).splitlines()[0]}") from e
-        model = model.to(dev).eval()
-        return cls(model, image_size=size, device=dev, source=str(p))
+        model, size, dev, source = checkpoint_predictor(path, device, image_size)
+        return cls(model, image_size=size, device=dev, source=source)
 
     def __repr__(self) -> str:
         return f"MedSAM2Propagator({self.source}, device={self.device})"
