@@ -35,9 +35,18 @@ REPO = Path(__file__).resolve().parents[2]
     (["--allow", "{tmp}", "--preset", "medvol-r1"], "adapter"),
 ])
 def test_bad_options_are_one_line_and_exit_2(tmp_path, capsys, argv, says):
+    import logging
+
+    engine_log = logging.getLogger("medvolcore")
+    main(["mcp"])  # the command line's own handler, which any command installs
+    capsys.readouterr()
+    before = (list(engine_log.handlers), engine_log.level, engine_log.propagate)
     code = main(["mcp"] + [a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says in err[0], err
+    # a refused command leaves the process as it found it: the server's stderr logging is set up only
+    # once every option was checked (it made later commands in the same process print a second line)
+    assert (list(engine_log.handlers), engine_log.level, engine_log.propagate) == before
 
 
 # a library that prints while the models load and while they answer: none of it may reach stdout

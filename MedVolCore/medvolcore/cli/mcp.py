@@ -61,14 +61,15 @@ def cmd_mcp(args) -> int:
                             max_voxels=args.max_voxels or DEFAULT_MAX_VOXELS,
                             feature_cache_mb=DEFAULT_FEATURE_CACHE_MB if args.feature_cache_mb is None
                             else args.feature_cache_mb, pacs_servers=pacs_servers)
-    setup_logging(bool(getattr(args, "debug", False)))
-    from ..agents.server import AgentServer, AgentSettings
-
     if http is not None:
         from ..agents.http import serve_mcp_http
         from ..serve.http import listening_token
 
         listening_token(http)  # a non-loopback address without a token: one line, before any model loads
+    # the server owns stderr logging from here on: only once every option was checked
+    setup_logging(bool(getattr(args, "debug", False)))
+    from ..agents.server import AgentServer, AgentSettings
+
     agent = AgentServer(AgentSettings(worker=worker, roots=roots, out_dir=out_dir), preload=http is not None)
     if http is not None:
         return serve_mcp_http(agent, http, (args.max_body_kb or DEFAULT_MAX_BODY_KB) * 1024)
