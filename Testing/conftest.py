@@ -61,6 +61,22 @@ def locale_restored():
 
 
 @pytest.fixture(autouse=True)
+def engine_logging_restored():
+    """A server command run in-process (``medvol serve``, ``medvol mcp``) sets up its own stderr
+    logging on the ``medvolcore`` logger, as its process owns stderr; the next test starts from the
+    logger as it was, so a later command's one-line error is not preceded by a server's info line."""
+    import logging
+
+    log = logging.getLogger("medvolcore")
+    before = (list(log.handlers), log.level, log.propagate)
+    yield
+    if (list(log.handlers), log.level, log.propagate) != before:
+        log.handlers[:] = before[0]
+        log.setLevel(before[1])
+        log.propagate = before[2]
+
+
+@pytest.fixture(autouse=True)
 def torch_threads_restored():
     """A command run in-process sets torch's thread count (medvolcore.cpu); the next test starts
     from the count the session began with, whatever the machine's load was at that moment."""
